@@ -1,0 +1,97 @@
+"""What an analysis receives from the worker and what it returns.
+
+An analysis is ``run(params, ctx) -> JobOutput``. It reads models and text through ``ctx``, reports
+progress through ``ctx.progress`` (which raises ``JobCancelled`` once the user cancelled), writes its
+files (plots, .npz) into ``ctx.artifact_dir`` and returns the headline numbers and the curves. The
+worker stores everything in one transaction when the function returns, so a retried attempt replaces
+what an earlier one wrote.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+
+class JobCancelled(Exception):
+    """Raised inside an analysis when its job was cancelled; the worker marks the job cancelled."""
+
+
+class JobFailed(Exception):
+    """An analysis refuses its input with a message that says what to change (not retried)."""
+
+    def __init__(self, message: str, *, error_type: str = "invalid-input"):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+@dataclass
+class Series:
+    """One curve: y against x, with labels that say which curve it is (layer, head, ...)."""
+
+    name: str
+    x: Sequence[float]
+    y: Sequence[float]
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class JobOutput:
+    summary: dict[str, Any]
+    series: list[Series] = field(default_factory=list)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: HF causal LM, its tokenizer, and facts about it."""
+
+    name: str
+    model: Any  # transformers.PreTrainedModel, eval mode, on ctx.device
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChildResult:
+    """What a sweep's aggregator sees of one finished child job."""
+
+    job_id: int
+    kind: str
+    params: dict[str, Any]
+    status: str
+    summary: dict[str, Any] | None
+    series: list[Series]
+    error: str | None = None
+
+
+class JobContext(Protocol):
+    job_id: int
+    attempt: int
+    artifact_dir: Path  # emptied at the start of each attempt, except its `checkpoints/` folder
+    device: str  # "cuda" or "cpu"
+
+    def progress(self, done: int, total: int, stage: str | None = None) -> None:
+        """Report progress (throttled by the worker); raises JobCancelled if the job was cancelled."""
+
+    def check_cancelled(self) -> None:
+        """Raise JobCancelled if the user asked to cancel."""
+
+    def stage(self, name: str) -> AbstractContextManager[None]:
+        """Time a stage; the wall time per stage is recorded in the job's environment."""
+
+    def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
+        """A registered model by name (cached by the worker)."""
+
+    def load_documents(self, dataset: str) -> list[str]:
+        """A registered dataset's documents, in file order."""
+
+    def register_model(self, name: str, path: Path, *, step: int | None = None) -> None:
+        """Register a Hugging Face directory (e.g. a training checkpoint) as a model (idempotent)."""
+
+    def checkpoints_of(self, train_job_id: int) -> list[tuple[int, str]]:
+        """(step, model name) of a train job's checkpoints, in step order."""
+
+    def record(self, key: str, value: Any) -> None:
+        """Add a fact to the job's environment record (e.g. the kernel backend used)."""

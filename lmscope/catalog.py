@@ -1,0 +1,192 @@
+"""Models and datasets as the API sees them: light checks and facts, no torch.
+
+Both the API (registration, upload, listing) and the workers (reading documents) use this module,
+so a dataset means the same documents on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Built-in random-init models for tests and demos; they use a byte-level tokenizer (256 bytes + BOS/EOS/PAD).
+BYTE_VOCAB_SIZE = 259
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-gpt2": {
+        "model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 64, "n_positions": 1024,
+        "vocab_size": BYTE_VOCAB_SIZE, "bos_token_id": 256, "eos_token_id": 257,
+    },
+    "tiny-llama": {
+        "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 64, "intermediate_size": 176, "max_position_embeddings": 1024,
+        "vocab_size": BYTE_VOCAB_SIZE, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
+    },
+}
+
+SUPPORTED_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+}
+
+
+class CatalogError(ValueError):
+    """A model directory or dataset file that cannot be used; the message says what to change."""
+
+
+@dataclass
+class ModelFacts:
+    architecture: str
+    num_layers: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    hidden_size: int | None
+    vocab_size: int | None
+    num_parameters: int | None
+    dtype: str | None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def config_facts(config: dict[str, Any]) -> ModelFacts:
+    """Layers, heads, width from a HF config dict, whatever the architecture calls them."""
+
+    def first(*keys):
+        for k in keys:
+            if config.get(k) is not None:
+                return config[k]
+        return None
+
+    heads = first("num_attention_heads", "n_head")
+    return ModelFacts(
+        architecture=config.get("model_type", "unknown"),
+        num_layers=first("num_hidden_layers", "n_layer"),
+        num_heads=heads,
+        num_kv_heads=first("num_key_value_heads") or heads,
+        hidden_size=first("hidden_size", "n_embd"),
+        vocab_size=first("vocab_size"),
+        num_parameters=None,
+        dtype=first("torch_dtype", "dtype"),
+    )
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def safetensors_parameter_count(path: Path) -> int:
+    """Number of parameters in a .safetensors file, read from its JSON header only."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for dim in entry["shape"]:
+            n *= dim
+        total += n
+    return total
+
+
+def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
+    """Check that `path` is a causal-LM Hugging Face directory under one of `roots`; return its facts.
+
+    Symlinks are resolved before the check, so a link inside a root that points outside is refused.
+    """
+    if not roots:
+        raise CatalogError("no model roots are configured: set LMSCOPE_MODEL_DIRS to the directories models may live in")
+    resolved = Path(path).expanduser().resolve()
+    if not any(resolved == r.resolve() or resolved.is_relative_to(r.resolve()) for r in roots):
+        raise CatalogError(f"{path} is outside the configured model roots ({', '.join(map(str, roots))}); "
+                           "put the model under one of them or add its parent to LMSCOPE_MODEL_DIRS")
+    if not resolved.is_dir():
+        raise CatalogError(f"{path} is not a directory; give the Hugging Face model directory (with config.json)")
+    cfg_path = resolved / "config.json"
+    if not cfg_path.is_file():
+        raise CatalogError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CatalogError(f"{cfg_path} is not valid JSON: {e}") from None
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise CatalogError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+        raise CatalogError(f"{path} is not a causal language model (architectures: {archs}); lmscope analyses causal LMs")
+    weights = sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin"))
+    if not weights:
+        raise CatalogError(f"{path} has no weights (*.safetensors or *.bin)")
+    facts = config_facts(config)
+    st = [w for w in weights if w.suffix == ".safetensors"]
+    if st:
+        facts.num_parameters = sum(safetensors_parameter_count(w) for w in st)
+    return facts
+
+
+# ---------------------------------------------------------------- datasets
+
+_HEADING = re.compile(r"^\s*(=\s)+.*(\s=)+\s*$")
+
+
+DATASET_FORMATS = {
+    "text": "plain text; documents are paragraphs separated by blank lines",
+    "lines": "plain text; every non-empty line is a document (WikiText's raw files)",
+    "jsonl": 'one JSON object per line with a string field "text"',
+}
+
+
+def split_documents(text: str, fmt: str = "text") -> list[str]:
+    """Plain text → documents (paragraphs or lines); WikiText headings (` = T = `) are dropped."""
+    text = text.replace("\r\n", "\n")
+    blocks = text.split("\n") if fmt == "lines" else re.split(r"\n\s*\n", text)
+    docs = []
+    for block in blocks:
+        block = block.strip()
+        if block and not _HEADING.match(block):
+            docs.append(block)
+    return docs
+
+
+def parse_documents(data: bytes, fmt: str) -> list[str]:
+    """Decode an upload (UTF-8) into documents; CatalogError says where decoding failed."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise CatalogError(f"the file is not UTF-8: byte {e.start} (line {line}) is {data[e.start:e.start + 1]!r}; "
+                           "re-encode it as UTF-8") from None
+    if fmt in ("text", "lines"):
+        return split_documents(text, fmt)
+    if fmt == "jsonl":
+        docs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CatalogError(f"line {i} is not JSON ({e.msg}); each line must be an object like {{\"text\": \"...\"}}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise CatalogError(f"line {i} has no string field 'text'; each line must be an object like {{\"text\": \"...\"}}")
+            if obj["text"].strip():
+                docs.append(obj["text"])
+        return docs
+    raise CatalogError(f"unknown format {fmt!r}; use one of: {', '.join(DATASET_FORMATS)}")
+
+
+def read_documents(path: Path, fmt: str) -> list[str]:
+    return parse_documents(Path(path).read_bytes(), fmt)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

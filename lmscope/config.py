@@ -1,0 +1,100 @@
+"""Settings, read once from environment variables (the only configuration surface).
+
+Every variable is documented in README.md ("Configuration"); docker-compose.yml sets a subset and a
+test checks that it sets only names listed in ``ENV_VARS``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+ENV_VARS = {
+    "LMSCOPE_DATA_DIR": "where the embedded database, artifacts and uploads live (default ~/.lmscope)",
+    "LMSCOPE_DATABASE_URL": "SQLAlchemy URL (default sqlite:///$LMSCOPE_DATA_DIR/lmscope.db)",
+    "LMSCOPE_BROKER_URL": "Celery broker, e.g. redis://redis:6379/0; unset = embedded in-process queue",
+    "LMSCOPE_ARTIFACT_DIR": "artifact store directory (default $LMSCOPE_DATA_DIR/artifacts)",
+    "LMSCOPE_MODEL_DIRS": "os.pathsep-separated roots under which model directories may be registered",
+    "LMSCOPE_AUTH": "1 = bearer tokens required (default 1 unless embedded), 0 = single-user mode",
+    "LMSCOPE_MAX_ACTIVE_JOBS": "per-user quota of queued+running jobs (default 20)",
+    "LMSCOPE_MAX_UPLOAD_BYTES": "largest dataset upload accepted (default 64 MiB)",
+    "LMSCOPE_MAX_SWEEP_POINTS": "largest sweep grid a user may submit (default 256)",
+    "LMSCOPE_MAX_ATTEMPTS": "attempts before a job is failed for good (default 3)",
+    "LMSCOPE_HEARTBEAT_SECONDS": "how often a running job refreshes its heartbeat (default 5)",
+    "LMSCOPE_STALE_AFTER_SECONDS": "heartbeat age after which the reaper re-enqueues a job (default 60)",
+    "LMSCOPE_UNPUBLISHED_AFTER_SECONDS": "age of a never-published queued job before the reaper publishes it (default 30)",
+    "LMSCOPE_TASK_TIME_LIMIT": "hard time limit of one job attempt in seconds (default 21600)",
+    "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/...)",
+    "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton | reference",
+    "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
+    "LMSCOPE_HOST": "address `lmscope up` / the API binds (default 127.0.0.1)",
+    "LMSCOPE_PORT": "port `lmscope up` listens on (default 8765)",
+    "LMSCOPE_URL": "where the client and CLI find the API (default http://127.0.0.1:8765)",
+    "LMSCOPE_TOKEN": "bearer token the client and CLI send",
+}
+
+
+def _int(env, name, default):
+    return int(env.get(name, default))
+
+
+def _float(env, name, default):
+    return float(env.get(name, default))
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    database_url: str
+    broker_url: str | None
+    artifact_dir: Path
+    model_dirs: list[Path] = field(default_factory=list)
+    auth: bool = True
+    max_active_jobs: int = 20
+    max_upload_bytes: int = 64 * 1024 * 1024
+    max_sweep_points: int = 256
+    max_attempts: int = 3
+    heartbeat_seconds: float = 5.0
+    stale_after_seconds: float = 60.0
+    unpublished_after_seconds: float = 30.0
+    task_time_limit: int = 21600
+    wikitext2_path: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8765
+
+    @property
+    def embedded(self) -> bool:
+        """No broker configured: the API and a worker thread share one process."""
+        return not self.broker_url
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
+        env = dict(os.environ if env is None else env)
+        data_dir = Path(env.get("LMSCOPE_DATA_DIR", Path.home() / ".lmscope")).expanduser()
+        broker = env.get("LMSCOPE_BROKER_URL") or None
+        wikitext = env.get("LMSCOPE_WIKITEXT2_PATH")
+        default_wikitext = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+        values = dict(
+            data_dir=data_dir,
+            database_url=env.get("LMSCOPE_DATABASE_URL", f"sqlite:///{data_dir / 'lmscope.db'}"),
+            broker_url=broker,
+            artifact_dir=Path(env.get("LMSCOPE_ARTIFACT_DIR", data_dir / "artifacts")).expanduser(),
+            model_dirs=[Path(p).expanduser() for p in env.get("LMSCOPE_MODEL_DIRS", "").split(os.pathsep) if p],
+            auth=env.get("LMSCOPE_AUTH", "0" if not broker else "1") not in ("0", "false", "no", ""),
+            max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
+            max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),
+            max_sweep_points=_int(env, "LMSCOPE_MAX_SWEEP_POINTS", 256),
+            max_attempts=_int(env, "LMSCOPE_MAX_ATTEMPTS", 3),
+            heartbeat_seconds=_float(env, "LMSCOPE_HEARTBEAT_SECONDS", 5.0),
+            stale_after_seconds=_float(env, "LMSCOPE_STALE_AFTER_SECONDS", 60.0),
+            unpublished_after_seconds=_float(env, "LMSCOPE_UNPUBLISHED_AFTER_SECONDS", 30.0),
+            task_time_limit=_int(env, "LMSCOPE_TASK_TIME_LIMIT", 21600),
+            wikitext2_path=Path(wikitext) if wikitext else (default_wikitext if default_wikitext.exists() else None),
+            host=env.get("LMSCOPE_HOST", "127.0.0.1"),
+            port=_int(env, "LMSCOPE_PORT", 8765),
+        )
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""SQL storage: typed models, engine/session setup and Alembic migrations."""

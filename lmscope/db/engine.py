@@ -1,0 +1,73 @@
+"""Engine and session setup for SQLite (embedded) and PostgreSQL (team deployment).
+
+SQLite: WAL so readers never block the writer, a busy timeout so writers wait instead of failing,
+and ``BEGIN IMMEDIATE`` for every transaction, because a deferred transaction that reads and then
+writes can fail with SQLITE_BUSY at once (no waiting) when another connection wrote in between —
+the API and a worker thread writing at the same time would otherwise see "database is locked".
+Keep transactions short: never hold a session open across a long computation.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+
+def make_engine(url: str, **kwargs) -> Engine:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record):
+            dbapi_connection.isolation_level = None  # we issue BEGIN ourselves, below
+            cur = dbapi_connection.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin_immediate(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A short unit of work: commit on success, roll back on error."""
+    with factory() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the schema up to date (`lmscope db upgrade`; also run by `lmscope up`)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)

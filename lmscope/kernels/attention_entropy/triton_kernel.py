@@ -1,0 +1,245 @@
+"""Fused attention + per-row entropy (FlashAttention-2 style forward, Triton).
+
+One program owns BLOCK_M query rows of one (batch, head) and streams the keys in BLOCK_N blocks,
+keeping per row the running max m, the normaliser l = sum e^(s-m) and the entropy term
+t = sum e^(s-m) * (s - m), all in fp32. At the end
+
+    lse = m + ln l,   H = -sum p ln p = ln l - t / l        (p = e^(s-m) / l)
+
+which is the identity H = m + ln l - (sum e^(s-m) s) / l with t taken relative to the running max:
+this keeps one-hot rows (H ~ 0) exact instead of a difference of two large numbers.
+The kernel works in base 2 (exp2 is the fast hardware instruction): scores are scaled by log2(e)
+and t, m are converted back to natural-log units at the end. The N x N matrix never exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_entropy_inner(
+    acc, m_i, l_i, t_i,
+    q, k_base, v_base, kpm_base,
+    offs_m, offs_d, offs_dv,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    start, end, N_K, CAUSAL_OFFSET, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Fold key blocks [start, end) into the running (acc, m, l, t) state of BLOCK_M query rows.
+
+    MASKED=False is the fast path for blocks that are entirely in range and below the causal
+    diagonal; MASKED=True handles the diagonal and the ragged tail.
+    """
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED:
+            in_k = offs_n < N_K
+            k = tl.load(k_ptrs, mask=in_k[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+
+        # scores in log2 units: s2 = (q . k) * scale * log2(e)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        valid = tl.full([1, BLOCK_N], 1, tl.int1)
+        if MASKED:
+            valid = valid & (offs_n[None, :] < N_K)
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+        if HAS_KPM:
+            kp = tl.load(kpm_base + offs_n, mask=offs_n < N_K, other=0)
+            valid = valid & (kp[None, :] != 0)
+        if MASKED or HAS_KPM:
+            s = tl.where(valid, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so that neither
+        # (-inf) - (-inf) nor 0 * (-inf) can appear below.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        z = s - m_use[:, None]
+        p = tl.math.exp2(z)
+        if MASKED or HAS_KPM:
+            z = tl.where(valid, z, 0.0)
+        # re-base t from the old max to the new one: sum p (s - m_new) = t_old + l_old (m_old - m_new)
+        shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_use)
+        t_i = alpha * (t_i + l_i * shift) + tl.sum(p * z, 1)
+        l_i = alpha * l_i + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i, t_i
+
+
+@triton.jit
+def _attn_entropy_fwd(
+    Q, K, V, KPM, Out, Ent, Lse,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_kpm_b,
+    H, N_Q, N_K, GROUP, qk_scale, N_BUCKET,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP  # grouped-query attention: GROUP query heads share one kv head
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # int64 base offsets: B*H*N*D overflows int32 for long contexts
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    kpm_base = KPM + b.to(tl.int64) * stride_kpm_b
+
+    q_mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    # fp32 running state; m starts at -inf (nothing seen), l and t at 0
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    t_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # Bottom-right causal alignment: query i sees keys j <= i + (N_K - N_Q).
+    causal_offset = N_K - N_Q
+    if CAUSAL:
+        # keys every row of this block may see / keys some row of this block may see
+        full_end = tl.minimum(pid_m * BLOCK_M + causal_offset + 1, N_K)
+        hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + causal_offset, N_K)
+    else:
+        full_end = N_K
+        hi = N_K
+    full_end = tl.maximum(full_end, 0)
+    hi = tl.maximum(hi, 0)
+    n_full = (full_end // BLOCK_N) * BLOCK_N
+
+    acc, m_i, l_i, t_i = _attn_entropy_inner(
+        acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
+        stride_kn, stride_kd, stride_vn, stride_vd, 0, n_full, N_K, causal_offset, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, HAS_KPM, INPUT_PRECISION,
+    )
+    acc, m_i, l_i, t_i = _attn_entropy_inner(
+        acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
+        stride_kn, stride_kd, stride_vn, stride_vd, n_full, hi, N_K, causal_offset, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, INPUT_PRECISION,
+    )
+
+    # Rows with no visible key (padding, or N_Q > N_K under causal): out = 0, H = 0, lse = -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    ln_l = tl.log(l_safe)
+    entropy = tl.where(seen, ln_l - LN2 * t_i / l_safe, 0.0)
+    lse = tl.where(seen, LN2 * m_i + ln_l, float("-inf"))
+
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
+        + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V))
+    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    tl.store(Ent + row, entropy, mask=offs_m < N_Q)
+    tl.store(Lse + row, lse, mask=offs_m < N_Q)
+
+
+def _configs():
+    cfgs = []
+    for bm, bn in ((128, 64), (128, 32), (64, 64), (64, 32)):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _prune(configs, named_args, **kwargs):
+    # Large head dims do not fit big tiles in shared memory; keep the search short there.
+    d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
+    if d >= 256:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 and c.num_stages <= 2]
+    elif d >= 128:
+        configs = [c for c in configs if c.kwargs["BLOCK_N"] <= 64 and c.num_stages <= 3]
+    return configs
+
+
+# Autotune on a GPU only: the interpreter would "benchmark" every config on the CPU.
+if interpreting():
+    _INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
+    _kernel = _attn_entropy_fwd
+else:
+    _INTERPRET_BLOCKS = {}
+    _kernel = triton.autotune(
+        configs=_configs(),
+        # N_BUCKET (next power of two of N_K) instead of N: a model fed many lengths tunes once per octave
+        key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_attn_entropy_fwd)
+
+
+def attention_with_entropy_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel; shapes are validated by the public wrapper."""
+    out_dtype = q.dtype
+    if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
+        # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
+        q, k, v = q.float(), k.float(), v.float()
+    b, h, nq, d = q.shape
+    hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if b * h > 65535:
+        raise ValueError(f"B*H = {b * h} exceeds the CUDA grid limit (65535); split the batch")
+
+    out = torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
+    ent = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+        stride_kpm_b = kpm.stride(0)
+    else:
+        kpm = torch.empty(1, device=q.device, dtype=torch.int8)  # never read
+        stride_kpm_b = 0
+    # fp32 inputs get exact fp32 dot products (tf32 would cost ~3 decimal digits of the entropy)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = max(16, triton.next_power_of_2(d))
+    block_dv = max(16, triton.next_power_of_2(dv))
+
+    def grid(meta):
+        return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
+
+    _kernel[grid](
+        q, k, v, kpm, out, ent, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        stride_kpm_b,
+        h, nq, nk, h // hk, scale * LOG2E, triton.next_power_of_2(nk),
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, INPUT_PRECISION=precision,
+        **_INTERPRET_BLOCKS,
+    )
+    return out.to(out_dtype), ent, lse

@@ -1,0 +1,76 @@
+"""Backend choice for the kernels: Triton on CUDA tensors, the PyTorch reference elsewhere.
+
+``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
+only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
+``kernel_backend(device)`` so every number says which code produced it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("triton", "reference")
+ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (a CPU worker may not have it)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install counts as missing: fall back rather than crash
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the interpreter (CPU tensors, no autotuning)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _env_choice() -> str | None:
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)} (or unset)")
+    return value
+
+
+def kernel_backend(device: torch.device | str | None = None) -> str:
+    """The backend ("triton" or "reference") the kernels use for tensors on ``device``.
+
+    ``device=None`` means the default compute device (CUDA when present). The environment override
+    wins; without it, CUDA devices get Triton when it is installed and everything else the reference.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    forced = _env_choice()
+    if forced is not None:
+        return forced
+    return "triton" if device.type == "cuda" and triton_available() else "reference"
+
+
+def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
+    """Validate an explicit ``backend=`` argument or pick one for the tensors' device."""
+    if backend is None:
+        backend = kernel_backend(tensors[0].device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)} or None")
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend 'triton' requested but triton is not installed; use backend='reference'")
+        devices = {t.device.type for t in tensors}
+        if devices != {"cuda"} and not interpreting():
+            raise RuntimeError(
+                f"backend 'triton' needs CUDA tensors (got {sorted(devices)}); "
+                "set TRITON_INTERPRET=1 before triton is imported to run kernels on the CPU"
+            )
+    return backend

@@ -1,0 +1,40 @@
+"""Every job kind's parameters: the one definition shared by the API and the workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmscope.params.base import ChildSpec, JobParams, KindSpec
+from lmscope.params.entropy import EntropyParams
+from lmscope.params.norms import NormsParams
+from lmscope.params.probe import ProbeParams
+from lmscope.params.sweep import AttentionApproxParams, SumformerFitParams, SweepParams, expand_sweep
+from lmscope.params.train import TrainParams
+
+KINDS: dict[str, KindSpec] = {
+    spec.kind: spec
+    for spec in [
+        KindSpec("probe", ProbeParams, "load a model and report its layers, heads and parameter counts"),
+        KindSpec("train", TrainParams, "train a small causal LM on a dataset, with checkpoints"),
+        KindSpec("norms", NormsParams, "norm trajectories of the current token across layers (Wu & Varshney)"),
+        KindSpec("entropy", EntropyParams, "attention-entropy curves per layer, head, position and step"),
+        KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep),
+        KindSpec("sumformer_fit", SumformerFitParams, "one grid point of a sumformer sweep", submittable=False),
+        KindSpec("attention_approx", AttentionApproxParams, "one grid point of an attention study", submittable=False),
+    ]
+}
+
+
+class UnknownKind(ValueError):
+    pass
+
+
+def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = False) -> JobParams:
+    """Parse `raw` with the kind's model; raises UnknownKind or pydantic.ValidationError."""
+    spec = KINDS.get(kind)
+    if spec is None or (not spec.submittable and not internal):
+        raise UnknownKind(kind)
+    return spec.params.model_validate(raw or {})
+
+
+__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "validate_params"]

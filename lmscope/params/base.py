@@ -1,0 +1,48 @@
+"""The base of every job kind's parameter model (light: pydantic only, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class JobParams(BaseModel):
+    """Parameters of one job kind. Unknown fields are an error (422 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def model_refs(self) -> list[str]:
+        """Registered model names this job reads (checked at submit)."""
+        return []
+
+    def dataset_refs(self) -> list[str]:
+        """Registered dataset names this job reads (checked at submit)."""
+        return []
+
+    def job_refs(self) -> list[int]:
+        """Other jobs this job reads (e.g. a `train` job's checkpoints), checked at submit."""
+        return []
+
+
+@dataclass
+class ChildSpec:
+    """One grid point of a sweep: an ordinary job created with the parent."""
+
+    kind: str
+    params: dict[str, Any]
+    name: str
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    kind: str
+    params: type[JobParams]
+    description: str
+    submittable: bool = True
+    # For parent kinds (sweeps): the grid points, computed at submit time.
+    expand: Callable[[Any], list[ChildSpec]] | None = None

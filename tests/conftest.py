@@ -1,0 +1,202 @@
+"""Shared fixtures: real PostgreSQL and Redis servers started for the test session, fresh databases.
+
+PostgreSQL: a throwaway cluster in a temp dir (initdb + pg_ctl), run as the `postgres` user when
+the tests run as root, or the server named by LMSCOPE_TEST_POSTGRES_URL. Redis: `redis-server` on a
+free port with AOF on. Tests that need one skip with a reason when the binary is missing, except in
+CI (CI=true), where a missing server is an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+# Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # the API-only install has no torch
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need(binary_ok: bool, reason: str):
+    if not binary_ok:
+        if IN_CI:
+            pytest.fail(f"CI must provide this: {reason}")
+        pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+def _pg_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True):
+        return str(candidate)
+    return None
+
+
+class PostgresCluster:
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="lmscope-pg-"))
+        self.port = free_port()
+        self.as_root = os.geteuid() == 0
+        if self.as_root:
+            shutil.chown(self.dir, "postgres", "postgres")
+        self._run([_pg_bin("initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "trust", "--no-sync"])
+        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "start",
+                   "-o", f"-p {self.port} -k {self.dir} -h 127.0.0.1 -F -c max_connections=200"])
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, argv):
+        if self.as_root:
+            argv = ["runuser", "-u", "postgres", "--"] + argv
+        subprocess.run(argv, check=True, capture_output=True)
+
+    def stop(self):
+        try:
+            self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop"])
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url():
+    """URL of the maintenance database of a PostgreSQL server for this test session."""
+    url = os.environ.get("LMSCOPE_TEST_POSTGRES_URL")
+    if url:
+        yield url
+        return
+    need(_pg_bin("initdb") is not None and _pg_bin("pg_ctl") is not None, "PostgreSQL (initdb, pg_ctl) not installed")
+    cluster = PostgresCluster()
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+_db_counter = itertools.count()
+
+
+@pytest.fixture
+def postgres_url(postgres_server_url):
+    """A fresh, migrated PostgreSQL database for one test."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from lmscope.db.engine import upgrade
+
+    name = f"t{os.getpid()}_{next(_db_counter)}"
+    admin = create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f"CREATE DATABASE {name}"))
+    url = make_url(postgres_server_url).set(database=name).render_as_string(hide_password=False)
+    upgrade(url)
+    yield url
+    with admin.connect() as c:
+        c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    """A fresh, migrated SQLite database file for one test."""
+    from lmscope.db.engine import upgrade
+
+    url = f"sqlite:///{tmp_path / 'lmscope.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request):
+    """The same test against SQLite and against PostgreSQL."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+# ---------------------------------------------------------------- Redis
+
+class RedisServer:
+    """A real redis-server with AOF on; `restart()` keeps its data directory."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.port = free_port()
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
+             "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    need(shutil.which("redis-server") is not None, "redis-server not installed (apt-get install redis-server)")
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(d)
+    yield server
+    server.stop(signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- settings
+
+@pytest.fixture
+def settings_factory(tmp_path):
+    """Settings pointing at temp dirs; pass overrides (database_url=..., broker_url=...)."""
+    from lmscope.config import Settings
+
+    def make(**overrides):
+        env = {"LMSCOPE_DATA_DIR": str(tmp_path / "data")}
+        return Settings.from_env(env, **overrides)
+
+    return make
