@@ -1,0 +1,76 @@
+"""The Flask app factory: settings → database sessions, publisher, blueprints, error handlers."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+
+from flask import Flask, g, request
+
+from lmscope.api.auth import authenticate
+from lmscope.api.errors import register_error_handlers
+from lmscope.api.metrics import RequestMetrics
+from lmscope.api.state import ApiState, Publisher
+from lmscope.config import Settings
+from lmscope.db.engine import make_engine, make_sessionmaker
+from lmscope.queue import make_publisher
+
+log = logging.getLogger("lmscope.api")
+
+# Multipart framing around an upload; the exact file-size check is in the upload view.
+UPLOAD_OVERHEAD_BYTES = 64 * 1024
+
+
+def upsert_builtins(settings: Settings, sessions) -> None:
+    """Upsert the built-in models/datasets at start-up (workers do the same).
+
+    `ensure_builtins` lives in `lmscope.worker.startup`, a light module (sqlalchemy + catalog, no
+    torch) that the API image also ships. It is looked up by name because the import contracts keep
+    the API's code free of `lmscope.worker` imports; if it is missing the API still starts. A
+    failure here (e.g. an unmigrated database) is logged and must not stop the API either.
+    """
+    try:
+        ensure_builtins = importlib.import_module("lmscope.worker.startup").ensure_builtins
+    except (ImportError, AttributeError) as e:
+        log.info("built-in models/datasets not upserted (%s)", e)
+        return
+    try:
+        ensure_builtins(settings, sessions)
+    except Exception:
+        log.exception("could not upsert the built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
+
+
+def create_app(settings: Settings | None = None, publisher: Publisher | None = None) -> Flask:
+    settings = settings or Settings.from_env()
+    app = Flask("lmscope.api", static_folder=None)  # /docs reads its page itself; no /static route
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_bytes + UPLOAD_OVERHEAD_BYTES
+    app.json.sort_keys = False  # keep the documents' field order (id, kind, ... links)
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    app.extensions["lmscope"] = ApiState(settings=settings, engine=engine, sessions=sessions,
+                                         publisher=publisher or make_publisher(settings), metrics=RequestMetrics())
+
+    from lmscope.api import dashboard, events, health, jobs, metrics, openapi, registry, results
+
+    for module in (jobs, results, events, registry, health, metrics, openapi, dashboard):
+        app.register_blueprint(module.bp)
+    register_error_handlers(app)
+
+    @app.before_request
+    def _authenticate():
+        g.started = time.perf_counter()
+        if request.path.startswith("/v1/"):
+            g.caller = authenticate(request.headers.get("Authorization"), auth_enabled=settings.auth, sessions=sessions)
+
+    @app.after_request
+    def _count(response):
+        route = request.url_rule.rule if request.url_rule else "(unmatched)"
+        started = g.get("started")
+        if started is not None:
+            app.extensions["lmscope"].metrics.observe(request.method, route, response.status_code,
+                                                      time.perf_counter() - started)
+        return response
+
+    upsert_builtins(settings, sessions)
+    return app

@@ -1,0 +1,132 @@
+"""Bearer-token authentication.
+
+A token is `lms_` + 32 random bytes (url-safe base64); only its sha256 is stored, so a database
+dump reveals no usable token. It is shown once, when made (`lmscope user create NAME`).
+With `LMSCOPE_AUTH=0` (the embedded single-user mode) every request acts as the admin user `local`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from flask import g
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from lmscope.api.errors import Problem
+from lmscope.api.render import aware
+from lmscope.db.models import ApiToken, User, utcnow
+
+TOKEN_PREFIX = "lms_"
+LOCAL_USER = "local"
+# Refreshing last_used_at on every request would make every read a write; once a minute is enough.
+_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is making the request (a detached snapshot of the user row)."""
+
+    id: int
+    name: str
+    is_admin: bool
+
+    def can_see(self, owner_id: int) -> bool:
+        return self.is_admin or owner_id == self.id
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def issue_token(session: Session, user: User) -> str:
+    """Make another token for `user`; returns the plain token (never stored)."""
+    token = new_token()
+    session.add(ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:12]))
+    session.flush()
+    return token
+
+
+def create_user(session: Session, name: str, *, admin: bool = False) -> tuple[User, str]:
+    """Make a user and a first token; raises ValueError when the name is taken."""
+    if session.scalar(select(User).where(User.name == name)) is not None:
+        raise ValueError(f"user {name!r} exists; make another token with `lmscope user token {name}`")
+    user = User(name=name, is_admin=admin)
+    session.add(user)
+    session.flush()
+    return user, issue_token(session, user)
+
+
+def user_for_token(sessions: sessionmaker, token: str) -> Caller | None:
+    with sessions() as session, session.begin():
+        row = session.execute(
+            select(User.id, User.name, User.is_admin, ApiToken.id, ApiToken.last_used_at)
+            .join(ApiToken, ApiToken.user_id == User.id)
+            .where(ApiToken.token_hash == hash_token(token))
+        ).first()
+        if row is None:
+            return None
+        user_id, name, is_admin, token_id, last_used = row
+        now = utcnow()
+        if last_used is None or aware(last_used) < now - _LAST_USED_RESOLUTION:
+            session.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=now))
+        return Caller(user_id, name, is_admin)
+
+
+def local_user(sessions: sessionmaker) -> Caller:
+    """The single-user mode's admin `local`, created the first time it is needed."""
+    for _ in range(2):  # a concurrent request may create it between our select and insert
+        try:
+            with sessions() as session, session.begin():
+                user = session.scalar(select(User).where(User.name == LOCAL_USER))
+                if user is None:
+                    user = User(name=LOCAL_USER, is_admin=True)
+                    session.add(user)
+                    session.flush()
+                return Caller(user.id, user.name, user.is_admin)
+        except IntegrityError:
+            continue
+    raise RuntimeError("could not create the local user")
+
+
+def authenticate(auth_header: str | None, *, auth_enabled: bool, sessions: sessionmaker) -> Caller:
+    """The caller of a request, or a 401 problem that says how to authenticate."""
+    if not auth_enabled:
+        return local_user(sessions)
+    challenge = {"WWW-Authenticate": 'Bearer realm="lmscope"'}
+    if not auth_header:
+        raise Problem(401, "unauthorized", "Authentication required",
+                      "send 'Authorization: Bearer <token>'; an admin makes tokens with `lmscope user create NAME` "
+                      "(the client and CLI read LMSCOPE_TOKEN)", headers=challenge)
+    scheme, _, token = auth_header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Problem(401, "unauthorized", "Authentication required",
+                      "the Authorization header must be 'Bearer <token>'", headers=challenge)
+    caller = user_for_token(sessions, token)
+    if caller is None:
+        raise Problem(401, "unauthorized", "Invalid token",
+                      "this token is unknown or was revoked; ask an admin for a new one "
+                      "(`lmscope user token NAME`)", headers={"WWW-Authenticate": 'Bearer realm="lmscope", error="invalid_token"'})
+    return caller
+
+
+def current_caller() -> Caller:
+    return g.caller
+
+
+def require_admin() -> Caller:
+    caller = current_caller()
+    if not caller.is_admin:
+        raise Problem(403, "forbidden", "Admins only",
+                      f"user {caller.name!r} is not an admin; ask an admin to do this "
+                      "(admins are made with `lmscope user create NAME --admin`)")
+    return caller

@@ -1,0 +1,115 @@
+"""Every error is `application/problem+json` (RFC 9457): a stable `type`, a `title`, and a `detail`
+that says what to change.
+
+Views raise `Problem(...)`; Werkzeug's HTTP errors (404, 405, 413, ...) and unexpected exceptions are
+turned into problems by the handlers registered in `register_error_handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, Response, json, request
+from werkzeug.exceptions import HTTPException
+
+PROBLEM_BASE = "https://lmscope.dev/problems/"
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+log = logging.getLogger("lmscope.api")
+
+# Werkzeug's errors → our stable problem types (anything else: its status phrase, slugified).
+_HTTP_TYPES = {
+    400: "bad-request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not-found",
+    405: "method-not-allowed",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+    429: "quota-exceeded",
+    500: "internal-error",
+    503: "not-ready",
+}
+
+
+class Problem(Exception):
+    """Raise from a view to answer with a problem document."""
+
+    def __init__(self, status: int, type: str, title: str, detail: str, *,
+                 errors: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None,
+                 **extra: Any):
+        super().__init__(f"{title}: {detail}")
+        self.status = status
+        self.type = type
+        self.title = title
+        self.detail = detail
+        self.errors = errors
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def problem_response(status: int, type: str, title: str, detail: str, *,
+                     errors: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None,
+                     **extra: Any) -> Response:
+    body: dict[str, Any] = {
+        "type": PROBLEM_BASE + type,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "instance": request.path if request else None,
+    }
+    if errors is not None:
+        body["errors"] = errors
+    body.update(extra)
+    response = Response(json.dumps(body), status=status, mimetype=PROBLEM_MEDIA_TYPE)
+    for k, v in (headers or {}).items():
+        response.headers[k] = v
+    return response
+
+
+def pydantic_errors(exc, prefix: tuple = ()) -> list[dict[str, Any]]:
+    """pydantic ValidationError → [{loc, msg, type}], with `prefix` (e.g. ("params",)) in front of each loc."""
+    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+
+
+def describe_errors(errors: list[dict[str, Any]]) -> str:
+    """A one-line `detail` naming each bad field: "params.layers: Input should be ≤ 48; ..."."""
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or '(body)'}: {e['msg']}" for e in errors[:5]]
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def validation_problem(exc, prefix: tuple = (), title: str = "Invalid request") -> Problem:
+    errors = pydantic_errors(exc, prefix)
+    return Problem(422, "validation-error", title, "fix these fields: " + describe_errors(errors), errors=errors)
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(Problem)
+    def _problem(p: Problem):
+        return problem_response(p.status, p.type, p.title, p.detail, errors=p.errors, headers=p.headers, **p.extra)
+
+    @app.errorhandler(HTTPException)
+    def _http(e: HTTPException):
+        status = e.code or 500
+        allowed = sorted(getattr(e, "valid_methods", None) or [])
+        headers = {"Allow": ", ".join(allowed)} if status == 405 and allowed else {}
+        if status == 404:
+            detail = f"there is nothing at {request.path}; see /openapi.json or /docs for the endpoints"
+        elif status == 405 and allowed:
+            detail = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"
+        elif status == 413:
+            detail = (f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes; send a smaller "
+                      "file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)")
+        else:
+            detail = e.description or e.name
+        slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))
+        return problem_response(status, slug, e.name or "Error", detail, headers=headers)
+
+    @app.errorhandler(Exception)
+    def _unexpected(e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return problem_response(500, "internal-error", "Internal Server Error",
+                                "the server failed to handle this request; the error is in the server log. "
+                                "Retry, and report it if it persists.")

@@ -1,0 +1,87 @@
+"""GET /v1/jobs/{id}/events: server-sent events while a job runs.
+
+The SQL row is the source of truth, so the stream polls it (a short session per poll, never one
+held open) and sends `status` / `progress` events when they change and `end` at a terminal state.
+A stream lasts at most `timeout` seconds (default 300); clients reconnect or poll after that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from flask import Blueprint, Response, current_app, request
+
+from lmscope.api.auth import current_caller
+from lmscope.api.errors import Problem
+from lmscope.api.jobs import children_counts, is_parent_kind, load_visible_job
+from lmscope.api.render import iso, progress_json
+from lmscope.api.state import state
+from lmscope.db.models import TERMINAL_STATES, Job
+
+bp = Blueprint("events", __name__, url_prefix="/v1")
+
+DEFAULT_TIMEOUT, MAX_TIMEOUT = 300.0, 3600.0
+KEEPALIVE_SECONDS = 15.0
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def snapshot(sessions, job_id: int) -> dict:
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None:  # deleted while watched
+            return {"id": job_id, "status": "cancelled", "attempts": 0, "cancel_requested": True, "progress": None,
+                    "error": {"type": "deleted", "message": "the job was deleted"}, "summary": None, "finished_at": None}
+        children = children_counts(session, [job_id])[job_id] if is_parent_kind(job.kind) else None
+        return {
+            "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
+            "progress": progress_json(job, children),
+            "error": {"type": job.error_type, "message": job.error_message} if job.error_type or job.error_message else None,
+            "summary": job.summary, "finished_at": iso(job.finished_at),
+        }
+
+
+@bp.get("/jobs/<int:job_id>/events")
+def job_events(job_id: int):
+    """Server-sent events: `status` and `progress` as they change, `end` at a terminal state."""
+    st = state()
+    with st.sessions() as session:
+        load_visible_job(session, current_caller(), job_id)
+    try:
+        timeout = min(float(request.args.get("timeout", DEFAULT_TIMEOUT)), MAX_TIMEOUT)
+    except ValueError:
+        raise Problem(422, "validation-error", "Invalid timeout", "timeout must be a number of seconds") from None
+    poll = current_app.config.get("LMSCOPE_SSE_POLL_SECONDS", 0.5)
+    sessions = st.sessions  # the generator runs after the request context is gone
+
+    def stream():
+        deadline = time.monotonic() + timeout
+        last_status = last_progress = None
+        last_sent = time.monotonic()
+        yield "retry: 2000\n\n"
+        while True:
+            snap = snapshot(sessions, job_id)
+            status_key = (snap["status"], snap["cancel_requested"], snap["attempts"])
+            if status_key != last_status:
+                yield sse("status", snap)
+                last_status, last_sent = status_key, time.monotonic()
+            progress = snap["progress"]
+            if progress is not None and progress != last_progress:
+                yield sse("progress", {"id": job_id, **progress})
+                last_progress, last_sent = progress, time.monotonic()
+            if snap["status"] in TERMINAL_STATES:
+                yield sse("end", snap)
+                return
+            if time.monotonic() >= deadline:
+                yield sse("timeout", {"id": job_id, "detail": "stream time limit reached; reconnect to keep watching"})
+                return
+            if time.monotonic() - last_sent > KEEPALIVE_SECONDS:
+                yield ": keep-alive\n\n"  # proxies close idle connections
+                last_sent = time.monotonic()
+            time.sleep(poll)
+
+    return Response(stream(), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,61 @@
+"""Liveness and readiness probes (for docker-compose / Kubernetes)."""
+
+from __future__ import annotations
+
+from flask import Blueprint
+from sqlalchemy import text
+
+from lmscope.api.errors import Problem
+from lmscope.api.state import state
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/healthz")
+def healthz():
+    """The process is alive (no dependencies checked)."""
+    return {"status": "ok"}
+
+
+def ping_broker(url: str, timeout: float = 2.0) -> None:
+    """Raise if the broker does not answer. Redis is pinged directly; other brokers through kombu."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return
+    from kombu import Connection
+
+    with Connection(url, connect_timeout=timeout) as conn:
+        conn.ensure_connection(max_retries=1)
+
+
+@bp.get("/readyz")
+def readyz():
+    """Ready to serve: the database answers `SELECT 1` and, when configured, the broker answers a ping."""
+    st = state()
+    checks, failed = {}, []
+    try:
+        with st.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except Exception as e:
+        checks["database"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
+        failed.append("database")
+    if st.settings.broker_url:
+        try:
+            ping_broker(st.settings.broker_url)
+            checks["broker"] = "ok"
+        except Exception as e:
+            checks["broker"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
+            failed.append("broker")
+    if failed:
+        raise Problem(503, "not-ready", "Not ready",
+                      "; ".join(f"{name}: {checks[name]}" for name in failed)
+                      + " — check that the service is up and LMSCOPE_DATABASE_URL / LMSCOPE_BROKER_URL point at it",
+                      headers={"Retry-After": "5"}, checks=checks)
+    return {"status": "ready", "checks": checks}

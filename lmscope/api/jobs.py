@@ -1,0 +1,234 @@
+"""/v1/jobs: submit, list, show, cancel. Results, artifacts and events live in their own modules."""
+
+from __future__ import annotations
+
+import base64
+import json
+from flask import Blueprint, request
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.exc import IntegrityError
+
+from lmscope.api.auth import Caller, current_caller
+from lmscope.api.errors import Problem
+from lmscope.api.render import job_json
+from lmscope.api.state import state
+from lmscope.api.submit import SubmitBody, create_job, find_replay, parse_body, request_hash
+from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
+from lmscope.params import KINDS
+from lmscope.queue import publish_jobs
+
+bp = Blueprint("jobs", __name__, url_prefix="/v1")
+
+DEFAULT_LIMIT, MAX_LIMIT = 50, 500
+
+
+# ---------------------------------------------------------------- helpers
+
+def is_parent_kind(kind: str) -> bool:
+    spec = KINDS.get(kind)
+    return bool(spec and spec.expand)
+
+
+def children_counts(session, parent_ids: list[int]) -> dict[int, dict[str, int]]:
+    """{parent_id: {"total": n, "queued": ..., "succeeded": ...}} in one grouped query."""
+    counts = {p: {"total": 0, **{s: 0 for s in JOB_STATES}} for p in parent_ids}
+    if parent_ids:
+        rows = session.execute(select(Job.parent_id, Job.status, func.count())
+                               .where(Job.parent_id.in_(parent_ids)).group_by(Job.parent_id, Job.status))
+        for parent_id, status, n in rows:
+            counts[parent_id][status] = n
+            counts[parent_id]["total"] += n
+    return counts
+
+
+def load_visible_job(session, caller: Caller, job_id: int) -> Job:
+    """The job, or 404 when it does not exist *or* belongs to someone else (no existence leak)."""
+    job = session.get(Job, job_id)
+    if job is None or not caller.can_see(job.user_id):
+        raise Problem(404, "not-found", "Job not found",
+                      f"there is no job {job_id} of yours; list your jobs with GET /v1/jobs")
+    return job
+
+
+def render_job(session, job: Job) -> dict:
+    children = children_counts(session, [job.id])[job.id] if is_parent_kind(job.kind) else None
+    return job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children)
+
+
+def publish(ids: list[int]) -> list[int]:
+    """Publish job ids after the commit; a failure leaves published_at NULL for the reaper to retry."""
+    st = state()
+    return publish_jobs(st.publisher, st.sessions, ids)
+
+
+# ---------------------------------------------------------------- page tokens
+
+def encode_page_token(last_id: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"before": last_id}).encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> int:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        return int(data["before"])
+    except Exception:
+        raise Problem(422, "validation-error", "Invalid page_token",
+                      "page_token must be a next_page_token returned by GET /v1/jobs; start over without it",
+                      errors=[{"loc": ["query", "page_token"], "msg": "not a page token", "type": "page_token"}]) from None
+
+
+def _query_int(name: str, default: int | None, lo: int, hi: int) -> int | None:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise Problem(422, "validation-error", f"Invalid {name}", f"{name} must be an integer from {lo} to {hi}",
+                      errors=[{"loc": ["query", name], "msg": f"integer {lo}..{hi}", "type": "int_range"}])
+    return value
+
+
+def tag_filter(session, tag: str):
+    """`tag` is an element of the JSON list `jobs.tags`; each database spells that differently."""
+    if session.get_bind().dialect.name == "postgresql":
+        return Job.tags.cast(JSONB).contains([tag])
+    each = func.json_each(Job.tags).table_valued("value")
+    return exists(select(1).select_from(each).where(each.c.value == tag))
+
+
+# ---------------------------------------------------------------- routes
+
+@bp.post("/jobs")
+def submit_job():
+    """Submit a job: validate kind + params, insert, publish; 202 with the job."""
+    st, caller = state(), current_caller()
+    raw = request.get_json(silent=True, force=True)
+    if raw is None:
+        raise Problem(400, "invalid-json", "Body is not JSON",
+                      'send a JSON object like {"kind": "probe", "params": {"model": "tiny-gpt2"}} '
+                      "with Content-Type: application/json")
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 200:
+        raise Problem(422, "validation-error", "Invalid Idempotency-Key", "the Idempotency-Key header must be 1 to 200 characters")
+    body_hash = request_hash(raw) if key else None
+
+    if key:
+        with st.sessions() as session:
+            replay = find_replay(session, caller, key, body_hash)
+            if replay is not None:
+                return render_job(session, replay), 200, {"Location": f"/v1/jobs/{replay.id}", "Idempotent-Replayed": "true"}
+
+    body: SubmitBody = parse_body(raw)
+    try:
+        with st.sessions() as session, session.begin():
+            job, to_publish = create_job(session, caller, st.settings, body, idempotency_key=key, body_hash=body_hash)
+            job_id = job.id
+    except IntegrityError:
+        if not key:
+            raise
+        # A concurrent request with the same key won the insert: answer with its job.
+        with st.sessions() as session:
+            replay = find_replay(session, caller, key, body_hash)
+            if replay is None:
+                raise
+            return render_job(session, replay), 200, {"Location": f"/v1/jobs/{replay.id}", "Idempotent-Replayed": "true"}
+
+    publish(to_publish)
+    with st.sessions() as session:
+        return render_job(session, session.get(Job, job_id)), 202, {"Location": f"/v1/jobs/{job_id}"}
+
+
+@bp.get("/jobs")
+def list_jobs():
+    """List your jobs, newest first; filters kind, status, tag, parent (an id or `none`), user (admins)."""
+    st, caller = state(), current_caller()
+    limit = _query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    q = select(Job, User.name).join(User, User.id == Job.user_id).order_by(Job.id.desc()).limit(limit + 1)
+    if not caller.is_admin:
+        q = q.where(Job.user_id == caller.id)
+    elif request.args.get("user"):
+        q = q.where(User.name == request.args["user"])
+    if kind := request.args.get("kind"):
+        q = q.where(Job.kind == kind)
+    if status := request.args.get("status"):
+        wanted = status.split(",")
+        if bad := [s for s in wanted if s not in JOB_STATES]:
+            raise Problem(422, "validation-error", "Invalid status filter",
+                          f"unknown status {bad[0]!r}; use one of {', '.join(JOB_STATES)} (comma-separated)",
+                          errors=[{"loc": ["query", "status"], "msg": "unknown status", "type": "enum"}])
+        q = q.where(Job.status.in_(wanted))
+    parent = request.args.get("parent")
+    if parent is not None:
+        if parent.lower() in ("none", "null", ""):
+            q = q.where(Job.parent_id.is_(None))
+        else:
+            parent_id = _query_int("parent", None, 1, 2**63 - 1)
+            q = q.where(Job.parent_id == parent_id)
+    if token := request.args.get("page_token"):
+        q = q.where(Job.id < decode_page_token(token))
+
+    with st.sessions() as session:
+        if tag := request.args.get("tag"):
+            q = q.where(tag_filter(session, tag))
+        rows = session.execute(q).all()
+        page, more = rows[:limit], len(rows) > limit
+        parents = [job.id for job, _ in page if is_parent_kind(job.kind)]
+        counts = children_counts(session, parents)
+        items = [job_json(job, user_name=name, children=counts.get(job.id)) for job, name in page]
+    return {"items": items, "next_page_token": encode_page_token(page[-1][0].id) if more else None}
+
+
+@bp.get("/jobs/<int:job_id>")
+def get_job(job_id: int):
+    """One job: status, progress, params, attempts, timings, environment, error, summary, links."""
+    with state().sessions() as session:
+        return render_job(session, load_visible_job(session, current_caller(), job_id))
+
+
+@bp.post("/jobs/<int:job_id>/cancel")
+def cancel_job(job_id: int):
+    """Cancel: a queued job now, a running one at its next batch boundary, a sweep with all its children."""
+    st, caller = state(), current_caller()
+    now = utcnow()
+    notify_parent = None
+    with st.sessions() as session, session.begin():
+        job = load_visible_job(session, caller, job_id)
+        if job.status in TERMINAL_STATES:
+            raise Problem(409, "job-finished", "Job already finished",
+                          f"job {job_id} is {job.status}; only queued or running jobs can be cancelled")
+        # Conditional updates: the worker's claim (`WHERE status='queued'`) and ours cannot both win.
+        if is_parent_kind(job.kind):
+            session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "queued")
+                            .values(status="cancelled", cancel_requested=True, finished_at=now))
+            session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "running")
+                            .values(cancel_requested=True))
+            session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+            notify_parent = job_id
+        else:
+            cancelled = session.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                                        .values(status="cancelled", cancel_requested=True, finished_at=now)).rowcount
+            if cancelled:
+                notify_parent = job.parent_id
+            elif not session.execute(update(Job).where(Job.id == job_id, Job.status == "running")
+                                     .values(cancel_requested=True)).rowcount:
+                raise Problem(409, "job-finished", "Job already finished",
+                              f"job {job_id} finished while it was being cancelled")
+    if notify_parent is not None:
+        # Whoever makes a child terminal publishes the parent, so the aggregation runs after the last one.
+        publish([notify_parent])
+    with st.sessions() as session:
+        return render_job(session, session.get(Job, job_id)), 202
+
+
+
+
+@bp.get("/kinds")
+def list_kinds():
+    """The job kinds you can submit, with a description and the JSON schema of their params."""
+    return {"items": [{"name": kind, "description": spec.description, "sweep": spec.expand is not None,
+                       "params_schema": spec.params.model_json_schema()}
+                      for kind, spec in sorted(KINDS.items()) if spec.submittable]}

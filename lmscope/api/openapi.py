@@ -1,0 +1,224 @@
+"""GET /openapi.json (OpenAPI 3.1, generated from the routes and the pydantic params models) and /docs.
+
+Paths, methods, path parameters and summaries come from Flask's url_map and the views' docstrings,
+so a new route is documented as soon as it exists; query parameters, bodies and responses that the
+url_map cannot know are added from `EXTRA` below.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app
+
+import lmscope
+from lmscope.api.registry import RegisterModelBody
+from lmscope.api.submit import SubmitBody
+from lmscope.params import KINDS
+
+bp = Blueprint("openapi", __name__)
+
+REF = "#/components/schemas/{model}"
+PROBLEM = {"description": "a problem (RFC 9457)",
+           "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+
+
+def _json(schema_ref: str, description: str = "OK") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}}
+
+
+def _query(name: str, schema: dict, description: str) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+# What the url_map cannot know: (method, endpoint) → OpenAPI operation fields.
+EXTRA: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "jobs.submit_job"): {
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string", "maxLength": 200},
+                        "description": "same key + same body → the first job (200); a different body → 422"}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitJob"}}}},
+        "responses": {"202": _json("Job", "accepted; Location names the job"), "200": _json("Job", "an idempotent replay"),
+                      "422": PROBLEM, "429": PROBLEM},
+    },
+    ("get", "jobs.list_jobs"): {
+        "parameters": [
+            _query("kind", {"type": "string"}, "only this kind"),
+            _query("status", {"type": "string"}, "comma-separated statuses: queued,running,succeeded,failed,cancelled"),
+            _query("tag", {"type": "string"}, "only jobs with this tag"),
+            _query("parent", {"type": "string"}, "a sweep's id lists its children; `none` lists top-level jobs only"),
+            _query("user", {"type": "string"}, "admins: only this user's jobs"),
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size"),
+            _query("page_token", {"type": "string"}, "next_page_token of the previous page"),
+        ],
+        "responses": {"200": _json("JobPage")},
+    },
+    ("get", "jobs.get_job"): {"responses": {"200": _json("Job")}},
+    ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},
+    ("get", "results.get_results"): {
+        "parameters": [{**_query("series", {"type": "array", "items": {"type": "string"}},
+                                 "series names to return (repeat; `prefix*` matches a prefix)"), "explode": True}],
+        "responses": {"200": _json("Results")},
+    },
+    ("get", "results.download_artifact"): {
+        "responses": {"200": {"description": "the file", "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}},
+    ("get", "events.job_events"): {
+        "parameters": [_query("timeout", {"type": "number", "default": 300, "maximum": 3600}, "longest stream in seconds")],
+        "responses": {"200": {"description": "events `status`, `progress`, `end` (and `timeout`)",
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+    },
+    ("post", "registry.register_model"): {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RegisterModelBody"}}}},
+        "responses": {"201": {"description": "registered"}, "403": PROBLEM, "409": PROBLEM, "422": PROBLEM},
+    },
+    ("post", "registry.upload_dataset"): {
+        "parameters": [_query("name", {"type": "string"}, "dataset name (raw-body uploads)"),
+                       _query("format", {"type": "string", "enum": ["text", "lines", "jsonl"]}, "file format (raw-body uploads)")],
+        "requestBody": {"required": True, "content": {
+            "multipart/form-data": {"schema": {"type": "object", "required": ["file", "name"], "properties": {
+                "file": {"type": "string", "format": "binary"}, "name": {"type": "string"},
+                "format": {"type": "string", "enum": ["text", "lines", "jsonl"], "default": "text"},
+                "description": {"type": "string"}}}},
+            "text/plain": {"schema": {"type": "string"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        "responses": {"201": {"description": "stored"}, "409": PROBLEM, "413": PROBLEM, "422": PROBLEM},
+    },
+    ("get", "health.readyz"): {"responses": {"503": PROBLEM}},
+    ("get", "metrics.metrics"): {"responses": {"200": {"description": "Prometheus text format",
+                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+    ("get", "openapi.docs_page"): {"responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}},
+}
+
+PUBLIC = {"health.healthz", "health.readyz", "metrics.metrics", "openapi.openapi_json", "openapi.docs_page"}
+
+_CONVERTER = re.compile(r"<(?:(\w+)(?:\([^)]*\))?:)?(\w+)>")
+
+
+def _hoist(schema: dict, components: dict) -> dict:
+    """Move pydantic's `$defs` into components.schemas (refs already point there)."""
+    for name, sub in schema.pop("$defs", {}).items():
+        components[name] = sub
+    return schema
+
+
+def build_spec(app: Flask) -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    submit_variants, mapping = [], {}
+    for kind, spec in sorted(KINDS.items()):
+        model_name = spec.params.__name__
+        schemas[model_name] = _hoist(spec.params.model_json_schema(ref_template=REF), schemas)
+        schemas[model_name].setdefault("description", spec.description)
+        if not spec.submittable:
+            continue  # child kinds: made by sweeps, never submitted
+        variant = f"Submit_{kind}"
+        base = SubmitBody.model_json_schema(ref_template=REF)
+        props = dict(base["properties"])
+        props["kind"] = {"const": kind, "type": "string", "description": spec.description}
+        props["params"] = {"$ref": REF.format(model=model_name)}
+        schemas[variant] = {"type": "object", "title": variant, "properties": props, "required": ["kind"],
+                            "additionalProperties": False}
+        submit_variants.append({"$ref": REF.format(model=variant)})
+        mapping[kind] = REF.format(model=variant)
+    schemas["SubmitJob"] = {"oneOf": submit_variants, "discriminator": {"propertyName": "kind", "mapping": mapping}}
+    schemas["RegisterModelBody"] = _hoist(RegisterModelBody.model_json_schema(ref_template=REF), schemas)
+    schemas.update(STATIC_SCHEMAS)
+
+    paths: dict[str, dict] = {}
+    for rule in sorted(app.url_map.iter_rules(), key=lambda r: r.rule):
+        path = _CONVERTER.sub(lambda m: "{" + m.group(2) + "}", rule.rule)
+        params = [{"name": arg, "in": "path", "required": True,
+                   "schema": {"type": "integer"} if f"<int:{arg}>" in rule.rule else {"type": "string"}}
+                  for arg in sorted(rule.arguments)]
+        view = app.view_functions[rule.endpoint]
+        doc = (view.__doc__ or rule.endpoint).strip().splitlines()
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+            m = method.lower()
+            extra = EXTRA.get((m, rule.endpoint), {})
+            op: dict[str, Any] = {
+                "operationId": rule.endpoint.replace(".", "_") + ("" if m == "get" else f"_{m}"),
+                "summary": doc[0],
+                "tags": [rule.endpoint.split(".")[0]],
+                "parameters": params + extra.get("parameters", []),
+                "responses": dict(extra.get("responses", {})),
+            }
+            if not any(code.startswith("2") for code in op["responses"]):
+                op["responses"]["200"] = {"description": "OK"}
+            if len(doc) > 1:
+                op["description"] = "\n".join(doc[1:]).strip()
+            if "requestBody" in extra:
+                op["requestBody"] = extra["requestBody"]
+            if rule.endpoint not in PUBLIC:
+                op["responses"].setdefault("401", PROBLEM)
+                if rule.arguments:
+                    op["responses"].setdefault("404", PROBLEM)
+            else:
+                op["security"] = []
+            if not op["parameters"]:
+                del op["parameters"]
+            paths.setdefault(path, {})[m] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "lmscope", "version": lmscope.__version__,
+                 "description": "Submit analyses of transformer language models, watch them run, fetch their results. "
+                                "Errors are application/problem+json (RFC 9457)."},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {"schemas": schemas,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                                      "description": "a token from `lmscope user create NAME`"}}},
+    }
+
+
+_NULLABLE_STR = {"type": ["string", "null"]}
+STATIC_SCHEMAS: dict[str, Any] = {
+    "Problem": {"type": "object", "required": ["type", "title", "status", "detail"], "properties": {
+        "type": {"type": "string", "format": "uri"}, "title": {"type": "string"}, "status": {"type": "integer"},
+        "detail": {"type": "string", "description": "what to change"}, "instance": {"type": "string"},
+        "errors": {"type": "array", "items": {"type": "object", "properties": {
+            "loc": {"type": "array", "items": {"type": ["string", "integer"]}}, "msg": {"type": "string"},
+            "type": {"type": "string"}}}}}},
+    "Progress": {"type": ["object", "null"], "properties": {
+        "done": {"type": ["integer", "null"]}, "total": {"type": ["integer", "null"]}, "stage": _NULLABLE_STR,
+        "fraction": {"type": ["number", "null"]}, "updated_at": _NULLABLE_STR}},
+    "Job": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "kind": {"type": "string"}, "name": _NULLABLE_STR,
+        "tags": {"type": "array", "items": {"type": "string"}}, "user": _NULLABLE_STR,
+        "status": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "cancelled"]},
+        "params": {"type": "object"}, "parent_id": {"type": ["integer", "null"]},
+        "attempts": {"type": "integer"}, "max_attempts": {"type": "integer"},
+        "created_at": {"type": "string"}, "published_at": _NULLABLE_STR, "started_at": _NULLABLE_STR,
+        "finished_at": _NULLABLE_STR, "heartbeat_at": _NULLABLE_STR, "worker": _NULLABLE_STR,
+        "progress": {"$ref": "#/components/schemas/Progress"}, "cancel_requested": {"type": "boolean"},
+        "error": {"type": ["object", "null"], "properties": {"type": _NULLABLE_STR, "message": _NULLABLE_STR}},
+        "summary": {"type": ["object", "null"]}, "environment": {"type": ["object", "null"]},
+        "timings": {"type": "object"}, "children": {"type": ["object", "null"], "description": "counts by status (sweeps)"},
+        "links": {"type": "object", "additionalProperties": {"type": "string"}}}},
+    "JobPage": {"type": "object", "properties": {
+        "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
+        "next_page_token": _NULLABLE_STR}},
+    "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "series": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
+                                         "x": {"type": "array"}, "y": {"type": "array"}}}}}},
+}
+
+
+def spec_for(app: Flask) -> dict[str, Any]:
+    cache = app.extensions["lmscope"].extra
+    if "openapi" not in cache:
+        cache["openapi"] = build_spec(app)
+    return cache["openapi"]
+
+
+@bp.get("/openapi.json")
+def openapi_json():
+    """The OpenAPI 3.1 document of this API."""
+    return spec_for(current_app._get_current_object())
+
+
+@bp.get("/docs")
+def docs_page():
+    """A browsable page of the endpoints and schemas (rendered from /openapi.json, no CDN)."""
+    html = resources.files("lmscope.api").joinpath("static/docs.html").read_text()
+    return Response(html, mimetype="text/html")

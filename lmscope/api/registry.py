@@ -1,0 +1,183 @@
+"""/v1/models and /v1/datasets: what jobs may name.
+
+Models are registered by admins from Hugging Face directories under LMSCOPE_MODEL_DIRS (the path is
+resolved first, so `..` and symlinks cannot escape a root). Datasets are uploaded by anyone: the
+bytes are decoded and split into documents *before* anything is stored, so a bad file leaves no trace.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from flask import Blueprint, request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from lmscope.api.auth import current_caller, require_admin
+from lmscope.api.errors import Problem, validation_problem
+from lmscope.api.render import iso
+from lmscope.api.state import state
+from lmscope.catalog import DATASET_FORMATS, CatalogError, inspect_model_dir, parse_documents, sha256_bytes
+from lmscope.db.models import Dataset, Model
+
+bp = Blueprint("registry", __name__, url_prefix="/v1")
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:+/-]*$"
+
+
+class RegisterModelBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=200, pattern=NAME_PATTERN, description="the name jobs use, e.g. gpt2-small")
+    path: str = Field(min_length=1, description="a Hugging Face directory under one of LMSCOPE_MODEL_DIRS")
+
+
+class UploadForm(BaseModel):
+    name: str = Field(max_length=200, pattern=NAME_PATTERN)
+    format: str = Field("text", description="text | lines | jsonl")
+    description: str | None = Field(None, max_length=2000)
+
+
+def model_json(m: Model) -> dict:
+    return {"name": m.name, "source": m.source, "path": m.path, "architecture": m.architecture,
+            "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "hidden": m.hidden_size,
+            "vocab_size": m.vocab_size, "params": m.num_parameters, "dtype": m.dtype, "step": m.step,
+            "job_id": m.job_id, "created_at": iso(m.created_at)}
+
+
+def dataset_json(d: Dataset) -> dict:
+    return {"name": d.name, "source": d.source, "format": d.format, "documents": d.num_documents,
+            "bytes": d.num_bytes, "sha256": d.sha256, "description": d.description, "created_at": iso(d.created_at)}
+
+
+def name_taken(what: str, name: str) -> Problem:
+    return Problem(409, "name-taken", f"{what.capitalize()} name taken",
+                   f"a {what} named {name!r} exists; choose another name")
+
+
+# ---------------------------------------------------------------- models
+
+@bp.get("/models")
+def list_models():
+    """Registered models: built-in tiny configs, local HF directories, training checkpoints."""
+    with state().sessions() as session:
+        rows = session.scalars(select(Model).order_by(Model.name)).all()
+        return {"items": [model_json(m) for m in rows]}
+
+
+@bp.post("/models")
+def register_model():
+    """Register a Hugging Face directory under LMSCOPE_MODEL_DIRS as a model (admins only)."""
+    caller = require_admin()
+    st = state()
+    try:
+        body = RegisterModelBody.model_validate(request.get_json(silent=True, force=True) or {})
+    except ValidationError as e:
+        raise validation_problem(e) from None
+    try:
+        facts = inspect_model_dir(Path(body.path), st.settings.model_dirs)
+    except CatalogError as e:
+        raise Problem(422, "invalid-model", "Model directory refused", str(e),
+                      errors=[{"loc": ["path"], "msg": str(e), "type": "invalid_model"}]) from None
+    row = Model(name=body.name, source="directory", path=str(Path(body.path).expanduser().resolve()),
+                architecture=facts.architecture, num_layers=facts.num_layers, num_heads=facts.num_heads,
+                num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                num_parameters=facts.num_parameters, dtype=facts.dtype, info=facts.info, created_by=caller.id)
+    try:
+        with st.sessions() as session, session.begin():
+            if session.scalar(select(Model.id).where(Model.name == body.name)) is not None:
+                raise name_taken("model", body.name)
+            session.add(row)
+    except IntegrityError:
+        raise name_taken("model", body.name) from None
+    return model_json(row), 201, {"Location": "/v1/models"}
+
+
+# ---------------------------------------------------------------- datasets
+
+@bp.get("/datasets")
+def list_datasets():
+    """Registered text datasets (uploads and built-in corpora)."""
+    with state().sessions() as session:
+        rows = session.scalars(select(Dataset).order_by(Dataset.name)).all()
+        return {"items": [dataset_json(d) for d in rows]}
+
+
+def _read_upload() -> tuple[dict, bytes]:
+    """(form fields, file bytes) from multipart (`file` + `name`, `format`) or a raw body (`?name=&format=`)."""
+    if request.mimetype == "multipart/form-data":
+        upload = request.files.get("file")
+        if upload is None:
+            raise Problem(422, "validation-error", "No file", "send the dataset as the multipart field 'file'",
+                          errors=[{"loc": ["file"], "msg": "missing", "type": "missing"}])
+        return dict(request.form), upload.read()
+    return dict(request.args), request.get_data(cache=False)
+
+
+@bp.post("/datasets")
+def upload_dataset():
+    """Upload a text dataset: multipart `file` + `name` + `format` (text|lines|jsonl), or a raw body with ?name=&format=."""
+    st, caller = state(), current_caller()
+    limit = st.settings.max_upload_bytes
+    if request.content_length is not None and request.content_length > limit + 64 * 1024:
+        raise Problem(413, "payload-too-large", "Upload too large",
+                      f"the upload is {request.content_length} bytes, the limit is {limit} (LMSCOPE_MAX_UPLOAD_BYTES); "
+                      "split the corpus or ask an admin to raise the limit")
+    fields, data = _read_upload()
+    if len(data) > limit:
+        raise Problem(413, "payload-too-large", "Upload too large",
+                      f"the file is {len(data)} bytes, the limit is {limit} (LMSCOPE_MAX_UPLOAD_BYTES); "
+                      "split the corpus or ask an admin to raise the limit")
+    try:
+        form = UploadForm.model_validate(fields)
+    except ValidationError as e:
+        raise validation_problem(e) from None
+    if form.format not in DATASET_FORMATS:
+        raise Problem(422, "validation-error", "Unknown format",
+                      f"format {form.format!r} is unknown; use one of: "
+                      + "; ".join(f"{k} ({v})" for k, v in DATASET_FORMATS.items()),
+                      errors=[{"loc": ["format"], "msg": "unknown format", "type": "enum"}])
+    try:
+        documents = parse_documents(data, form.format)
+    except CatalogError as e:
+        raise Problem(422, "invalid-dataset", "Dataset refused", str(e),
+                      errors=[{"loc": ["file"], "msg": str(e), "type": "invalid_dataset"}]) from None
+    if not documents:
+        raise Problem(422, "invalid-dataset", "Dataset refused",
+                      f"the file has no documents in format {form.format!r} ({DATASET_FORMATS[form.format]})")
+
+    with st.sessions() as session:
+        if session.scalar(select(Dataset.id).where(Dataset.name == form.name)) is not None:
+            raise name_taken("dataset", form.name)
+    digest = sha256_bytes(data)
+    path = st.settings.data_dir / "datasets" / f"{digest}.{'jsonl' if form.format == 'jsonl' else 'txt'}"
+    created_file = store_file(path, data)
+    row = Dataset(name=form.name, source="upload", path=str(path), format=form.format, num_documents=len(documents),
+                  num_bytes=len(data), sha256=digest, description=form.description, created_by=caller.id)
+    try:
+        with st.sessions() as session, session.begin():
+            session.add(row)
+    except IntegrityError:
+        if created_file:
+            path.unlink(missing_ok=True)
+        raise name_taken("dataset", form.name) from None
+    return dataset_json(row), 201, {"Location": "/v1/datasets"}
+
+
+def store_file(path: Path, data: bytes) -> bool:
+    """Write atomically (temp file + rename); content-addressed, so an existing file is already right."""
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return True

@@ -1,0 +1,96 @@
+"""How jobs look over HTTP: the one JSON shape the API, the client and the CLI share."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import quote
+
+from lmscope.db.models import TERMINAL_STATES, Job, utcnow
+
+
+def aware(dt: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes (they were stored as UTC); PostgreSQL aware ones.
+    if dt is None:
+        return None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def iso(dt: datetime | None) -> str | None:
+    dt = aware(dt)
+    return dt.isoformat().replace("+00:00", "Z") if dt else None
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((aware(end) - aware(start)).total_seconds(), 3)
+
+
+def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str, Any] | None:
+    """{done, total, stage, fraction}; a parent's progress is its children finished / total."""
+    if children is not None:
+        total = children["total"]
+        done = sum(children[s] for s in TERMINAL_STATES)
+        return {"done": done, "total": total, "stage": "children",
+                "fraction": done / total if total else None, "updated_at": None}
+    if job.progress_total is None and job.progress_done is None and job.progress_stage is None:
+        return None
+    done, total = job.progress_done, job.progress_total
+    fraction = min(1.0, done / total) if done is not None and total else None
+    return {"done": done, "total": total, "stage": job.progress_stage, "fraction": fraction,
+            "updated_at": iso(job.progress_at)}
+
+
+def timings_json(job: Job) -> dict[str, Any]:
+    """Queue wait and run time in seconds; per-stage wall times come from the environment record."""
+    end = job.finished_at or (utcnow() if job.started_at else None)
+    env = job.environment or {}
+    return {
+        "queued_seconds": _seconds(job.created_at, job.started_at),
+        "run_seconds": _seconds(job.started_at, end),
+        "stages": env.get("stages") or env.get("timings"),
+    }
+
+
+def job_links(job_id: int) -> dict[str, str]:
+    base = f"/v1/jobs/{job_id}"
+    return {"self": base, "results": f"{base}/results", "artifacts": f"{base}/artifacts",
+            "events": f"{base}/events", "cancel": f"{base}/cancel", "children": f"/v1/jobs?parent={job_id}"}
+
+
+def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int] | None = None) -> dict[str, Any]:
+    """`children`: counts by status when the job is a sweep parent (else None)."""
+    links = job_links(job.id)
+    if children is None:
+        links.pop("children")
+    return {
+        "id": job.id,
+        "kind": job.kind,
+        "name": job.name,
+        "tags": job.tags or [],
+        "user": user_name,
+        "status": job.status,
+        "params": job.params,
+        "parent_id": job.parent_id,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "created_at": iso(job.created_at),
+        "published_at": iso(job.published_at),
+        "started_at": iso(job.started_at),
+        "finished_at": iso(job.finished_at),
+        "heartbeat_at": iso(job.heartbeat_at),
+        "worker": job.worker,
+        "progress": progress_json(job, children),
+        "cancel_requested": job.cancel_requested,
+        "error": {"type": job.error_type, "message": job.error_message} if job.error_type or job.error_message else None,
+        "summary": job.summary,
+        "environment": job.environment,
+        "timings": timings_json(job),
+        "children": children,
+        "links": links,
+    }
+
+
+def artifact_url(job_id: int, name: str) -> str:
+    return f"/v1/jobs/{job_id}/artifacts/{quote(name)}"

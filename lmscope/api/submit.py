@@ -1,0 +1,179 @@
+"""Job submission: everything `POST /v1/jobs` checks before a row exists, and the insert itself.
+
+Order matters: an `Idempotency-Key` replay is answered first (a retry of an accepted request must
+not be refused because the quota filled up since), then the body, the kind's params, the names it
+refers to, the sweep size, the quota; the parent and its children go in one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from lmscope.api.auth import Caller
+from lmscope.api.errors import Problem, validation_problem
+from lmscope.config import Settings
+from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
+from lmscope.params import KINDS, UnknownKind, validate_params
+
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True)]
+
+
+class SubmitBody(BaseModel):
+    """The body of `POST /v1/jobs`; `params` is checked by the kind's own model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(description="the job kind; GET /v1/kinds lists them")
+    params: dict[str, Any] = Field(default_factory=dict, description="the kind's parameters")
+    name: str | None = Field(None, max_length=200, description="a label for people")
+    tags: list[Tag] = Field(default_factory=list, max_length=32, description="free-form labels to filter by")
+
+
+def submittable_kinds() -> list[str]:
+    return sorted(k for k, spec in KINDS.items() if spec.submittable)
+
+
+def request_hash(body: Any) -> str:
+    """sha256 of the body's canonical JSON: key order and whitespace do not matter."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def find_replay(session: Session, caller: Caller, key: str, body_hash: str) -> Job | None:
+    """The job an earlier request with this Idempotency-Key made, or None; 422 if its body differed."""
+    job = session.scalar(select(Job).where(Job.user_id == caller.id, Job.idempotency_key == key))
+    if job is not None and job.request_hash != body_hash:
+        raise Problem(422, "idempotency-key-reused", "Idempotency-Key reused with a different body",
+                      f"job {job.id} was submitted with Idempotency-Key {key!r} and a different body; "
+                      "use a new key for a different request", job_id=job.id)
+    return job
+
+
+def parse_body(raw: Any) -> SubmitBody:
+    if not isinstance(raw, dict):
+        raise Problem(422, "validation-error", "Invalid request",
+                      'the body must be a JSON object like {"kind": "probe", "params": {"model": "tiny-gpt2"}}',
+                      errors=[{"loc": [], "msg": "expected a JSON object", "type": "dict_type"}])
+    try:
+        return SubmitBody.model_validate(raw)
+    except ValidationError as e:
+        raise validation_problem(e) from None
+
+
+def check_params(kind: str, params: dict[str, Any]):
+    try:
+        return validate_params(kind, params)
+    except UnknownKind:
+        kinds = submittable_kinds()
+        raise Problem(422, "unknown-kind", "Unknown job kind",
+                      f"kind {kind!r} does not exist; use one of: {', '.join(kinds)} (GET /v1/kinds describes them)",
+                      errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
+                               "type": "unknown_kind"}], kinds=kinds) from None
+    except ValidationError as e:
+        raise validation_problem(e, prefix=("params",), title=f"Invalid parameters for kind {kind!r}") from None
+
+
+def _field_holding(parsed: list, value) -> list:
+    """The params field a referenced name came from, for the error's `loc` (e.g. ["params", "model"])."""
+    for p in parsed:
+        for field, v in p.model_dump().items():
+            if v == value or (isinstance(v, list) and value in v):
+                return ["params", field]
+    return ["params"]
+
+
+def check_refs(session: Session, caller: Caller, parsed: list) -> None:
+    """Every model, dataset and train job the params name must exist (and the job be visible)."""
+    models = sorted({m for p in parsed for m in p.model_refs()})
+    datasets = sorted({d for p in parsed for d in p.dataset_refs()})
+    jobs = sorted({j for p in parsed for j in p.job_refs()})
+    errors = []  # (loc, message)
+    if models:
+        known = set(session.scalars(select(Model.name).where(Model.name.in_(models))))
+        errors += [(_field_holding(parsed, n), f"model {n!r} is not registered "
+                    "(list models: GET /v1/models or `lmscope models`)") for n in models if n not in known]
+    if datasets:
+        known = set(session.scalars(select(Dataset.name).where(Dataset.name.in_(datasets))))
+        errors += [(_field_holding(parsed, n), f"dataset {n!r} is not registered "
+                    "(list datasets: GET /v1/datasets or `lmscope datasets`)") for n in datasets if n not in known]
+    for job_id in jobs:
+        ref = session.get(Job, job_id)
+        if ref is None or not caller.can_see(ref.user_id):
+            errors.append((_field_holding(parsed, job_id),
+                           f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train)"))
+        elif ref.kind != "train":
+            errors.append((_field_holding(parsed, job_id), f"job {job_id} is a {ref.kind!r} job, not a 'train' job"))
+    if errors:
+        raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
+                      errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])
+
+
+def active_jobs(session: Session, user_id: int) -> int:
+    """Queued+running top-level jobs: a sweep counts once, however many points it has."""
+    return session.scalar(select(func.count()).select_from(Job).where(
+        Job.user_id == user_id, Job.status.in_(ACTIVE_STATES), Job.parent_id.is_(None))) or 0
+
+
+def check_quota(session: Session, caller: Caller, settings: Settings) -> None:
+    # Lock the user's row so that two concurrent submissions cannot both take the last slot
+    # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
+    session.execute(select(User.id).where(User.id == caller.id).with_for_update())
+    active = active_jobs(session, caller.id)
+    if active >= settings.max_active_jobs:
+        raise Problem(429, "quota-exceeded", "Too many active jobs",
+                      f"you have {active} queued or running jobs, the limit is {settings.max_active_jobs}; "
+                      "wait for some to finish or cancel some (POST /v1/jobs/{id}/cancel)",
+                      headers={"Retry-After": "30"}, active=active, limit=settings.max_active_jobs)
+
+
+def create_job(session: Session, caller: Caller, settings: Settings, body: SubmitBody, *,
+               idempotency_key: str | None, body_hash: str | None) -> tuple[Job, list[int]]:
+    """Validate and insert; returns the job and the ids to publish (its children for a sweep)."""
+    params = check_params(body.kind, body.params)
+    spec = KINDS[body.kind]
+    children = spec.expand(params) if spec.expand else None
+    child_params = []
+    if children is not None:
+        if not children:
+            raise Problem(422, "validation-error", "Empty sweep", "the grid has no points; give at least one value per axis",
+                          errors=[{"loc": ["params", "grid"], "msg": "no grid points", "type": "empty_sweep"}])
+        if len(children) > settings.max_sweep_points:
+            raise Problem(422, "sweep-too-large", "Sweep too large",
+                          f"the grid has {len(children)} points, the limit is {settings.max_sweep_points} "
+                          "(LMSCOPE_MAX_SWEEP_POINTS); use fewer values per axis or split the sweep",
+                          errors=[{"loc": ["params", "grid"], "msg": f"{len(children)} points > {settings.max_sweep_points}",
+                                   "type": "sweep_too_large"}], points=len(children))
+        for i, child in enumerate(children):
+            try:
+                child_params.append(validate_params(child.kind, child.params, internal=True))
+            except (UnknownKind, ValidationError) as e:
+                # A grid value the child kind refuses: the user's fault, say which point.
+                raise Problem(422, "validation-error", "Invalid sweep point",
+                              f"grid point {i} ({child.name}) is invalid for {child.kind!r}: {e}") from None
+    check_refs(session, caller, [params, *child_params])
+    check_quota(session, caller, settings)
+
+    now = utcnow()
+    job = Job(user_id=caller.id, kind=body.kind, name=body.name, tags=list(body.tags),
+              params=params.model_dump(mode="json"), status="queued", max_attempts=settings.max_attempts,
+              created_at=now, idempotency_key=idempotency_key, request_hash=body_hash)
+    if children is not None:
+        # The parent does no work itself: it is "running" while its children run.
+        job.status, job.waiting_children, job.started_at = "running", True, now
+    session.add(job)
+    session.flush()
+    if children is None:
+        return job, [job.id]
+    rows = [Job(user_id=caller.id, kind=c.kind, name=c.name, tags=list(dict.fromkeys([*body.tags, *c.tags])),
+                params=p.model_dump(mode="json"), status="queued", parent_id=job.id,
+                max_attempts=settings.max_attempts, created_at=now)
+            for c, p in zip(children, child_params)]
+    session.add_all(rows)
+    session.flush()
+    return job, [r.id for r in rows]

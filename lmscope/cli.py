@@ -1,0 +1,469 @@
+"""The `lmscope` command.
+
+Server side:  lmscope up | worker | db upgrade | user create NAME [--admin] | user token NAME
+Client side:  lmscope submit KIND --param k=v ... [--wait] | jobs | show | cancel | wait | results | fetch
+              lmscope models [list | register NAME PATH] | datasets [list | upload NAME FILE] | kinds
+
+Client commands talk to LMSCOPE_URL with LMSCOPE_TOKEN. Heavy imports (torch, the worker, the
+database) happen only inside the commands that need them, so `lmscope jobs` starts in a blink.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+import lmscope
+from lmscope.client import Client, LmscopeError
+
+
+# ---------------------------------------------------------------- errors
+
+class ApiFailure(click.ClickException):
+    """An API problem shown as `Error: title: detail` plus each bad field; exit status 1."""
+
+    def __init__(self, error: LmscopeError):
+        super().__init__(str(error))
+        self.error = error
+
+    def show(self, file=None):
+        file = file or sys.stderr
+        click.echo(f"Error: {self.error}", err=True)
+        for e in self.error.errors:
+            loc = ".".join(str(p) for p in e.get("loc", []))
+            click.echo(f"  {loc or '(body)'}: {e.get('msg')}", err=True)
+
+
+class LmscopeGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LmscopeError as e:
+            raise ApiFailure(e) from None
+
+
+def client() -> Client:
+    return Client()
+
+
+# ---------------------------------------------------------------- params
+
+def parse_value(text: str) -> Any:
+    """JSON when it parses (5, 0.1, true, [1,2], {"a":1}, null), else the string itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
+    """`train.epochs` = 5 → target["train"]["epochs"] = 5."""
+    parts = key.split(".")
+    if not all(parts):
+        raise click.BadParameter(f"{key!r} has an empty part; write keys like train.epochs", param_hint="--param")
+    node = target
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise click.BadParameter(f"{key!r}: {part!r} is already set to a value, not an object", param_hint="--param")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_params(pairs: tuple[str, ...], params_file: str | None) -> dict[str, Any]:
+    """--params FILE first, then each --param key=value on top (dotted keys make nested objects)."""
+    params: dict[str, Any] = {}
+    if params_file:
+        try:
+            loaded = json.loads(Path(params_file).read_text())
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(f"cannot read {params_file}: {e}", param_hint="--params") from None
+        if not isinstance(loaded, dict):
+            raise click.BadParameter(f"{params_file} must hold a JSON object", param_hint="--params")
+        params = loaded
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not key=value (e.g. --param model=tiny-gpt2)", param_hint="--param")
+        set_dotted(params, key.strip(), parse_value(raw))
+    return params
+
+
+# ---------------------------------------------------------------- progress
+
+class ProgressLine:
+    """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage` (a new line per change off a tty)."""
+
+    WIDTH = 30
+
+    def __init__(self, job_id: int, stream=None):
+        self.job_id = job_id
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last_text = None
+
+    def render(self, job: dict[str, Any]) -> str:
+        p = job.get("progress") or {}
+        fraction = p.get("fraction")
+        text = f"job {self.job_id} {job['status']}"
+        if job.get("cancel_requested") and job["status"] == "running":
+            text += " (cancelling)"
+        if fraction is not None:
+            filled = int(round(fraction * self.WIDTH))
+            text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"
+        if p.get("total") is not None:
+            text += f" {p.get('done') or 0}/{p['total']}"
+        if p.get("stage"):
+            text += f" {p['stage']}"
+        return text
+
+    def __call__(self, job: dict[str, Any]) -> None:
+        text = self.render(job)
+        if text == self.last_text:
+            return
+        if self.tty:
+            pad = max(0, len(self.last_text or "") - len(text))
+            self.stream.write("\r" + text + " " * pad)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.last_text = text
+
+    def close(self):
+        if self.tty and self.last_text:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def report_final(c: Client, job: dict[str, Any]) -> None:
+    """Status, summary, error and where the plots are."""
+    click.echo(f"job {job['id']} ({job['kind']}) {job['status']}")
+    if job.get("error"):
+        click.echo(f"error: {job['error'].get('type')}: {job['error'].get('message')}")
+    if job.get("children"):
+        counts = job["children"]
+        click.echo("children: " + ", ".join(f"{counts[s]} {s}" for s in ("succeeded", "failed", "cancelled") if counts.get(s)))
+    for key, value in (job.get("summary") or {}).items():
+        click.echo(f"  {key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    if job["status"] == "succeeded" or job.get("summary"):
+        artifacts = c.artifacts(job["id"])
+        plots = [a for a in artifacts if a["media_type"] == "image/png"]
+        if artifacts:
+            click.echo(f"{len(artifacts)} artifacts ({len(plots)} plots): lmscope fetch {job['id']} DIR")
+            for a in plots:
+                click.echo(f"  {c.url}{a['url']}")
+
+
+def wait_and_report(c: Client, job_id: int, timeout: float | None) -> None:
+    line = ProgressLine(job_id)
+    try:
+        job = c.wait(job_id, on_progress=line, timeout=timeout)
+    except TimeoutError as e:
+        line.close()
+        raise click.ClickException(f"{e}; it keeps running: `lmscope wait {job_id}` or `lmscope show {job_id}`")
+    except KeyboardInterrupt:
+        line.close()
+        click.echo(f"\nstopped watching; job {job_id} keeps running (`lmscope cancel {job_id}` to stop it)", err=True)
+        raise SystemExit(130)
+    line.close()
+    report_final(c, job)
+    if job["status"] != "succeeded":
+        raise SystemExit(1)
+
+
+# ---------------------------------------------------------------- the group
+
+@click.group(cls=LmscopeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=lmscope.__version__, message="lmscope %(version)s")
+def main():
+    """lmscope: measure how transformer language models work."""
+
+
+# ---------------------------------------------------------------- server side
+
+@main.command()
+@click.option("--host", default=None, help="address to bind (default LMSCOPE_HOST or 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="port (default LMSCOPE_PORT or 8765)")
+def up(host, port):
+    """Run the embedded service: API + worker in one process, SQLite, no other server."""
+    from lmscope.config import Settings
+    from lmscope.worker.embedded import serve
+
+    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    serve(Settings.from_env(**overrides))
+
+
+@main.command()
+@click.option("--concurrency", "-c", type=int, default=1, show_default=True, help="job processes (keep 1 per GPU)")
+@click.option("--loglevel", default="info", show_default=True)
+def worker(concurrency, loglevel):
+    """Run a Celery worker (team deployment; one per GPU, CUDA_VISIBLE_DEVICES picks it)."""
+    from lmscope.worker.celery_app import run_worker
+
+    run_worker(concurrency=concurrency, loglevel=loglevel)
+
+
+@main.group()
+def db():
+    """Database schema."""
+
+
+@db.command("upgrade")
+def db_upgrade():
+    """Create or migrate the schema to the latest version."""
+    from lmscope.config import Settings
+    from lmscope.db.engine import upgrade
+
+    settings = Settings.from_env()
+    upgrade(settings.database_url)
+    click.echo("database is up to date")
+
+
+def _sessions():
+    from lmscope.config import Settings
+    from lmscope.db.engine import make_engine, make_sessionmaker
+
+    return make_sessionmaker(make_engine(Settings.from_env().database_url))
+
+
+@main.group()
+def user():
+    """Users and tokens (run on the server: talks to the database directly)."""
+
+
+@user.command("create")
+@click.argument("name")
+@click.option("--admin", is_flag=True, help="may register models and see every job")
+def user_create(name, admin):
+    """Make a user and print its first token (shown once)."""
+    from lmscope.api.auth import create_user
+
+    with _sessions().begin() as session:
+        try:
+            _, token = create_user(session, name, admin=admin)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"created {'admin' if admin else 'user'} {name}; token (shown once, keep it secret):", err=True)
+    click.echo(token)
+
+
+@user.command("token")
+@click.argument("name")
+def user_token(name):
+    """Make another token for a user (shown once)."""
+    from sqlalchemy import select
+
+    from lmscope.api.auth import issue_token
+    from lmscope.db.models import User
+
+    with _sessions().begin() as session:
+        u = session.scalar(select(User).where(User.name == name))
+        if u is None:
+            raise click.ClickException(f"no user {name!r}; make one with `lmscope user create {name}`")
+        click.echo(issue_token(session, u))
+
+
+@user.command("list")
+def user_list():
+    """List users."""
+    from sqlalchemy import select
+
+    from lmscope.db.models import User
+
+    with _sessions()() as session:
+        for u in session.scalars(select(User).order_by(User.name)):
+            click.echo(f"{u.name}{'  (admin)' if u.is_admin else ''}")
+
+
+# ---------------------------------------------------------------- jobs
+
+@main.command()
+@click.argument("kind")
+@click.option("--param", "-p", "pairs", multiple=True, metavar="KEY=VALUE",
+              help="a parameter; VALUE is JSON if it parses, else a string; dotted keys nest (train.epochs=5)")
+@click.option("--params", "params_file", type=click.Path(exists=True, dir_okay=False), help="a JSON file of parameters")
+@click.option("--name", help="a label for the job")
+@click.option("--tag", "tags", multiple=True, help="a tag (repeatable)")
+@click.option("--idempotency-key", help="resubmitting with the same key returns the first job")
+@click.option("--wait", "wait_", is_flag=True, help="show progress until the job finishes")
+@click.option("--timeout", type=float, default=None, help="with --wait: stop watching after this many seconds")
+def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout):
+    """Submit a job of KIND (see `lmscope kinds`)."""
+    c = client()
+    job = c.submit(kind, build_params(pairs, params_file), name=name, tags=list(tags), idempotency_key=idempotency_key)
+    children = f" with {job['children']['total']} children" if job.get("children") else ""
+    click.echo(f"submitted job {job['id']} ({job['kind']}){children}", err=True)
+    if not wait_:
+        click.echo(job["id"])
+        return
+    wait_and_report(c, job["id"], timeout)
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--timeout", type=float, default=None)
+def wait(job_id, timeout):
+    """Show a job's progress until it finishes."""
+    wait_and_report(client(), job_id, timeout)
+
+
+def _fmt_progress(job: dict[str, Any]) -> str:
+    p = job.get("progress") or {}
+    return f"{p['fraction'] * 100:.0f}%" if p.get("fraction") is not None else ""
+
+
+def print_table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [header, *rows]:
+        click.echo("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+
+
+@main.command()
+@click.option("--kind")
+@click.option("--status", help="e.g. running or queued,running")
+@click.option("--tag")
+@click.option("--parent", help="a sweep's id (its children) or `none` (top-level jobs only)")
+@click.option("--limit", type=int, default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def jobs(kind, status, tag, parent, limit, as_json):
+    """List your jobs, newest first."""
+    items = []
+    for job in client().list(kind=kind, status=status, tag=tag, parent=parent, page_size=min(limit, 500)):
+        items.append(job)
+        if len(items) >= limit:
+            break
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
+                  j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
+                ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", "NAME", "TAGS"])
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+def show(job_id, as_json):
+    """A job's status, progress, params, summary and error."""
+    job = client().get(job_id)
+    if as_json:
+        click.echo(json.dumps(job, indent=2))
+        return
+    for key in ("id", "kind", "name", "status", "user", "parent_id", "attempts", "created_at", "started_at", "finished_at"):
+        if job.get(key) is not None:
+            click.echo(f"{key:12} {job[key]}")
+    if job.get("progress"):
+        click.echo(f"{'progress':12} {ProgressLine(job_id).render(job)}")
+    if job.get("children"):
+        click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
+    for key in ("params", "summary", "error", "environment"):
+        if job.get(key):
+            click.echo(f"{key}:\n" + "\n".join("  " + line for line in json.dumps(job[key], indent=2).splitlines()))
+
+
+@main.command()
+@click.argument("job_id", type=int)
+def cancel(job_id):
+    """Cancel a job (a sweep: all its children)."""
+    job = client().cancel(job_id)
+    state = "cancelled" if job["status"] == "cancelled" else "cancel requested (stops at its next batch)"
+    click.echo(f"job {job_id}: {state}")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
+@click.option("--series", multiple=True, help="series name (repeatable; `prefix*` matches a prefix)")
+def results(job_id, fmt, series):
+    """A job's series as JSON, or CSV rows (series, labels, x, y)."""
+    data = client().results(job_id, list(series))
+    if fmt == "json":
+        click.echo(json.dumps(data, indent=2))
+        return
+    out = csv.writer(sys.stdout)
+    out.writerow(["series", "labels", "x", "y"])
+    for s in data["series"]:
+        labels = json.dumps(s["labels"], sort_keys=True)
+        for x, y in zip(s["x"], s["y"]):
+            out.writerow([s["name"], labels, x, y])
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.argument("directory", type=click.Path(file_okay=False))
+def fetch(job_id, directory):
+    """Download a job's artifacts (plots, npz) into DIRECTORY."""
+    for path in client().fetch(job_id, directory):
+        click.echo(path)
+
+
+@main.command()
+def kinds():
+    """The job kinds and what they do."""
+    for k in client().kinds():
+        click.echo(f"{k['name']:10} {k['description']}")
+
+
+# ---------------------------------------------------------------- models and datasets
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx):
+    """Registered models (`lmscope models` lists them)."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(models_list)
+
+
+@models.command("list")
+def models_list():
+    """List registered models."""
+    items = client().models()
+    print_table([[m["name"], m["source"], m.get("architecture") or "", m.get("layers") or "", m.get("heads") or "",
+                  m.get("hidden") or "", m.get("params") or ""] for m in items],
+                ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "HIDDEN", "PARAMS"])
+
+
+@models.command("register")
+@click.argument("name")
+@click.argument("path")
+def models_register(name, path):
+    """Register a Hugging Face directory (on the server, under LMSCOPE_MODEL_DIRS) as NAME (admins)."""
+    m = client().register_model(name, path)
+    click.echo(f"registered model {m['name']}: {m.get('architecture')}, {m.get('layers')} layers, {m.get('params')} params")
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def datasets(ctx):
+    """Text datasets (`lmscope datasets` lists them)."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(datasets_list)
+
+
+@datasets.command("list")
+def datasets_list():
+    """List datasets."""
+    items = client().datasets()
+    print_table([[d["name"], d["source"], d["format"], d["documents"], d["bytes"]] for d in items],
+                ["NAME", "SOURCE", "FORMAT", "DOCUMENTS", "BYTES"])
+
+
+@datasets.command("upload")
+@click.argument("name")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "lines", "jsonl"]), default="text", show_default=True,
+              help="text: paragraphs; lines: one document per line; jsonl: {\"text\": ...} per line")
+@click.option("--description")
+def datasets_upload(name, file, fmt, description):
+    """Upload FILE as dataset NAME."""
+    d = client().upload_dataset(name, file, fmt, description=description)
+    click.echo(f"uploaded dataset {d['name']}: {d['documents']} documents, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The Python client of the lmscope API (only `requests` and the standard library; no torch).
+
+    from lmscope.client import Client
+    c = Client()                      # LMSCOPE_URL, LMSCOPE_TOKEN
+    job = c.submit("probe", {"model": "tiny-gpt2"})
+    job = c.wait(job["id"], on_progress=lambda j: print(j["progress"]))
+    c.fetch(job["id"], "out/")        # plots, npz files
+
+Every error the server answers is raised as `LmscopeError(status, problem)`; its message is the
+problem's title and detail, which say what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from urllib.parse import quote
+
+import requests
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+class LmscopeError(Exception):
+    """An error answered by the API (a problem document) or the failure to reach it (status 0)."""
+
+    def __init__(self, status: int, problem: dict[str, Any]):
+        self.status = status
+        self.problem = problem
+        title, detail = problem.get("title") or f"HTTP {status}", problem.get("detail")
+        super().__init__(f"{title}: {detail}" if detail else title)
+
+    @property
+    def type(self) -> str | None:
+        return self.problem.get("type")
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return self.problem.get("errors") or []
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 60.0,
+                 session: requests.Session | None = None):
+        self.url = (url or os.environ.get("LMSCOPE_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get("LMSCOPE_TOKEN")
+        self.timeout = timeout
+        self.http = session or requests.Session()
+        if self.token:
+            self.http.headers["Authorization"] = f"Bearer {self.token}"
+
+    # ------------------------------------------------------------ plumbing
+
+    def request(self, method: str, path: str, *, stream: bool = False, **kwargs) -> requests.Response:
+        kwargs.setdefault("timeout", self.timeout)
+        try:
+            response = self.http.request(method, self.url + path, stream=stream, **kwargs)
+        except requests.ConnectionError as e:
+            raise LmscopeError(0, {"title": "Cannot reach the lmscope API",
+                                   "detail": f"{self.url}: {e.__class__.__name__}. Is the server running "
+                                             "(`lmscope up`)? Set LMSCOPE_URL to its address."}) from None
+        except requests.Timeout:
+            raise LmscopeError(0, {"title": "The lmscope API did not answer",
+                                   "detail": f"{method} {path} took longer than {kwargs['timeout']} s"}) from None
+        if response.status_code >= 400:
+            raise LmscopeError(response.status_code, _problem_of(response))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs) -> Any:
+        return self.request(method, path, **kwargs).json()
+
+    # ------------------------------------------------------------ jobs
+
+    def submit(self, kind: str, params: dict[str, Any] | None = None, *, name: str | None = None,
+               tags: list[str] | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"kind": kind, "params": params or {}}
+        if name is not None:
+            body["name"] = name
+        if tags:
+            body["tags"] = list(tags)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._json("POST", "/v1/jobs", json=body, headers=headers)
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{int(job_id)}")
+
+    def list(self, *, page_size: int = 100, **filters) -> Iterator[dict[str, Any]]:
+        """Every job matching the filters (kind, status, tag, parent, user), newest first, across pages."""
+        params = {k: v for k, v in filters.items() if v is not None}
+        params["limit"] = page_size
+        while True:
+            page = self._json("GET", "/v1/jobs", params=params)
+            yield from page["items"]
+            if not page.get("next_page_token"):
+                return
+            params["page_token"] = page["next_page_token"]
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel")
+
+    def wait(self, job_id: int, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
+             timeout: float | None = None, poll: float = 0.5) -> dict[str, Any]:
+        """Poll until the job is terminal; `on_progress(job)` is called whenever status or progress changes.
+
+        Raises TimeoutError after `timeout` seconds (the job keeps running).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = None
+        while True:
+            job = self.get(job_id)
+            seen = (job["status"], job.get("progress"), job.get("cancel_requested"))
+            if on_progress and seen != last:
+                on_progress(job)
+            last = seen
+            if job["status"] in TERMINAL_STATES:
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout} s")
+            time.sleep(poll)
+
+    def results(self, job_id: int, series: str | list[str] | None = None) -> dict[str, Any]:
+        """{job_id, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a prefix)."""
+        names = [series] if isinstance(series, str) else list(series or [])
+        return self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=[("series", n) for n in names])
+
+    def artifacts(self, job_id: int) -> list[dict[str, Any]]:
+        return self._json("GET", f"/v1/jobs/{int(job_id)}/artifacts")["items"]
+
+    def download(self, job_id: int, name: str, dest: str | Path) -> Path:
+        """Save one artifact; `dest` is a file path or an existing directory. Returns the path written."""
+        dest = Path(dest)
+        if dest.is_dir():
+            dest = dest / Path(name).name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        response = self.request("GET", f"/v1/jobs/{int(job_id)}/artifacts/{quote(name)}", stream=True)
+        tmp = dest.with_name(dest.name + ".part")
+        with open(tmp, "wb") as f:
+            for chunk in response.iter_content(1 << 20):
+                f.write(chunk)
+        tmp.replace(dest)
+        return dest
+
+    def fetch(self, job_id: int, directory: str | Path) -> list[Path]:
+        """Download every artifact of a job into `directory`, keeping sub-folders (e.g. plots/)."""
+        root = Path(directory).resolve()
+        written = []
+        for artifact in self.artifacts(job_id):
+            target = (root / artifact["name"]).resolve()
+            if not target.is_relative_to(root):  # never write outside the folder the user named
+                raise LmscopeError(0, {"title": "Unsafe artifact name",
+                                       "detail": f"{artifact['name']!r} would be written outside {root}"})
+            written.append(self.download(job_id, artifact["name"], target))
+        return written
+
+    # ------------------------------------------------------------ models and datasets
+
+    def models(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/v1/models")["items"]
+
+    def register_model(self, name: str, path: str | Path) -> dict[str, Any]:
+        return self._json("POST", "/v1/models", json={"name": name, "path": str(path)})
+
+    def datasets(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/v1/datasets")["items"]
+
+    def upload_dataset(self, name: str, path: str | Path, format: str = "text", *,
+                       description: str | None = None) -> dict[str, Any]:
+        """Upload a text file (format: text | lines | jsonl) as a dataset."""
+        data = {"name": name, "format": format}
+        if description:
+            data["description"] = description
+        with open(path, "rb") as f:
+            return self._json("POST", "/v1/datasets", data=data, files={"file": (Path(path).name, f)})
+
+    def kinds(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/v1/kinds")["items"]
+
+
+def _problem_of(response: requests.Response) -> dict[str, Any]:
+    """The problem document of an error response, or one made up from a non-JSON body (e.g. a proxy's)."""
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            return body
+    except ValueError:
+        pass
+    text = response.text.strip()
+    return {"title": f"HTTP {response.status_code} {response.reason or ''}".strip(),
+            "status": response.status_code, "detail": text[:500] or None}

@@ -1,0 +1,119 @@
+"""lmscope.client.Client against the API on a real port (werkzeug's threaded server)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+from lmscope.client import Client, LmscopeError
+from lmscope.db.models import Artifact, Series, utcnow
+
+from .conftest import free_port
+
+
+@pytest.fixture
+def db_url(sqlite_url):
+    """SQLite only: these tests are about HTTP plumbing; the SQL behind it is tested on both databases."""
+    return sqlite_url
+
+
+@pytest.fixture
+def ann(api, live):
+    api.user("ann")
+    return Client(live.url, api.tokens["ann"])
+
+
+def test_errors_carry_the_problem(api, live, ann):
+    with pytest.raises(LmscopeError) as e:
+        ann.submit("probe", {"model": "m", "dtype": "float64"})
+    assert e.value.status == 422 and e.value.type.endswith("/validation-error")
+    assert [x["loc"] for x in e.value.errors] == [["params", "dtype"]]
+    assert str(e.value).startswith("Invalid parameters for kind 'probe': fix these fields: params.dtype")
+    with pytest.raises(LmscopeError) as e:
+        ann.get(424242)
+    assert e.value.status == 404 and str(e.value).startswith("Job not found: there is no job 424242")
+    with pytest.raises(LmscopeError) as e:
+        Client(live.url, "lms_not-a-token").get(1)
+    assert e.value.status == 401 and "Invalid token" in str(e.value)
+
+
+def test_unreachable_server_is_status_0_with_a_hint():
+    with pytest.raises(LmscopeError) as e:
+        Client(f"http://127.0.0.1:{free_port()}", "t", timeout=2).get(1)
+    assert e.value.status == 0 and "LMSCOPE_URL" in str(e.value)
+
+
+def test_client_defaults_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LMSCOPE_URL", "http://example.invalid:1/")
+    monkeypatch.setenv("LMSCOPE_TOKEN", "lms_x")
+    c = Client()
+    assert c.url == "http://example.invalid:1" and c.http.headers["Authorization"] == "Bearer lms_x"
+
+
+def test_submit_list_cancel_and_idempotency(api, ann):
+    ids = [ann.submit("probe", {"model": "m"}, tags=["t"])["id"] for _ in range(3)]
+    again = ann.submit("probe", {"model": "m"}, idempotency_key="k")
+    assert ann.submit("probe", {"model": "m"}, idempotency_key="k")["id"] == again["id"]
+    listed = [j["id"] for j in ann.list(page_size=2)]  # four jobs over two pages
+    assert listed == sorted(ids + [again["id"]], reverse=True)
+    assert [j["id"] for j in ann.list(tag="t")] == sorted(ids, reverse=True)
+    assert ann.cancel(ids[0])["status"] == "cancelled"
+    assert [j["id"] for j in ann.list(status="cancelled")] == [ids[0]]
+
+
+def test_wait_reports_progress_and_times_out(api, ann):
+    job_id = ann.submit("probe", {"model": "m"})["id"]
+    with pytest.raises(TimeoutError):
+        ann.wait(job_id, timeout=0.2, poll=0.05)
+
+    def worker():
+        for done in range(1, 4):
+            time.sleep(0.15)
+            api.set_job(job_id, status="running", progress_done=done, progress_total=3, progress_stage="s")
+        api.set_job(job_id, status="succeeded", finished_at=utcnow(), summary={"ok": 1})
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    seen = []
+    final = ann.wait(job_id, on_progress=lambda j: seen.append((j["status"], (j["progress"] or {}).get("done"))),
+                     timeout=20, poll=0.05)
+    thread.join()
+    assert final["status"] == "succeeded" and final["summary"] == {"ok": 1}
+    assert seen[0] == ("queued", None) and seen[-1][0] == "succeeded"
+    assert [d for s, d in seen if s == "running"] == sorted({d for s, d in seen if s == "running"})
+
+
+def test_results_download_and_fetch(api, ann, tmp_path):
+    job_id = ann.submit("probe", {"model": "m"})["id"]
+    files = {"plots/a.png": b"\x89PNG" + bytes(1000), "b.npz": b"PK" + bytes(range(200))}
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=job_id, name="s1", labels={"layer": 1}, x=[1, 2], y=[3.5, 4.5]))
+        session.add(Series(job_id=job_id, name="s2", labels={}, x=[], y=[]))
+        for name, data in files.items():
+            path = api.settings.artifact_dir / "jobs" / str(job_id) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            session.add(Artifact(job_id=job_id, name=name, media_type="application/octet-stream", size=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+    assert ann.results(job_id, "s1")["series"] == [{"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]}]
+    assert len(ann.results(job_id)["series"]) == 2
+    written = ann.fetch(job_id, tmp_path / "out")
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in written) == sorted(files)
+    for name, data in files.items():
+        assert (tmp_path / "out" / name).read_bytes() == data
+    assert ann.download(job_id, "b.npz", tmp_path).read_bytes() == files["b.npz"]
+
+
+def test_datasets_and_models(api, ann, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n')
+    d = ann.upload_dataset("c", path, "jsonl")
+    assert d["documents"] == 2 and d["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert "c" in [x["name"] for x in ann.datasets()]
+    assert "m" in [x["name"] for x in ann.models()]
+    with pytest.raises(LmscopeError) as e:
+        ann.register_model("x", tmp_path)
+    assert e.value.status == 403

@@ -1,0 +1,140 @@
+"""GET /v1/jobs[/{id}] and POST /v1/jobs/{id}/cancel."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from lmscope.db.models import utcnow
+
+from .conftest import is_problem, small_sweep
+
+
+def test_job_document(api):
+    h = api.user("ann")
+    job_id = api.submit(h, name="n1").get_json()["id"]
+    started = utcnow() - timedelta(seconds=10)
+    api.set_job(job_id, status="running", attempts=1, started_at=started, heartbeat_at=utcnow(),
+                progress_done=30, progress_total=120, progress_stage="forward")
+    job = api.client.get(f"/v1/jobs/{job_id}", headers=h).get_json()
+    assert job["status"] == "running" and job["attempts"] == 1 and job["user"] == "ann" and job["name"] == "n1"
+    assert job["progress"]["done"] == 30 and job["progress"]["total"] == 120 and job["progress"]["stage"] == "forward"
+    assert job["progress"]["fraction"] == 30 / 120
+    assert 9 < job["timings"]["run_seconds"] < 600
+    assert job["links"] == {"self": f"/v1/jobs/{job_id}", "results": f"/v1/jobs/{job_id}/results",
+                            "artifacts": f"/v1/jobs/{job_id}/artifacts", "events": f"/v1/jobs/{job_id}/events",
+                            "cancel": f"/v1/jobs/{job_id}/cancel"}
+    api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="invalid-input", error_message="no text")
+    job = api.client.get(f"/v1/jobs/{job_id}", headers=h).get_json()
+    assert job["error"] == {"type": "invalid-input", "message": "no text"} and job["finished_at"].endswith("Z")
+
+
+def test_other_users_jobs_are_404_and_admins_see_all(api):
+    ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
+    job_id = api.submit(ann).get_json()["id"]
+    for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/results", f"/v1/jobs/{job_id}/artifacts"):
+        is_problem(api.client.get(path, headers=bob), 404, "not-found")
+    is_problem(api.client.post(f"/v1/jobs/{job_id}/cancel", headers=bob), 404, "not-found")
+    assert api.client.get("/v1/jobs", headers=bob).get_json()["items"] == []
+    assert api.client.get(f"/v1/jobs/{job_id}", headers=root).status_code == 200
+    assert [j["id"] for j in api.client.get("/v1/jobs", headers=root).get_json()["items"]] == [job_id]
+    assert api.client.get("/v1/jobs?user=bob", headers=root).get_json()["items"] == []
+    is_problem(api.client.get("/v1/jobs/999999", headers=root), 404, "not-found")
+
+
+def test_pagination_walks_every_job_once_newest_first(api):
+    h = api.user("ann")
+    ids = []
+    for i in range(7):
+        ids.append(api.submit(h, tags=["even" if i % 2 == 0 else "odd"]).get_json()["id"])
+        api.set_job(ids[-1], status="succeeded")  # stay under the quota
+    api.submit(api.user("bob"))  # never in ann's pages
+    seen, token, pages = [], None, 0
+    while True:
+        url = "/v1/jobs?limit=3" + (f"&page_token={token}" if token else "")
+        page = api.client.get(url, headers=h).get_json()
+        seen += [j["id"] for j in page["items"]]
+        pages += 1
+        token = page["next_page_token"]
+        if not token:
+            break
+    assert seen == sorted(ids, reverse=True) and pages == 3
+    # Filters compose with paging.
+    evens = api.client.get("/v1/jobs?tag=even&limit=2", headers=h).get_json()
+    rest = api.client.get(f"/v1/jobs?tag=even&limit=2&page_token={evens['next_page_token']}", headers=h).get_json()
+    assert [j["id"] for j in evens["items"] + rest["items"]] == sorted(ids[0::2], reverse=True)
+    assert rest["next_page_token"] is None
+    is_problem(api.client.get("/v1/jobs?limit=0", headers=h), 422, "validation-error")
+    is_problem(api.client.get("/v1/jobs?limit=501", headers=h), 422, "validation-error")
+    is_problem(api.client.get("/v1/jobs?page_token=garbage!", headers=h), 422, "validation-error")
+
+
+def test_filters(api):
+    h = api.user("ann")
+    probe = api.submit(h, tags=["x"]).get_json()["id"]
+    train = api.submit(h, kind="train", params={"dataset": "d"}, tags=["x", "y"]).get_json()["id"]
+    sweep = api.submit(h, kind="sweep", params=small_sweep(2)).get_json()
+    children = [c.id for c in api.jobs(parent_id=sweep["id"])]
+    api.set_job(probe, status="running")
+
+    def ids(query):
+        r = api.client.get(f"/v1/jobs?{query}", headers=h)
+        assert r.status_code == 200, r.get_data(as_text=True)
+        return [j["id"] for j in r.get_json()["items"]]
+
+    assert ids("kind=train") == [train]
+    assert ids("status=running") == [sweep["id"], probe]  # a sweep parent runs while its children do
+    assert ids("status=queued,running") == sorted([probe, train, sweep["id"], *children], reverse=True)
+    assert ids("tag=y") == [train] and ids("tag=x") == [train, probe] and ids("tag=nope") == []
+    assert ids(f"parent={sweep['id']}") == sorted(children, reverse=True)
+    assert ids("parent=none") == [sweep["id"], train, probe]
+    assert ids("") == sorted([probe, train, sweep["id"], *children], reverse=True)  # default: children included
+    body = is_problem(api.client.get("/v1/jobs?status=done", headers=h), 422, "validation-error")
+    assert "succeeded" in body["detail"]
+
+
+def test_cancel_a_queued_job_cancels_it_now(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    r = api.client.post(f"/v1/jobs/{job_id}/cancel", headers=h)
+    assert r.status_code == 202 and r.get_json()["status"] == "cancelled"
+    row = api.job_row(job_id)
+    assert row.status == "cancelled" and row.finished_at is not None and row.cancel_requested
+    is_problem(api.client.post(f"/v1/jobs/{job_id}/cancel", headers=h), 409, "job-finished")
+
+
+def test_cancel_a_running_job_asks_the_worker(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.set_job(job_id, status="running", attempts=1, started_at=utcnow())
+    r = api.client.post(f"/v1/jobs/{job_id}/cancel", headers=h)
+    assert r.status_code == 202
+    assert r.get_json()["status"] == "running" and r.get_json()["cancel_requested"] is True
+    row = api.job_row(job_id)
+    assert row.status == "running" and row.cancel_requested and row.finished_at is None
+
+
+def test_cancel_a_sweep(api):
+    h = api.user("ann")
+    parent = api.submit(h, kind="sweep", params=small_sweep(3)).get_json()["id"]
+    first, second, third = [c.id for c in api.jobs(parent_id=parent)]
+    api.set_job(first, status="succeeded", finished_at=utcnow())
+    api.set_job(second, status="running", started_at=utcnow())
+    api.publisher.published.clear()
+    r = api.client.post(f"/v1/jobs/{parent}/cancel", headers=h)
+    assert r.status_code == 202
+    assert r.get_json()["cancel_requested"] and r.get_json()["children"]["cancelled"] == 1
+    assert [(j.status, j.cancel_requested) for j in api.jobs(parent_id=parent)] == \
+           [("succeeded", False), ("running", True), ("cancelled", True)]
+    # The parent is published so that the aggregation runs once the running child stops.
+    assert api.publisher.published == [parent]
+
+
+def test_cancelling_a_child_publishes_its_parent(api):
+    h = api.user("ann")
+    parent = api.submit(h, kind="sweep", params=small_sweep(2)).get_json()["id"]
+    child = api.jobs(parent_id=parent)[0].id
+    api.publisher.published.clear()
+    assert api.client.post(f"/v1/jobs/{child}/cancel", headers=h).get_json()["status"] == "cancelled"
+    assert api.publisher.published == [parent]
+    parent_doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()
+    assert parent_doc["progress"]["done"] == 1 and parent_doc["progress"]["total"] == 2

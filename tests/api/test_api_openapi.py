@@ -1,0 +1,82 @@
+"""The OpenAPI document, the /docs page and the generic HTTP errors (no SQL behaviour: SQLite only)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import is_problem
+
+
+@pytest.fixture
+def db_url(sqlite_url):
+    return sqlite_url
+
+
+def test_openapi_is_valid_and_lists_every_endpoint(api):
+    from openapi_spec_validator import validate
+
+    spec = api.client.get("/openapi.json").get_json()
+    validate(spec)
+    assert spec["openapi"].startswith("3.1")
+    documented = {(path, method.upper()) for path, item in spec["paths"].items() for method in item}
+    for rule in api.app.url_map.iter_rules():
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert (path, method) in documented, (path, method)
+    for must in [("/v1/jobs", "POST"), ("/v1/jobs", "GET"), ("/v1/jobs/{job_id}", "GET"),
+                 ("/v1/jobs/{job_id}/cancel", "POST"), ("/v1/jobs/{job_id}/results", "GET"),
+                 ("/v1/jobs/{job_id}/artifacts", "GET"), ("/v1/jobs/{job_id}/artifacts/{name}", "GET"),
+                 ("/v1/jobs/{job_id}/events", "GET"), ("/v1/models", "GET"), ("/v1/models", "POST"),
+                 ("/v1/datasets", "GET"), ("/v1/datasets", "POST"), ("/healthz", "GET"), ("/readyz", "GET"),
+                 ("/metrics", "GET"), ("/openapi.json", "GET"), ("/docs", "GET")]:
+        assert must in documented, must
+    # The submit body is one of the kinds, each with its pydantic params schema.
+    from lmscope.params import KINDS
+
+    schemas = spec["components"]["schemas"]
+    variants = schemas["SubmitJob"]["oneOf"]
+    submittable = sorted(k for k, s in KINDS.items() if s.submittable)
+    assert sorted(schemas[v["$ref"].split("/")[-1]]["properties"]["kind"]["const"] for v in variants) == submittable
+    for kind in submittable:
+        params = schemas[KINDS[kind].params.__name__]
+        assert set(params["properties"]) == set(KINDS[kind].params.model_fields)
+
+
+def test_docs_page_is_self_contained(api):
+    r = api.client.get("/docs")
+    assert r.status_code == 200 and r.mimetype == "text/html"
+    html = r.get_data(as_text=True)
+    assert "/openapi.json" in html
+    # No CDN: nothing loaded from another host.
+    assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', html)
+
+
+def test_generic_http_errors_are_problems(api):
+    h = api.user("ann")
+    body = is_problem(api.client.get("/nowhere"), 404, "not-found")
+    assert body["instance"] == "/nowhere"
+    r = api.client.delete("/v1/jobs", headers=h)
+    body = is_problem(r, 405, "method-not-allowed")
+    assert "GET" in r.headers["Allow"] and "POST" in body["detail"]
+
+
+def test_unexpected_errors_are_500_problems(api, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr("lmscope.api.jobs.load_visible_job", boom)
+    api.app.testing = False  # as in production: the handler answers instead of re-raising
+    r = api.client.get("/v1/jobs/1", headers=api.user("ann"))
+    is_problem(r, 500, "internal-error")
+    assert "secret internals" not in r.get_data(as_text=True)
+
+
+def test_kinds_lists_what_can_be_submitted(api):
+    from lmscope.params import KINDS
+
+    items = api.client.get("/v1/kinds", headers=api.user("ann")).get_json()["items"]
+    assert [k["name"] for k in items] == sorted(k for k, s in KINDS.items() if s.submittable)
+    sweep = next(k for k in items if k["name"] == "sweep")
+    assert sweep["sweep"] is True and "properties" in sweep["params_schema"]

@@ -1,0 +1,110 @@
+"""Results, artifacts and the event stream of a job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+
+from lmscope.db.models import Artifact, Series, utcnow
+
+from .conftest import is_problem
+
+
+def add_results(api, job_id: int, files: dict[str, bytes]):
+    """What a worker leaves behind: series rows, artifact rows and their files."""
+    folder = api.settings.artifact_dir / "jobs" / str(job_id)
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=job_id, name="norm.mean", labels={"layer": None}, x=[0, 1, 2], y=[1.0, 1.5, 2.25]))
+        session.add(Series(job_id=job_id, name="norm.std", labels={}, x=[0, 1, 2], y=[0.1, 0.2, 0.3]))
+        session.add(Series(job_id=job_id, name="entropy.head", labels={"layer": 0, "head": 1}, x=[0], y=[0.5]))
+        for name, data in files.items():
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            media = "image/png" if name.endswith(".png") else "application/octet-stream"
+            session.add(Artifact(job_id=job_id, name=name, media_type=media, size=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+
+
+def test_results_filtered_by_series(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    add_results(api, job_id, {})
+    all_ = api.client.get(f"/v1/jobs/{job_id}/results", headers=h).get_json()
+    assert [s["name"] for s in all_["series"]] == ["norm.mean", "norm.std", "entropy.head"]
+    assert all_["series"][0] == {"name": "norm.mean", "labels": {"layer": None}, "x": [0, 1, 2], "y": [1.0, 1.5, 2.25]}
+    one = api.client.get(f"/v1/jobs/{job_id}/results?series=norm.std&series=entropy.head", headers=h).get_json()
+    assert [s["name"] for s in one["series"]] == ["norm.std", "entropy.head"]
+    prefix = api.client.get(f"/v1/jobs/{job_id}/results?series=norm.*", headers=h).get_json()
+    assert [s["name"] for s in prefix["series"]] == ["norm.mean", "norm.std"]
+
+
+def test_artifacts_list_and_download(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+    npz = b"PK\x03\x04" + b"\x00" * 300
+    add_results(api, job_id, {"plots/norms.png": png, "trajectories.npz": npz})
+    items = api.client.get(f"/v1/jobs/{job_id}/artifacts", headers=h).get_json()["items"]
+    assert [(a["name"], a["size"], a["sha256"]) for a in items] == [
+        ("plots/norms.png", len(png), hashlib.sha256(png).hexdigest()),
+        ("trajectories.npz", len(npz), hashlib.sha256(npz).hexdigest())]
+    for item, data in zip(items, (png, npz)):
+        r = api.client.get(item["url"], headers=h)
+        assert r.status_code == 200 and r.data == data and r.mimetype == item["media_type"]
+    is_problem(api.client.get(f"/v1/jobs/{job_id}/artifacts/nope.png", headers=h), 404, "not-found")
+
+
+def test_artifact_paths_cannot_escape_the_job_folder(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    secret = api.settings.artifact_dir / "secret.txt"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text("do not serve")
+    # Even a recorded name that climbs out (a corrupt or hostile row) is not served.
+    with api.sessions.begin() as session:
+        session.add(Artifact(job_id=job_id, name="../../secret.txt", media_type="text/plain", size=12, sha256="0" * 64))
+    for path in ("../../secret.txt", "..%2F..%2Fsecret.txt", "%2E%2E/%2E%2E/secret.txt"):
+        r = api.client.get(f"/v1/jobs/{job_id}/artifacts/{path}", headers=h)
+        assert r.status_code == 404 and b"do not serve" not in r.data
+
+
+def test_events_stream_until_terminal(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.app.config["LMSCOPE_SSE_POLL_SECONDS"] = 0.05
+
+    def worker():  # what a worker does to the row, a little later
+        time.sleep(0.3)
+        api.set_job(job_id, status="running", attempts=1, started_at=utcnow())
+        for done in (1, 2):
+            time.sleep(0.2)
+            api.set_job(job_id, progress_done=done, progress_total=2, progress_stage="forward")
+        time.sleep(0.2)
+        api.set_job(job_id, status="succeeded", finished_at=utcnow(), summary={"layers": 4})
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started = time.monotonic()
+    r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=20", headers=h)
+    assert r.status_code == 200 and r.mimetype == "text/event-stream"
+    text = r.get_data(as_text=True)  # the stream is read (and polls SQL) while the "worker" runs
+    thread.join()
+    assert time.monotonic() - started < 15  # it ended at the terminal state, not at the timeout
+    events = [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+              for e in text.split("\n\n") if e.startswith("event:")]
+    kinds = [k for k, _ in events]
+    assert [d["status"] for k, d in events if k == "status"] == ["queued", "running", "succeeded"]
+    assert [(d["done"], d["total"]) for k, d in events if k == "progress"] == [(1, 2), (2, 2)]
+    assert kinds[-1] == "end" and events[-1][1]["status"] == "succeeded" and events[-1][1]["summary"] == {"layers": 4}
+
+
+def test_events_stream_is_bounded(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.app.config["LMSCOPE_SSE_POLL_SECONDS"] = 0.05
+    r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=0.3", headers=h)
+    text = r.get_data(as_text=True)
+    assert "event: status" in text and "event: timeout" in text and "event: end" not in text

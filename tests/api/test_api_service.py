@@ -1,0 +1,60 @@
+"""Probes and metrics."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import is_problem
+
+
+def test_health_and_readiness(api):
+    assert api.client.get("/healthz").get_json() == {"status": "ok"}
+    r = api.client.get("/readyz")
+    assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok"}
+
+
+@pytest.mark.redis
+def test_readiness_pings_the_broker(make_api, redis_server):
+    api = make_api(broker_url=redis_server.url)
+    r = api.client.get("/readyz")
+    assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok"}
+    redis_server.stop()
+    r = api.client.get("/readyz")
+    body = is_problem(r, 503, "not-ready")
+    assert body["checks"]["database"] == "ok" and body["checks"]["broker"].startswith("error")
+    assert "broker" in body["detail"] and r.headers["Retry-After"]
+
+
+def test_metrics_count_requests_and_jobs(api):
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.submit(h, kind="nope")
+    api.client.get(f"/v1/jobs/{job_id}", headers=h)
+    api.client.get(f"/v1/jobs/{job_id}", headers=h)
+    text = api.client.get("/metrics").get_data(as_text=True)
+    assert 'lmscope_http_requests_total{method="POST",route="/v1/jobs",status="202"} 1' in text
+    assert 'lmscope_http_requests_total{method="POST",route="/v1/jobs",status="422"} 1' in text
+    # Routes are labelled by their rule, not the raw path (bounded label values).
+    assert 'lmscope_http_requests_total{method="GET",route="/v1/jobs/<int:job_id>",status="200"} 2' in text
+    assert 'lmscope_jobs{kind="probe",status="queued"} 1' in text
+    # Every sample line parses as `name{labels} value`.
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+', line), line
+
+
+def test_job_durations_histogram(api):
+    from datetime import timedelta
+
+    from lmscope.db.models import utcnow
+
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    now = utcnow()
+    api.set_job(job_id, status="succeeded", started_at=now - timedelta(seconds=42), finished_at=now)
+    text = api.client.get("/metrics").get_data(as_text=True)
+    assert 'lmscope_job_duration_seconds_bucket{kind="probe",status="succeeded",le="15"} 0' in text
+    assert 'lmscope_job_duration_seconds_bucket{kind="probe",status="succeeded",le="60"} 1' in text
+    assert re.search(r'lmscope_job_duration_seconds_sum\{kind="probe",status="succeeded"\} 42\.0', text)

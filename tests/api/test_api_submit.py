@@ -1,0 +1,164 @@
+"""POST /v1/jobs: what is refused (and how the refusal reads), what is stored, what is published."""
+
+from __future__ import annotations
+
+from lmscope.params import KINDS
+
+from .conftest import is_problem, small_sweep
+
+
+def test_submit_stores_validated_params_and_publishes_after_commit(api):
+    h = api.user("ann")
+    r = api.submit(h, params={"model": "m"}, name="first", tags=["a", "b"])
+    assert r.status_code == 202
+    job = r.get_json()
+    assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
+    assert job["status"] == "queued" and job["kind"] == "probe" and job["tags"] == ["a", "b"]
+    # Defaults are filled in, so the row says exactly what will run.
+    assert job["params"] == KINDS["probe"].params(model="m").model_dump(mode="json")
+    assert api.publisher.published == [job["id"]]
+    row = api.job_row(job["id"])
+    assert row.published_at is not None and row.max_attempts == api.settings.max_attempts
+
+
+def test_field_errors_are_422_problems_naming_each_field(api):
+    h = api.user("ann")
+    r = api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m", "dtype": "float64", "colour": 1}})
+    body = is_problem(r, 422, "validation-error")
+    locs = {tuple(e["loc"]) for e in body["errors"]}
+    assert locs == {("params", "dtype"), ("params", "colour")}
+    assert "params.dtype" in body["detail"] and "params.colour" in body["detail"]
+    # The body itself: a top-level field of the wrong type.
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "tags": "x"}), 422, "validation-error")
+    assert body["errors"][0]["loc"] == ["tags"]
+    assert api.jobs() == [] and api.publisher.published == []
+
+
+def test_unknown_kind_lists_the_kinds(api):
+    body = is_problem(api.submit(api.user("ann"), kind="nope"), 422, "unknown-kind")
+    submittable = sorted(k for k, s in KINDS.items() if s.submittable)
+    assert body["kinds"] == submittable
+    assert all(k in body["detail"] for k in submittable)
+    # Child-only kinds exist but cannot be submitted directly.
+    assert "sumformer_fit" not in body["kinds"]
+    is_problem(api.submit(api.user("ann"), kind="sumformer_fit", params={}), 422, "unknown-kind")
+
+
+def test_unknown_model_or_dataset_is_refused_at_submit(api):
+    h = api.user("ann")
+    body = is_problem(api.submit(h, kind="norms", params={"model": "ghost", "dataset": "nowhere"}), 422, "unknown-reference")
+    assert "'ghost'" in body["detail"] and "'nowhere'" in body["detail"] and "GET /v1/models" in body["detail"]
+    assert {tuple(e["loc"]) for e in body["errors"]} == {("params", "model"), ("params", "dataset")}
+    # An entropy job over another user's train job: that job "does not exist" for this user.
+    other = api.submit(api.user("bob"), kind="train", params={"dataset": "d"}).get_json()
+    body = is_problem(api.submit(h, kind="entropy", params={"dataset": "d", "train_job": other["id"]}),
+                      422, "unknown-reference")
+    assert f"job {other['id']} does not exist" in body["detail"]
+    assert api.submit(api.user("bob"), kind="entropy",
+                      params={"dataset": "d", "train_job": other["id"]}).status_code == 202
+
+
+def test_not_json_is_400(api):
+    r = api.client.post("/v1/jobs", headers=api.user("ann"), data="{nope", content_type="application/json")
+    is_problem(r, 400, "invalid-json")
+
+
+def test_auth_required_with_a_bearer_challenge(api):
+    r = api.client.post("/v1/jobs", json={"kind": "probe", "params": {"model": "m"}})
+    is_problem(r, 401, "unauthorized")
+    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    r = api.client.get("/v1/jobs", headers={"Authorization": "Bearer lms_wrong"})
+    assert is_problem(r, 401, "unauthorized")["title"] == "Invalid token"
+    assert api.client.get("/v1/jobs", headers={"Authorization": "Basic abc"}).status_code == 401
+    assert api.client.get("/v1/jobs", headers=api.user("ann")).status_code == 200
+
+
+def test_without_auth_requests_act_as_the_local_admin(make_api):
+    api = make_api(auth=False)
+    api.add_model("m")
+    job = api.client.post("/v1/jobs", json={"kind": "probe", "params": {"model": "m"}}).get_json()
+    assert job["user"] == "local"
+    assert api.client.post("/v1/models", json={"name": "x", "path": "/nowhere"}).status_code == 422  # admin: not 403
+
+
+def test_quota_counts_active_top_level_jobs(api):
+    h = api.user("ann")
+    keyed = api.client.post("/v1/jobs", headers={**h, "Idempotency-Key": "retry-me"},
+                            json={"kind": "probe", "params": {"model": "m"}}).get_json()["id"]
+    ids = [keyed] + [api.submit(h).get_json()["id"] for _ in range(api.settings.max_active_jobs - 1)]
+    r = api.submit(h)
+    body = is_problem(r, 429, "quota-exceeded")
+    assert int(r.headers["Retry-After"]) > 0 and body["limit"] == api.settings.max_active_jobs
+    # A retry of an accepted request is answered, full quota or not.
+    replay = api.client.post("/v1/jobs", headers={**h, "Idempotency-Key": "retry-me"},
+                             json={"kind": "probe", "params": {"model": "m"}})
+    assert replay.status_code == 200 and replay.get_json()["id"] == keyed
+    # Another user has their own quota.
+    assert api.submit(api.user("bob")).status_code == 202
+    # A finished job frees its slot; a running one does not.
+    api.set_job(ids[0], status="succeeded")
+    api.set_job(ids[1], status="running")
+    assert api.submit(h).status_code == 202
+    is_problem(api.submit(h), 429, "quota-exceeded")
+
+
+def test_a_sweep_counts_once_towards_the_quota(make_api):
+    api = make_api(max_active_jobs=2)
+    h = api.user("ann")
+    sweep = api.submit(h, kind="sweep", params=small_sweep(3)).get_json()
+    assert sweep["children"]["total"] == 3
+    assert api.submit(h, kind="sweep", params=small_sweep(1)).status_code == 202
+    is_problem(api.submit(h, kind="sweep", params=small_sweep(1)), 429, "quota-exceeded")
+
+
+def test_idempotency_key(api):
+    h = {**api.user("ann"), "Idempotency-Key": "k-1"}
+    first = api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"}, "tags": ["x"]})
+    assert first.status_code == 202
+    # Same key, same body (key order does not matter) → the first job, not a new one.
+    again = api.client.post("/v1/jobs", headers=h, json={"tags": ["x"], "params": {"model": "m"}, "kind": "probe"})
+    assert again.status_code == 200 and again.get_json()["id"] == first.get_json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    # Same key, different body → 422 naming the first job.
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"}}),
+                      422, "idempotency-key-reused")
+    assert body["job_id"] == first.get_json()["id"]
+    # Keys are per user.
+    other = api.client.post("/v1/jobs", headers={**api.user("bob"), "Idempotency-Key": "k-1"},
+                            json={"kind": "probe", "params": {"model": "m"}})
+    assert other.status_code == 202 and other.get_json()["id"] != first.get_json()["id"]
+    assert len(api.jobs()) == 2 and api.publisher.published == [first.get_json()["id"], other.get_json()["id"]]
+
+
+def test_sweep_inserts_parent_and_children_and_publishes_the_children(api):
+    h = api.user("ann")
+    r = api.submit(h, kind="sweep", params=small_sweep(4), tags=["s"])
+    assert r.status_code == 202
+    parent = r.get_json()
+    assert parent["status"] == "running" and parent["children"]["total"] == 4 and parent["children"]["queued"] == 4
+    assert parent["progress"] == {"done": 0, "total": 4, "stage": "children", "fraction": 0.0, "updated_at": None}
+    row = api.job_row(parent["id"])
+    assert row.waiting_children and row.started_at is not None
+    children = api.jobs(parent_id=parent["id"])
+    # The children are the kind's grid points, in order, with their params validated (defaults filled in).
+    expected = KINDS["sweep"].expand(KINDS["sweep"].params.model_validate(small_sweep(4)))
+    assert [(c.kind, c.name) for c in children] == [(e.kind, e.name) for e in expected]
+    assert [c.params for c in children] == [
+        KINDS[e.kind].params.model_validate(e.params).model_dump(mode="json") for e in expected]
+    assert len({c.params["latent_dim"] for c in children}) == 4
+    assert all(c.status == "queued" and c.user_id == row.user_id and "s" in c.tags for c in children)
+    assert api.publisher.published == [c.id for c in children]  # the children, never the parent
+
+
+def test_sweep_size_limit(api):
+    body = is_problem(api.submit(api.user("ann"), kind="sweep", params=small_sweep(9)), 422, "sweep-too-large")
+    assert body["points"] == 9 and "9 points" in body["detail"] and "8" in body["detail"]
+    assert api.jobs() == []
+
+
+def test_publish_failure_still_accepts_the_job_for_the_reaper(api):
+    api.publisher.fail = True
+    r = api.submit(api.user("ann"))
+    assert r.status_code == 202
+    row = api.job_row(r.get_json()["id"])
+    assert row.status == "queued" and row.published_at is None

@@ -1,0 +1,163 @@
+"""The `lmscope` command: parameter parsing, user management, and a real `lmscope up` session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import pytest
+import requests
+from click.testing import CliRunner
+
+from lmscope.cli import build_params, main, parse_value
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- parameters
+
+def test_values_are_json_when_they_parse_else_strings():
+    assert parse_value("4") == 4 and parse_value("1e-3") == 0.001 and parse_value("true") is True
+    assert parse_value("null") is None and parse_value("[1, 2]") == [1, 2] and parse_value('{"a": 1}') == {"a": 1}
+    assert parse_value("tiny-gpt2") == "tiny-gpt2" and parse_value('"4"') == "4" and parse_value("") == ""
+
+
+def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"model": "a", "train": {"epochs": 1, "lr": 0.1}}))
+    params = build_params(("model=b", "train.epochs=5", "grid.latent_dim=[2,4]", "note=x=y"), str(f))
+    assert params == {"model": "b", "train": {"epochs": 5, "lr": 0.1}, "grid": {"latent_dim": [2, 4]}, "note": "x=y"}
+    for bad in (("novalue",), ("=3",), ("a=1", "a.b=2"), ("a..b=1",)):
+        with pytest.raises(click.BadParameter):
+            build_params(bad, None)
+    f.write_text("[1]")
+    with pytest.raises(click.BadParameter):
+        build_params((), str(f))
+
+
+def test_server_commands_exist():
+    assert {"up", "worker", "db", "user", "submit", "jobs", "show", "cancel", "results", "fetch", "models",
+            "datasets"} <= set(main.commands)
+    assert "upgrade" in main.commands["db"].commands
+    assert {"create", "token"} <= set(main.commands["user"].commands)
+
+
+# ---------------------------------------------------------------- users (direct database access)
+
+def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):
+    from lmscope.api import create_app
+
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", sqlite_url)
+    runner = CliRunner()
+    created = runner.invoke(main, ["user", "create", "ann", "--admin"])
+    assert created.exit_code == 0, created.output
+    token = created.stdout.strip()
+    assert token.startswith("lms_") and len(token) > 40
+    another = runner.invoke(main, ["user", "token", "ann"]).stdout.strip()
+    assert another.startswith("lms_") and another != token
+    again = runner.invoke(main, ["user", "create", "ann"])
+    assert again.exit_code != 0 and "exists" in again.output
+    assert runner.invoke(main, ["user", "token", "nobody"]).exit_code != 0
+
+    class Nowhere:
+        def publish(self, job_id):
+            pass
+
+    app = create_app(settings_factory(database_url=sqlite_url, auth=True), publisher=Nowhere())
+    client = app.test_client()
+    for t in (token, another):
+        r = client.get("/v1/jobs", headers={"Authorization": f"Bearer {t}"})
+        assert r.status_code == 200, r.get_json()
+    assert client.get("/v1/jobs", headers={"Authorization": "Bearer lms_forged"}).status_code == 401
+
+
+# ---------------------------------------------------------------- against a real `lmscope up`
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lmscope(env, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "lmscope.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def lmscope_up(tmp_path):
+    """`lmscope up` in its own process: the embedded API + worker on SQLite, real jobs on tiny-gpt2."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSCOPE_")}
+    env.update(LMSCOPE_DATA_DIR=str(tmp_path / "data"), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0",
+               LMSCOPE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, cwd=ROOT, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{env['LMSCOPE_URL']}/readyz", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "lmscope up did not become ready"
+            time.sleep(0.2)
+        yield env
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_submit_wait_fetch_against_lmscope_up(lmscope_up, tmp_path):
+    env = lmscope_up
+    done = lmscope(env, "submit", "probe", "--param", "model=tiny-gpt2", "--tag", "cli", "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Progress on stderr (stage, done/total, %), the outcome on stdout.
+    assert "submitted job 1 (probe)" in done.stderr
+    assert "3/3" in done.stderr and "100.0%" in done.stderr
+    assert "job 1 (probe) succeeded" in done.stdout
+    assert "num_layers: 4" in done.stdout  # tiny-gpt2's config (lmscope.catalog.BUILTIN_MODELS)
+    assert "lmscope fetch 1 DIR" in done.stdout and ".png" in done.stdout
+
+    fetched = lmscope(env, "fetch", "1", str(tmp_path / "out"))
+    assert fetched.returncode == 0, fetched.stderr
+    pngs = list((tmp_path / "out").rglob("*.png"))
+    assert pngs and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+
+    # `lmscope jobs` is light: it lists the job without importing torch.
+    code = ("import sys; from lmscope.cli import main; main(['jobs', '--tag', 'cli'], standalone_mode=False); "
+            "heavy = [m for m in ('torch', 'transformers', 'numpy', 'flask', 'sqlalchemy') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    listed = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[0].split()[:3] == ["ID", "KIND", "STATUS"]
+    assert listed.stdout.splitlines()[1].split()[:3] == ["1", "probe", "succeeded"]
+
+    as_json = json.loads(lmscope(env, "results", "1").stdout)
+    as_csv = lmscope(env, "results", "1", "--format", "csv").stdout.splitlines()
+    assert as_csv[0] == "series,labels,x,y"
+    assert len(as_csv) - 1 == sum(len(s["x"]) for s in as_json["series"])
+
+    shown = lmscope(env, "show", "1", "--json")
+    assert json.loads(shown.stdout)["summary"]["num_layers"] == 4
+
+    # Errors: the problem's title and detail, each bad field, a non-zero exit.
+    bad = lmscope(env, "submit", "probe", "--param", "model=ghost")
+    assert bad.returncode == 1 and "Unknown model" in bad.stderr and "params.model: model 'ghost'" in bad.stderr
+    missing = lmscope(env, "show", "99")
+    assert missing.returncode == 1 and "Job not found" in missing.stderr
