@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -200,3 +201,42 @@ def settings_factory(tmp_path):
         return Settings.from_env(env, **overrides)
 
     return make
+
+
+# ---------------------------------------------------------------- a real `lmscope up`
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def lmscope_up(tmp_path):
+    """`lmscope up` in its own process: the embedded API + worker on SQLite, real jobs on tiny-gpt2."""
+    import requests
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSCOPE_")}
+    env.update(LMSCOPE_DATA_DIR=str(tmp_path / "data"), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0",
+               LMSCOPE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, cwd=ROOT, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{env['LMSCOPE_URL']}/readyz", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "lmscope up did not become ready"
+            time.sleep(0.2)
+        yield env
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+

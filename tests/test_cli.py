@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
 import pytest
-import requests
 from click.testing import CliRunner
 
 from lmscope.cli import build_params, main, parse_value
@@ -79,47 +75,9 @@ def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkey
 
 # ---------------------------------------------------------------- against a real `lmscope up`
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def lmscope(env, *args, timeout=120):
     return subprocess.run([sys.executable, "-m", "lmscope.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def lmscope_up(tmp_path):
-    """`lmscope up` in its own process: the embedded API + worker on SQLite, real jobs on tiny-gpt2."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSCOPE_")}
-    env.update(LMSCOPE_DATA_DIR=str(tmp_path / "data"), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0",
-               LMSCOPE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(ROOT))
-    log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, cwd=ROOT, stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{env['LMSCOPE_URL']}/readyz", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, "lmscope up did not become ready"
-            time.sleep(0.2)
-        yield env
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.mark.slow

@@ -1,0 +1,59 @@
+"""The dashboard in a real browser (headless Chromium) against a real `lmscope up`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import requests
+
+from conftest import need
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def browse(url: str, *extra: str) -> str:
+    """Load `url`, let its scripts run for a few (virtual) seconds, return the DOM or the command's output."""
+    with tempfile.TemporaryDirectory() as profile:
+        done = subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                               "--virtual-time-budget=8000", *extra, url],
+                              capture_output=True, text=True, timeout=120)
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_dashboard_shows_jobs_progress_summary_and_plots(lmscope_up, tmp_path):
+    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    url = lmscope_up["LMSCOPE_URL"]
+    job = requests.post(f"{url}/v1/jobs", json={"kind": "probe", "params": {"model": "tiny-gpt2"},
+                                                "name": "dashboard probe"}, timeout=30).json()
+    for _ in range(600):
+        state = requests.get(f"{url}/v1/jobs/{job['id']}", timeout=30).json()
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        __import__("time").sleep(0.2)
+    assert state["status"] == "succeeded", state
+
+    # The job list: the row with its kind, name and status.
+    dom = browse(f"{url}/", "--dump-dom")
+    assert "dashboard probe" in dom and "succeeded" in dom and 'class="job' in dom
+
+    # A job's page: its summary numbers and its plots, loaded through the authenticated API as images.
+    dom = browse(f"{url}/#job={job['id']}", "--dump-dom")
+    assert f"Job {job['id']}" in dom
+    assert '"num_layers": 4' in dom  # the summary, as the API returns it
+    plots = [a["name"] for a in requests.get(f"{url}/v1/jobs/{job['id']}/artifacts", timeout=30).json()["items"]
+             if a["name"].endswith(".png")]
+    assert plots and all(f'alt="{name}"' in dom for name in plots)
+    assert "blob:" in dom  # images were fetched and shown, not just linked
+
+    shot = tmp_path / "dashboard.png"
+    browse(f"{url}/#job={job['id']}", f"--screenshot={shot}", "--window-size=1400,1000")
+    assert shot.read_bytes().startswith(b"\x89PNG")
