@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
-# redis-server and PostgreSQL for the tests that use the real servers (Debian packages; root or sudo).
+# redis-server, PostgreSQL and Chromium for the tests that use the real things (Debian packages; as root).
 system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 	  (apt-get update -q && apt-get install -y -q postgresql)
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
 demo: install
 	$(PYTHON) -m lmscope.demo
