@@ -34,6 +34,7 @@ ENV_VARS = {
     "LMSCOPE_PORT": "port `lmscope up` listens on (default 8765)",
     "LMSCOPE_URL": "where the client and CLI find the API (default http://127.0.0.1:8765)",
     "LMSCOPE_TOKEN": "bearer token the client and CLI send",
+    "LMSCOPE_EXTRA_KINDS": "test hook: a module each worker imports and calls register() on (extra job kinds)",
 }
 
 

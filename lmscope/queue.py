@@ -1,0 +1,183 @@
+"""Publishing a job id to the workers: Celery over Redis (team deployment) or in-process (embedded).
+
+A message carries only the job id; the SQL row is the source of truth. Delivery is at-least-once:
+a duplicate or a stale message is harmless because the worker claims the row with a conditional
+UPDATE, and a lost message is re-sent by the reaper (``lmscope.worker.reaper``).
+
+Who sets ``jobs.published_at``: whoever publishes, *after* the broker accepted the message
+(``publish_jobs`` below does both; the API, the runner and the reaper all go through it). A failed
+publish leaves ``published_at`` NULL so the reaper sends it again later; the job is never lost.
+
+Light module (imported by the API): celery is imported only when a Celery publisher is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Iterable, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from celery import Celery
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from lmscope.config import Settings
+
+TASK_NAME = "lmscope.run_job"
+QUEUE_NAME = "lmscope"
+# Redis re-delivers a message that is unacknowledged this long after delivery. The hard time limit
+# of a job stays below it, so a running job's message is never handed to a second worker.
+VISIBILITY_MARGIN_SECONDS = 3600
+
+log = logging.getLogger("lmscope.queue")
+
+
+class Publisher(Protocol):
+    def publish(self, job_id: int) -> None:
+        """Hand a job id to the workers; raises if the queue did not accept it."""
+
+
+# ---------------------------------------------------------------- Celery
+
+def celery_config(settings: "Settings") -> dict:
+    """Celery settings of DESIGN.md §2 (shared by publishers and workers so both agree)."""
+    hard_limit = settings.task_time_limit
+    return dict(
+        broker_url=settings.broker_url,
+        # JSON only: a pickle message from anyone who can reach Redis would be code execution.
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        # SQL is the truth: no result backend, nothing stored per task in Redis.
+        result_backend=None,
+        task_ignore_result=True,
+        # Ack after the task returns; a child that dies mid-job puts its message back at once.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # One job in hand per worker process: a long job never holds a second one hostage.
+        worker_prefetch_multiplier=1,
+        # A soft limit raises inside the job (recorded as failed, not retried); the hard limit
+        # kills the child if that did not work. Both below the visibility timeout.
+        task_time_limit=hard_limit,
+        task_soft_time_limit=max(1, hard_limit - max(1, min(60, hard_limit // 20))),
+        broker_transport_options={"visibility_timeout": hard_limit + VISIBILITY_MARGIN_SECONDS},
+        task_default_queue=QUEUE_NAME,
+        task_routes={TASK_NAME: {"queue": QUEUE_NAME}},
+        broker_connection_retry_on_startup=True,
+        # A publish against a dead broker fails within seconds (the API answers, the reaper retries).
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
+                                   "interval_max": 1.0},
+        broker_connection_timeout=5,
+        worker_hijack_root_logger=False,
+        # Lost connection: keep running jobs; their messages come back and the claim sorts it out.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        task_send_sent_event=False,
+        worker_send_task_events=False,
+    )
+
+
+def make_celery(settings: "Settings") -> "Celery":
+    """A Celery app configured from Settings, without task bodies (the worker adds those)."""
+    if not settings.broker_url:
+        raise ValueError("LMSCOPE_BROKER_URL is not set; Celery needs a broker such as redis://redis:6379/0")
+    from celery import Celery
+
+    app = Celery("lmscope", set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+class CeleryPublisher:
+    """Sends task ``lmscope.run_job`` with args ``[job_id]`` (JSON) to queue ``lmscope``."""
+
+    def __init__(self, broker_url: str | None = None, *, settings: "Settings | None" = None,
+                 app: "Celery | None" = None):
+        if app is None:
+            if settings is None:
+                from lmscope.config import Settings
+
+                settings = Settings.from_env()
+            if broker_url:
+                settings = _with_broker(settings, broker_url)
+            app = make_celery(settings)
+        self.app = app
+
+    def publish(self, job_id: int) -> None:
+        self.app.send_task(TASK_NAME, args=[int(job_id)], queue=QUEUE_NAME)
+
+
+def _with_broker(settings: "Settings", broker_url: str) -> "Settings":
+    from dataclasses import replace
+
+    return replace(settings, broker_url=broker_url)
+
+
+# ---------------------------------------------------------------- embedded
+
+class LocalPublisher:
+    """Embedded mode: wakes the in-process worker thread(s).
+
+    The embedded worker claims queued jobs straight from SQL, so a wake-up that is missed (or a
+    publish before the worker started) loses nothing; published ids are kept only so that a sweep
+    parent whose last child finished is aggregated without waiting for the next reaper pass.
+    """
+
+    def __init__(self):
+        self._ids: deque[int] = deque(maxlen=100_000)  # bounded: SQL and the reaper are the real record
+        self._lock = threading.Lock()
+        self.wakeup = threading.Event()
+
+    def publish(self, job_id: int) -> None:
+        with self._lock:
+            self._ids.append(int(job_id))
+        self.wakeup.set()
+
+    def drain(self) -> list[int]:
+        """Ids published since the last call (each once, in order)."""
+        with self._lock:
+            ids = list(dict.fromkeys(self._ids))
+            self._ids.clear()
+        return ids
+
+
+def make_publisher(settings: "Settings") -> Publisher:
+    """Celery when a broker is configured, else an in-process publisher (embedded mode)."""
+    if settings.broker_url:
+        return CeleryPublisher(settings=settings)
+    return LocalPublisher()
+
+
+# ---------------------------------------------------------------- publish + record
+
+def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]", job_ids: Iterable[int]) -> list[int]:
+    """Publish each id, then set ``published_at`` for those the queue accepted.
+
+    Returns the ids that were published. A failure is logged, not raised: the committed row stays
+    queued with ``published_at`` NULL and the reaper publishes it later.
+    """
+    from sqlalchemy import update
+
+    from lmscope.db.models import Job, utcnow
+
+    sent, failed = [], []
+    for job_id in job_ids:
+        try:
+            publisher.publish(job_id)
+            sent.append(job_id)
+        except Exception as e:  # broker down: the reaper will retry
+            log.warning("could not publish job %s (%s: %s); the reaper will retry", job_id, type(e).__name__, e)
+            failed.append(job_id)
+    try:
+        with session_factory() as session, session.begin():
+            if sent:
+                session.execute(update(Job).where(Job.id.in_(sent)).values(published_at=utcnow()))
+            if failed:
+                session.execute(update(Job).where(Job.id.in_(failed)).values(published_at=None))
+    except Exception as e:  # the message went out; a missing timestamp only means an extra re-publish
+        log.warning("could not record published_at for jobs %s: %s", sent + failed, e)
+    return sent
+
+
+__all__ = ["Publisher", "CeleryPublisher", "LocalPublisher", "make_celery", "celery_config", "make_publisher",
+           "publish_jobs", "TASK_NAME", "QUEUE_NAME"]

@@ -1,0 +1,97 @@
+"""One attempt at a job and its hold on the job row.
+
+An attempt owns the row while ``status='running'``, ``worker`` is this process and ``attempts`` is
+its number. Every write an attempt makes (heartbeat, progress, results) is conditional on that, so
+an attempt the reaper already gave up on (stale heartbeat → re-queued) can never overwrite what
+its successor does: it notices (``AttemptLost``) and stops quietly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from lmscope.db.models import Job, utcnow
+
+log = logging.getLogger("lmscope.worker")
+
+
+class AttemptLost(Exception):
+    """This attempt no longer owns its job row (re-queued by the reaper or taken over)."""
+
+
+class WorkerShutdown(Exception):
+    """The embedded worker is stopping; the job goes back to the queue."""
+
+
+@dataclass
+class Attempt:
+    job_id: int
+    number: int  # the row's `attempts` after this attempt's claim
+    worker: str  # host:pid
+    kind: str
+    params: dict[str, Any]
+    parent_id: int | None
+    max_attempts: int
+    started: datetime = field(default_factory=utcnow)
+
+    def owned(self):
+        """SQL condition: the row is still this attempt's."""
+        return (Job.id == self.job_id) & (Job.status == "running") & (Job.worker == self.worker) & \
+            (Job.attempts == self.number)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; everything we store is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+class Heartbeat(threading.Thread):
+    """Refreshes ``heartbeat_at`` every ``interval`` seconds in its own short transactions.
+
+    Each beat also reads ``cancel_requested`` (so a job that reports progress rarely still learns of a
+    cancel within one interval) and notices a lost row.
+    """
+
+    def __init__(self, session_factory: sessionmaker[Session], attempt: Attempt, interval: float):
+        super().__init__(name=f"heartbeat-{attempt.job_id}", daemon=True)
+        self.session_factory = session_factory
+        self.attempt = attempt
+        self.interval = max(0.05, float(interval))
+        self.cancel_requested = False
+        self.lost = False
+        self._stopping = threading.Event()
+
+    def beat(self) -> None:
+        try:
+            with self.session_factory() as session, session.begin():
+                row = session.execute(
+                    update(Job).where(self.attempt.owned()).values(heartbeat_at=utcnow())
+                    .returning(Job.cancel_requested)).one_or_none()
+        except SQLAlchemyError as e:  # a database blip must not kill a long job; the next beat retries
+            log.warning("heartbeat of job %s failed: %s", self.attempt.job_id, e)
+            return
+        if row is None:
+            self.lost = True
+        elif row.cancel_requested:
+            self.cancel_requested = True
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            self.beat()
+            if self.lost:
+                return
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=self.interval + 5)

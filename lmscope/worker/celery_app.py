@@ -1,0 +1,85 @@
+"""The Celery worker: ``celery -A lmscope.worker.celery_app worker -c 1 -Q lmscope`` (one per GPU).
+
+Settings come from the environment (``LMSCOPE_BROKER_URL``, ``LMSCOPE_DATABASE_URL``, ...); the Celery
+configuration is ``lmscope.queue.celery_config`` (JSON only, late acks, requeue on a lost child,
+prefetch 1, hard time limit below Redis' visibility timeout, no result backend).
+
+Processes: the main process consumes messages and runs the reaper thread (it never imports torch,
+so CUDA is initialised only in the prefork child that runs the job). The child runs
+``lmscope.run_job(job_id)`` → ``runner.execute``.
+
+``run_worker(concurrency=1)`` is what ``lmscope worker`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from celery import signals
+
+from lmscope.config import Settings
+from lmscope.queue import QUEUE_NAME, TASK_NAME, CeleryPublisher, make_celery
+from lmscope.worker import runner
+from lmscope.worker.startup import ensure_builtins, forget_inherited_engines, load_extra_kinds, session_factory_for
+
+log = logging.getLogger("lmscope.worker")
+
+settings = Settings.from_env()
+if not settings.broker_url:
+    raise RuntimeError("LMSCOPE_BROKER_URL is not set; a Celery worker needs the broker, e.g. "
+                       "LMSCOPE_BROKER_URL=redis://localhost:6379/0 (for one process without Redis use `lmscope up`)")
+celery = make_celery(settings)
+load_extra_kinds()
+
+_reaper = None
+
+
+@celery.task(name=TASK_NAME)
+def run_job(job_id: int) -> None:
+    """Run one delivery of a job id. Never raises for a job's own failure: the row records it."""
+    runner.execute(int(job_id), settings, session_factory_for(settings), CeleryPublisher(app=celery))
+
+
+@signals.worker_process_init.connect
+def _child_started(**_) -> None:
+    # A fresh prefork child: connections inherited from the main process belong to it.
+    forget_inherited_engines()
+
+
+@signals.worker_ready.connect
+def _start_reaper(**_) -> None:
+    """In the main process: upsert built-ins, then reap in a thread (every worker does; it is safe)."""
+    global _reaper
+    from lmscope.worker.reaper import ReaperThread
+
+    sessions = session_factory_for(settings)
+    try:
+        ensure_builtins(settings, sessions)
+    except Exception:
+        log.exception("could not upsert built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
+    _reaper = ReaperThread(settings, sessions, CeleryPublisher(app=celery))
+    _reaper.start()
+    log.info("reaper running every %.1f s", _reaper.interval)
+
+
+@signals.worker_shutting_down.connect
+def _stop_reaper(**_) -> None:
+    if _reaper is not None:
+        _reaper.stop()
+
+
+def worker_argv(concurrency: int = 1, loglevel: str = "info") -> list[str]:
+    return ["worker", "-c", str(concurrency), "-P", "prefork", "-Q", QUEUE_NAME,
+            "--without-gossip", "--without-mingle", "-l", loglevel]
+
+
+def run_worker(concurrency: int = 1, loglevel: str = "info") -> None:
+    """Start a worker in this process (blocks). One per GPU: set CUDA_VISIBLE_DEVICES per worker."""
+    celery.worker_main(worker_argv(concurrency, loglevel))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run Celery with ``argv`` (default: ``worker_argv()``), e.g. ``main(["worker", "-c", "1"])``."""
+    argv = sys.argv[1:] if argv is None else argv
+    celery.worker_main(argv or worker_argv())

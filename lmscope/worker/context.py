@@ -1,0 +1,211 @@
+"""The JobContext an analysis gets inside a worker (protocol: ``lmscope.analyses.base.JobContext``).
+
+Progress is written at most ``PROGRESS_WRITES_PER_SECOND`` times a second (the last report, where
+``done == total``, always), and the same write reads ``cancel_requested`` back, so a cancel is seen
+at the next batch boundary without extra queries. Every database access is a short transaction of
+its own: nothing is held open while the analysis computes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
+from lmscope.catalog import config_facts, read_documents, safetensors_parameter_count
+from lmscope.db.models import Dataset, Job, Model, utcnow
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
+
+PROGRESS_WRITES_PER_SECOND = 4
+MODEL_CACHE_CAPACITY = 2
+
+log = logging.getLogger("lmscope.worker")
+
+_model_cache = None
+_model_cache_lock = threading.Lock()
+
+
+def model_cache():
+    """The process-wide ``ModelCache``: consecutive jobs on the same model load it once."""
+    global _model_cache
+    with _model_cache_lock:
+        if _model_cache is None:
+            from lmscope.modeling.loading import ModelCache  # torch: only where a job needs a model
+
+            _model_cache = ModelCache(MODEL_CACHE_CAPACITY)
+        return _model_cache
+
+
+class WorkerContext:
+    def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
+                 *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
+                 deadline: float | None = None):
+        self.job_id = attempt.job_id
+        self.attempt = attempt.number
+        self.artifact_dir = Path(artifact_dir)
+        self.device = device
+        self.environment: dict[str, Any] = {}
+        self.timings: dict[str, float] = {}
+        self.last_progress: tuple[int, int, str | None] | None = None
+        self._attempt = attempt
+        self._sf = session_factory
+        self._heartbeat = heartbeat
+        self._shutdown = shutdown
+        self._deadline = deadline  # time.monotonic() after which the attempt fails (time limit)
+        self._interval = 1.0 / PROGRESS_WRITES_PER_SECOND
+        self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
+        self._written: tuple[int, int, str | None] | None = None
+        self._cancel_requested = False
+        self._stages: list[str] = []
+
+    # ------------------------------------------------------------ progress and cancel
+
+    def progress(self, done: int, total: int, stage: str | None = None) -> None:
+        stage = stage if stage is not None else (self._stages[-1] if self._stages else None)
+        self.last_progress = (int(done), int(total), stage)
+        final = total is not None and done >= total
+        if final or time.monotonic() - self._last_write >= self._interval:
+            self.flush_progress()
+        self.check_cancelled()
+
+    def flush_progress(self) -> None:
+        """Write the latest progress now (if it changed); also reads the cancel flag."""
+        if self.last_progress is None or self.last_progress == self._written:
+            return
+        done, total, stage = self.last_progress
+        values = dict(progress_done=done, progress_total=total, progress_at=utcnow())
+        if stage is not None:
+            values["progress_stage"] = stage[:200]
+        self._last_write = time.monotonic()
+        try:
+            with self._sf() as session, session.begin():
+                row = session.execute(update(Job).where(self._attempt.owned()).values(**values)
+                                      .returning(Job.cancel_requested)).one_or_none()
+        except SQLAlchemyError as e:  # keep computing through a database blip; the next write retries
+            log.warning("progress write of job %s failed: %s", self.job_id, e)
+            return
+        if row is None:
+            raise AttemptLost(self.job_id)
+        self._written = self.last_progress
+        self._cancel_requested = self._cancel_requested or row.cancel_requested
+
+    def check_cancelled(self) -> None:
+        if self._shutdown is not None and self._shutdown.is_set():
+            raise WorkerShutdown()
+        if self._heartbeat is not None:
+            if self._heartbeat.lost:
+                raise AttemptLost(self.job_id)
+            self._cancel_requested = self._cancel_requested or self._heartbeat.cancel_requested
+        if not self._cancel_requested and time.monotonic() - self._last_write >= self._interval:
+            self._last_write = time.monotonic()
+            self._read_cancel_flag()
+        if self._cancel_requested:
+            raise JobCancelled()
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise JobFailed("the job ran past its time limit (LMSCOPE_TASK_TIME_LIMIT); use smaller parameters "
+                            "or ask an operator to raise the limit", error_type="time-limit")
+
+    def _read_cancel_flag(self) -> None:
+        try:
+            with self._sf() as session, session.begin():
+                row = session.execute(select(Job.cancel_requested).where(self._attempt.owned())).one_or_none()
+        except SQLAlchemyError as e:
+            log.warning("cancel check of job %s failed: %s", self.job_id, e)
+            return
+        if row is None:
+            raise AttemptLost(self.job_id)
+        self._cancel_requested = bool(row.cancel_requested)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        self._stages.append(name)
+        try:
+            yield
+        finally:
+            self._stages.pop()
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+    def record(self, key: str, value: Any) -> None:
+        self.environment[key] = value
+
+    # ------------------------------------------------------------ models and data
+
+    def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
+        with self._sf() as session:
+            row = session.execute(select(Model.name, Model.source, Model.path).where(Model.name == name)).one_or_none()
+        if row is None:
+            raise JobFailed(f"model {name!r} is not registered; list models with GET /v1/models or register a "
+                            "Hugging Face directory with POST /v1/models", error_type="unknown-model")
+        cache = model_cache()
+        from lmscope.modeling.loading import ModelLoadError
+
+        try:
+            loaded = cache.get(row.name, row.source, row.path, dtype=dtype, device=self.device)
+        except ModelLoadError as e:  # a broken directory is the user's to fix, not a worker bug
+            raise JobFailed(f"model {name!r} cannot be loaded: {e}", error_type="model-load") from None
+        self.environment.setdefault("models", {})[name] = {"source": row.source, "dtype": dtype}
+        return loaded
+
+    def load_documents(self, dataset: str) -> list[str]:
+        with self._sf() as session:
+            row = session.execute(select(Dataset.path, Dataset.format, Dataset.sha256)
+                                  .where(Dataset.name == dataset)).one_or_none()
+        if row is None:
+            raise JobFailed(f"dataset {dataset!r} is not registered; list datasets with GET /v1/datasets or "
+                            "upload one with POST /v1/datasets", error_type="unknown-dataset")
+        path = Path(row.path)
+        if not path.is_file():
+            raise JobFailed(f"dataset {dataset!r}: its file {path} is missing on this worker; mount the data "
+                            "directory into the worker or upload the dataset again", error_type="dataset-missing")
+        self.environment.setdefault("datasets", {})[dataset] = {"sha256": row.sha256}
+        return read_documents(path, row.format)
+
+    def register_model(self, name: str, path: Path, *, step: int | None = None) -> None:
+        path = Path(path).resolve()
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise JobFailed(f"cannot register {name!r}: {path}/config.json is missing or not JSON ({e})",
+                            error_type="invalid-checkpoint") from None
+        facts = config_facts(config)
+        weights = sorted(path.glob("*.safetensors"))
+        values = dict(
+            source="checkpoint", path=str(path), architecture=facts.architecture, num_layers=facts.num_layers,
+            num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size,
+            vocab_size=facts.vocab_size, dtype=facts.dtype, info=facts.info, job_id=self.job_id, step=step,
+            num_parameters=sum(safetensors_parameter_count(w) for w in weights) if weights else None,
+        )
+        for _ in range(2):  # a concurrent insert of the same name: the second round updates it
+            try:
+                with self._sf() as session, session.begin():
+                    row = session.execute(select(Model).where(Model.name == name)).scalar_one_or_none()
+                    if row is None:
+                        session.add(Model(name=name, **values))
+                    elif row.source != "checkpoint" or (row.job_id not in (None, self.job_id)):
+                        raise JobFailed(f"model name {name!r} is already taken by another model; choose another "
+                                        "run name", error_type="name-taken")
+                    else:
+                        for key, value in values.items():
+                            setattr(row, key, value)
+                break
+            except IntegrityError:
+                continue
+        if _model_cache is not None:  # a retried train job may rewrite a checkpoint under the same name
+            _model_cache.forget(name)
+
+    def checkpoints_of(self, train_job_id: int) -> list[tuple[int, str]]:
+        with self._sf() as session:
+            rows = session.execute(select(Model.step, Model.name)
+                                   .where(Model.job_id == train_job_id, Model.source == "checkpoint")
+                                   .order_by(Model.step, Model.id)).all()
+        return [(int(r.step if r.step is not None else 0), r.name) for r in rows]

@@ -1,0 +1,162 @@
+"""The embedded mode (``lmscope up``): API and worker in one process, SQLite, no other server.
+
+The worker thread claims queued jobs straight from SQL, oldest first, with the same runner as a
+Celery worker (so the same claim, heartbeat, progress, cancel and result rules hold), and runs a
+reaper pass every few seconds. Publishing only wakes it up (``lmscope.queue.LocalPublisher``): a
+lost wake-up costs at most ``poll_seconds``. Jobs queued or running when the process stops are
+picked up again at the next start (``reaper.recover_interrupted``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from lmscope.analyses import registry
+from lmscope.config import Settings
+from lmscope.db.models import Job
+from lmscope.queue import LocalPublisher
+from lmscope.worker import runner
+from lmscope.worker.environment import worker_id
+from lmscope.worker.reaper import reap, reap_interval, recover_interrupted
+
+log = logging.getLogger("lmscope.worker")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class EmbeddedWorker:
+    """``threads`` worker threads in this process (default one: one device, one job at a time)."""
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session],
+                 publisher: LocalPublisher | None = None, *, threads: int = 1, poll_seconds: float = 1.0):
+        self.settings = settings
+        self.session_factory = session_factory
+        self.publisher = publisher or LocalPublisher()
+        self.poll_seconds = poll_seconds
+        self.stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, name=f"lmscope-worker-{i}", daemon=True)
+                         for i in range(threads)]
+        self._reap_every = reap_interval(settings)
+        self._last_reap = 0.0
+        self._reap_lock = threading.Lock()
+
+    def start(self) -> "EmbeddedWorker":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Ask the threads to stop; a running job goes back to the queue at its next progress report.
+        Returns False if a thread was still busy after ``timeout`` (its job is recovered at next start)."""
+        self.stopping.set()
+        self.publisher.wakeup.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    # ------------------------------------------------------------ the loop
+
+    def next_queued(self) -> int | None:
+        """The oldest queued job that is not a sweep parent."""
+        with self.session_factory() as session:
+            return session.execute(select(Job.id).where(Job.status == "queued",
+                                                        Job.kind.not_in(list(registry.AGGREGATORS)))
+                                   .order_by(Job.id).limit(1)).scalar_one_or_none()
+
+    def run_once(self) -> bool:
+        """Aggregate published parents, then run one queued job. True if there was work."""
+        worked = False
+        for job_id in self.publisher.drain():
+            with self.session_factory() as session:
+                kind = session.execute(select(Job.kind).where(Job.id == job_id)).scalar_one_or_none()
+            if kind is not None and runner.is_parent_kind(kind):
+                worked |= self._execute(job_id) is not None
+        job_id = self.next_queued()
+        if job_id is not None:
+            self._execute(job_id)
+            worked = True
+        return worked
+
+    def _execute(self, job_id: int) -> str | None:
+        try:
+            return runner.execute(job_id, self.settings, self.session_factory, self.publisher,
+                                  worker=worker_id(), shutdown=self.stopping)
+        except Exception:  # keep serving; the job's row tells what happened (or the reaper recovers it)
+            log.exception("job %s: the worker failed outside the job", job_id)
+            return None
+
+    def _maybe_reap(self) -> None:
+        if time.monotonic() - self._last_reap < self._reap_every or not self._reap_lock.acquire(blocking=False):
+            return
+        try:
+            self._last_reap = time.monotonic()
+            reap(self.settings, self.session_factory, self.publisher)
+        except Exception:
+            log.exception("reaper pass failed")
+        finally:
+            self._reap_lock.release()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            self.publisher.wakeup.clear()
+            try:
+                worked = self.run_once()
+            except Exception:  # e.g. the database is briefly unavailable
+                log.exception("embedded worker loop failed; retrying")
+                worked = False
+            self._maybe_reap()
+            if not worked:
+                self.publisher.wakeup.wait(self.poll_seconds)
+
+
+def serve(settings: Settings) -> None:
+    """``lmscope up``: migrate, upsert built-ins, recover interrupted jobs, serve the API + worker."""
+    from werkzeug.serving import make_server
+
+    from lmscope.api import create_app
+    from lmscope.db.engine import make_engine, make_sessionmaker, upgrade
+    from lmscope.worker.startup import ensure_builtins, load_extra_kinds
+
+    if not settings.auth and settings.host not in LOOPBACK:
+        raise SystemExit(f"refusing to listen on {settings.host} without tokens: set LMSCOPE_AUTH=1 (and create a "
+                         "user with `lmscope user create NAME`) or keep LMSCOPE_HOST=127.0.0.1")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.artifact_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    ensure_builtins(settings, sessions)
+    load_extra_kinds()
+    recovered = recover_interrupted(settings, sessions)
+
+    publisher = LocalPublisher()
+    app = create_app(settings, publisher=publisher)
+    server = make_server(settings.host, settings.port, app, threaded=True)
+    worker = EmbeddedWorker(settings, sessions, publisher).start()
+
+    def _shutdown(signum, _frame):
+        log.info("signal %s: shutting down", signum)
+        worker.stopping.set()  # running jobs return to the queue at their next progress report
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    previous = {s: signal.signal(s, _shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(f"lmscope up: http://{settings.host}:{server.port} (data in {settings.data_dir}; "
+          f"{len(recovered['requeued'])} interrupted job(s) re-queued)", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        if not worker.stop(timeout=30):
+            log.warning("a job was still running at shutdown; it is re-queued at the next start")
+        server.server_close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        engine.dispose()

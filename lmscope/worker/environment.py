@@ -1,0 +1,108 @@
+"""Where a job ran: versions, device, kernel backend, host, wall time per stage (DESIGN.md §2).
+
+Torch is imported only when the job already imported it or runs on CUDA, so a job kind that never
+touches torch does not pay for it (and the Celery main process never initialises CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import socket
+import sys
+from typing import Any
+
+import lmscope
+
+PACKAGES = ("torch", "triton", "transformers")
+
+
+def worker_id() -> str:
+    """``host:pid`` of this process: the job row's ``worker`` field (the pid is what a test kills)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_for_pid(pid: int) -> str:
+    forced = os.environ.get("LMSCOPE_DEVICE", "").strip()
+    if forced:
+        return forced
+    if importlib.util.find_spec("torch") is None:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def worker_device() -> str:
+    """``LMSCOPE_DEVICE``, else cuda when available, else cpu. Call only where CUDA may be touched."""
+    return _device_for_pid(os.getpid())
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of lmscope and of the heavy packages that are installed (importable) here."""
+    versions = {"lmscope": lmscope.__version__, "python": platform.python_version()}
+    for name in PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            module = __import__(name)
+            versions[name] = getattr(module, "__version__", "unknown")
+    return versions
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index
+        return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+    return _cpu_name()
+
+
+def default_kernel_backend(device: str) -> str | None:
+    """The dispatcher's choice for this device, if the job used torch at all (else None)."""
+    if "torch" not in sys.modules:
+        return None
+    try:
+        from lmscope.kernels.dispatch import kernel_backend
+    except Exception:
+        return None
+    try:
+        return kernel_backend(device)
+    except Exception:
+        return None
+
+
+def environment_record(device: str, stages: dict[str, float], wall_seconds: float,
+                       recorded: dict[str, Any], *, attempt: int, worker: str) -> dict[str, Any]:
+    """The job's ``environment`` JSON: facts the job recorded win over the defaults."""
+    env: dict[str, Any] = package_versions()
+    env.update(host=socket.gethostname(), worker=worker, attempt=attempt, device=device)
+    try:
+        env["device_name"] = device_name(device)
+    except Exception as e:  # never fail a finished job over a cosmetic fact
+        env["device_name"] = f"unknown ({type(e).__name__})"
+    backend = default_kernel_backend(device)
+    if backend:
+        env["kernel_backend"] = backend
+    env["stages"] = {name: round(seconds, 6) for name, seconds in stages.items()}
+    env["wall_seconds"] = round(wall_seconds, 6)
+    env.update(recorded)
+    return env

@@ -1,0 +1,185 @@
+"""The reaper: no job is lost to a dead worker, a lost message or a restart.
+
+One pass (``reap``) does four things, each with conditional UPDATEs so that any number of reapers
+(one thread in every Celery worker's main process, or the embedded worker) can run at once and
+each job is acted on by exactly one of them:
+
+1. running jobs whose heartbeat is older than ``stale_after_seconds``: back to ``queued`` and
+   published again while ``attempts < max_attempts``, else ``failed`` ("worker lost N times; last
+   seen at ..."). A sweep parent stuck in its aggregation waits for its aggregation again.
+2. queued jobs never published (``published_at`` NULL for ``unpublished_after_seconds``) or
+   published so long ago that the message must be lost (``REPUBLISH_FACTOR`` × the larger of the two
+   thresholds): published again. A duplicate message is harmless: the claim drops it.
+3. sweep parents still waiting although every child is terminal: published (the aggregation claim
+   makes it run exactly once).
+
+``recover_interrupted`` is the start-up step of the embedded mode: one process owns every job, so
+whatever is ``running`` in the database belonged to a process that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, exists, or_, select, update
+from sqlalchemy.orm import Session, aliased, sessionmaker
+
+from lmscope.config import Settings
+from lmscope.db.models import ACTIVE_STATES, Job, utcnow
+from lmscope.queue import Publisher
+from lmscope.worker.runner import after_terminal, is_parent_kind, lost_message
+
+log = logging.getLogger("lmscope.reaper")
+
+# A queued job published this many thresholds ago without being claimed: its message is presumed
+# lost. Generous, because a deep queue legitimately holds messages for a long time.
+REPUBLISH_FACTOR = 10
+
+
+def republish_after(settings: Settings) -> float:
+    return max(settings.unpublished_after_seconds, settings.stale_after_seconds) * REPUBLISH_FACTOR
+
+
+def reap_interval(settings: Settings) -> float:
+    """How often a reaper runs: often enough to notice each threshold within a fraction of it."""
+    return max(0.5, min(settings.heartbeat_seconds, settings.unpublished_after_seconds / 2,
+                        settings.stale_after_seconds / 4, 30.0))
+
+
+def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session], job_ids: list[int]) -> list[int]:
+    """Publish ids whose ``published_at`` we already set; undo it for those the broker refused."""
+    sent, failed = [], []
+    for job_id in job_ids:
+        try:
+            publisher.publish(job_id)
+            sent.append(job_id)
+        except Exception as e:
+            log.warning("re-publishing job %s failed (%s); will retry", job_id, e)
+            failed.append(job_id)
+    if failed:
+        with session_factory() as session, session.begin():
+            session.execute(update(Job).where(Job.id.in_(failed)).values(published_at=None))
+    return sent
+
+
+def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
+         now: datetime | None = None) -> dict[str, list[int]]:
+    """One pass. Returns the job ids acted on: requeued, failed, republished, parents."""
+    now = now or utcnow()
+    report: dict[str, list[int]] = {"requeued": [], "failed": [], "republished": [], "parents": []}
+    stale_cut = now - timedelta(seconds=settings.stale_after_seconds)
+
+    # 1. lost workers
+    stale = (Job.status == "running") & Job.waiting_children.is_(False) & or_(
+        Job.heartbeat_at < stale_cut, and_(Job.heartbeat_at.is_(None), Job.started_at < stale_cut))
+    with session_factory() as session:
+        rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at, Job.worker,
+                                      Job.parent_id).where(stale).order_by(Job.id)).all()
+    to_publish, failed_children = [], []
+    for r in rows:
+        still = (Job.id == r.id) & (Job.attempts == r.attempts) & stale  # re-checked atomically
+        if r.attempts < r.max_attempts:
+            back = dict(waiting_children=True) if is_parent_kind(r.kind) else dict(status="queued")
+            values = dict(worker=None, published_at=now, **back)  # published right below
+            key = "requeued"
+        else:
+            values = dict(status="failed", finished_at=now, error_type="worker-lost",
+                          error_message=lost_message(r.attempts, r.heartbeat_at, r.worker))
+            key = "failed"
+        with session_factory() as session, session.begin():
+            changed = session.execute(update(Job).where(still).values(**values)).rowcount == 1
+        if not changed:
+            continue  # another reaper got there, or the job came back to life
+        report[key].append(r.id)
+        log.warning("job %s: worker %s stale since %s → %s (attempt %s of %s)", r.id, r.worker, r.heartbeat_at,
+                    key, r.attempts, r.max_attempts)
+        if key == "requeued":
+            to_publish.append(r.id)
+        elif r.parent_id is not None:
+            failed_children.append(r.parent_id)
+    _publish_claimed(publisher, session_factory, to_publish)
+    for parent_id in dict.fromkeys(failed_children):
+        after_terminal(session_factory, publisher, parent_id)
+
+    # 2. lost or never-sent messages
+    unpublished = (Job.status == "queued") & or_(
+        and_(Job.published_at.is_(None), Job.created_at < now - timedelta(seconds=settings.unpublished_after_seconds)),
+        Job.published_at < now - timedelta(seconds=republish_after(settings)))
+    report["republished"] = _claim_and_publish(session_factory, publisher, unpublished, now)
+
+    # 3. sweep parents whose children are all done but that nobody aggregated
+    child = aliased(Job)
+    active = exists().where(child.parent_id == Job.id, child.status.in_(ACTIVE_STATES))
+    ready = (Job.status == "running") & Job.waiting_children.is_(True) & ~active & or_(
+        Job.published_at.is_(None), Job.published_at < now - timedelta(seconds=republish_after(settings)),
+        Job.published_at < _last_child_finished())
+    report["parents"] = _claim_and_publish(session_factory, publisher, ready, now)
+    return report
+
+
+def _last_child_finished():
+    from sqlalchemy import func
+
+    child = aliased(Job)
+    return select(func.max(child.finished_at)).where(child.parent_id == Job.id).scalar_subquery()
+
+
+def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publisher, condition, now) -> list[int]:
+    with session_factory() as session:
+        ids = session.execute(select(Job.id).where(condition).order_by(Job.id)).scalars().all()
+    claimed = []
+    for job_id in ids:
+        with session_factory() as session, session.begin():
+            if session.execute(update(Job).where((Job.id == job_id) & condition)
+                               .values(published_at=now)).rowcount == 1:
+                claimed.append(job_id)
+    if claimed:
+        log.info("publishing jobs %s again (message lost or never sent)", claimed)
+    return _publish_claimed(publisher, session_factory, claimed)
+
+
+def recover_interrupted(settings: Settings, session_factory: sessionmaker[Session]) -> dict[str, list[int]]:
+    """Embedded start-up: jobs left ``running`` by a previous process are queued again (the attempt
+    counts) or failed when out of attempts; interrupted aggregations wait again."""
+    report: dict[str, list[int]] = {"requeued": [], "failed": []}
+    running = (Job.status == "running") & Job.waiting_children.is_(False)
+    with session_factory() as session:
+        rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at, Job.worker)
+                               .where(running)).all()
+    for r in rows:
+        if r.attempts < r.max_attempts:
+            back = dict(waiting_children=True) if is_parent_kind(r.kind) else dict(status="queued", published_at=None)
+            values, key = dict(worker=None, **back), "requeued"
+        else:
+            values, key = dict(status="failed", finished_at=utcnow(), error_type="worker-lost",
+                               error_message=lost_message(r.attempts, r.heartbeat_at, r.worker)), "failed"
+        with session_factory() as session, session.begin():
+            if session.execute(update(Job).where((Job.id == r.id) & (Job.attempts == r.attempts) & running)
+                               .values(**values)).rowcount == 1:
+                report[key].append(r.id)
+    if rows:
+        log.warning("recovered jobs interrupted by the previous run: %s", report)
+    return report
+
+
+class ReaperThread(threading.Thread):
+    """Runs ``reap`` every ``interval`` seconds until stopped (in a Celery worker's main process)."""
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
+                 interval: float | None = None):
+        super().__init__(name="lmscope-reaper", daemon=True)
+        self.settings, self.session_factory, self.publisher = settings, session_factory, publisher
+        self.interval = interval or reap_interval(settings)
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                reap(self.settings, self.session_factory, self.publisher)
+            except Exception:  # the database may be briefly unreachable; try again next pass
+                log.exception("reaper pass failed")
+
+    def stop(self) -> None:
+        self._stopping.set()

@@ -1,0 +1,455 @@
+"""Run one delivery of a job id: claim the row, run the analysis, store the results.
+
+    execute(job_id, settings, session_factory, publisher) -> final status, or None if there was nothing to do
+
+The same function serves the Celery task and the embedded worker thread. Its rules:
+
+- Claim: a conditional UPDATE (``status='queued'`` and the ``attempts`` value we read) makes the row
+  ours; whoever loses the race sees no row and returns (a duplicate delivery is acked and dropped).
+- A redelivered message whose row is still ``running`` is dropped, unless the row's worker is a
+  process on *this* host that no longer exists (the Celery child was SIGKILLed and
+  ``task_reject_on_worker_lost`` put the message back at once): then the attempt is taken over at
+  once instead of waiting ``stale_after_seconds`` for the reaper.
+- Results go in one transaction that first re-checks ownership, deletes what an earlier attempt
+  wrote and inserts the new series and artifact rows: a retry never duplicates anything.
+- A Python exception fails the job (not retried); retries are for lost workers only.
+- Sweep parents are never claimed like this: a parent id runs the exactly-once aggregation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import mimetypes
+import os
+import shutil
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, aliased, sessionmaker
+
+from lmscope.analyses import registry
+from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, JobOutput
+from lmscope.analyses.base import Series as SeriesData
+from lmscope.config import Settings
+from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Series, utcnow
+from lmscope.queue import Publisher, publish_jobs
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown, as_utc
+from lmscope.worker.context import WorkerContext
+from lmscope.worker.environment import environment_record, worker_device, worker_id
+
+log = logging.getLogger("lmscope.worker")
+
+# Files a person will want to open; anything else is served as bytes.
+MEDIA_TYPES = {
+    ".png": "image/png", ".svg": "image/svg+xml", ".pdf": "application/pdf", ".json": "application/json",
+    ".jsonl": "application/x-ndjson", ".csv": "text/csv", ".txt": "text/plain", ".md": "text/markdown",
+    ".npz": "application/x-npz", ".npy": "application/x-npy", ".safetensors": "application/octet-stream",
+    ".bin": "application/octet-stream", ".pt": "application/octet-stream", ".html": "text/html",
+}
+KEEP_BETWEEN_ATTEMPTS = "checkpoints"
+
+
+def is_parent_kind(kind: str) -> bool:
+    return kind in registry.AGGREGATORS
+
+
+def job_dir(settings: Settings, job_id: int) -> Path:
+    return Path(settings.artifact_dir) / "jobs" / str(job_id)
+
+
+def lost_message(attempts: int, heartbeat_at, worker: str | None) -> str:
+    seen = as_utc(heartbeat_at)
+    when = seen.isoformat(timespec="seconds") if seen else "never"
+    return (f"worker lost {attempts} time{'s' if attempts != 1 else ''}; last seen at {when}"
+            f"{f' on {worker}' if worker else ''}. Gave up after max_attempts; if the job needs more memory or "
+            "time than a worker has, use smaller parameters")
+
+
+# ---------------------------------------------------------------- claim
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped by its parent is a zombie: dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def worker_gone_here(worker: str | None) -> bool:
+    """True when ``worker`` (host:pid) names a process on this host that no longer runs."""
+    if not worker or ":" not in worker:
+        return False
+    host, _, pid = worker.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    return not _pid_alive(int(pid))
+
+
+@dataclass
+class Finished:
+    """The claim ended the job without running it (cancelled before start, out of attempts)."""
+
+    status: str
+
+
+def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> Attempt | Finished | None:
+    """Make the row ours (atomically), or say why not. None: nothing to do (ack and drop)."""
+    now = utcnow()
+    with session_factory() as session, session.begin():
+        row = session.execute(select(Job.status, Job.attempts, Job.max_attempts, Job.worker, Job.heartbeat_at,
+                                     Job.cancel_requested, Job.kind, Job.params, Job.parent_id)
+                              .where(Job.id == job_id)).one_or_none()
+        if row is None:
+            log.warning("job %s does not exist; dropping its message", job_id)
+            return None
+        if row.status == "queued":
+            same = (Job.status == "queued")
+        elif row.status == "running" and not is_parent_kind(row.kind) and worker_gone_here(row.worker):
+            same = (Job.status == "running") & (Job.worker == row.worker)
+            log.warning("job %s: its worker %s is gone; taking over", job_id, row.worker)
+        else:
+            return None  # running elsewhere, or already finished: a duplicate delivery
+        same = (Job.id == job_id) & same & (Job.attempts == row.attempts)
+
+        if row.cancel_requested:
+            done = session.execute(update(Job).where(same).values(status="cancelled", finished_at=now, worker=worker))
+            return Finished("cancelled") if done.rowcount == 1 else None
+        if row.attempts >= row.max_attempts:
+            message = (lost_message(row.attempts, row.heartbeat_at, row.worker) if row.status == "running" else
+                       f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})")
+            done = session.execute(update(Job).where(same).values(
+                status="failed", finished_at=now, error_type="worker-lost", error_message=message))
+            return Finished("failed") if done.rowcount == 1 else None
+
+        done = session.execute(update(Job).where(same).values(
+            status="running", attempts=Job.attempts + 1, started_at=now, heartbeat_at=now, worker=worker,
+            finished_at=None, error_type=None, error_message=None, summary=None,
+            progress_done=None, progress_total=None, progress_stage=None, progress_at=None))
+        if done.rowcount != 1:
+            return None  # someone else claimed it between our read and our write
+        return Attempt(job_id=job_id, number=row.attempts + 1, worker=worker, kind=row.kind,
+                       params=dict(row.params or {}), parent_id=row.parent_id, max_attempts=row.max_attempts,
+                       started=now)
+
+
+# ---------------------------------------------------------------- results
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values: numpy/torch scalars and arrays to Python, NaN/inf to null (PostgreSQL's JSON refuses them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist"):  # numpy arrays/scalars, torch tensors
+        return jsonable(value.tolist())
+    if hasattr(value, "item"):
+        return jsonable(value.item())
+    return str(value)
+
+
+def prepare_artifact_dir(path: Path) -> None:
+    """Empty the job's folder for a new attempt, keeping ``checkpoints/`` so training can resume."""
+    path.mkdir(parents=True, exist_ok=True)
+    for entry in path.iterdir():
+        if entry.name == KEEP_BETWEEN_ATTEMPTS and entry.is_dir():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def scan_artifacts(path: Path) -> list[dict[str, Any]]:
+    """One row per file under the job's folder (recursive): relative posix name, media type, size, sha256."""
+    rows = []
+    if not path.is_dir():
+        return rows
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        media = MEDIA_TYPES.get(file.suffix.lower()) or mimetypes.guess_type(file.name)[0] or "application/octet-stream"
+        rows.append(dict(name=file.relative_to(path).as_posix(), media_type=media, size=file.stat().st_size,
+                         sha256=digest.hexdigest()))
+    return rows
+
+
+def _series_rows(job_id: int, series: list[SeriesData]) -> list[dict[str, Any]]:
+    rows = []
+    for s in series:
+        x, y = jsonable(list(s.x)), jsonable(list(s.y))
+        if len(x) != len(y):
+            raise ValueError(f"series {s.name!r} has {len(x)} x values but {len(y)} y values")
+        rows.append(dict(job_id=job_id, name=str(s.name)[:200], labels=jsonable(dict(s.labels or {})), x=x, y=y))
+    return rows
+
+
+def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str, *,
+           output: JobOutput | None = None, artifact_dir: Path | None = None, **values) -> bool:
+    """Flip the row to a terminal status (and store results) in one transaction, if still ours."""
+    values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
+    series = _series_rows(attempt.job_id, output.series) if output is not None else []
+    artifacts = scan_artifacts(artifact_dir) if output is not None and artifact_dir is not None else []
+    with session_factory() as session, session.begin():
+        done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
+        if done.rowcount != 1:
+            return False  # nothing was changed; the (empty) transaction commits
+        if output is not None:
+            session.execute(delete(Series).where(Series.job_id == attempt.job_id))
+            session.execute(delete(Artifact).where(Artifact.job_id == attempt.job_id))
+            if series:
+                session.execute(insert(Series), series)
+            if artifacts:
+                session.execute(insert(Artifact), [dict(job_id=attempt.job_id, created_at=utcnow(), **a) for a in artifacts])
+    return True
+
+
+def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher, parent_id: int | None) -> None:
+    """A child became terminal: update the parent's progress (children finished / total), publish the parent."""
+    if parent_id is None:
+        return
+    child = aliased(Job)
+    finished = select(func.count()).select_from(child).where(child.parent_id == parent_id,
+                                                             child.status.in_(TERMINAL_STATES)).scalar_subquery()
+    total = select(func.count()).select_from(child).where(child.parent_id == parent_id).scalar_subquery()
+    try:
+        with session_factory() as session, session.begin():
+            session.execute(update(Job).where(Job.id == parent_id, Job.waiting_children.is_(True))
+                            .values(progress_done=finished, progress_total=total, progress_stage="children",
+                                    progress_at=utcnow()))
+    except Exception as e:  # cosmetic; the aggregation does not depend on it
+        log.warning("could not update progress of sweep %s: %s", parent_id, e)
+    publish_jobs(publisher, session_factory, [parent_id])
+
+
+# ---------------------------------------------------------------- running
+
+def _failure(e: BaseException) -> tuple[str, str]:
+    """(error_type, message) for an exception that ended a job."""
+    from pydantic import ValidationError
+
+    from lmscope.params import UnknownKind
+
+    if isinstance(e, UnknownKind):
+        return "unknown-kind", f"this worker does not know job kind {str(e)!r}; run a worker of the same lmscope version as the API"
+    if isinstance(e, JobFailed):
+        return e.error_type, str(e)
+    if isinstance(e, ValidationError):
+        return "invalid-params", f"the job's parameters are invalid: {e}"
+    name = type(e).__name__
+    if name in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
+        return "time-limit", "the job ran past its time limit (LMSCOPE_TASK_TIME_LIMIT); use smaller parameters"
+    return name, str(e) or name
+
+
+def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwargs) -> bool:
+    """``finish``, riding out a short database outage (hours of work should not fail on a blip)."""
+    for attempt_number in range(retries + 1):
+        try:
+            return finish(session_factory, attempt, status, **kwargs)
+        except OperationalError as e:
+            if attempt_number == retries:
+                raise
+            log.warning("job %s: storing results failed (%s); retrying", attempt.job_id, e)
+            time.sleep(2 ** attempt_number)
+    return False
+
+
+def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionmaker[Session],
+                 compute, shutdown: threading.Event | None) -> str | None:
+    """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome."""
+    from lmscope.params import validate_params
+
+    folder = job_dir(settings, attempt.job_id)
+    prepare_artifact_dir(folder)
+    heartbeat = Heartbeat(session_factory, attempt, settings.heartbeat_seconds)
+    device = worker_device()
+    deadline = time.monotonic() + settings.task_time_limit if settings.task_time_limit else None
+    ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
+                        deadline=deadline)
+    started = time.perf_counter()
+    heartbeat.start()
+    status, values, output = None, {}, None
+    try:
+        with ctx.stage("total"):
+            params = validate_params(attempt.kind, attempt.params, internal=True)
+            output = compute(params, ctx)
+        if not isinstance(output, JobOutput):
+            raise TypeError(f"the {attempt.kind} analysis returned {type(output).__name__}, not JobOutput")
+        status, values = "succeeded", dict(summary=output.summary)
+    except AttemptLost:
+        log.warning("job %s attempt %s lost its row (re-queued elsewhere); stopping", attempt.job_id, attempt.number)
+        return None
+    except WorkerShutdown:
+        # Give the job back without counting the attempt: a sweep parent waits for aggregation again.
+        back = dict(waiting_children=True) if is_parent_kind(attempt.kind) else dict(status="queued", published_at=None)
+        with session_factory() as session, session.begin():
+            session.execute(update(Job).where(attempt.owned()).values(
+                attempts=Job.attempts - 1, worker=None, heartbeat_at=None, **back))
+        log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
+        return None
+    except JobCancelled:
+        status, output = "cancelled", None
+    except Exception as e:
+        status, output = "failed", None
+        error_type, message = _failure(e)
+        values = dict(error_type=error_type[:64], error_message=message)
+        if not isinstance(e, JobFailed):
+            log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
+            ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
+    finally:
+        heartbeat.stop()
+
+    if ctx.last_progress is not None:
+        done, total, stage = ctx.last_progress
+        values.update(progress_done=done, progress_total=total, progress_stage=stage, progress_at=utcnow())
+    values["environment"] = environment_record(device, ctx.timings, time.perf_counter() - started, ctx.environment,
+                                               attempt=attempt.number, worker=attempt.worker)
+    values["heartbeat_at"] = utcnow()
+    try:
+        stored = _finish_retrying(session_factory, attempt, status, output=output, artifact_dir=folder, **values)
+    except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
+        if isinstance(e, OperationalError):
+            raise  # the database is unreachable: the row stays running and the reaper retries the job
+        if status != "succeeded":
+            raise
+        log.exception("job %s: storing results failed", attempt.job_id)
+        error_type, message = _failure(e)
+        status = "failed"
+        values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}", summary=None)
+        stored = finish(session_factory, attempt, status, **values)
+    if not stored:
+        log.warning("job %s attempt %s: row taken by another attempt; results discarded", attempt.job_id, attempt.number)
+        return None
+    return status
+
+
+def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
+            worker: str | None = None, shutdown: threading.Event | None = None) -> str | None:
+    """Run one delivery of ``job_id``. Returns the job's final status, or None when there was nothing to do."""
+    worker = worker or worker_id()
+    with session_factory() as session:
+        kind = session.execute(select(Job.kind).where(Job.id == job_id)).scalar_one_or_none()
+    if kind is None:
+        log.warning("job %s does not exist; dropping its message", job_id)
+        return None
+    if is_parent_kind(kind):
+        return aggregate(job_id, settings, session_factory, publisher, worker=worker, shutdown=shutdown)
+
+    claimed = claim(session_factory, job_id, worker)
+    if claimed is None:
+        return None
+    if isinstance(claimed, Finished):
+        parent_id = _parent_of(session_factory, job_id)
+        after_terminal(session_factory, publisher, parent_id)
+        return claimed.status
+
+    log.info("job %s (%s) attempt %s started on %s", job_id, claimed.kind, claimed.number, worker)
+
+    def compute(params, ctx):
+        if claimed.kind not in registry.RUNNERS:
+            raise JobFailed(f"this worker has no function for job kind {claimed.kind!r}; run a worker of the same "
+                            "lmscope version as the API", error_type="unknown-kind")
+        return registry.runner_for(claimed.kind)(params, ctx)
+
+    status = _run_attempt(claimed, settings, session_factory, compute, shutdown)
+    if status is not None:
+        log.info("job %s (%s) attempt %s %s", job_id, claimed.kind, claimed.number, status)
+        after_terminal(session_factory, publisher, claimed.parent_id)
+    return status
+
+
+def _parent_of(session_factory: sessionmaker[Session], job_id: int) -> int | None:
+    with session_factory() as session:
+        return session.execute(select(Job.parent_id).where(Job.id == job_id)).scalar_one_or_none()
+
+
+# ---------------------------------------------------------------- sweeps
+
+def claim_aggregation(session_factory: sessionmaker[Session], parent_id: int, worker: str) -> Attempt | None:
+    """Exactly once: clear ``waiting_children`` if no child is active; the one who cleared it aggregates."""
+    child = aliased(Job)
+    active = exists().where(child.parent_id == parent_id, child.status.in_(ACTIVE_STATES))
+    now = utcnow()
+    with session_factory() as session, session.begin():
+        row = session.execute(
+            update(Job).where(Job.id == parent_id, Job.status == "running", Job.waiting_children.is_(True), ~active)
+            .values(waiting_children=False, attempts=Job.attempts + 1, worker=worker, heartbeat_at=now)
+            .returning(Job.attempts, Job.kind, Job.params, Job.max_attempts)).one_or_none()
+    if row is None:
+        return None
+    return Attempt(job_id=parent_id, number=row.attempts, worker=worker, kind=row.kind, params=dict(row.params or {}),
+                   parent_id=None, max_attempts=row.max_attempts, started=now)
+
+
+def child_results(session_factory: sessionmaker[Session], parent_id: int) -> list[ChildResult]:
+    with session_factory() as session:
+        children = session.execute(select(Job).where(Job.parent_id == parent_id).order_by(Job.id)).scalars().all()
+        series: dict[int, list[SeriesData]] = {c.id: [] for c in children}
+        if children:
+            for s in session.execute(select(Series).where(Series.job_id.in_(list(series))).order_by(Series.id)).scalars():
+                series[s.job_id].append(SeriesData(name=s.name, x=s.x, y=s.y, labels=s.labels or {}))
+        return [ChildResult(job_id=c.id, kind=c.kind, params=c.params, status=c.status, summary=c.summary,
+                            series=series[c.id], error=c.error_message) for c in children]
+
+
+def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
+              worker: str | None = None, shutdown: threading.Event | None = None) -> str | None:
+    """Run a sweep's aggregator once its children are all terminal (exactly once across workers)."""
+    worker = worker or worker_id()
+    attempt = claim_aggregation(session_factory, parent_id, worker)
+    if attempt is None:
+        return None  # children still active, or another worker aggregates
+    children = child_results(session_factory, parent_id)
+    counts = {state: sum(c.status == state for c in children) for state in TERMINAL_STATES}
+    with session_factory() as session:
+        cancel = session.execute(select(Job.cancel_requested).where(Job.id == parent_id)).scalar_one()
+    progress = dict(progress_done=len(children), progress_total=len(children), progress_stage="children")
+
+    if cancel:
+        status = "cancelled" if finish(session_factory, attempt, "cancelled", summary={"children": counts},
+                                       **progress) else None
+        return status
+    if attempt.number > attempt.max_attempts:
+        finish(session_factory, attempt, "failed", error_type="worker-lost", summary={"children": counts},
+               error_message=f"the aggregation was attempted {attempt.number - 1} times without finishing", **progress)
+        return "failed"
+
+    def compute(params, ctx):
+        output = registry.aggregator_for(attempt.kind)(params, children, ctx)
+        if isinstance(output, JobOutput):
+            output.summary = {**(output.summary or {}), "children": counts}
+        return output
+
+    status = _run_attempt(attempt, settings, session_factory, compute, shutdown)
+    if status is not None and status != "succeeded":
+        with session_factory() as session, session.begin():
+            job = session.get(Job, parent_id)
+            job.summary = {**(job.summary or {}), "children": counts}
+    if status is not None:
+        with session_factory() as session, session.begin():
+            session.execute(update(Job).where(Job.id == parent_id).values(**progress))
+    log.info("sweep %s aggregated: %s (%s)", parent_id, status, counts)
+    return status

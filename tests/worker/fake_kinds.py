@@ -1,0 +1,113 @@
+"""Test-only job kinds that need no torch model. Worker subprocesses register them through the test
+hook ``LMSCOPE_EXTRA_KINDS=tests.worker.fake_kinds`` (import + ``register()``); the worker tests register
+them around each test (tests/worker/conftest.py), so the rest of the suite never sees them.
+
+- ``count``: counts to ``steps`` with progress (optionally sleeping per step), writes a plot, a scratch
+  file per attempt and a file under ``checkpoints/``; series ``square`` is y = x² for x = 1..steps.
+- ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator adds their totals
+  and counts how often it was called (in this process).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Literal
+
+from pydantic import Field
+
+from lmscope.analyses import registry
+from lmscope.analyses.base import JobFailed, JobOutput, Series
+from lmscope.params import KINDS
+from lmscope.params.base import ChildSpec, JobParams, KindSpec
+
+MODULE = __name__
+
+
+class CountParams(JobParams):
+    steps: int = Field(5, ge=1, le=10_000_000)
+    sleep: float = Field(0.0, ge=0.0, le=5.0)
+    fail: Literal["jobfailed", "exception"] | None = None
+    fail_at: int = 0  # step at which to fail
+    plot: bool = True
+    record_backend: str | None = None
+    bad_series: bool = False  # x and y of different lengths: the results cannot be stored
+
+
+def run_count(params: CountParams, ctx) -> JobOutput:
+    (ctx.artifact_dir / f"attempt-{ctx.attempt}.txt").write_text(f"attempt {ctx.attempt}\n")
+    checkpoints = ctx.artifact_dir / "checkpoints"
+    checkpoints.mkdir(exist_ok=True)
+    (checkpoints / f"from-attempt-{ctx.attempt}.txt").write_text("kept between attempts\n")
+    if params.record_backend:
+        ctx.record("kernel_backend", params.record_backend)
+    xs = []
+    with ctx.stage("count"):
+        for i in range(1, params.steps + 1):
+            if params.fail and i >= params.fail_at:
+                if params.fail == "jobfailed":
+                    raise JobFailed(f"step {i} refuses to count; use fewer steps", error_type="bad-count")
+                raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
+            if params.sleep:
+                time.sleep(params.sleep)
+            xs.append(i)
+            ctx.progress(i, params.steps, "counting")
+    with ctx.stage("plot"):
+        (ctx.artifact_dir / "numbers.json").write_text(json.dumps(xs[:1000]))
+        if params.plot:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(4, 3))
+            ax.plot(xs, [x * x for x in xs], label="x²")
+            ax.set(title="count", xlabel="step", ylabel="step²")
+            ax.legend()
+            (ctx.artifact_dir / "plots").mkdir(exist_ok=True)
+            fig.savefig(ctx.artifact_dir / "plots" / "square.png")
+            plt.close(fig)
+    series = [Series("square", xs, [x * x for x in xs], {"kind": "count"}), Series("nan", [0, 1], [float("nan"), 1.0])]
+    if params.bad_series:
+        series.append(Series("bad", [1, 2], [1]))
+    return JobOutput(summary={"total": sum(xs), "attempt": ctx.attempt}, series=series)
+
+
+class FakeSweepParams(JobParams):
+    steps: list[int] = Field(default_factory=lambda: [2, 3])
+
+
+def expand(params: FakeSweepParams) -> list[ChildSpec]:
+    return [ChildSpec("count", {"steps": n, "plot": False}, name=f"steps={n}") for n in params.steps]
+
+
+aggregate_calls = 0
+_calls_lock = threading.Lock()
+
+
+def aggregate(params: FakeSweepParams, children, ctx) -> JobOutput:
+    global aggregate_calls
+    with _calls_lock:
+        aggregate_calls += 1
+    time.sleep(0.2)  # widen the window in which a second aggregation could sneak in
+    done = [c for c in children if c.status == "succeeded"]
+    totals = [c.summary["total"] for c in done]
+    ctx.progress(1, 1, "aggregate")
+    return JobOutput(summary={"sum": sum(totals), "failed_children": [c.job_id for c in children if c.status == "failed"]},
+                     series=[Series("totals", [c.job_id for c in done], totals)])
+
+
+def register() -> None:
+    """Add the test kinds (called by the LMSCOPE_EXTRA_KINDS hook, and around each worker test)."""
+    KINDS["count"] = KindSpec("count", CountParams, "test: count with progress")
+    KINDS["fake_sweep"] = KindSpec("fake_sweep", FakeSweepParams, "test: a sweep of count jobs", expand=expand)
+    registry.RUNNERS["count"] = f"{MODULE}:run_count"
+    registry.AGGREGATORS["fake_sweep"] = f"{MODULE}:aggregate"
+
+
+def unregister() -> None:
+    """Leave the kind tables as the other tests expect them."""
+    for table, key in ((KINDS, "count"), (KINDS, "fake_sweep"), (registry.RUNNERS, "count"),
+                       (registry.AGGREGATORS, "fake_sweep")):
+        table.pop(key, None)

@@ -1,0 +1,31 @@
+"""Small helpers shared by the worker tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class RecordingPublisher:
+    """Remembers what was published; ``fail=True`` behaves like a broker that is down."""
+
+    def __init__(self):
+        self.published: list[int] = []
+        self.fail = False
+        self._lock = threading.Lock()
+
+    def publish(self, job_id: int) -> None:
+        if self.fail:
+            raise ConnectionError("broker down (test)")
+        with self._lock:
+            self.published.append(job_id)
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,146 @@
+"""Delivery with real parts: a redis-server (AOF on) and a Celery worker subprocess, on SQLite and PostgreSQL.
+
+(a) a job runs and its results are readable; (b) SIGKILL of the worker's child mid-job → retried,
+one set of results, attempts == 2; (c) a message that was never sent → the reaper publishes it;
+(d) Redis restarted with a job queued and no worker running → the job still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from lmscope.db.models import Series, utcnow
+from lmscope.queue import CeleryPublisher, publish_jobs
+from tests.worker.helpers import wait_until
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CeleryWorker:
+    """``celery -A lmscope.worker.celery_app worker -c 1 -P prefork -Q lmscope ...`` in its own process group."""
+
+    def __init__(self, env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "a")
+        argv = [sys.executable, "-m", "celery", "-A", "lmscope.worker.celery_app", "worker", "-c", "1", "-P", "prefork",
+                "-Q", "lmscope", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the worker exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            return " ready." in self.log_path.read_text()
+
+        wait_until(ready, timeout=timeout, interval=0.1, what="the Celery worker to be ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def delivery(db_url, redis_server, tmp_path, settings_factory):
+    """Settings shared by this test process and its worker subprocess; ``start()`` starts a worker."""
+    env = dict(os.environ, LMSCOPE_BROKER_URL=redis_server.url, LMSCOPE_DATABASE_URL=db_url,
+               LMSCOPE_DATA_DIR=str(tmp_path / "data"), LMSCOPE_EXTRA_KINDS="tests.worker.fake_kinds",
+               PYTHONPATH=str(ROOT), LMSCOPE_DEVICE="cpu", LMSCOPE_HEARTBEAT_SECONDS="0.5",
+               LMSCOPE_STALE_AFTER_SECONDS="5", LMSCOPE_UNPUBLISHED_AFTER_SECONDS="1", LMSCOPE_TASK_TIME_LIMIT="120")
+    settings = settings_factory(database_url=db_url, broker_url=redis_server.url)
+    workers: list[CeleryWorker] = []
+
+    class Delivery:
+        publisher = CeleryPublisher(settings=settings)
+
+        @staticmethod
+        def start() -> CeleryWorker:
+            w = CeleryWorker(env, tmp_path / "worker.log")
+            workers.append(w)
+            w.wait_ready()
+            return w
+
+    Delivery.settings = settings
+    yield Delivery
+    for w in workers:
+        w.stop()
+
+
+def wait_for_status(job_row, job_id, status="succeeded", timeout=60.0):
+    def done():
+        job = job_row(job_id)
+        if job.status in ("failed", "cancelled") and status != job.status:
+            raise AssertionError(f"job {job_id} {job.status}: {job.error_type}: {job.error_message}")
+        return job.status == status
+
+    wait_until(done, timeout=timeout, interval=0.1, what=f"job {job_id} to be {status}")
+    return job_row(job_id)
+
+
+def series_names(sessions, job_id):
+    with sessions() as s:
+        return sorted(s.execute(select(Series.name).where(Series.job_id == job_id)).scalars())
+
+
+def test_a_job_runs_and_its_results_are_readable(delivery, sessions, make_job, job_row):
+    worker = delivery.start()
+    job_id = make_job(params={"steps": 5, "plot": True})
+    assert publish_jobs(delivery.publisher, sessions, [job_id]) == [job_id]
+    job = wait_for_status(job_row, job_id)
+    assert job.attempts == 1 and job.summary == {"total": 15, "attempt": 1}
+    assert job.published_at is not None
+    assert int(job.worker.rsplit(":", 1)[1]) != worker.proc.pid  # ran in the prefork child
+    with sessions() as s:
+        square = s.execute(select(Series).where(Series.job_id == job_id, Series.name == "square")).scalar_one()
+    assert square.y == [x * x for x in square.x] and square.x == [1, 2, 3, 4, 5]
+    assert (Path(delivery.settings.artifact_dir) / "jobs" / str(job_id) / "plots" / "square.png").is_file()
+
+
+def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, make_job, job_row):
+    delivery.start()
+    job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False})
+    publish_jobs(delivery.publisher, sessions, [job_id])
+    wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the first attempt's progress")
+    killed = int(job_row(job_id).worker.rsplit(":", 1)[1])
+    os.kill(killed, signal.SIGKILL)
+
+    job = wait_for_status(job_row, job_id, timeout=90)
+    assert job.attempts == 2 and job.summary["attempt"] == 2
+    assert int(job.worker.rsplit(":", 1)[1]) != killed
+    assert series_names(sessions, job_id) == ["nan", "square"]  # exactly one set
+    checkpoints = Path(delivery.settings.artifact_dir) / "jobs" / str(job_id) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["from-attempt-1.txt", "from-attempt-2.txt"]
+
+
+def test_a_message_never_sent_is_published_by_the_reaper(delivery, sessions, make_job, job_row):
+    job_id = make_job(params={"steps": 3, "plot": False}, created_at=utcnow() - timedelta(seconds=5))
+    delivery.start()  # its reaper thread finds the queued, never-published row
+    job = wait_for_status(job_row, job_id, timeout=60)
+    assert job.published_at is not None and job.attempts == 1
+
+
+def test_a_queued_job_survives_a_redis_restart(delivery, sessions, make_job, job_row, redis_server):
+    job_id = make_job(params={"steps": 3, "plot": False})
+    assert publish_jobs(delivery.publisher, sessions, [job_id]) == [job_id]  # no worker yet: it waits in Redis
+    published_at = job_row(job_id).published_at
+    redis_server.restart()
+    delivery.start()
+    job = wait_for_status(job_row, job_id, timeout=60)
+    # Delivered from Redis' AOF: the reaper did not publish it again (it would have set published_at).
+    assert job.attempts == 1 and job.published_at == published_at

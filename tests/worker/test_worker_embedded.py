@@ -1,0 +1,183 @@
+"""The embedded mode: the in-process worker, SQLite under concurrent writers, restarts of `lmscope up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+from lmscope.db.engine import make_engine, make_sessionmaker
+from lmscope.db.models import Job, User, utcnow
+from lmscope.queue import LocalPublisher
+from lmscope.worker.embedded import EmbeddedWorker
+from lmscope.worker.reaper import recover_interrupted
+from tests.worker import fake_kinds
+from tests.worker.helpers import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def embedded(settings, sessions):
+    workers = []
+
+    def start(threads: int = 1) -> EmbeddedWorker:
+        w = EmbeddedWorker(settings, sessions, LocalPublisher(), threads=threads, poll_seconds=0.2).start()
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop(timeout=10)
+
+
+def statuses(sessions, ids):
+    with sessions() as s:
+        return dict(s.execute(select(Job.id, Job.status).where(Job.id.in_(ids))).all())
+
+
+def test_runs_queued_jobs_oldest_first_and_aggregates_sweeps(settings, sessions, make_job, job_row, embedded):
+    jobs = [make_job(params={"steps": 3, "plot": False}) for _ in range(3)]
+    parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
+    kids = [make_job(params={"steps": n, "plot": False}, parent_id=parent) for n in (2, 3)]
+    before = fake_kinds.aggregate_calls
+    embedded()
+    wait_until(lambda: job_row(parent).status == "succeeded", timeout=30, what="the sweep")
+    assert set(statuses(sessions, jobs + kids).values()) == {"succeeded"}
+    started = [job_row(j).started_at for j in jobs + kids]
+    assert started == sorted(started)  # oldest first
+    assert job_row(parent).summary["sum"] == 3 + 6 and fake_kinds.aggregate_calls - before == 1
+
+
+def test_stop_gives_the_running_job_back_and_the_next_start_finishes_it(settings, sessions, make_job, job_row, embedded):
+    job_id = make_job(params={"steps": 3000, "sleep": 0.001, "plot": False})
+    first = embedded()
+    wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
+    assert first.stop(timeout=10)
+    job = job_row(job_id)
+    assert (job.status, job.attempts, job.worker) == ("queued", 0, None)  # a clean stop costs no attempt
+    embedded()
+    wait_until(lambda: job_row(job_id).status == "succeeded", timeout=30, what="the job after restart")
+    assert job_row(job_id).attempts == 1
+
+
+def test_a_crashed_process_s_jobs_are_recovered(settings, sessions, make_job, job_row, embedded):
+    job_id = make_job(status="running", attempts=1, worker="somewhere:999999", heartbeat_at=utcnow(),
+                      started_at=utcnow())
+    assert recover_interrupted(settings, sessions)["requeued"] == [job_id]
+    embedded()
+    wait_until(lambda: job_row(job_id).status == "succeeded", timeout=30, what="the recovered job")
+    assert job_row(job_id).attempts == 2
+
+
+def test_sqlite_api_writer_and_worker_never_see_database_locked(settings_factory, sqlite_url):
+    """The API and two worker threads write the same SQLite file at once (progress at full rate)."""
+    settings = settings_factory(database_url=sqlite_url, heartbeat_seconds=0.05)
+    worker_sessions = make_sessionmaker(make_engine(sqlite_url))
+    api_sessions = make_sessionmaker(make_engine(sqlite_url))  # the API has its own engine
+    with api_sessions() as s, s.begin():
+        user = User(name="alice")
+        s.add(user)
+        s.flush()
+        user_id = user.id
+        long = Job(user_id=user_id, kind="count", params={"steps": 2500, "sleep": 0.001, "plot": False})
+        s.add(long)
+        s.flush()
+        long_job = long.id
+    w = EmbeddedWorker(settings, worker_sessions, LocalPublisher(), threads=2, poll_seconds=0.05).start()
+    errors, submitted = [], []
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # an API-like writer: submit, flag, list
+            try:
+                with api_sessions() as s, s.begin():
+                    job = Job(user_id=user_id, kind="count", params={"steps": 20, "plot": False}, status="queued")
+                    s.add(job)
+                    s.flush()
+                    submitted.append(job.id)
+                with api_sessions() as s, s.begin():
+                    s.execute(update(Job).where(Job.id == submitted[0]).values(tags=["seen"]))
+                with api_sessions() as s:
+                    s.execute(select(Job).order_by(Job.id.desc()).limit(50)).scalars().all()
+            except Exception as e:
+                errors.append(repr(e))
+            time.sleep(0.01)
+        wait_until(lambda: not {"queued", "running"} & set(statuses(worker_sessions, submitted + [long_job]).values()),
+                   timeout=60, what="all jobs")
+    finally:
+        w.stop(timeout=10)
+    assert errors == []
+    with worker_sessions() as s:
+        failed = s.execute(select(Job.id, Job.error_message).where(Job.status != "succeeded")).all()
+    assert failed == []
+    assert len(submitted) > 20
+
+
+# ---------------------------------------------------------------- `lmscope up` (serve) end to end
+
+def _serve(data_dir: Path, port: int, log) -> subprocess.Popen:
+    env = dict(os.environ, LMSCOPE_DATA_DIR=str(data_dir), LMSCOPE_PORT=str(port), LMSCOPE_DEVICE="cpu",
+               LMSCOPE_EXTRA_KINDS="tests.worker.fake_kinds", PYTHONPATH=str(ROOT), LMSCOPE_HEARTBEAT_SECONDS="0.5")
+    env.pop("LMSCOPE_BROKER_URL", None)
+    env.pop("LMSCOPE_DATABASE_URL", None)
+    code = "from lmscope.config import Settings; from lmscope.worker.embedded import serve; serve(Settings.from_env())"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _http(method: str, url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_serve_keeps_jobs_across_a_restart(tmp_path):
+    pytest.importorskip("flask")
+    try:
+        from lmscope.api import create_app  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"the API is not available yet ({e})")
+    from tests.conftest import free_port, wait_for_port
+
+    data, port, log = tmp_path / "data", free_port(), open(tmp_path / "serve.log", "w")
+    base = f"http://127.0.0.1:{port}"
+    proc = _serve(data, port, log)
+    try:
+        wait_for_port(port, timeout=60)
+        done = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4, "plot": False}})
+        wait_until(lambda: _http("GET", f"{base}/v1/jobs/{done['id']}")["status"] == "succeeded", timeout=30,
+                   what="the first job")
+        long = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4000, "sleep": 0.001,
+                                                                             "plot": False}})
+        wait_until(lambda: (_http("GET", f"{base}/v1/jobs/{long['id']}").get("progress") or {}).get("done"),
+                   timeout=30, what="the long job's progress")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        sessions = make_sessionmaker(make_engine(f"sqlite:///{data / 'lmscope.db'}"))
+        with sessions() as s:
+            assert s.get(Job, long["id"]).status == "queued"
+
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = _serve(data, port, log)
+        wait_for_port(port, timeout=60)
+        wait_until(lambda: _http("GET", f"{base}/v1/jobs/{long['id']}")["status"] == "succeeded", timeout=60,
+                   what="the interrupted job after the restart")
+        with sessions() as s:
+            assert s.get(Job, long["id"]).summary["total"] == sum(range(1, 4001))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()

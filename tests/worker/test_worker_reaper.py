@@ -1,0 +1,146 @@
+"""The reaper against SQLite and PostgreSQL: lost workers, lost messages, stuck sweeps, concurrent reapers."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from datetime import timedelta
+
+from sqlalchemy import select
+
+from lmscope.db.models import Job, utcnow
+from lmscope.worker import reaper, runner
+from lmscope.worker.attempt import as_utc
+from tests.worker.helpers import RecordingPublisher
+
+
+def test_stale_running_jobs_are_requeued_and_published(settings, sessions, make_job, job_row, publisher):
+    now = utcnow()
+    stale = make_job(status="running", attempts=1, worker="gone:1", started_at=now - timedelta(seconds=30),
+                     heartbeat_at=now - timedelta(seconds=settings.stale_after_seconds + 1))
+    fresh = make_job(status="running", attempts=1, worker="alive:2", started_at=now - timedelta(seconds=30),
+                     heartbeat_at=now - timedelta(seconds=settings.stale_after_seconds - 1))
+    report = reaper.reap(settings, sessions, publisher, now=now)
+
+    assert report["requeued"] == [stale] and report["failed"] == []
+    assert publisher.published == [stale]
+    job = job_row(stale)
+    assert (job.status, job.attempts, job.worker) == ("queued", 1, None)
+    assert as_utc(job.published_at) >= now - timedelta(seconds=1)
+    assert job_row(fresh).status == "running"
+    # The requeued job then runs as attempt 2.
+    assert runner.execute(stale, settings, sessions, publisher) == "succeeded"
+    assert job_row(stale).attempts == 2
+
+
+def test_out_of_attempts_fails_with_a_reason(settings, sessions, make_job, job_row, publisher):
+    now = utcnow()
+    seen = now - timedelta(seconds=600)
+    parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
+    job_id = make_job(status="running", attempts=3, max_attempts=3, worker="gpu-7:4242", heartbeat_at=seen,
+                      started_at=seen, parent_id=parent)
+    report = reaper.reap(settings, sessions, publisher, now=now)
+
+    assert report["failed"] == [job_id]
+    job = job_row(job_id)
+    assert (job.status, job.error_type) == ("failed", "worker-lost")
+    assert job.error_message.startswith(f"worker lost 3 times; last seen at {seen.isoformat(timespec='seconds')} on gpu-7:4242")
+    assert job.finished_at is not None
+    assert parent in publisher.published  # its sweep can now be aggregated
+
+
+def test_lost_and_never_sent_messages_are_published_again(settings, sessions, make_job, job_row, publisher):
+    now = utcnow()
+    never = make_job(created_at=now - timedelta(seconds=settings.unpublished_after_seconds + 1))
+    just_made = make_job(created_at=now)  # the API is about to publish it
+    lost = make_job(published_at=now - timedelta(seconds=reaper.republish_after(settings) + 1))
+    waiting = make_job(published_at=now - timedelta(seconds=5))  # in a deep queue: leave it
+
+    report = reaper.reap(settings, sessions, publisher, now=now)
+    assert sorted(report["republished"]) == sorted(publisher.published) == sorted([never, lost])
+    assert job_row(just_made).published_at is None and as_utc(job_row(never).published_at) == now
+    # A second pass right after publishes nothing again.
+    assert reaper.reap(settings, sessions, publisher, now=now)["republished"] == []
+    assert sorted(publisher.published) == sorted([never, lost]) and job_row(waiting).status == "queued"
+
+
+def test_broker_down_loses_nothing(settings, sessions, make_job, job_row):
+    now = utcnow()
+    job_id = make_job(created_at=now - timedelta(seconds=10))
+    down = RecordingPublisher()
+    down.fail = True
+    assert reaper.reap(settings, sessions, down, now=now)["republished"] == []
+    assert job_row(job_id).published_at is None and job_row(job_id).status == "queued"
+    up = RecordingPublisher()
+    assert reaper.reap(settings, sessions, up, now=now)["republished"] == [job_id]
+    assert up.published == [job_id]
+
+
+def test_concurrent_reapers_act_once_per_job(settings, sessions, make_job, job_row):
+    now = utcnow()
+    stale = [make_job(status="running", attempts=1, worker="gone:1", started_at=now - timedelta(seconds=60),
+                      heartbeat_at=now - timedelta(seconds=60)) for _ in range(6)]
+    unpublished = [make_job(created_at=now - timedelta(seconds=60)) for _ in range(6)]
+    publisher = RecordingPublisher()
+    barrier = threading.Barrier(4)
+    errors = []
+
+    def run():
+        barrier.wait()
+        try:
+            reaper.reap(settings, sessions, publisher, now=now)
+        except Exception as e:  # pragma: no cover - shown in the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert Counter(publisher.published) == Counter(stale + unpublished)  # each exactly once
+    assert all(job_row(j).status == "queued" and job_row(j).attempts == 1 for j in stale)
+
+
+def test_a_waiting_sweep_whose_children_are_done_is_published(settings, sessions, make_job, job_row, publisher):
+    now = utcnow()
+    done_parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
+    for status in ("succeeded", "failed"):
+        make_job(status=status, parent_id=done_parent, finished_at=now - timedelta(seconds=5),
+                 summary={"total": 10} if status == "succeeded" else None)
+    busy_parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
+    make_job(status="succeeded", parent_id=busy_parent, finished_at=now)
+    make_job(status="running", parent_id=busy_parent, heartbeat_at=now, started_at=now, attempts=1, worker="w:1")
+
+    assert reaper.reap(settings, sessions, publisher, now=now)["parents"] == [done_parent]
+    assert reaper.reap(settings, sessions, publisher, now=now)["parents"] == []  # published once
+    assert publisher.published == [done_parent]
+    # ... and the published parent is aggregated.
+    assert runner.execute(done_parent, settings, sessions, publisher) == "succeeded"
+    assert job_row(done_parent).summary["children"] == {"succeeded": 1, "failed": 1, "cancelled": 0}
+
+
+def test_a_stuck_aggregation_is_retried(settings, sessions, make_job, job_row, publisher):
+    now = utcnow()
+    parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=False, attempts=1,
+                      worker="gone:1", heartbeat_at=now - timedelta(seconds=60))
+    make_job(status="succeeded", parent_id=parent, summary={"total": 3}, finished_at=now - timedelta(seconds=60))
+    assert reaper.reap(settings, sessions, publisher, now=now)["requeued"] == [parent]
+    job = job_row(parent)
+    assert job.waiting_children and job.status == "running" and publisher.published == [parent]
+    assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
+    assert job_row(parent).summary["sum"] == 3 and job_row(parent).attempts == 2
+
+
+def test_recover_interrupted_after_a_restart(settings, sessions, make_job, job_row):
+    now = utcnow()
+    again = make_job(status="running", attempts=1, worker="old:1", heartbeat_at=now, started_at=now)
+    spent = make_job(status="running", attempts=3, max_attempts=3, worker="old:1", heartbeat_at=now, started_at=now)
+    queued = make_job()
+    report = reaper.recover_interrupted(settings, sessions)
+    assert report == {"requeued": [again], "failed": [spent]}
+    assert (job_row(again).status, job_row(again).attempts) == ("queued", 1)
+    assert job_row(spent).status == "failed" and "worker lost 3 times" in job_row(spent).error_message
+    assert job_row(queued).status == "queued"
+    with sessions() as s:
+        assert s.execute(select(Job.status).where(Job.id == again)).scalar_one() == "queued"

@@ -1,0 +1,297 @@
+"""The runner against SQLite and PostgreSQL: claim, progress, cancel, results, failures, environment."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from sqlalchemy import event, select, update
+
+import lmscope
+from lmscope.db.models import Artifact, Dataset, Job, Model, Series
+from lmscope.worker import runner
+from lmscope.worker.attempt import Attempt
+from lmscope.worker.context import WorkerContext
+from tests.worker.helpers import wait_until
+
+
+def series_of(sessions, job_id):
+    with sessions() as s:
+        return s.execute(select(Series).where(Series.job_id == job_id).order_by(Series.name)).scalars().all()
+
+
+def artifacts_of(sessions, job_id):
+    with sessions() as s:
+        return {a.name: a for a in s.execute(select(Artifact).where(Artifact.job_id == job_id)).scalars()}
+
+
+def test_job_runs_and_everything_is_stored(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 6, "plot": True, "record_backend": "reference"})
+    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+
+    job = job_row(job_id)
+    assert (job.status, job.attempts, job.error_type) == ("succeeded", 1, None)
+    assert job.summary == {"total": sum(range(1, 7)), "attempt": 1}
+    assert (job.progress_done, job.progress_total) == (6, 6)
+    assert job.finished_at is not None and job.worker == f"{socket.gethostname()}:{__import__('os').getpid()}"
+
+    square, nan = series_of(sessions, job_id)[1], series_of(sessions, job_id)[0]
+    assert square.x == [1, 2, 3, 4, 5, 6] and square.y == [x * x for x in range(1, 7)]
+    assert square.labels == {"kind": "count"}
+    assert nan.y == [None, 1.0]  # NaN is stored as null (PostgreSQL's JSON has no NaN)
+
+    folder = settings.artifact_dir / "jobs" / str(job_id)
+    arts = artifacts_of(sessions, job_id)
+    assert set(arts) == {"attempt-1.txt", "checkpoints/from-attempt-1.txt", "numbers.json", "plots/square.png"}
+    png = (folder / "plots" / "square.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert arts["plots/square.png"].sha256 == hashlib.sha256(png).hexdigest()
+    assert arts["plots/square.png"].size == len(png) and arts["plots/square.png"].media_type == "image/png"
+    assert arts["numbers.json"].media_type == "application/json"
+    assert json.loads((folder / "numbers.json").read_text()) == list(range(1, 7))
+
+
+def test_environment_is_recorded(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 3, "sleep": 0.05, "record_backend": "triton", "plot": False})
+    runner.execute(job_id, settings, sessions, publisher)
+    env = job_row(job_id).environment
+    assert env["lmscope"] == lmscope.__version__
+    assert env["host"] == socket.gethostname()
+    assert env["kernel_backend"] == "triton"  # what the job recorded wins
+    assert env["attempt"] == 1 and env["device"] in ("cpu", "cuda")
+    assert env["device_name"]
+    for package in ("torch", "triton", "transformers"):
+        if importlib.util.find_spec(package) is not None:
+            assert env[package] == importlib.metadata.version(package)
+    assert env["stages"]["count"] >= 3 * 0.05
+    assert env["stages"]["total"] >= env["stages"]["count"] + env["stages"]["plot"]
+    assert env["wall_seconds"] >= env["stages"]["total"]
+
+
+def test_claim_is_atomic(sessions, make_job, job_row):
+    """Several workers receive the same job at the same moment: exactly one claims it."""
+    for _ in range(3):
+        job_id = make_job()
+        barrier = threading.Barrier(4)
+        results = {}
+
+        def claimer(name):
+            barrier.wait()
+            results[name] = runner.claim(sessions, job_id, name)
+
+        threads = [threading.Thread(target=claimer, args=(f"host:{i}",)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [name for name, r in results.items() if isinstance(r, Attempt)]
+        assert len(winners) == 1, results
+        job = job_row(job_id)
+        assert (job.status, job.attempts, job.worker) == ("running", 1, winners[0])
+
+
+def test_duplicate_delivery_is_dropped(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job()
+    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+    assert runner.execute(job_id, settings, sessions, publisher) is None
+    assert job_row(job_id).attempts == 1
+    assert len(series_of(sessions, job_id)) == 2
+    assert runner.execute(10_000, settings, sessions, publisher) is None  # no such job: dropped
+
+
+def test_progress_is_throttled_and_the_last_report_written(settings, sessions, engine, make_job, job_row, publisher):
+    writes = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("UPDATE jobs SET progress_done"):
+            writes.append(time.monotonic())
+
+    job_id = make_job(params={"steps": 400, "sleep": 0.003, "plot": False})
+    started = time.monotonic()
+    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+    elapsed = time.monotonic() - started
+    event.remove(engine, "before_cursor_execute", count)
+
+    assert 2 <= len(writes) <= 4 * elapsed + 2, (len(writes), elapsed)
+    gaps = [b - a for a, b in zip(writes, writes[1:-1])]  # the final write may follow at once
+    assert all(g >= 0.24 for g in gaps), gaps
+    job = job_row(job_id)
+    assert (job.progress_done, job.progress_total, job.progress_stage) == (400, 400, "counting")
+
+
+def test_cancel_flag_stops_a_running_job(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
+    outcome = {}
+    t = threading.Thread(target=lambda: outcome.setdefault("status", runner.execute(job_id, settings, sessions, publisher)))
+    t.start()
+    wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
+    requested = time.monotonic()
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+    t.join(timeout=20)
+    assert not t.is_alive()
+    assert time.monotonic() - requested < 5.0  # seen at the next throttled read, not at the end
+    job = job_row(job_id)
+    assert outcome["status"] == "cancelled" and job.status == "cancelled" and job.finished_at is not None
+    assert job.progress_done < 1_000_000
+    assert series_of(sessions, job_id) == []
+    assert job.environment["stages"]["count"] > 0
+
+
+def test_cancel_requested_before_the_claim_cancels_at_once(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(cancel_requested=True)
+    assert runner.execute(job_id, settings, sessions, publisher) == "cancelled"
+    job = job_row(job_id)
+    assert job.status == "cancelled" and job.started_at is None and job.attempts == 0
+
+
+def test_results_are_replaced_not_duplicated_by_a_retry(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 4, "plot": False})
+    runner.execute(job_id, settings, sessions, publisher)
+    first = artifacts_of(sessions, job_id)
+    # As the reaper does after a lost worker: the row goes back to the queue and runs again.
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(status="queued", worker=None))
+    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+
+    assert job_row(job_id).attempts == 2 and job_row(job_id).summary["attempt"] == 2
+    names = sorted(s.name for s in series_of(sessions, job_id))
+    assert names == ["nan", "square"]
+    arts = artifacts_of(sessions, job_id)
+    # The folder was emptied for attempt 2 except checkpoints/, which a resuming job needs.
+    assert set(arts) == {"attempt-2.txt", "numbers.json", "checkpoints/from-attempt-1.txt",
+                         "checkpoints/from-attempt-2.txt"}
+    assert "attempt-1.txt" in first and not (settings.artifact_dir / "jobs" / str(job_id) / "attempt-1.txt").exists()
+
+
+@pytest.mark.parametrize("params, error_type, message", [
+    ({"fail": "jobfailed", "fail_at": 2}, "bad-count", "step 2 refuses to count; use fewer steps"),
+    ({"fail": "exception", "fail_at": 3}, "RuntimeError", "boom at step 3"),
+    ({"steps": -1}, "invalid-params", "steps"),
+    ({"colour": "red"}, "invalid-params", "colour"),
+    ({"bad_series": True}, "ValueError", "storing the results failed: series 'bad' has 2 x values but 1 y values"),
+])
+def test_failures_are_recorded_not_retried(settings, sessions, make_job, job_row, publisher, params, error_type, message):
+    job_id = make_job(params={"plot": False, **params})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert (job.status, job.error_type, job.attempts) == ("failed", error_type, 1)
+    assert message in job.error_message
+    assert job.environment["lmscope"] == lmscope.__version__
+    assert series_of(sessions, job_id) == [] and publisher.published == []
+    assert runner.execute(job_id, settings, sessions, publisher) is None  # a redelivery does not retry it
+
+
+def test_unknown_kind_fails_with_a_clear_message(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(kind="no_such_kind", params={})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert job.error_type == "unknown-kind" and "no_such_kind" in job.error_message
+
+
+def test_time_limit_fails_the_job(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 1000, "sleep": 0.01, "plot": False})
+    assert runner.execute(job_id, replace(settings, task_time_limit=1), sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert job.error_type == "time-limit" and "LMSCOPE_TASK_TIME_LIMIT" in job.error_message
+
+
+def test_an_attempt_that_lost_its_row_writes_nothing(settings, sessions, make_job, job_row, publisher):
+    """The reaper gave up on a slow attempt and another worker took the job: the old attempt stops quietly."""
+    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
+    outcome = {}
+    t = threading.Thread(target=lambda: outcome.setdefault("status", runner.execute(job_id, settings, sessions, publisher)))
+    t.start()
+    wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(attempts=Job.attempts + 1, worker="elsewhere:1"))
+    t.join(timeout=20)
+    assert not t.is_alive() and outcome["status"] is None
+    job = job_row(job_id)
+    assert (job.status, job.worker, job.attempts) == ("running", "elsewhere:1", 2)
+    assert series_of(sessions, job_id) == []
+
+
+def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_row, publisher):
+    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
+    t = threading.Thread(target=runner.execute, args=(job_id, settings, sessions, publisher))
+    t.start()
+    first = wait_until(lambda: job_row(job_id).heartbeat_at, what="heartbeat")
+    wait_until(lambda: job_row(job_id).heartbeat_at > first, timeout=5, what="a newer heartbeat")
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+    t.join(timeout=20)
+    assert job_row(job_id).status == "cancelled"
+
+
+# ---------------------------------------------------------------- the context's models, datasets, checkpoints
+
+@pytest.fixture
+def context(settings, sessions, make_job, tmp_path):
+    job_id = make_job()
+    attempt = runner.claim(sessions, job_id, "test:1")
+    return WorkerContext(attempt, sessions, tmp_path / "art", "cpu")
+
+
+def test_register_model_is_an_idempotent_upsert(context, sessions, tmp_path):
+    from lmscope.analyses.base import JobFailed
+
+    ckpt = tmp_path / "run" / "step10"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16,
+                                                  "vocab_size": 259}))
+    context.register_model("run@step10", ckpt, step=10)
+    context.register_model("run@step10", ckpt, step=10)
+    (ckpt.parent / "step20").mkdir()
+    (ckpt.parent / "step20" / "config.json").write_text((ckpt / "config.json").read_text())
+    context.register_model("run@step20", ckpt.parent / "step20", step=20)
+    with sessions() as s:
+        rows = s.execute(select(Model).where(Model.source == "checkpoint").order_by(Model.step)).scalars().all()
+    assert [(r.name, r.step, r.job_id, r.num_layers, r.num_heads, r.hidden_size) for r in rows] == [
+        ("run@step10", 10, context.job_id, 3, 2, 16), ("run@step20", 20, context.job_id, 3, 2, 16)]
+    assert context.checkpoints_of(context.job_id) == [(10, "run@step10"), (20, "run@step20")]
+    assert context.checkpoints_of(context.job_id + 1) == []
+
+    with sessions() as s, s.begin():
+        s.add(Model(name="taken", source="builtin"))
+    with pytest.raises(JobFailed, match="already taken"):
+        context.register_model("taken", ckpt, step=10)
+
+
+def test_documents_and_unknown_names(context, sessions, tmp_path):
+    from lmscope.analyses.base import JobFailed
+    from lmscope.catalog import read_documents
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("first line\n\n = Heading = \nsecond line\n")
+    with sessions() as s, s.begin():
+        s.add(Dataset(name="tiny", source="upload", path=str(text), format="lines", num_documents=2, num_bytes=10,
+                      sha256="0" * 64))
+    assert context.load_documents("tiny") == read_documents(text, "lines") == ["first line", "second line"]
+    with pytest.raises(JobFailed, match="dataset 'nope' is not registered"):
+        context.load_documents("nope")
+    with pytest.raises(JobFailed, match="model 'nope' is not registered"):
+        context.load_model("nope")
+
+
+def test_load_model_goes_through_the_registry_and_the_cache(settings, context, sessions):
+    if settings.database_url.startswith("postgresql"):
+        pytest.skip("model loading does not depend on the database; checked once, on SQLite")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lmscope.catalog import BUILTIN_MODELS
+    from lmscope.worker.startup import ensure_builtins
+
+    ensure_builtins(settings, sessions)
+    loaded = context.load_model("tiny-gpt2")
+    assert loaded.model.config.n_layer == BUILTIN_MODELS["tiny-gpt2"]["n_layer"]
+    assert context.load_model("tiny-gpt2") is loaded  # cached in the process
+    assert context.environment["models"] == {"tiny-gpt2": {"source": "builtin", "dtype": "float32"}}

@@ -1,0 +1,91 @@
+"""Sweeps: the parent is aggregated exactly once, after its last child, even when workers race."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lmscope.db.models import utcnow
+from lmscope.worker import runner
+from tests.worker import fake_kinds
+
+
+@pytest.fixture
+def sweep(make_job):
+    """A parent as the API inserts it (running, waiting for children) and its queued children."""
+
+    def make(children: list[dict], cancel: bool = False) -> tuple[int, list[int]]:
+        parent = make_job(kind="fake_sweep", params={"steps": [c.get("steps", 5) for c in children]},
+                          status="running", waiting_children=True, started_at=utcnow(), cancel_requested=cancel)
+        kids = [make_job(params={"plot": False, **c}, parent_id=parent) for c in children]
+        return parent, kids
+
+    return make
+
+
+def test_aggregation_runs_exactly_once_when_workers_race(settings, sessions, sweep, job_row, publisher):
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}, {"steps": 4}, {"steps": 5, "fail": "exception", "fail_at": 1}])
+    before = fake_kinds.aggregate_calls
+    results = []
+    lock = threading.Lock()
+
+    def worker(child_id):
+        runner.execute(child_id, settings, sessions, publisher)
+        # Each worker then receives the parent id that finishing its child published.
+        status = runner.execute(parent, settings, sessions, publisher)
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in kids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    # ... and a few late duplicate deliveries race each other too.
+    barrier = threading.Barrier(3)
+    late = []
+    extra = [threading.Thread(target=lambda: (barrier.wait(), late.append(
+        runner.execute(parent, settings, sessions, publisher)))) for _ in range(3)]
+    for t in extra:
+        t.start()
+    for t in extra:
+        t.join(timeout=30)
+
+    assert fake_kinds.aggregate_calls - before == 1
+    assert results.count("succeeded") == 1 and late == [None, None, None]
+    assert publisher.published.count(parent) == len(kids)  # every child published its parent
+    job = job_row(parent)
+    assert job.status == "succeeded" and not job.waiting_children
+    assert job.summary["sum"] == sum(range(1, 3)) + sum(range(1, 4)) + sum(range(1, 5))
+    assert job.summary["failed_children"] == [kids[3]]
+    assert job.summary["children"] == {"succeeded": 3, "failed": 1, "cancelled": 0}
+    assert (job.progress_done, job.progress_total) == (4, 4)
+
+
+def test_parent_waits_for_its_last_child_and_shows_progress(settings, sessions, sweep, job_row, publisher):
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}])
+    runner.execute(kids[0], settings, sessions, publisher)
+    assert runner.execute(parent, settings, sessions, publisher) is None  # one child still queued
+    job = job_row(parent)
+    assert job.waiting_children and (job.progress_done, job.progress_total) == (1, 2)
+    runner.execute(kids[1], settings, sessions, publisher)
+    assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
+    assert job_row(parent).summary["sum"] == 3 + 6
+
+
+def test_a_cancelled_sweep_is_cancelled_without_aggregating(settings, sessions, sweep, job_row, publisher):
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}], cancel=True)
+    runner.execute(kids[0], settings, sessions, publisher)
+    # The API cancels the queued child (cancel_requested): a delivery then ends it at once.
+    from sqlalchemy import update
+
+    from lmscope.db.models import Job
+
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == kids[1]).values(cancel_requested=True))
+    assert runner.execute(kids[1], settings, sessions, publisher) == "cancelled"
+    before = fake_kinds.aggregate_calls
+    assert runner.execute(parent, settings, sessions, publisher) == "cancelled"
+    assert fake_kinds.aggregate_calls == before
+    assert job_row(parent).summary == {"children": {"succeeded": 1, "failed": 0, "cancelled": 1}}
