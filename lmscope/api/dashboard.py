@@ -10,7 +10,7 @@ bp = Blueprint("dashboard", __name__)
 
 
 @bp.get("/")
-@bp.get("/dashboard")
 def dashboard() -> Response:
+    """The dashboard page (jobs, progress, plots); it calls /v1 from the browser."""
     html = resources.files("lmscope.api").joinpath("static/dashboard.html").read_text(encoding="utf-8")
     return Response(html, mimetype="text/html")

@@ -1,32 +1,170 @@
+"""Parameters of approximation sweeps (DESIGN.md §7 "sweep") and their grid expansion.
+
+A `sweep` job is a parent; every grid point is an ordinary child job:
+
+- study "sumformer": one `sumformer_fit` child per (architecture, target, token_dim d, seq_len n,
+  latent_dim d', features k, seed). It trains one network on one equivariant target.
+- study "attention": one `attention_approx` child per (method, seed). It captures every layer's
+  q, k, v from a real model once and compares Performer / Linformer with exact softmax attention
+  for every number of features k.
+
+Light on purpose (pydantic + stdlib): the API expands the grid at submit time and has no torch.
+The targets' maths lives in `lmscope.analyses.targets`; their names and formulas live here so that
+the API can refuse an unknown target with the list of known ones.
+"""
+
 from __future__ import annotations
 
-from typing import Any, Literal
+import itertools
+from math import comb
+from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lmscope.params.base import ChildSpec, JobParams
 
+ARCHITECTURES = ("poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer")
+Architecture = Literal["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"]
+USES_FEATURES = ("linformer", "performer")  # k random features (Performer) / k projected keys (Linformer)
+APPROX_METHODS = ("performer", "linformer")
+ApproxMethod = Literal["performer", "linformer"]
+# How the attention study draws Linformer's E, F ∈ R^(k×N): "gaussian" = i.i.d. N(0, 1/k) entries, E and F
+# independent (the Linformer paper's JL projections); "pooling" = E = F = the mean over k contiguous
+# blocks of positions (the paper's pooling variant; k ≥ N gives exact attention).
+LinformerProjection = Literal["gaussian", "pooling"]
+
+# Equivariant targets f(X)_i = g(x_i, {x_k : k != i}), applied to every coordinate c separately:
+# f(X)_{i,c} = g(x_{i,c}, {x_{k,c} : k != i}), tokens x_k uniform on [0,1]^d. In the formulas x1 is
+# the token the output belongs to and x2..xn the others (a set: g is invariant in them).
+TARGET_FORMULAS: dict[str, str] = {
+    "fig2_poly": "g = x1 + 7·x1² + 3·x1·(x2 + … + xn)³   (the paper's Fig. 2 target)",
+    "poly_moments": "g = x1·(x2 + … + xn) + (x2² + … + xn²)   (degree 2; linear in x1², x1·p1, p2)",
+    "sin_exp": "g = sin(2π·x1) + exp(−Σ_{k≥2} (xk − x1)²)   (smooth, not a polynomial)",
+    "max_dist": "g = max_{k≥2} |xk − x1|   (Lipschitz, not smooth)",
+}
+
+# Bounds that keep one child a few minutes on a GPU and keep the API's expansion cheap.
+MAX_LATENT_DIM = 4096
+MAX_GRID_LIST = 64
+MAX_GRID_POINTS = 100_000  # absurd grids are refused before expansion; the per-user limit is the API's
+
+# Which SweepParams fields belong to which study (setting the other study's fields is an error).
+SUMFORMER_FIELDS = ("target", "architectures", "grid", "train")
+ATTENTION_FIELDS = ("model", "dataset", "layers", "methods", "features", "seq_len", "num_segments",
+                    "batch_size", "linformer_projection", "seeds")
+
+
+def theory_latent_dim(token_dim: int, seq_len: int) -> int:
+    """d' = C(n+d, d) − 1: the number of monomials x^α with 1 ≤ |α| ≤ n in d variables.
+
+    The multisymmetric power sums Σ_k x_k^α over these α determine a set of n points in R^d
+    (the Sumformer paper's polynomial construction), so this latent size always suffices.
+    """
+    return comb(seq_len + token_dim, token_dim) - 1
+
+
+def effective_latent_dim(architecture: str, latent_dim: int | None, token_dim: int, seq_len: int) -> int:
+    """The latent size a child really uses.
+
+    `None` means the theory d'. The polynomial Sumformer has at most the theory d' monomials: a
+    larger request is clamped to it, a smaller one keeps the first d' monomials in graded order
+    (all of degree 1, then degree 2, ...), i.e. a truncated power-sum embedding.
+    """
+    theory = theory_latent_dim(token_dim, seq_len)
+    if latent_dim is None:
+        return theory
+    return min(latent_dim, theory) if architecture == "poly_sumformer" else latent_dim
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainSettings(_Strict):
+    """How one sumformer_fit child trains: Adam on the MSE, relative L2 error on a held-out split."""
+
+    samples: int = Field(2000, ge=10, le=1_000_000, description="sequences drawn uniformly from [0,1]^(n×d)")
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    epochs: int = Field(200, ge=1, le=100_000)
+    batch_size: int = Field(64, ge=1, le=1_000_000)
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    hidden: int = Field(50, ge=1, le=4096, description="width of every hidden layer of φ and ψ")
+    depth: int = Field(5, ge=1, le=32, description="number of hidden layers of φ and ψ")
+    eval_every: int = Field(5, ge=1, description="epochs between validation errors")
+    qk_init_std: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="std of the attention's query/key weights at start; 0 = exactly the proof's construction "
+                    "(uniform attention; query/key weights then get zero gradient and stay 0)")
+
+    @model_validator(mode="after")
+    def _split_has_both_sides(self):
+        n_val = int(round(self.samples * self.val_fraction))
+        if n_val < 1 or self.samples - n_val < 1:
+            raise ValueError(f"samples={self.samples} with val_fraction={self.val_fraction} leaves an empty "
+                             "training or validation split; raise samples or change val_fraction")
+        return self
+
+
+def _check_target(name: str) -> str:
+    if name not in TARGET_FORMULAS:
+        raise ValueError(f"unknown target {name!r}; known targets: {', '.join(TARGET_FORMULAS)}")
+    return name
+
+
+def _check_latent(architecture: str, latent_dim: int | None, token_dim: int, seq_len: int) -> None:
+    d_eff = effective_latent_dim(architecture, latent_dim, token_dim, seq_len)
+    if d_eff > MAX_LATENT_DIM:
+        raise ValueError(
+            f"{architecture} with token_dim={token_dim}, seq_len={seq_len} and latent_dim={latent_dim} needs "
+            f"d'={d_eff} latent dimensions (theory C(n+d,d)-1 = {theory_latent_dim(token_dim, seq_len)}); "
+            f"give an explicit latent_dim ≤ {MAX_LATENT_DIM} or a smaller token_dim/seq_len")
+
 
 class SumformerFitParams(JobParams):
-    """One grid point of a sumformer sweep (placeholder; owned by the sweep issue)."""
+    """One grid point of a sumformer sweep: train one architecture on one target."""
 
     target: str = "fig2_poly"
-    architecture: str = "poly_sumformer"
-    latent_dim: int = 8
-    token_dim: int = 1
-    seq_len: int = 3
-    features: int | None = None
+    architecture: Architecture = "mlp_sumformer"
+    latent_dim: int | None = Field(None, ge=1, le=MAX_LATENT_DIM, description="d'; null = C(n+d,d)−1")
+    token_dim: int = Field(1, ge=1, le=32)
+    seq_len: int = Field(3, ge=2, le=256)
+    features: int | None = Field(None, ge=1, le=65536, description="k, for linformer / performer")
     seed: int = 0
-    train: dict[str, Any] = Field(default_factory=dict)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, v: str) -> str:
+        return _check_target(v)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.architecture in USES_FEATURES and self.features is None:
+            raise ValueError(f"architecture {self.architecture!r} needs features (k)")
+        _check_latent(self.architecture, self.latent_dim, self.token_dim, self.seq_len)
+        return self
 
 
 class AttentionApproxParams(JobParams):
-    """One grid point of an attention study (placeholder; owned by the sweep issue)."""
+    """One grid point of an attention study: one method, one seed, every layer and every k."""
 
     model: str
     dataset: str
-    method: Literal["performer", "linformer"] = "performer"
-    features: list[int] = Field(default_factory=lambda: [16, 32])
+    method: ApproxMethod = "performer"
+    features: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1)
+    layers: list[int] | None = Field(None, description="layer indices; null = all layers")
+    seq_len: int = Field(512, ge=2, le=65536)
+    num_segments: int = Field(16, ge=1, le=100_000)
+    batch_size: int = Field(4, ge=1, le=1024)
+    linformer_projection: LinformerProjection = "gaussian"
+    seed: int = 0
+
+    @field_validator("features")
+    @classmethod
+    def _positive(cls, v):
+        if any(k < 1 for k in v):
+            raise ValueError(f"features must be ≥ 1, got {v}")
+        return sorted(set(v))
 
     def model_refs(self) -> list[str]:
         return [self.model]
@@ -35,13 +173,108 @@ class AttentionApproxParams(JobParams):
         return [self.dataset]
 
 
+class SumformerGrid(_Strict):
+    """Lists whose product is the sweep (features only multiplies linformer / performer)."""
+
+    latent_dim: list[int | None] = Field(default_factory=lambda: [2**i for i in range(10)], min_length=1,
+                                         max_length=MAX_GRID_LIST)
+    token_dim: list[int] = Field(default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
+    seq_len: list[int] = Field(default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
+    features: list[int] = Field(default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
+    seed: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_GRID_LIST)
+
+    @field_validator("latent_dim", "token_dim", "seq_len", "features", "seed")
+    @classmethod
+    def _unique(cls, v):
+        values = [x for x in v]
+        if len(set(values)) != len(values):
+            raise ValueError(f"grid values must be distinct, got {v}")
+        return values
+
+
 class SweepParams(JobParams):
-    """A sweep (placeholder; owned by the sweep issue)."""
+    """A sweep: study "sumformer" (train a grid of networks) or "attention" (approximate a model's attention).
+
+    The defaults are the paper's Fig. 2 at full size: MLP Sumformer on `fig2_poly`, n = 3,
+    d = 1..10, d' = 1, 2, 4, ..., 512, 200 epochs on 2,000 sequences.
+    """
 
     study: Literal["sumformer", "attention"] = "sumformer"
-    grid: dict[str, list[Any]] = Field(default_factory=dict)
+
+    # study = "sumformer"
+    target: str | list[str] = "fig2_poly"
+    architectures: list[Architecture] = Field(default_factory=lambda: ["mlp_sumformer"], min_length=1)
+    grid: SumformerGrid = Field(default_factory=SumformerGrid)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+
+    # study = "attention"
     model: str | None = None
     dataset: str | None = None
+    layers: list[int] | None = None
+    methods: list[ApproxMethod] = Field(default_factory=lambda: ["performer", "linformer"], min_length=1)
+    features: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1,
+                                max_length=MAX_GRID_LIST)
+    seq_len: int = Field(512, ge=2, le=65536)
+    num_segments: int = Field(16, ge=1, le=100_000)
+    batch_size: int = Field(4, ge=1, le=1024)
+    linformer_projection: LinformerProjection = "gaussian"
+    seeds: int | list[int] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
+
+    @property
+    def targets(self) -> list[str]:
+        return [self.target] if isinstance(self.target, str) else list(self.target)
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
+
+    @model_validator(mode="after")
+    def _study_fields(self):
+        own, other = ((SUMFORMER_FIELDS, ATTENTION_FIELDS) if self.study == "sumformer"
+                      else (ATTENTION_FIELDS, SUMFORMER_FIELDS))
+        # A field of the other study may appear with its default value (a stored, fully dumped copy of
+        # these params is validated again by the worker); a different value is a mistake.
+        fields = type(self).model_fields
+        stray = [f for f in other if f in self.model_fields_set
+                 and getattr(self, f) != fields[f].get_default(call_default_factory=True)]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} belong(s) to the other study; study={self.study!r} uses: "
+                             f"study, {', '.join(own)}")
+        if self.study == "sumformer":
+            if not self.targets:
+                raise ValueError("target: give at least one target")
+            for t in self.targets:
+                _check_target(t)
+            if len(set(self.targets)) != len(self.targets) or len(set(self.architectures)) != len(self.architectures):
+                raise ValueError("target and architectures must not repeat values")
+            size = _sumformer_grid_size(self)
+            if size > MAX_GRID_POINTS:
+                raise ValueError(f"the grid has {size} points (more than {MAX_GRID_POINTS}); make it smaller")
+            for arch, n, d, dp in itertools.product(self.architectures, self.grid.seq_len, self.grid.token_dim,
+                                                    self.grid.latent_dim):
+                _check_latent(arch, dp, d, n)
+            for name, values, lo, hi in (("token_dim", self.grid.token_dim, 1, 32), ("seq_len", self.grid.seq_len, 2, 256),
+                                         ("features", self.grid.features, 1, 65536)):
+                bad = [v for v in values if not lo <= v <= hi]
+                if bad:
+                    raise ValueError(f"grid.{name} values must lie in [{lo}, {hi}], got {bad}")
+            bad = [v for v in self.grid.latent_dim if v is not None and not 1 <= v <= MAX_LATENT_DIM]
+            if bad:
+                raise ValueError(f"grid.latent_dim values must lie in [1, {MAX_LATENT_DIM}] (or null = theory), got {bad}")
+        else:
+            missing = [f for f in ("model", "dataset") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"study='attention' needs {' and '.join(missing)}")
+            seeds = self.seed_list
+            if not seeds or len(set(seeds)) != len(seeds) or (isinstance(self.seeds, int) and self.seeds > MAX_GRID_LIST):
+                raise ValueError(f"seeds: give a count in [1, {MAX_GRID_LIST}] or distinct seeds, got {self.seeds}")
+            if len(set(self.methods)) != len(self.methods):
+                raise ValueError("methods must not repeat values")
+            if any(k < 1 for k in self.features):
+                raise ValueError(f"features must be ≥ 1, got {self.features}")
+            if self.layers is not None and (not self.layers or any(layer < 0 for layer in self.layers)):
+                raise ValueError(f"layers: give layer indices ≥ 0 (or null = all layers), got {self.layers}")
+        return self
 
     def model_refs(self) -> list[str]:
         return [self.model] if self.model else []
@@ -50,12 +283,70 @@ class SweepParams(JobParams):
         return [self.dataset] if self.dataset else []
 
 
+def _sumformer_grid_size(p: SweepParams) -> int:
+    g = p.grid
+    per_arch = len(g.latent_dim) * len(g.token_dim) * len(g.seq_len) * len(g.seed) * len(p.targets)
+    return sum(per_arch * (len(g.features) if a in USES_FEATURES else 1) for a in p.architectures)
+
+
+def _fmt_latent(d: int | None) -> str:
+    return "theory" if d is None else str(d)
+
+
 def expand_sweep(params: SweepParams) -> list[ChildSpec]:
-    """The sweep's grid points as child jobs (placeholder: latent_dim × seed)."""
-    children = []
-    for d in params.grid.get("latent_dim", [8]):
-        for seed in params.grid.get("seed", [0]):
-            children.append(
-                ChildSpec("sumformer_fit", {"latent_dim": d, "seed": seed}, name=f"latent_dim={d} seed={seed}")
+    """The sweep's grid points as child jobs (runs in the API at submit: pure Python, no torch).
+
+    Sumformer: architectures × targets × seq_len × token_dim × latent_dim × features × seed, where
+    features multiplies only linformer/performer. A polynomial Sumformer's d' above C(n+d,d)−1 is
+    clamped to it, and grid points that become identical are created once.
+    Attention: methods × seeds; each child covers every layer and every k.
+    """
+    if params.study == "attention":
+        return [
+            ChildSpec(
+                "attention_approx",
+                AttentionApproxParams(
+                    model=params.model, dataset=params.dataset, method=method, features=params.features,
+                    layers=params.layers, seq_len=params.seq_len, num_segments=params.num_segments,
+                    batch_size=params.batch_size, linformer_projection=params.linformer_projection, seed=seed,
+                ).model_dump(mode="json"),
+                name=f"{method} seed={seed}",
             )
+            for method in params.methods
+            for seed in params.seed_list
+        ]
+
+    g = params.grid
+    children: list[ChildSpec] = []
+    seen: set[tuple] = set()
+    for arch, target, n, d, latent, seed in itertools.product(
+        params.architectures, params.targets, g.seq_len, g.token_dim, g.latent_dim, g.seed
+    ):
+        if arch == "poly_sumformer" and latent is not None:
+            latent = effective_latent_dim(arch, latent, d, n)
+            if latent == theory_latent_dim(d, n):
+                latent = None  # "all monomials": one child, whatever larger d' the grid asked for
+        for k in (g.features if arch in USES_FEATURES else [None]):
+            key = (arch, target, n, d, latent, k, seed)
+            if key in seen:
+                continue
+            seen.add(key)
+            child = SumformerFitParams(
+                target=target, architecture=arch, latent_dim=latent, token_dim=d, seq_len=n, features=k,
+                seed=seed, train=params.train,
+            )
+            name = f"{arch} {target} d={d} n={n} d'={_fmt_latent(latent)}" + (f" k={k}" if k else "") + f" seed={seed}"
+            children.append(ChildSpec("sumformer_fit", child.model_dump(mode="json"), name=name))
     return children
+
+
+def sweep_size(params: SweepParams) -> int:
+    """Number of children `expand_sweep` creates (for messages; equals len(expand_sweep(params)))."""
+    return len(expand_sweep(params))
+
+
+__all__ = [
+    "ARCHITECTURES", "APPROX_METHODS", "TARGET_FORMULAS", "USES_FEATURES", "AttentionApproxParams",
+    "SumformerFitParams", "SumformerGrid", "SweepParams", "TrainSettings", "effective_latent_dim",
+    "expand_sweep", "sweep_size", "theory_latent_dim",
+]

@@ -1,0 +1,648 @@
+"""Approximation sweeps (DESIGN.md §7 "sweep"; Alberti et al., "Sumformer", 2023).
+
+A `sweep` is a parent job; the API expands its grid into children (`lmscope.params.sweep`):
+
+- `sumformer_fit` (`run_sumformer_fit`): train one network (poly / MLP Sumformer, one-attention-layer
+  Transformer / Linformer / Performer, `lmscope.modeling.sumformer`) on one equivariant target
+  (`lmscope.analyses.targets`) and report the relative L2 validation error
+
+      err = ‖f(X) − g(X)‖₂ / ‖g(X)‖₂   over every sample, token and coordinate of the validation split
+
+  every `eval_every` epochs (`val_error`, x = epoch) and the training MSE (`train_loss`).
+- `attention_approx` (`run_attention_approx`): capture q, k, v of every layer of a real model on
+  token windows, and compare Performer (k random features) or Linformer (k projected keys) with exact
+  softmax attention computed in float64, for every k: `rel_error` (x = k) and `time_ratio`
+  (approximation time / exact kernel time, x = k).
+- `aggregate`: runs once when the last child ended; averages over seeds, writes the parent's series
+  and the figures (`fig1_training.png`, `fig2_latent_dim.png` or `attention_approx.png`), and lists
+  the children that failed in the summary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series
+from lmscope.params.sweep import (
+    AttentionApproxParams,
+    SumformerFitParams,
+    SweepParams,
+    effective_latent_dim,
+    theory_latent_dim,
+)
+
+# ============================================================================ sumformer_fit
+
+
+def relative_l2_error(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """‖pred − target‖₂ / ‖target‖₂ over all entries, in float64."""
+    pred, target = pred.double(), target.double()
+    return float((pred - target).norm() / target.norm())
+
+
+def make_dataset(params: SumformerFitParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_val, y_val): `samples` sequences uniform on [0,1]^(n×d) from the seed.
+
+    The target is evaluated in float64 (fig2_poly reaches ~10²·n³) and stored as float32.
+    """
+    from lmscope.analyses.targets import evaluate_target, sample_inputs
+
+    t = params.train
+    x = sample_inputs(t.samples, params.seq_len, params.token_dim, params.seed, dtype=torch.float64)
+    y = evaluate_target(params.target, x)
+    n_val = int(round(t.samples * t.val_fraction))
+    n_train = t.samples - n_val
+    x, y = x.float(), y.float()
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+@torch.no_grad()
+def _predict(model, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
+    return torch.cat([model(x[i:i + batch]) for i in range(0, len(x), batch)])
+
+
+@contextmanager
+def _single_threaded(device: torch.device):
+    """These networks are tiny: on a CPU, intra-op threads only fight each other (measured 10-40x slower
+    with 2 threads on a loaded 2-core machine), so train with one and restore the setting afterwards."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> JobOutput:
+    """Train one grid point; report `val_error` and `train_loss` per epoch and write `training.png`."""
+    from lmscope.modeling.sumformer import build_network, num_parameters
+
+    if isinstance(params, dict):
+        params = SumformerFitParams.model_validate(params)
+    t = params.train
+    device = torch.device(ctx.device)
+    theory = theory_latent_dim(params.token_dim, params.seq_len)
+    d_eff = effective_latent_dim(params.architecture, params.latent_dim, params.token_dim, params.seq_len)
+
+    with ctx.stage("data"):
+        x_train, y_train, x_val, y_val = (a.to(device) for a in make_dataset(params))
+        # Train on standardised targets (Adam's lr then means the same for every target); the
+        # error is measured on the original scale.
+        mu, sigma = y_train.mean(), y_train.std().clamp_min(1e-12)
+
+    model = build_network(params.architecture, token_dim=params.token_dim, seq_len=params.seq_len,
+                          latent_dim=params.latent_dim, hidden=t.hidden, depth=t.depth, features=params.features,
+                          seed=params.seed, qk_init_std=t.qk_init_std).to(device)
+    if params.architecture in ("transformer", "linformer", "performer"):
+        ctx.record("kernel_backend", "reference")  # training needs autograd: the PyTorch reference kernels
+    opt = torch.optim.Adam(model.parameters(), lr=t.lr)
+    shuffle = torch.Generator().manual_seed(params.seed + 1)
+
+    epochs_x: list[int] = []
+    losses: list[float] = []
+    eval_x: list[int] = []
+    val_errors: list[float] = []
+    start = time.perf_counter()
+    with ctx.stage("train"), _single_threaded(device):
+        for epoch in range(1, t.epochs + 1):
+            model.train()
+            perm = torch.randperm(len(x_train), generator=shuffle).to(device)
+            total, count = 0.0, 0
+            for i in range(0, len(perm), t.batch_size):
+                idx = perm[i:i + t.batch_size]
+                loss = torch.nn.functional.mse_loss(model(x_train[idx]), (y_train[idx] - mu) / sigma)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+            train_mse = total / count * float(sigma) ** 2  # back to the target's units
+            if not math.isfinite(train_mse):
+                raise JobFailed(f"training diverged at epoch {epoch} (loss {train_mse}); lower train.lr "
+                                f"(now {t.lr})", error_type="diverged")
+            epochs_x.append(epoch)
+            losses.append(train_mse)
+            if epoch % t.eval_every == 0 or epoch == t.epochs:
+                model.eval()
+                err = relative_l2_error(_predict(model, x_val) * sigma + mu, y_val)
+                eval_x.append(epoch)
+                val_errors.append(err)
+            stage = f"epoch {epoch}/{t.epochs}" + (f", val error {val_errors[-1]:.3g}" if val_errors else "")
+            ctx.progress(epoch, t.epochs, stage)
+    seconds = time.perf_counter() - start
+
+    best = min(range(len(val_errors)), key=val_errors.__getitem__)
+    summary: dict[str, Any] = {
+        "architecture": params.architecture,
+        "target": params.target,
+        "token_dim": params.token_dim,
+        "seq_len": params.seq_len,
+        "features": params.features,
+        "seed": params.seed,
+        "latent_dim": params.latent_dim,
+        "latent_dim_effective": d_eff,
+        "theory_latent_dim": theory,
+        "best_val_error": val_errors[best],
+        "best_epoch": eval_x[best],
+        "final_val_error": val_errors[-1],
+        "final_train_loss": losses[-1],
+        "num_parameters": num_parameters(model),
+        "train_samples": len(x_train),
+        "val_samples": len(x_val),
+        "train_seconds": round(seconds, 3),
+    }
+    if params.architecture == "poly_sumformer" and d_eff < theory:
+        summary["note"] = (f"latent_dim {params.latent_dim} < C(n+d,d)-1 = {theory}: φ keeps the first {d_eff} "
+                           "monomials in graded order (a truncated power-sum embedding)")
+    labels = {"architecture": params.architecture, "target": params.target, "token_dim": params.token_dim,
+              "seq_len": params.seq_len, "latent_dim": d_eff, "features": params.features, "seed": params.seed}
+    series = [Series("val_error", eval_x, val_errors, labels), Series("train_loss", epochs_x, losses, labels)]
+    _plot_training(ctx.artifact_dir, params, eval_x, val_errors, epochs_x, losses, d_eff)
+    return JobOutput(summary, series)
+
+
+# ============================================================================ attention_approx
+
+
+def exact_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """softmax(q kᵀ/√D) v in float64 with the N × N matrix built explicitly (the oracle)."""
+    h, hk = q.shape[1], k.shape[1]
+    if h != hk:  # grouped-query attention: query head h reads kv head h // (H / H_kv)
+        k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[2]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def per_segment_rel_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """‖approx − exact‖_F / ‖exact‖_F for every segment (batch row), over heads, positions, dims."""
+    diff = (approx.double() - exact).flatten(1).norm(dim=1)
+    return diff / exact.flatten(1).norm(dim=1)
+
+
+def _is_causal(model) -> bool:
+    return not getattr(model.config, "is_encoder_decoder", False)  # every supported model is a causal LM
+
+
+def _timed(fn, device: torch.device) -> tuple[Any, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def pooling_projection(k: int, seq_len: int) -> torch.Tensor:
+    """[min(k, N), N]: row j averages the contiguous block of positions [j·N/k, (j+1)·N/k).
+
+    As Linformer's E = F this is attention over block means of keys and values; k ≥ N is the identity.
+    """
+    k = min(k, seq_len)
+    p = torch.zeros(k, seq_len)
+    for j in range(k):
+        lo, hi = j * seq_len // k, (j + 1) * seq_len // k
+        p[j, lo:hi] = 1.0 / (hi - lo)
+    return p
+
+
+def _projection_seed(seed: int, layer: int, k: int) -> int:
+    """A distinct, reproducible random draw per (seed, layer, k)."""
+    return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
+
+
+def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) -> JobOutput:
+    """Performer or Linformer vs exact softmax attention on a real model's q, k, v, for every k.
+
+    Performer is causal (prefix sums) and is compared with the model's causal attention. Linformer
+    projects the keys along the sequence (E K mixes every position), so it cannot be causal: it is
+    compared with exact *bidirectional* softmax attention on the same q, k, v. Its E, F are the
+    kernels' Gaussian JL draws (independent, N(0, 1/k)) or block-mean pooling (`linformer_projection`).
+    The softmax scale is 1/√D for every method (the models lmscope supports use it).
+    """
+    from lmscope.kernels import (attention_with_entropy, draw_favor_projection, draw_linformer_projections,
+                                 favor_attention, kernel_backend, linformer_attention)
+    from lmscope.kernels.hf import EntropyCollector
+    from lmscope.modeling.windows import token_windows
+
+    if isinstance(params, dict):
+        params = AttentionApproxParams.model_validate(params)
+    with ctx.stage("load_model"):
+        loaded = ctx.load_model(params.model)
+    model = loaded.model
+    device = next(model.parameters()).device
+    cfg = model.config
+    num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
+    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if max_pos is not None and params.seq_len > max_pos:
+        raise JobFailed(f"seq_len {params.seq_len} is longer than {params.model} supports ({max_pos} positions); "
+                        f"lower seq_len to at most {max_pos}")
+    layers = list(range(num_layers)) if params.layers is None else list(params.layers)
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise JobFailed(f"layers {bad} do not exist: {params.model} has layers 0..{num_layers - 1}")
+
+    with ctx.stage("load_documents"):
+        documents = ctx.load_documents(params.dataset)
+    try:
+        windows = token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments)
+    except ValueError as e:
+        raise JobFailed(f"dataset {params.dataset!r}: {e}") from None
+
+    causal_ref = _is_causal(model) and params.method == "performer"
+    backend = kernel_backend(device)
+    ctx.record("kernel_backend", backend)
+    ctx.record("approximation_backend", "reference")  # FAVOR+ / Linformer are matmul-bound PyTorch code
+    ks = list(params.features)
+    # Random features / projections, drawn once per (layer, k) and reused for every segment.
+    draws: dict[tuple[int, int], Any] = {}
+
+    def approx(layer: int, k: int, q, kk, v):
+        if params.method == "performer":
+            if (layer, k) not in draws:
+                draws[layer, k] = draw_favor_projection(k, q.shape[-1], _projection_seed(params.seed, layer, k), device)
+            return favor_attention(q, kk, v, projection=draws[layer, k], causal=True)
+        if (layer, k) not in draws:
+            if params.linformer_projection == "pooling":
+                pool = pooling_projection(k, q.shape[2]).to(device)
+                draws[layer, k] = (pool, pool)
+            else:
+                draws[layer, k] = draw_linformer_projections(k, q.shape[2], _projection_seed(params.seed, layer, k),
+                                                             device)
+        e, f = draws[layer, k]
+        return linformer_attention(q, kk, v, e.to(q.dtype), f.to(q.dtype))
+
+    errors = {(layer, k): [] for layer in layers for k in ks}  # per segment
+    t_exact = 0.0
+    t_approx = {k: 0.0 for k in ks}
+    batches = list(range(0, len(windows), params.batch_size))
+    head_info: dict[str, int] = {}
+    with torch.no_grad(), ctx.stage("measure"):
+        for b, start in enumerate(batches):
+            input_ids = windows[start:start + params.batch_size].to(device)
+            with EntropyCollector(model, capture_qkv=True) as col:
+                model(input_ids=input_ids, use_cache=False)
+            for layer in layers:
+                q, kk, v = col.qkv[layer]
+                head_info = {"num_heads": q.shape[1], "num_kv_heads": kk.shape[1], "head_dim": q.shape[-1]}
+                if b == 0:  # warm-up (Triton compilation, cuBLAS handles) outside the timings
+                    attention_with_entropy(q, kk, v, causal=causal_ref)
+                    for k in ks:
+                        approx(layer, k, q, kk, v)
+                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref), device)
+                t_exact += dt
+                # one window at a time: the float64 N × N matrices of all heads of one window at most
+                exact = torch.cat([exact_attention_f64(q[i:i + 1], kk[i:i + 1], v[i:i + 1], causal=causal_ref)
+                                   for i in range(q.shape[0])])
+                for k in ks:
+                    out, dt = _timed(lambda: approx(layer, k, q, kk, v), device)
+                    t_approx[k] += dt
+                    errors[layer, k].extend(per_segment_rel_error(out, exact).tolist())
+                del exact
+            del col
+            ctx.progress(b + 1, len(batches), f"batch {b + 1}/{len(batches)} ({params.method}, seed {params.seed})")
+
+    # mean over segments for each layer and k
+    curve = {layer: [sum(errors[layer, k]) / len(errors[layer, k]) for k in ks] for layer in layers}
+    ratios = [t_approx[k] / t_exact for k in ks]
+    series = [Series("rel_error", ks, curve[layer], {"method": params.method, "layer": layer, "seed": params.seed})
+              for layer in layers]
+    series.append(Series("time_ratio", ks, ratios, {"method": params.method, "seed": params.seed}))
+    summary = {
+        "method": params.method,
+        "seed": params.seed,
+        "model": params.model,
+        "reference": "causal softmax" if causal_ref else "bidirectional softmax",
+        **({"linformer_projection": params.linformer_projection} if params.method == "linformer" else {}),
+        "layers": layers,
+        "segments": len(windows),
+        "seq_len": params.seq_len,
+        **head_info,
+        "features": ks,
+        "kernel_backend": backend,
+        "exact_seconds": round(t_exact, 4),
+        "rel_error_at_max_features": sum(curve[layer][-1] for layer in layers) / len(layers),
+        "time_ratio_at_max_features": ratios[-1],
+    }
+    if len(windows) < params.num_segments:
+        summary["note"] = f"the dataset holds only {len(windows)} windows of {params.seq_len} tokens"
+    _plot_attention(ctx.artifact_dir / "attention_approx.png",
+                    {(params.method, layer): (ks, curve[layer], None, None) for layer in layers},
+                    {params.method: (ks, ratios)},
+                    title=f"{params.model}: {params.method} (seed {params.seed}) vs exact softmax attention",
+                    notes={"linformer": f"{params.linformer_projection} E, F"})
+    return JobOutput(summary, series)
+
+
+# ============================================================================ aggregation
+
+
+def aggregate(params: SweepParams | dict, children: list[ChildResult], ctx: JobContext) -> JobOutput:
+    """Combine the children's results into the parent's series, summary and plots (runs once)."""
+    if isinstance(params, dict):
+        params = SweepParams.model_validate(params)
+    ok = [c for c in children if c.status == "succeeded"]
+    not_ok = [c for c in children if c.status != "succeeded"]
+    summary: dict[str, Any] = {
+        "study": params.study,
+        "children": {"total": len(children), "succeeded": len(ok), "failed": sum(c.status == "failed" for c in children),
+                     "cancelled": sum(c.status == "cancelled" for c in children)},
+        "failed_children": [
+            {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
+            for c in not_ok
+        ],
+    }
+    if not ok:
+        raise JobFailed(f"all {len(children)} children of this sweep ended without results "
+                        f"(first error: {not_ok[0].error if not_ok else 'none'}); see the children's errors")
+    ctx.progress(0, 1, "aggregating")
+    if params.study == "sumformer":
+        out = _aggregate_sumformer(params, ok, ctx)
+    else:
+        out = _aggregate_attention(params, ok, ctx)
+    out.summary = {**summary, **out.summary}
+    ctx.progress(1, 1, "aggregated")
+    return out
+
+
+def _short_params(c: ChildResult) -> dict[str, Any]:
+    return {k: v for k, v in (c.params or {}).items() if k != "train"}
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return sum(values) / len(values), min(values), max(values)
+
+
+def _series_y(child: ChildResult, name: str) -> tuple[list, list] | None:
+    for s in child.series:
+        if s.name == name:
+            return list(s.x), list(s.y)
+    return None
+
+
+def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobContext) -> JobOutput:
+    # best_val_error[(arch, target, d, n, k)][d'] = [error per seed]
+    best: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    curves: dict[tuple, list[tuple[list, list]]] = defaultdict(list)  # (key, d') → val_error per seed
+    for c in ok:
+        p, s = c.params, c.summary or {}
+        key = (p["architecture"], p["target"], p["token_dim"], p["seq_len"], p.get("features"))
+        d_eff = s.get("latent_dim_effective") or effective_latent_dim(p["architecture"], p.get("latent_dim"),
+                                                                     p["token_dim"], p["seq_len"])
+        best[key][d_eff].append(float(s["best_val_error"]))
+        curve = _series_y(c, "val_error")
+        if curve:
+            curves[key + (d_eff,)].append(curve)
+
+    series: list[Series] = []
+    headline = []
+    for key in sorted(best, key=str):
+        arch, target, d, n, k = key
+        labels = {"architecture": arch, "target": target, "token_dim": d, "seq_len": n, "features": k}
+        xs = sorted(best[key])
+        stats = [_stats(best[key][x]) for x in xs]
+        series += [
+            Series("best_val_error", xs, [m for m, _, _ in stats], {**labels, "seeds": [len(best[key][x]) for x in xs]}),
+            Series("best_val_error.min", xs, [lo for _, lo, _ in stats], labels),
+            Series("best_val_error.max", xs, [hi for _, _, hi in stats], labels),
+        ]
+        i = min(range(len(xs)), key=lambda j: stats[j][0])
+        headline.append({**labels, "best_latent_dim": xs[i], "best_val_error": stats[i][0]})
+    for n in sorted({key[3] for key in best}):
+        ds = sorted({key[2] for key in best if key[3] == n})
+        series.append(Series("theory_latent_dim", ds, [theory_latent_dim(d, n) for d in ds], {"seq_len": n}))
+    for key in sorted(curves, key=str):
+        arch, target, d, n, k, d_eff = key
+        x, y = _mean_curve(curves[key])
+        series.append(Series("val_error", x, y, {"architecture": arch, "target": target, "token_dim": d,
+                                                 "seq_len": n, "features": k, "latent_dim": d_eff,
+                                                 "seeds": len(curves[key])}))
+
+    plots = []
+    if _plot_fig1(ctx.artifact_dir / "fig1_training.png", curves):
+        plots.append("fig1_training.png")
+    # Fig. 2 needs more than one d′ on a line (a Fig. 1 sweep has one each: nothing to draw)
+    if any(len(per_x) > 1 for per_x in best.values()):
+        _plot_fig2(ctx.artifact_dir / "fig2_latent_dim.png", best)
+        plots.append("fig2_latent_dim.png")
+    return JobOutput({"best": headline[:100], "plots": plots}, series)
+
+
+def _mean_curve(curves: list[tuple[list, list]]) -> tuple[list, list]:
+    """Mean over seeds at the x values every seed has (they share the training settings)."""
+    common = set(curves[0][0]).intersection(*(set(x) for x, _ in curves[1:]))
+    xs = sorted(common)
+    ys = [sum(dict(zip(x, y))[e] for x, y in curves) / len(curves) for e in xs]
+    return xs, ys
+
+
+def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobContext) -> JobOutput:
+    err: dict[tuple[str, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    ratio: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    references: dict[str, str] = {}
+    for c in ok:
+        method = c.params["method"]
+        references[method] = (c.summary or {}).get("reference", "")
+        for s in c.series:
+            if s.name == "rel_error":
+                for x, y in zip(s.x, s.y):
+                    err[method, int(s.labels["layer"])][int(x)].append(float(y))
+            elif s.name == "time_ratio":
+                for x, y in zip(s.x, s.y):
+                    ratio[method][int(x)].append(float(y))
+    series: list[Series] = []
+    panels: dict[tuple[str, int], tuple] = {}
+    for (method, layer) in sorted(err):
+        xs = sorted(err[method, layer])
+        stats = [_stats(err[method, layer][x]) for x in xs]
+        labels = {"method": method, "layer": layer}
+        means, los, his = [m for m, _, _ in stats], [lo for _, lo, _ in stats], [hi for _, _, hi in stats]
+        series += [Series("rel_error", xs, means, {**labels, "seeds": [len(err[method, layer][x]) for x in xs]}),
+                   Series("rel_error.min", xs, los, labels), Series("rel_error.max", xs, his, labels)]
+        panels[method, layer] = (xs, means, los, his)
+    times = {}
+    for method in sorted(ratio):
+        xs = sorted(ratio[method])
+        ys = [_stats(ratio[method][x])[0] for x in xs]
+        series.append(Series("time_ratio", xs, ys, {"method": method}))
+        times[method] = (xs, ys)
+    summary = {
+        "reference": references,
+        "rel_error_at_max_features": {
+            m: sum(panels[m, layer][1][-1] for (mm, layer) in panels if mm == m) / sum(1 for mm, _ in panels if mm == m)
+            for m in sorted({m for m, _ in panels})
+        },
+        "time_ratio_at_max_features": {m: ys[-1] for m, (_, ys) in times.items()},
+        **({"linformer_projection": params.linformer_projection} if "linformer" in references else {}),
+        "plots": ["attention_approx.png"],
+    }
+    _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
+                    title=f"{params.model}: approximations vs exact softmax attention "
+                          f"({params.num_segments} windows of {params.seq_len} tokens)",
+                    notes={"linformer": f"{params.linformer_projection} E, F"})
+    return JobOutput(summary, series)
+
+
+# ============================================================================ plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_eff) -> None:
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a1.semilogy(ex, errs, marker="o", ms=3)
+    a1.set(xlabel="epoch", ylabel="relative L2 validation error", title="validation error")
+    a2.semilogy(lx, losses, color="tab:orange")
+    a2.set(xlabel="epoch", ylabel="training MSE", title="training loss")
+    for a in (a1, a2):
+        a.grid(True, which="both", alpha=0.3)
+    k = f", k={p.features}" if p.features else ""
+    fig.suptitle(f"{p.architecture} on {p.target}: d={p.token_dim}, n={p.seq_len}, d'={d_eff}{k}, seed {p.seed}")
+    fig.tight_layout()
+    fig.savefig(Path(folder) / "training.png", dpi=110)
+    plt.close(fig)
+
+
+def _grid(plt, count: int, width: float = 5.0, height: float = 3.8):
+    cols = min(count, 3)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for a in axes.flat[count:]:
+        a.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
+    """Val error vs epoch, one panel per target, Polynomial vs MLP Sumformer (and other architectures)."""
+    plt = _pyplot()
+    targets = sorted({key[1] for key in curves})
+    if not targets:
+        return False
+    fig, axes = _grid(plt, len(targets))
+    colors = {"poly_sumformer": "tab:blue", "mlp_sumformer": "tab:orange", "transformer": "tab:green",
+              "linformer": "tab:red", "performer": "tab:purple"}
+    for ax, target in zip(axes, targets):
+        keys = [key for key in curves if key[1] == target]
+        pruned = ""
+        # Too many curves for one panel (a Fig. 2 grid): keep the best d' of each (architecture, d),
+        # and if that is still too many, the best configuration of each architecture.
+        for group, what in ((lambda key: key[:5], "best d′ per architecture and d"),
+                            (lambda key: key[0], "best configuration per architecture")):
+            if len(keys) <= 8:
+                break
+            keep: dict[Any, tuple[float, tuple]] = {}
+            for key in keys:
+                err = min(_mean_curve(curves[key])[1])
+                if group(key) not in keep or err < keep[group(key)][0]:
+                    keep[group(key)] = (err, key)
+            keys, pruned = [key for _, key in keep.values()], what
+        archs = {key[0] for key in keys}
+        for key in sorted(keys, key=str):
+            arch, _, d, n, k, d_eff = key
+            x, y = _mean_curve(curves[key])
+            label = f"{arch} (d={d}, n={n}, d'={d_eff}" + (f", k={k}" if k else "") + ")"
+            ax.semilogy(x, y, label=label, color=colors.get(arch) if len(archs) == len(keys) else None)
+        ax.set(xlabel="epoch", ylabel="relative L2 validation error",
+               title=f"target {target}" + (f"\n({pruned})" if pruned else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Fig. 1: validation error during training\n(mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
+    """Best val error vs d′ (log–log), one line per token dim d, theory d′ = C(n+d,d)−1 marked."""
+    plt = _pyplot()
+    panels = sorted({(key[0], key[1], key[3], key[4]) for key in best}, key=str)
+    if not panels:
+        return
+    fig, axes = _grid(plt, len(panels), width=5.5, height=4.2)
+    cmap = plt.get_cmap("viridis")
+    for ax, (arch, target, n, k) in zip(axes, panels):
+        ds = sorted({key[2] for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k)})
+        for i, d in enumerate(ds):
+            color = cmap(i / max(len(ds) - 1, 1))
+            per_x = best[arch, target, d, n, k]
+            xs = sorted(per_x)
+            stats = [_stats(per_x[x]) for x in xs]
+            ax.plot(xs, [m for m, _, _ in stats], marker="o", ms=3, color=color, label=f"d={d}")
+            if any(len(per_x[x]) > 1 for x in xs):
+                ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=color, alpha=0.15)
+            ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        title = f"{arch} on {target}, n={n}" + (f", k={k}" if k else "")
+        ax.set(xlabel="latent dimension d′", ylabel="best relative L2 validation error", title=title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, title="dotted: theory d′=C(n+d,d)−1", title_fontsize=7)
+    fig.suptitle("Fig. 2: best validation error vs latent dimension\n(mean over seeds, band = min–max over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dict[str, tuple], *, title: str,
+                    notes: dict[str, str] | None = None) -> None:
+    """Relative error vs k (log–log, one line per layer), a panel per method, and the time ratio."""
+    plt = _pyplot()
+    methods = sorted({m for m, _ in panels})
+    fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
+    axes = list(axes.flat)
+    cmap = plt.get_cmap("plasma")
+    for ax, method in zip(axes, methods):
+        layers = sorted(layer for m, layer in panels if m == method)
+        for i, layer in enumerate(layers):
+            xs, ys, los, his = panels[method, layer]
+            color = cmap(i / max(len(layers), 1))
+            ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"layer {layer}")
+            if los is not None:
+                ax.fill_between(xs, los, his, color=color, alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ref = "causal" if method == "performer" else "bidirectional"
+        extra = f" ({notes[method]})" if notes and method in notes else ""
+        ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
+               title=f"{method}{extra} vs exact {ref} softmax")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    ax = axes[-1]
+    for method, (xs, ys) in sorted(times.items()):
+        ax.plot(xs, ys, marker="o", ms=3, label=method)
+    ax.axhline(1.0, color="gray", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="k", ylabel="approximation time / exact kernel time", title="time ratio")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["aggregate", "exact_attention_f64", "make_dataset", "per_segment_rel_error", "relative_l2_error",
+           "run_attention_approx", "run_sumformer_fit"]

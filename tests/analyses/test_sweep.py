@@ -1,0 +1,350 @@
+"""The `sweep` job kind: grid expansion, sumformer_fit / attention_approx children, aggregation.
+
+Numbers are checked against independent computations: a hand count of the grid, the attention of a
+GPT-2 block recomputed from its hidden states in float64, means over seeds computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, Series
+from lmscope.analyses.local import LocalContext
+from lmscope.analyses.sweep import aggregate, relative_l2_error, run_attention_approx, run_sumformer_fit
+from lmscope.params import KINDS, validate_params
+from lmscope.params.sweep import SumformerFitParams, SweepParams, expand_sweep, theory_latent_dim
+
+WIKITEXT = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+
+
+def tiny_train(**kw):
+    return {"samples": 300, "epochs": 6, "eval_every": 2, "hidden": 16, "depth": 2, "batch_size": 64, "lr": 3e-3, **kw}
+
+
+# ---------------------------------------------------------------- grid expansion and validation
+
+def test_expand_sweep_counts_grid_points_by_hand():
+    assert len(expand_sweep(SweepParams())) == 10 * 10  # Fig. 2 default: d = 1..10 × d' = 2^0..2^9
+    p = SweepParams(target=["fig2_poly", "sin_exp"], architectures=["poly_sumformer", "mlp_sumformer", "performer"],
+                    grid={"latent_dim": [1, 4, 100], "token_dim": [1, 2], "seq_len": [3], "features": [4, 8],
+                          "seed": [0, 1]})
+    children = expand_sweep(p)
+    # per (target, seed): mlp 3·2 = 6; performer 3·2·2 = 12; poly d=1 (theory 3): d'=1, theory (4 and 100
+    # collapse) = 2, d=2 (theory 9): 1, 4, theory = 3 → 23; × 2 targets × 2 seeds
+    assert len(children) == 23 * 4
+    assert len({c.name for c in children}) == len(children)
+    parsed = [SumformerFitParams.model_validate(c.params) for c in children]
+    assert all(c.kind == "sumformer_fit" for c in children)
+    assert {q.latent_dim for q in parsed if q.architecture == "poly_sumformer" and q.token_dim == 2} == {1, 4, None}
+    assert all(q.features in (4, 8) for q in parsed if q.architecture == "performer")
+    assert all(q.features is None for q in parsed if q.architecture != "performer")
+
+    att = SweepParams(study="attention", model="m", dataset="d", methods=["performer", "linformer"], seeds=3)
+    kids = expand_sweep(att)
+    assert [c.name for c in kids] == [f"{m} seed={s}" for m in ("performer", "linformer") for s in range(3)]
+    assert all(validate_params("attention_approx", c.params, internal=True).model == "m" for c in kids)
+    assert len(expand_sweep(SweepParams(study="attention", model="m", dataset="d", seeds=[5, 7]))) == 4
+    assert KINDS["sweep"].expand is expand_sweep
+
+
+@pytest.mark.parametrize("raw,words", [
+    ({"architectures": ["mlp_sumformer", "bogus"]}, ["architectures", "bogus", "poly_sumformer"]),
+    ({"target": "nope"}, ["unknown target 'nope'", "fig2_poly"]),
+    ({"model": "m"}, ["model", "other study"]),
+    ({"study": "attention", "model": "m"}, ["needs dataset"]),
+    ({"study": "attention", "model": "m", "dataset": "d", "methods": ["exact"]}, ["methods", "performer"]),
+    ({"study": "attention", "model": "m", "dataset": "d", "layers": [-1]}, ["layers", "≥ 0"]),
+    ({"grid": {"seq_len": [1]}}, ["seq_len", "[2, 256]"]),
+    ({"grid": {"latent_dim": [2, 2]}}, ["distinct"]),
+    ({"grid": {"depth": [2]}}, ["depth", "Extra inputs"]),
+    ({"train": {"samples": 10, "val_fraction": 0.01}}, ["empty training or validation split"]),
+    ({"architectures": ["poly_sumformer"], "grid": {"latent_dim": [None], "token_dim": [10], "seq_len": [10]}},
+     ["184755", "latent_dim"]),
+    ({"grid": {"latent_dim": list(range(1, 65)), "token_dim": list(range(1, 33)), "seq_len": list(range(2, 66)),
+               "seed": list(range(2))}}, ["points", "262144"]),
+])
+def test_bad_sweeps_are_refused_with_a_message_that_names_the_problem(raw, words):
+    with pytest.raises(ValidationError) as e:
+        validate_params("sweep", raw)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("raw", [{}, {"study": "attention", "model": "m", "dataset": "d"}])
+def test_stored_params_validate_again(raw):
+    """The service stores the full dump (defaults of both studies) and the worker validates it again."""
+    dumped = validate_params("sweep", raw).model_dump(mode="json")
+    assert validate_params("sweep", dumped).model_dump(mode="json") == dumped
+    for child in expand_sweep(validate_params("sweep", dumped)):
+        validate_params(child.kind, child.params, internal=True)
+
+
+def test_children_kinds_are_not_submittable_and_need_features():
+    from lmscope.params import UnknownKind
+
+    with pytest.raises(UnknownKind):
+        validate_params("sumformer_fit", {})
+    with pytest.raises(ValidationError, match="needs features"):
+        validate_params("sumformer_fit", {"architecture": "linformer"}, internal=True)
+
+
+@pytest.mark.parametrize("name,points", [("fig2.json", 15), ("fig2_full.json", 200), ("fig1.json", 8),
+                                         ("attention_study.json", 6), ("attention_study_demo.json", 2)])
+def test_example_files_are_valid_sweeps(name, points):
+    raw = json.loads(resources.files("lmscope.examples").joinpath(name).read_text())
+    params = validate_params("sweep", raw)
+    assert len(expand_sweep(params)) == points
+
+
+# ---------------------------------------------------------------- one sumformer_fit child
+
+def test_relative_l2_error_worked_example():
+    assert relative_l2_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])) == pytest.approx(1 / math.sqrt(2))
+
+
+def test_sumformer_fit_reports_curves_progress_and_a_plot(tmp_path):
+    params = SumformerFitParams(architecture="poly_sumformer", target="fig2_poly", token_dim=2, seq_len=3,
+                                latent_dim=4, seed=0, train=tiny_train())
+    ctx = LocalContext(tmp_path)
+    out = run_sumformer_fit(params, ctx)
+    s = out.summary
+    val = next(x for x in out.series if x.name == "val_error")
+    loss = next(x for x in out.series if x.name == "train_loss")
+    assert list(val.x) == [2, 4, 6] and list(loss.x) == [1, 2, 3, 4, 5, 6]
+    assert s["best_val_error"] == min(val.y) and s["final_val_error"] == val.y[-1]
+    assert s["latent_dim_effective"] == 4 and s["theory_latent_dim"] == theory_latent_dim(2, 3) == 9
+    assert "truncated" in s["note"]
+    assert s["train_samples"] == 240 and s["val_samples"] == 60
+    assert [p[0] for p in ctx.progress_log] == list(range(1, 7)) and ctx.progress_log[-1][1] == 6
+    assert (tmp_path / "training.png").stat().st_size > 10_000
+    assert 0 < s["best_val_error"] < 1  # it learned something in 6 epochs
+    # same seed → same numbers (the data, the initialisation and the batches are seeded)
+    again = run_sumformer_fit(params, LocalContext(tmp_path / "again"))
+    assert again.summary["best_val_error"] == s["best_val_error"]
+
+
+def test_sumformer_fit_honours_cancel(tmp_path):
+    params = SumformerFitParams(architecture="transformer", token_dim=1, seq_len=3, latent_dim=2,
+                                train=tiny_train(epochs=50))
+    ctx = LocalContext(tmp_path, cancel_after=2)
+    with pytest.raises(JobCancelled):
+        run_sumformer_fit(params, ctx)
+    assert len(ctx.progress_log) == 2
+
+
+def test_error_decreases_with_latent_dim(tmp_path):
+    """poly_moments = x1·p1 + p2 − 2·x1² (d = 1): d' = 1 has only p1, d' = 2 adds p2, d' = 3 = C(4,1) − 1 all."""
+    errors = {}
+    for latent in (1, 2, 3):
+        for seed in (0, 1):
+            p = SumformerFitParams(architecture="poly_sumformer", target="poly_moments", token_dim=1, seq_len=3,
+                                   latent_dim=latent, seed=seed,
+                                   train=tiny_train(samples=400, epochs=30, eval_every=5, hidden=32, batch_size=32))
+            errors[latent, seed] = run_sumformer_fit(p, LocalContext(tmp_path / f"{latent}-{seed}")).summary["best_val_error"]
+    mean = {d: (errors[d, 0] + errors[d, 1]) / 2 for d in (1, 2, 3)}
+    assert mean[1] > 1.5 * mean[2] and mean[3] <= 1.25 * mean[2], errors  # falls, then flat once p2 is there
+    assert all(errors[1, s] > 1.5 * errors[3, s] for s in (0, 1)), errors
+
+
+# ---------------------------------------------------------------- attention_approx against an independent computation
+
+def _gpt2_qkv_by_hand(model, ids):
+    """q, k, v of every GPT-2 block recomputed from the hidden states: c_attn(ln_1(h_l)), split into heads."""
+    out = model(input_ids=ids, output_hidden_states=True)
+    qkv = {}
+    for layer, block in enumerate(model.transformer.h):
+        x = block.attn.c_attn(block.ln_1(out.hidden_states[layer]))
+        b, n, _ = x.shape
+        heads = model.config.n_head
+        qkv[layer] = [t.view(b, n, heads, -1).transpose(1, 2).double() for t in x.split(model.config.n_embd, dim=2)]
+    return qkv
+
+
+def _softmax_attention_f64(q, k, v, causal):
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[2]
+        scores = scores + torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("method,projection", [("performer", "gaussian"), ("linformer", "gaussian"),
+                                               ("linformer", "pooling")])
+def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection):
+    from lmscope.analyses.sweep import _projection_seed, pooling_projection
+    from lmscope.catalog import read_documents
+    from lmscope.kernels import draw_favor_projection, draw_linformer_projections, favor_attention, linformer_attention
+    from lmscope.modeling.windows import token_windows
+
+    docs = read_documents(WIKITEXT, "lines")[:60]
+    ctx = LocalContext(tmp_path, datasets={"w": docs})
+    params = validate_params("attention_approx", {
+        "model": "tiny-gpt2", "dataset": "w", "method": method, "features": [4, 256], "layers": [0, 2],
+        "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1, "linformer_projection": projection,
+    }, internal=True)
+    out = run_attention_approx(params, ctx)
+    got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
+
+    lm = ctx.load_model("tiny-gpt2")
+    ids = token_windows(lm.tokenizer, docs, 32, 2)
+    with torch.no_grad():
+        qkv = _gpt2_qkv_by_hand(lm.model, ids)
+    for layer in (0, 2):
+        q, k, v = qkv[layer]
+        exact = _softmax_attention_f64(q, k, v, causal=(method == "performer"))
+        for feats in (4, 256):
+            seed = _projection_seed(1, layer, feats)
+            qf, kf, vf = q.float(), k.float(), v.float()
+            if method == "performer":
+                approx = favor_attention(qf, kf, vf, projection=draw_favor_projection(feats, q.shape[-1], seed), causal=True)
+            elif projection == "pooling":
+                pool = pooling_projection(feats, 32)
+                approx = linformer_attention(qf, kf, vf, pool, pool)
+            else:
+                approx = linformer_attention(qf, kf, vf, *draw_linformer_projections(feats, 32, seed))
+            per_segment = [float((approx[i].double() - exact[i]).norm() / exact[i].norm()) for i in range(2)]
+            assert got[layer, feats] == pytest.approx(sum(per_segment) / 2, rel=1e-3, abs=1e-6)
+    if method == "performer":  # more random features, better estimate
+        assert all(got[layer, 256] < got[layer, 4] for layer in (0, 2))
+    if projection == "pooling":  # k ≥ N: the block means are the keys themselves, exact attention
+        assert all(got[layer, 256] < 1e-5 for layer in (0, 2))
+    assert out.summary["reference"] == ("causal softmax" if method == "performer" else "bidirectional softmax")
+    ratio = next(s for s in out.series if s.name == "time_ratio")
+    assert list(ratio.x) == [4, 256] and all(r > 0 for r in ratio.y)
+    assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
+
+
+def test_attention_study_refuses_missing_layers(tmp_path):
+    ctx = LocalContext(tmp_path, datasets={"w": ["hello world " * 50]})
+    params = validate_params("attention_approx", {"model": "tiny-gpt2", "dataset": "w", "layers": [7],
+                                                  "seq_len": 16, "num_segments": 1}, internal=True)
+    with pytest.raises(JobFailed, match="layers \\[7\\] do not exist"):
+        run_attention_approx(params, ctx)
+
+
+# ---------------------------------------------------------------- aggregation
+
+def _fit_child(job_id, d, latent, seed, best, status="succeeded"):
+    params = SumformerFitParams(architecture="mlp_sumformer", token_dim=d, seq_len=3, latent_dim=latent, seed=seed,
+                                train=tiny_train()).model_dump(mode="json")
+    if status != "succeeded":
+        return ChildResult(job_id, "sumformer_fit", params, status, None, [], error="JobFailed: out of memory")
+    labels = {"architecture": "mlp_sumformer"}
+    curve = [Series("val_error", [2, 4, 6], [best * 3, best * 2, best], labels),
+             Series("train_loss", [1, 2, 3], [1.0, 0.5, 0.25], labels)]
+    summary = {"best_val_error": best, "latent_dim_effective": latent, "architecture": "mlp_sumformer"}
+    return ChildResult(job_id, "sumformer_fit", params, status, summary, curve)
+
+
+def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
+    errs = {(1, 2, 0): 0.30, (1, 2, 1): 0.20, (1, 4, 0): 0.10, (1, 4, 1): 0.06,
+            (2, 2, 0): 0.50, (2, 2, 1): 0.40, (2, 4, 0): 0.20}
+    children = [_fit_child(i, d, dp, s, e) for i, ((d, dp, s), e) in enumerate(errs.items(), start=10)]
+    children.append(_fit_child(99, 2, 4, 1, None, status="failed"))
+    params = SweepParams(grid={"latent_dim": [2, 4], "token_dim": [1, 2], "seed": [0, 1]}, train=tiny_train())
+    ctx = LocalContext(tmp_path)
+    out = aggregate(params, children, ctx)
+
+    assert out.summary["children"] == {"total": 8, "succeeded": 7, "failed": 1, "cancelled": 0}
+    [failed] = out.summary["failed_children"]
+    assert failed["job_id"] == 99 and "out of memory" in failed["error"] and failed["params"]["token_dim"] == 2
+    by = {(s.name, s.labels.get("token_dim")): s for s in out.series}
+    for d in (1, 2):
+        mean = by["best_val_error", d]
+        assert list(mean.x) == [2, 4] and mean.labels["architecture"] == "mlp_sumformer"
+        for x, y, lo, hi in zip(mean.x, mean.y, by["best_val_error.min", d].y, by["best_val_error.max", d].y):
+            values = [e for (dd, dp, _), e in errs.items() if dd == d and dp == x]
+            assert y == pytest.approx(sum(values) / len(values)) and (lo, hi) == (min(values), max(values))
+    assert by["best_val_error", 2].labels["seeds"] == [2, 1]  # the failed seed is missing, not zero
+    theory = next(s for s in out.series if s.name == "theory_latent_dim")
+    assert list(theory.x) == [1, 2] and list(theory.y) == [3, 9]
+    curve = next(s for s in out.series if s.name == "val_error" and s.labels["token_dim"] == 1 and s.labels["latent_dim"] == 4)
+    assert curve.y == pytest.approx([0.08 * 3, 0.08 * 2, 0.08])
+    for png in ("fig1_training.png", "fig2_latent_dim.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_attention_aggregation_means_over_seeds(tmp_path):
+    def child(i, method, seed, scale):
+        series = [Series("rel_error", [16, 64], [scale * 0.4, scale * 0.1], {"method": method, "layer": layer, "seed": seed})
+                  for layer in (0, 1)]
+        series.append(Series("time_ratio", [16, 64], [scale * 0.5, scale], {"method": method, "seed": seed}))
+        return ChildResult(i, "attention_approx", {"method": method, "seed": seed}, "succeeded",
+                           {"reference": "causal softmax"}, series)
+
+    children = [child(1, "performer", 0, 1.0), child(2, "performer", 1, 2.0), child(3, "linformer", 0, 3.0)]
+    params = SweepParams(study="attention", model="m", dataset="d", features=[16, 64], seeds=2)
+    out = aggregate(params, children, LocalContext(tmp_path))
+    perf = next(s for s in out.series if s.name == "rel_error" and s.labels == {"method": "performer", "layer": 1, "seeds": [2, 2]})
+    assert perf.y == pytest.approx([0.6, 0.15])
+    ratio = next(s for s in out.series if s.name == "time_ratio" and s.labels["method"] == "linformer")
+    assert ratio.y == pytest.approx([1.5, 3.0])
+    assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
+
+
+def test_aggregation_fails_clearly_when_no_child_succeeded(tmp_path):
+    children = [_fit_child(1, 1, 2, 0, None, status="failed"), _fit_child(2, 1, 4, 0, None, status="cancelled")]
+    with pytest.raises(JobFailed, match="all 2 children"):
+        aggregate(SweepParams(), children, LocalContext(tmp_path))
+
+
+# ---------------------------------------------------------------- through the service (API + embedded worker)
+
+def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_url):
+    """Submit over HTTP, cancel one child while queued, let the real worker run the rest and aggregate once."""
+    import time
+
+    from lmscope.api import create_app
+    from lmscope.db.engine import make_engine, make_sessionmaker
+    from lmscope.queue import LocalPublisher
+    from lmscope.worker.embedded import EmbeddedWorker
+
+    settings = settings_factory(database_url=sqlite_url, auth=False, max_sweep_points=4)
+    publisher = LocalPublisher()
+    client = create_app(settings, publisher=publisher).test_client()
+    sweep = {"study": "sumformer", "architectures": ["mlp_sumformer"],
+             "grid": {"latent_dim": [1, 2, 4], "token_dim": [1], "seq_len": [3], "seed": [0]},
+             "train": tiny_train(samples=60, epochs=3, eval_every=1)}
+
+    too_big = client.post("/v1/jobs", json={"kind": "sweep", "params": {**sweep, "grid": {
+        **sweep["grid"], "latent_dim": [1, 2, 4, 8, 16]}}})
+    assert too_big.status_code == 422 and "5 points" in too_big.get_json()["detail"]
+
+    r = client.post("/v1/jobs", json={"kind": "sweep", "params": sweep, "name": "e2e"})
+    assert r.status_code == 202, r.get_data(as_text=True)
+    parent = r.get_json()["id"]
+    kids = client.get(f"/v1/jobs?parent={parent}").get_json()["items"]
+    assert sorted(k["name"] for k in kids) == [f"mlp_sumformer fig2_poly d=1 n=3 d'={d} seed=0" for d in (1, 2, 4)]
+    cancelled = next(k["id"] for k in kids if k["name"].endswith("d'=4 seed=0"))
+    assert client.post(f"/v1/jobs/{cancelled}/cancel").status_code == 202
+
+    engine = make_engine(sqlite_url)
+    worker = EmbeddedWorker(settings, make_sessionmaker(engine), publisher, poll_seconds=0.2).start()
+    try:
+        deadline = time.monotonic() + 120
+        while (job := client.get(f"/v1/jobs/{parent}").get_json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.3)
+    finally:
+        worker.stop(timeout=30)
+        engine.dispose()
+
+    assert job["status"] == "succeeded", job
+    assert job["summary"]["children"] == {"succeeded": 2, "failed": 0, "cancelled": 1}
+    assert [c["job_id"] for c in job["summary"]["failed_children"]] == [cancelled]
+    assert (job["progress"]["done"], job["progress"]["total"]) == (3, 3)
+    series = client.get(f"/v1/jobs/{parent}/results?series=best_val_error").get_json()["series"]
+    assert [s["x"] for s in series] == [[1, 2]]  # the cancelled d' = 4 is missing, the others kept
+    child_best = {}
+    for k in client.get(f"/v1/jobs?parent={parent}").get_json()["items"]:
+        if k["status"] == "succeeded":
+            child_best[k["params"]["latent_dim"]] = k["summary"]["best_val_error"]
+    assert series[0]["y"] == pytest.approx([child_best[1], child_best[2]])
+    names = {a["name"] for a in client.get(f"/v1/jobs/{parent}/artifacts").get_json()["items"]}
+    assert {"fig1_training.png", "fig2_latent_dim.png"} <= names
