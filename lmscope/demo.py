@@ -1,0 +1,118 @@
+"""`make demo`: the embedded service end to end on WikiText-2.
+
+Starts `lmscope up` (SQLite, in-process worker) in a subprocess, trains a small GPT-2-style model on
+the built-in `wikitext-2` dataset, then runs the three analyses on it — norm trajectories, attention
+entropy over the training checkpoints, and a reduced Sumformer sweep plus the Performer/Linformer
+attention study — and prints where every result and plot is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from lmscope.client import Client, LmscopeError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def example(name: str) -> dict:
+    return json.loads(resources.files("lmscope.examples").joinpath(name).read_text())
+
+
+def _progress_line(job: dict) -> None:
+    p = job.get("progress") or {}
+    done, total = p.get("done"), p.get("total")
+    frac = p.get("fraction")
+    bar = ""
+    if frac is not None:
+        filled = int(30 * frac)
+        bar = "[" + "#" * filled + "." * (30 - filled) + f"] {100 * frac:5.1f}%"
+    counts = f" {done}/{total}" if total else ""
+    stage = p.get("stage") or ""
+    sys.stdout.write(f"\r  {job['status']:<9} {bar}{counts} {stage[:60]:<60}")
+    sys.stdout.flush()
+
+
+def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
+    print(f"\n== {kind}: {name}")
+    job = client.submit(kind, params, name=name, tags=["demo"])
+    print(f"  job {job['id']} queued")
+    job = client.wait(job["id"], on_progress=_progress_line)
+    print()
+    if job["status"] != "succeeded":
+        err = job.get("error") or {}
+        raise SystemExit(f"job {job['id']} {job['status']}: {err.get('type')}: {err.get('message')}")
+    summary = job.get("summary") or {}
+    print("  summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})[:600])
+    return job
+
+
+def main() -> None:
+    data_dir = Path(os.environ.get("LMSCOPE_DATA_DIR", Path.cwd() / ".demo")).resolve()
+    port = int(os.environ.get("LMSCOPE_PORT", _free_port()))
+    env = dict(os.environ, LMSCOPE_DATA_DIR=str(data_dir), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0")
+    env.pop("LMSCOPE_BROKER_URL", None)
+    env.pop("LMSCOPE_DATABASE_URL", None)
+    log = open(data_dir.with_suffix(".log"), "w") if data_dir.parent.exists() else subprocess.DEVNULL
+    print(f"lmscope demo: embedded service on http://127.0.0.1:{port}, data in {data_dir}")
+    server = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    client = Client(f"http://127.0.0.1:{port}", token=None)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.request("GET", "/readyz")
+                break
+            except Exception:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"lmscope up did not start; see {data_dir.with_suffix('.log')}")
+                time.sleep(0.5)
+
+        datasets = {d["name"] for d in client.datasets()}
+        if "wikitext-2" not in datasets:
+            raise SystemExit("the built-in dataset wikitext-2 is missing: set LMSCOPE_WIKITEXT2_PATH to wiki.test.raw")
+
+        train = run_job(client, "train", example("train_demo.json"), "demo: GPT-2-style model on WikiText-2")
+        checkpoints = train["summary"]["checkpoints"]
+        final_model = checkpoints[-1]
+        jobs = [train]
+        jobs.append(run_job(client, "norms", dict(example("norms_demo.json"), model=final_model),
+                            f"demo: norm trajectories of {final_model}"))
+        jobs.append(run_job(client, "entropy", dict(example("entropy_demo.json"), train_job=train["id"]),
+                            "demo: attention entropy over training"))
+        jobs.append(run_job(client, "sweep", example("fig2.json"), "demo: reduced Sumformer Fig. 2 sweep"))
+        jobs.append(run_job(client, "sweep", dict(example("attention_study_demo.json"), model=final_model),
+                            f"demo: Performer/Linformer vs softmax attention on {final_model}"))
+
+        print("\nResults (also at http://127.0.0.1:%d/v1/jobs):" % port)
+        for job in jobs:
+            folder = data_dir / "artifacts" / "jobs" / str(job["id"])
+            plots = sorted(a["name"] for a in client.artifacts(job["id"]) if a["name"].endswith(".png"))
+            print(f"  job {job['id']:>3} {job['kind']:<8} {folder}")
+            for p in plots:
+                print(f"             {folder / p}")
+        print("\nBrowse them with `lmscope jobs`, `lmscope show ID`, `lmscope results ID`, or restart the service "
+              f"with LMSCOPE_DATA_DIR={data_dir} lmscope up")
+    except LmscopeError as e:
+        raise SystemExit(f"demo failed: {e}")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    main()
