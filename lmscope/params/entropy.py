@@ -1,29 +1,57 @@
+"""Parameters of the `entropy` job kind: attention-entropy curves per layer, head, position and step."""
+
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmscope.params.base import DType, JobParams
 
+DEFAULT_SEQ_LEN = 512
+
 
 class EntropyParams(JobParams):
-    """Attention entropy (placeholder; owned by the entropy issue)."""
+    """Entropy of every attention row (a distribution over the visible keys), on one model or a run.
 
-    model: str | None = None
-    models: list[str] | None = None
-    train_job: int | None = None
-    dataset: str
-    seq_len: int = Field(512, ge=2)
-    num_segments: int = Field(1000, ge=1)
-    batch_size: int = Field(8, ge=1)
+    Give exactly one of ``model`` (one registered model), ``models`` (a list, e.g. checkpoints
+    ``run@step500``) or ``train_job`` (a `train` job's id: all its checkpoints in step order).
+    """
+
+    model: str | None = Field(None, description="one registered model, e.g. tiny-gpt2")
+    models: list[str] | None = Field(
+        None, min_length=1, max_length=1000,
+        description="several registered models (e.g. checkpoints run@step100, run@step500); "
+                    "x = the @step<N> suffix when every name has one, else the list index")
+    train_job: int | None = Field(None, ge=1, description="a train job id: all its checkpoints in step order")
+    dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
+    seq_len: int | None = Field(
+        None, ge=2, le=131072,
+        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the model's context length when shorter")
+    num_segments: int = Field(1000, ge=1, le=1_000_000, description="non-overlapping windows per model")
+    batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
     dtype: DType = "float32"
-    histogram_bins: int = Field(50, ge=2)
-    dimension_wise: bool = False
-    dimension_segments: int = Field(100, ge=1)
-    near_uniform_margin: float = Field(0.03, gt=0)
+    histogram_bins: int = Field(50, ge=2, le=10_000, description="bins from 0 to ln(seq_len) nats")
+    dimension_wise: bool = Field(False, description="also the entropy of softmax(q_i k_i^T/sqrt(d)) per dimension i")
+    dimension_segments: int = Field(100, ge=1, le=1_000_000, description="windows used for the dimension-wise entropy")
+    dimension_causal: bool = Field(
+        False, description="dimension-wise rows see only earlier keys (bound ln(position+1)); "
+                           "default bidirectional as in the note (bound ln(seq_len))")
+    near_uniform_margin: float = Field(0.03, gt=0, description="nats below the uniform bound that count as near uniform")
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "EntropyParams":
+        given = [name for name in ("model", "models", "train_job") if getattr(self, name) is not None]
+        if len(given) != 1:
+            said = f"got {' and '.join(given)}" if given else "got none"
+            raise ValueError(
+                "give exactly one of 'model' (a registered model), 'models' (a list of models) "
+                f"or 'train_job' (a train job id) — {said}")
+        if self.models is not None and len(set(self.models)) != len(self.models):
+            raise ValueError("'models' lists a model twice; give each model once")
+        return self
+
     def model_refs(self) -> list[str]:
-        return [m for m in ([self.model] if self.model else []) + (self.models or [])]
+        return ([self.model] if self.model else []) + list(self.models or [])
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset]

@@ -1,0 +1,461 @@
+"""Attention entropy (DESIGN.md §7 "entropy"; "LLMs and their Fundamental Limitations, Part 2").
+
+Every row of a causal attention matrix is a probability distribution p over the keys the query
+at position t may see (keys 0..t, so t + 1 of them). Its entropy
+
+    H(t) = -Σ_j p_j ln p_j   (nats),   0 <= H(t) <= ln(t + 1)
+
+is ln(t + 1) for a head that averages (mean pooling, kernel smoothing with a wide kernel) and near 0
+for a head that looks at one token. We measure H for every layer, head, query position and window
+with the fused kernel ``attention_with_entropy`` (online softmax: the N x N matrix is never built)
+and reduce it on the fly to float64 sums:
+
+    mean     = Σ H / rows                      std = sqrt(Σ H² / rows - mean²)
+    normalised mean = mean over rows t >= 1 of H(t) / ln(t + 1)   (row 0 sees one key: 0/0, left out)
+    by position     = mean over windows of H(t)  next to the uniform bound ln(t + 1)
+    histogram       = counts of H in fixed bins on [0, ln(seq_len)]
+
+Across checkpoints of a training run the same numbers become curves against the training step.
+
+Dimension-wise entropy (optional): for each head dimension i alone, the scores q_i k_iᵀ/√d give a
+softmax row per query; the note looks at how many of those rows are near uniform
+(H >= ln(visible keys) - margin). Bidirectional by default as in the note (every row sees all
+seq_len keys, bound ln(seq_len)); ``dimension_causal`` uses the model's causal rows instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import torch
+
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
+
+# ---------------------------------------------------------------------------- which models
+
+
+def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, str]]:
+    """(step, model name) of every model the job measures, in step order.
+
+    ``train_job``: the run's checkpoints. ``models``: the ``@step<N>`` suffixes when every name has one
+    (and they differ), else the list index. ``model``: one model at x = 0.
+    """
+    if params.train_job is not None:
+        found = sorted(ctx.checkpoints_of(params.train_job))
+        if not found:
+            raise JobFailed(f"train job {params.train_job} has no checkpoints yet; wait until it wrote one "
+                            "(its summary lists them) or give 'model' / 'models' instead")
+        return found
+    if params.model is not None:
+        return [(0, params.model)]
+    names = list(params.models)
+    suffixes = [re.search(r"@step(\d+)$", n) for n in names]
+    steps = [int(m.group(1)) for m in suffixes if m]
+    if len(steps) == len(names) and len(set(steps)) == len(steps):
+        return sorted(zip(steps, names))
+    return list(enumerate(names))
+
+
+def _layers_heads(model) -> tuple[int, int]:
+    c = model.config
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+    return int(layers), int(heads)
+
+
+def _max_positions(model) -> int | None:
+    c = model.config
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+class EntropyStats:
+    """Running float64 sums over the query rows of one model, per layer × head (× position, × bin)."""
+
+    def __init__(self, layers: int, heads: int, seq_len: int, bins: int, device="cpu"):
+        f64 = dict(dtype=torch.float64, device=device)
+        self.seq_len, self.bins = seq_len, bins
+        self.windows = 0  # full windows added (the same for every layer)
+        self.sum = torch.zeros(layers, heads, **f64)
+        self.sum_sq = torch.zeros(layers, heads, **f64)
+        self.sum_normalized = torch.zeros(layers, heads, **f64)
+        self.by_position_sum = torch.zeros(layers, heads, seq_len, **f64)
+        self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
+        self.bin_width = math.log(seq_len) / bins
+        positions = torch.arange(seq_len, dtype=torch.float64, device=device)
+        self.bound = torch.log(positions + 1)  # ln(visible keys) of a causal row
+
+    def add(self, layer: int, entropy: torch.Tensor) -> None:
+        """entropy: [B, H, N] nats of one layer for B full windows (N = seq_len, no padding)."""
+        e = entropy.to(self.sum.device, torch.float64)  # a sharded model's layers may sit on other GPUs
+        b, h, n = e.shape
+        assert n == self.seq_len, (n, self.seq_len)
+        self.sum[layer] += e.sum(dim=(0, 2))
+        self.sum_sq[layer] += (e * e).sum(dim=(0, 2))
+        self.sum_normalized[layer] += (e[:, :, 1:] / self.bound[1:]).sum(dim=(0, 2))
+        self.by_position_sum[layer] += e.sum(dim=0)
+        # Fixed bins on [0, ln N]; float error may put a value a hair outside, so clamp to the ends.
+        idx = (e / self.bin_width).floor().long().clamp_(0, self.bins - 1)
+        flat = (torch.arange(h, device=e.device)[None, :, None] * self.bins + idx).flatten()
+        self.hist[layer] += torch.bincount(flat, minlength=h * self.bins).view(h, self.bins)
+        if layer == 0:
+            self.windows += b
+
+    def result(self) -> dict[str, np.ndarray]:
+        rows = self.windows * self.seq_len
+        mean = self.sum / rows
+        var = (self.sum_sq / rows - mean**2).clamp_min(0)
+        hist = self.hist.double()
+        return {
+            "mean": mean.cpu().numpy(),  # [L, H]
+            "std": var.sqrt().cpu().numpy(),  # [L, H]
+            "normalized_mean": (self.sum_normalized / (self.windows * (self.seq_len - 1))).cpu().numpy(),
+            "by_position": (self.by_position_sum / self.windows).cpu().numpy(),  # [L, H, N]
+            "hist_counts": self.hist.cpu().numpy(),  # [L, H, bins]
+            # density per layer: integrates to 1 over [0, ln N]
+            "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
+        }
+
+
+class DimensionStats:
+    """Entropies of the per-dimension softmax rows: histogram and near-uniform share per layer × head."""
+
+    def __init__(self, layers: int, heads: int, seq_len: int, bins: int, margin: float, causal: bool, device="cpu"):
+        self.seq_len, self.bins, self.causal = seq_len, bins, causal
+        self.bin_width = math.log(seq_len) / bins
+        positions = torch.arange(seq_len, dtype=torch.float64, device=device)
+        # Bidirectional rows see all N keys; causal rows t + 1. Causal row 0 (one key) is trivially
+        # "uniform" and is left out so it does not inflate the share.
+        self.bound = torch.log(positions + 1) if causal else torch.full_like(positions, math.log(seq_len))
+        self.threshold = self.bound - margin
+        self.first = 1 if causal else 0
+        self.near = torch.zeros(layers, heads, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(layers, heads, dtype=torch.int64, device=device)
+        self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
+
+    def add(self, layer: int, entropy: torch.Tensor) -> None:
+        """entropy: [B, H, D, N] nats, one row per (window, head, dimension, query)."""
+        e = entropy[..., self.first:].to(self.near.device, torch.float64)
+        b, h, d, n = e.shape
+        self.near[layer] += (e >= self.threshold[self.first:]).sum(dim=(0, 2, 3))
+        self.rows[layer] += b * d * n
+        idx = (e / self.bin_width).floor().long().clamp_(0, self.bins - 1)
+        flat = (torch.arange(h, device=e.device)[None, :, None, None] * self.bins + idx).flatten()
+        self.hist[layer] += torch.bincount(flat, minlength=h * self.bins).view(h, self.bins)
+
+    def result(self) -> dict[str, np.ndarray]:
+        hist = self.hist.double()
+        return {
+            "near_uniform_pct": (100.0 * self.near.double() / self.rows.double()).cpu().numpy(),  # [L, H]
+            "near_uniform_pct_layer": (100.0 * self.near.sum(1).double() / self.rows.sum(1).double()).cpu().numpy(),
+            "near_uniform_pct_all": float(100.0 * self.near.sum() / self.rows.sum()),
+            "hist_counts": self.hist.cpu().numpy(),
+            "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
+        }
+
+
+# ---------------------------------------------------------------------------- measuring one model
+
+
+def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> torch.Tensor:
+    """[W, seq_len] consecutive non-overlapping windows of the dataset's token stream, W <= num_segments."""
+    from lmscope.modeling.loading import token_windows
+
+    try:
+        return token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments)
+    except ValueError as e:  # not even one full window
+        raise JobFailed(f"dataset {params.dataset!r} with {name}'s tokenizer: {e}") from None
+
+
+def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tensor, report,
+                  backends: set[str]) -> tuple[dict, dict | None]:
+    """Entropy statistics of one model over `windows` [W, seq_len].
+
+    `report(name)` after every batch; the kernel backends that ran are added to `backends`.
+    """
+    from lmscope.kernels import dimension_entropy
+    from lmscope.kernels.hf import EntropyCollector
+
+    model = loaded.model
+    device = next(model.parameters()).device
+    layers, heads = _layers_heads(model)
+    max_pos = _max_positions(model)
+    if max_pos is not None and params.seq_len > max_pos:
+        raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
+                        f"lower seq_len to at most {max_pos}")
+
+    def check(col) -> None:
+        if len(col.entropy) != layers:
+            raise JobFailed(f"{name}: only {len(col.entropy)} of {layers} attention layers ran through "
+                            "transformers' attention interface; this architecture is not supported by `entropy`")
+        backends.update(col.backends)
+
+    stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
+    dim_stats = None
+    # Windows are full length: no attention mask, so every row is causal over keys 0..t.
+    with torch.no_grad(), EntropyCollector(model) as col:
+        for start in range(0, len(windows), params.batch_size):
+            model(input_ids=windows[start:start + params.batch_size].to(device), use_cache=False)
+            check(col)
+            for layer, ent in enumerate(col.entropy):  # [B, H, N] per layer, no N x N matrix
+                stats.add(layer, ent)
+            report(name)
+
+    if params.dimension_wise:
+        dim_stats = DimensionStats(layers, heads, params.seq_len, params.histogram_bins,
+                                   params.near_uniform_margin, params.dimension_causal, device=device)
+        dim_windows = windows[:params.dimension_segments]
+        with torch.no_grad(), EntropyCollector(model, capture_qkv=True) as col:
+            for start in range(0, len(dim_windows), params.batch_size):
+                model(input_ids=dim_windows[start:start + params.batch_size].to(device), use_cache=False)
+                check(col)
+                for layer in col.layers:
+                    q, k, _ = col.qkv[layer]  # after RoPE; k keeps the model's H_kv heads (GQA)
+                    # scale None = 1/sqrt(head dim): the note's softmax(q_i k_iᵀ/√d)
+                    dim_stats.add(layer, dimension_entropy(q, k, causal=params.dimension_causal))
+                col.clear()  # drop this batch's q, k, v before the next forward
+                report(name)
+    return stats.result(), (dim_stats.result() if dim_stats else None)
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
+    torch.manual_seed(params.seed)
+    checkpoints = checkpoint_list(params, ctx)
+    steps = [s for s, _ in checkpoints]
+    names = [n for _, n in checkpoints]
+    with ctx.stage("load_documents"):
+        documents = ctx.load_documents(params.dataset)
+
+    # Progress counts forward batches over all models; the total is an estimate until every model's
+    # windows are known (checkpoints of one run share a tokenizer, so it rarely changes).
+    done = 0
+    batches_per_model: list[int | None] = [None] * len(checkpoints)
+
+    def batches(n_windows: int) -> int:
+        main = math.ceil(n_windows / params.batch_size)
+        dim = math.ceil(min(n_windows, params.dimension_segments) / params.batch_size) if params.dimension_wise else 0
+        return main + dim
+
+    def report(stage: str) -> None:
+        nonlocal done
+        done += 1
+        known = [b for b in batches_per_model if b is not None]
+        total = sum(known) + (len(batches_per_model) - len(known)) * known[-1]
+        ctx.progress(done, total, stage)
+
+    results, dim_results, windows_used = [], [], []
+    backends: set[str] = set()
+    for i, name in enumerate(names):
+        with ctx.stage("load_model"):
+            loaded = ctx.load_model(name, dtype=params.dtype)
+        if params.seq_len is None:  # not given: 512, or the (first) model's context when shorter
+            max_pos = _max_positions(loaded.model)
+            params = params.model_copy(update={"seq_len": min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)})
+        with ctx.stage("tokenize"):
+            windows = _windows(params, loaded, documents, name)
+        batches_per_model[i] = batches(len(windows))
+        with ctx.stage("measure"):
+            res, dim = measure_model(params, name, loaded, windows, report, backends)
+        del loaded  # the worker's model cache decides what stays resident
+        results.append(res)
+        dim_results.append(dim)
+        windows_used.append(len(windows))
+    backend = "+".join(sorted(backends))  # "triton" on GPU, "reference" on CPU
+    ctx.record("kernel_backend", backend)
+
+    with ctx.stage("write"):
+        output = _output(params, steps, names, results, dim_results, windows_used, backend)
+        _save_arrays(ctx, params, steps, names, results, dim_results)
+        _plots(ctx, params, steps, names, results, dim_results)
+    return output
+
+
+def _output(params, steps, names, results, dim_results, windows_used, backend) -> JobOutput:
+    last = results[-1]
+    layers, heads = last["mean"].shape
+    n = params.seq_len
+    series: list[Series] = []
+    for layer in range(layers):
+        for head in range(heads):
+            labels = {"layer": layer, "head": head}
+            for key in ("mean", "std", "normalized_mean"):
+                series.append(Series(f"entropy.{key}", steps, [float(r[key][layer, head]) for r in results], labels))
+            if dim_results[0] is not None:
+                series.append(Series("dimension_entropy.near_uniform_pct", steps,
+                                     [float(d["near_uniform_pct"][layer, head]) for d in dim_results], labels))
+    positions = list(range(n))
+    edges = np.linspace(0.0, math.log(n), params.histogram_bins + 1)
+    centres = ((edges[:-1] + edges[1:]) / 2).tolist()
+    for step, name, r, d in zip(steps, names, results, dim_results):
+        model_labels = {"step": step, "model": name}
+        series.append(Series("entropy.layer_mean", list(range(layers)), r["mean"].mean(1).tolist(), model_labels))
+        for layer in range(layers):
+            labels = {"layer": layer, **model_labels}
+            series.append(Series("entropy.by_position", positions, r["by_position"][layer].mean(0).tolist(), labels))
+            series.append(Series("entropy.histogram", centres, r["hist_density"][layer].tolist(), labels))
+            if d is not None:
+                series.append(Series("dimension_entropy.histogram", centres, d["hist_density"][layer].tolist(), labels))
+    series.append(Series("uniform_bound", positions, [math.log(t + 1) for t in positions], {}))
+
+    mean = last["mean"]
+    lo = np.unravel_index(np.argmin(mean), mean.shape)
+    hi = np.unravel_index(np.argmax(mean), mean.shape)
+    summary = {
+        "models": names,
+        "steps": steps,
+        "layers": int(layers),
+        "heads": int(heads),
+        "seq_len": n,
+        "num_segments_used": windows_used[-1] if len(set(windows_used)) == 1 else windows_used,
+        "tokens": int(windows_used[-1] * n),  # query rows per model
+        "uniform_bound_max": math.log(n),
+        "mean_entropy": float(mean.mean()),
+        "mean_entropy_per_layer": [round(float(v), 6) for v in mean.mean(1)],
+        "normalized_mean_entropy": float(last["normalized_mean"].mean()),
+        "lowest_entropy_head": {"layer": int(lo[0]), "head": int(lo[1]), "value": float(mean[lo])},
+        "highest_entropy_head": {"layer": int(hi[0]), "head": int(hi[1]), "value": float(mean[hi])},
+        "kernel_backend": backend,
+    }
+    if len(names) > 1:
+        summary["summary_of"] = names[-1]  # per-layer numbers above are the last checkpoint's
+    if dim_results[-1] is not None:
+        d = dim_results[-1]
+        summary["near_uniform_pct"] = d["near_uniform_pct_all"]
+        summary["near_uniform_pct_per_layer"] = [round(float(v), 4) for v in d["near_uniform_pct_layer"]]
+        summary["near_uniform_margin"] = params.near_uniform_margin
+        summary["near_uniform_rule"] = (
+            f"H >= ln(position+1) - {params.near_uniform_margin} (causal rows, position 0 left out)"
+            if params.dimension_causal else
+            f"H >= ln({n}) - {params.near_uniform_margin} = {math.log(n) - params.near_uniform_margin:.4f} nats "
+            "(bidirectional rows)")
+        summary["dimension_segments_used"] = min(windows_used[-1], params.dimension_segments)
+    return JobOutput(summary=summary, series=series)
+
+
+def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
+    """entropy_by_position.npz: [M, L, H, N] means per checkpoint (and the [M, L, H] reductions)."""
+    arrays = {key: np.stack([r[key] for r in results]) for key in results[0]}
+    arrays.update(steps=np.array(steps), models=np.array(names),
+                  bin_edges=np.linspace(0.0, math.log(params.seq_len), params.histogram_bins + 1),
+                  uniform_bound=np.log(np.arange(params.seq_len) + 1.0))
+    np.savez_compressed(ctx.artifact_dir / "entropy_by_position.npz", **arrays)
+    if dim_results[0] is not None:
+        np.savez_compressed(
+            ctx.artifact_dir / "dimension_entropy.npz",
+            near_uniform_pct=np.stack([d["near_uniform_pct"] for d in dim_results]),
+            hist_counts=np.stack([d["hist_counts"] for d in dim_results]),
+            steps=np.array(steps), bin_edges=arrays["bin_edges"])
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def _plots(ctx, params, steps, names, results, dim_results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = ctx.artifact_dir
+    last, last_name = results[-1], names[-1]
+    layers, heads = last["mean"].shape
+    n = params.seq_len
+
+    uniform_mean = float(np.log(np.arange(n) + 1.0).mean())  # what a fully mean-pooling head scores
+
+    # Layer × head heatmap of the mean entropy, annotated with the values.
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.7 * heads), max(3.5, 1.5 + 0.45 * layers)))
+    im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=0, vmax=uniform_mean)
+    if layers * heads <= 400:
+        for (layer, head), v in np.ndenumerate(last["mean"]):
+            ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="black" if v > 0.6 * uniform_mean else "white")
+    ax.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers))
+    ax.set_title(f"mean attention entropy (nats), {last_name}\n"
+                 f"scale top = uniform {uniform_mean:.2f} (mean of ln(t+1))", fontsize=10)
+    fig.colorbar(im, ax=ax, label="nats")
+    fig.tight_layout()
+    fig.savefig(out / "entropy_heatmap.png", dpi=120)
+    plt.close(fig)
+
+    # Mean entropy per layer (±std over heads), one line per checkpoint.
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cmap = plt.get_cmap("viridis")
+    for i, (step, r) in enumerate(zip(steps, results)):
+        per_layer = r["mean"].mean(1)
+        color = cmap(i / max(1, len(results) - 1))
+        # With many checkpoints label only the first and last: the colour runs from early to late.
+        label = names[i] if len(results) == 1 else (f"step {step}" if len(results) <= 8 or i in (0, len(results) - 1) else None)
+        ax.plot(range(layers), per_layer, marker="o", color=color, label=label)
+        if len(results) == 1:
+            ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
+                            color=color, alpha=0.2, label="± std over heads")
+    ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
+    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title="attention entropy by layer", xticks=range(layers))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "entropy_by_layer.png", dpi=120)
+    plt.close(fig)
+
+    # Entropy against query position, per layer, with the uniform bound ln(t + 1).
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    positions = np.arange(n)
+    for layer in range(layers):
+        ax.plot(positions, last["by_position"][layer].mean(0), color=cmap(layer / max(1, layers - 1)),
+                label=f"layer {layer}")
+    ax.plot(positions, np.log(positions + 1.0), "k--", label="uniform bound ln(t+1)")
+    ax.set(xlabel="query position t", ylabel="mean entropy (nats)",
+           title=f"attention entropy by position, {last_name}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "entropy_by_position.png", dpi=120)
+    plt.close(fig)
+
+    if len(results) > 1:  # training dynamics: one panel per layer, one line per head
+        cols = min(3, layers)
+        rows = math.ceil(layers / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
+        for layer in range(layers):
+            ax = axes[layer // cols][layer % cols]
+            for head in range(heads):
+                ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
+            ax.axhline(uniform_mean, color="k", ls="--", lw=0.8, label="uniform")
+            ax.set(title=f"layer {layer}", xlabel="training step", ylabel="mean entropy (nats)")
+            if layer == 0:
+                ax.legend(fontsize=6)
+        for extra in range(layers, rows * cols):
+            axes[extra // cols][extra % cols].axis("off")
+        fig.suptitle("attention entropy over training")
+        fig.tight_layout()
+        fig.savefig(out / "entropy_over_training.png", dpi=120)
+        plt.close(fig)
+
+    if dim_results[-1] is not None:
+        d = dim_results[-1]
+        edges = np.linspace(0.0, math.log(n), params.histogram_bins + 1)
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for layer in range(layers):
+            ax.stairs(d["hist_density"][layer], edges, color=cmap(layer / max(1, layers - 1)),
+                      label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
+        if params.dimension_causal:
+            ax.axvline(math.log(n), color="k", ls="--", label=f"ln({n}) (bound of the last row)")
+        else:
+            ax.axvline(math.log(n), color="k", ls="--", label=f"uniform ln({n}) = {math.log(n):.2f}")
+            ax.axvline(math.log(n) - params.near_uniform_margin, color="r", ls=":",
+                       label=f"near-uniform threshold (−{params.near_uniform_margin} nats)")
+        ax.set(xlabel="entropy of softmax(q_i k_iᵀ/√d) (nats)", ylabel="density",
+               title=f"dimension-wise attention entropy, {last_name}\n"
+                     f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
+                     f"({'causal' if params.dimension_causal else 'bidirectional'})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "dimension_entropy.png", dpi=120)
+        plt.close(fig)

@@ -1,0 +1,313 @@
+"""The `entropy` job kind against independent computations.
+
+The oracle is the eager attention matrix of the same model (``output_attentions=True``), turned into
+-Σ p ln p in float64; the job itself runs through the fused kernel route (``EntropyCollector``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from lmscope.analyses import entropy
+from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
+from lmscope.analyses.local import LocalContext
+from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
+from lmscope.config import REPO_ROOT
+from lmscope.modeling.loading import token_windows
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.params import validate_params
+from lmscope.params.entropy import EntropyParams
+
+WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+SEQ_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def documents():
+    if WIKITEXT.exists():
+        return read_documents(WIKITEXT, "lines")[:40]
+    # Fallback so the tests still run outside the shared checkout: any English-like text will do.
+    return [f"Sentence number {i} tells of the river, the hills and the town of Ely." for i in range(200)]
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A random-init tiny model whose attention is far from uniform (large init: peaky scores)."""
+    if arch == "gpt2":
+        config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
+                            bos_token_id=256, eos_token_id=257, initializer_range=0.25)
+    else:  # LLaMA with grouped-query attention: 4 query heads read 2 key/value heads
+        config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE,
+                             bos_token_id=256, eos_token_id=257, pad_token_id=258, initializer_range=0.25)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
+
+
+def run_job(tmp_path, loaded_models: dict, documents, checkpoints=None, **params):
+    """Run the job in-process on `loaded_models` (name -> LoadedModel); `model="m"` unless told otherwise."""
+    ctx = LocalContext(tmp_path, models=loaded_models, datasets={"wiki": documents}, checkpoints=checkpoints)
+    if not {"model", "models", "train_job"} & params.keys():
+        params["model"] = "m"
+    params = EntropyParams(dataset="wiki", **{"seq_len": SEQ_LEN, "num_segments": 5, "batch_size": 2, **params})
+    return entropy.run(params, ctx), ctx
+
+
+def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:
+    """[L, W, H, N] float64 entropies of the eager attention matrices of a copy of the model."""
+    model = copy.deepcopy(loaded.model)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(input_ids=windows, output_attentions=True, use_cache=False).attentions
+    out = []
+    for p in attentions:  # [W, H, N, N]
+        p = p.double()
+        plogp = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))
+        out.append((-plogp.sum(-1)).numpy())
+    return np.stack(out)
+
+
+def series(output, name, **labels):
+    found = [s for s in output.series if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found, f"no series {name} {labels}"
+    return found
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_entropies_match_eager_attention(tmp_path, documents, arch):
+    loaded = tiny_model(arch)
+    out, ctx = run_job(tmp_path, {"m": loaded}, documents)
+
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 5)
+    ref = eager_entropies(loaded, windows)  # [L, W, H, N]
+    layers, _, heads, n = ref.shape
+    bound = np.log(np.arange(n) + 1.0)
+    # The test means something only if heads are far from uniform and differ from each other.
+    assert (ref[..., 1:] / bound[1:]).mean() < 0.9 and ref.mean((1, 3)).std() > 0.05
+
+    arrays = np.load(tmp_path / "entropy_by_position.npz")
+    np.testing.assert_allclose(arrays["by_position"][0], ref.mean(1), atol=2e-5)  # per layer, head, position
+    np.testing.assert_allclose(arrays["mean"][0], ref.mean((1, 3)), atol=2e-5)
+    np.testing.assert_allclose(arrays["std"][0], ref.std((1, 3)), atol=2e-5)
+    normalized = (ref[..., 1:] / bound[1:]).mean((1, 3))  # position 0 (one visible key) left out
+    np.testing.assert_allclose(arrays["normalized_mean"][0], normalized, atol=2e-5)
+
+    for layer in range(layers):
+        for head in range(heads):
+            (s,) = series(out, "entropy.mean", layer=layer, head=head)
+            assert list(s.x) == [0] and s.y[0] == pytest.approx(ref[layer, :, head].mean(), abs=2e-5)
+            (s,) = series(out, "entropy.std", layer=layer, head=head)
+            assert s.y[0] == pytest.approx(ref[layer, :, head].std(), abs=2e-5)
+        (s,) = series(out, "entropy.by_position", layer=layer)
+        np.testing.assert_allclose(s.y, ref[layer].mean((0, 1)), atol=2e-5)
+        # Histogram on fixed bins [0, ln N]: the same counts as numpy's (a value on a bin edge may flip).
+        counts, edges = np.histogram(ref[layer], bins=50, range=(0, math.log(n)))
+        assert np.abs(arrays["hist_counts"][0, layer].sum(0) - counts).sum() <= 2
+        (s,) = series(out, "entropy.histogram", layer=layer)
+        assert np.sum(np.array(s.y) * np.diff(edges)) == pytest.approx(1.0)
+    (s,) = series(out, "entropy.layer_mean")
+    np.testing.assert_allclose(s.y, ref.mean((1, 2, 3)), atol=2e-5)
+    (s,) = series(out, "uniform_bound")
+    np.testing.assert_allclose(s.y, bound)
+
+    mean = ref.mean((1, 3))
+    lo = np.unravel_index(mean.argmin(), mean.shape)
+    assert out.summary["lowest_entropy_head"]["layer"] == lo[0] and out.summary["lowest_entropy_head"]["head"] == lo[1]
+    assert out.summary["layers"] == layers and out.summary["heads"] == heads
+    assert out.summary["tokens"] == 5 * SEQ_LEN and out.summary["num_segments_used"] == 5
+    assert out.summary["kernel_backend"] == ctx.environment["kernel_backend"] in ("triton", "reference")
+    for plot in ("entropy_heatmap.png", "entropy_by_layer.png", "entropy_by_position.png"):
+        assert (tmp_path / plot).stat().st_size > 5000
+    assert not (tmp_path / "entropy_over_training.png").exists()
+    # Progress once per batch of 2 windows: 3 batches, stage = the model.
+    assert ctx.progress_log == [(1, 3, "m"), (2, 3, "m"), (3, 3, "m")]
+
+
+def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch):
+    """The GPU route: the job through the Triton kernel (the interpreter on CPU), GQA LLaMA."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
+    loaded = tiny_model("llama")
+    out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1)
+    assert ctx.environment["kernel_backend"] == out.summary["kernel_backend"] == "triton"
+    ref = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, SEQ_LEN, 2))
+    np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["by_position"][0], ref.mean(1), atol=2e-5)
+
+
+def _zero_queries(loaded: LoadedModel) -> LoadedModel:
+    """q = 0 in every layer: all scores equal, so every row is uniform over its visible keys."""
+    with torch.no_grad():
+        for name, module in loaded.model.named_modules():
+            if name.endswith("q_proj"):
+                module.weight.zero_()
+            if name.endswith("c_attn"):  # GPT-2 packs [q | k | v] in one Conv1D
+                d = module.weight.shape[0]
+                module.weight[:, :d].zero_()
+                module.bias[:d].zero_()
+    return loaded
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_uniform_attention_gives_the_causal_bound(tmp_path, documents, arch):
+    loaded = _zero_queries(tiny_model(arch))
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=3, dimension_wise=True, dimension_segments=2)
+    bound = np.log(np.arange(SEQ_LEN) + 1.0)  # ln(visible keys) = ln(position + 1)
+    arrays = np.load(tmp_path / "entropy_by_position.npz")
+    np.testing.assert_allclose(arrays["by_position"][0], np.broadcast_to(bound, arrays["by_position"][0].shape),
+                               atol=1e-5)
+    np.testing.assert_allclose(arrays["normalized_mean"][0], 1.0, atol=1e-5)
+    np.testing.assert_allclose(arrays["mean"][0], bound.mean(), atol=1e-5)
+    np.testing.assert_allclose(arrays["std"][0], bound.std(), atol=1e-5)
+    # q = 0 also makes every per-dimension row uniform over all seq_len keys.
+    assert out.summary["near_uniform_pct"] == pytest.approx(100.0)
+    assert (tmp_path / "dimension_entropy.png").stat().st_size > 5000
+
+
+def _qk_per_layer(loaded: LoadedModel, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(q [W,H,N,D], k [W,H_kv,N,D]) of every layer as the attention sees them, from the model's own parts."""
+    model, cfg = loaded.model, loaded.model.config
+    with torch.no_grad():
+        hidden = model(input_ids=windows, output_hidden_states=True, use_cache=False).hidden_states
+    qk = []
+    if cfg.model_type == "gpt2":
+        for layer, block in enumerate(model.transformer.h):
+            q, k, _ = block.attn.c_attn(block.ln_1(hidden[layer])).split(cfg.n_embd, dim=2)
+            split = lambda t: t.view(*t.shape[:2], cfg.n_head, -1).transpose(1, 2)  # noqa: E731
+            qk.append((split(q), split(k)))
+    else:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        positions = torch.arange(windows.shape[1])[None]
+        cos, sin = model.model.rotary_emb(hidden[0], positions)
+        for layer, block in enumerate(model.model.layers):
+            x = block.input_layernorm(hidden[layer])
+            q = block.self_attn.q_proj(x).view(*x.shape[:2], -1, cfg.head_dim).transpose(1, 2)
+            k = block.self_attn.k_proj(x).view(*x.shape[:2], -1, cfg.head_dim).transpose(1, 2)
+            qk.append(apply_rotary_pos_emb(q, k, cos, sin))
+    return qk
+
+
+@torch.no_grad()
+def _qk_no_grad(loaded, windows):
+    return _qk_per_layer(loaded, windows)
+
+
+@pytest.mark.parametrize("arch,causal", [("gpt2", False), ("llama", True)])
+def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
+    loaded = tiny_model(arch)
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=3, dimension_wise=True,
+                     dimension_segments=2, dimension_causal=causal, near_uniform_margin=0.05)
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 2)
+    arrays = np.load(tmp_path / "dimension_entropy.npz")
+    n = SEQ_LEN
+    visible = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
+    bound = np.log(visible.sum(1))
+    first = 1 if causal else 0  # a causal row 0 sees one key: trivially uniform, left out
+    for layer, (q, k) in enumerate(_qk_no_grad(loaded, windows)):
+        q, k = q.double().numpy(), k.double().numpy()
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)  # GQA: query head h reads kv head h // group
+        scale = 1 / math.sqrt(q.shape[-1])
+        # s[w, h, i, t, m] = q_ti k_mi / sqrt(d), softmax over the visible keys m
+        s = q.transpose(0, 1, 3, 2)[..., :, None] * k.transpose(0, 1, 3, 2)[..., None, :] * scale
+        s = np.where(visible, s, -np.inf)
+        logp = s - s.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        ent = -np.where(visible, np.exp(logp) * np.where(visible, logp, 0), 0).sum(-1)  # [W, H, D, N]
+        ent = ent[..., first:]
+        near = (ent >= bound[first:] - 0.05).mean((0, 2, 3)) * 100
+        np.testing.assert_allclose(arrays["near_uniform_pct"][0, layer], near, atol=1e-9)
+        counts, _ = np.histogram(ent, bins=50, range=(0, math.log(n)))
+        assert np.abs(arrays["hist_counts"][0, layer].sum(0) - counts).sum() <= 2
+        for head in range(q.shape[1]):
+            (srs,) = series(out, "dimension_entropy.near_uniform_pct", layer=layer, head=head)
+            assert srs.y[0] == pytest.approx(near[head])
+    assert 0 < out.summary["near_uniform_pct"] < 100  # a meaningful mix, not a degenerate case
+
+
+def test_checkpoints_of_a_train_job_in_step_order(tmp_path, documents):
+    early, late = tiny_model("gpt2", seed=1), _zero_queries(tiny_model("gpt2", seed=2))
+    models = {"r@step500": late, "r@step100": early}
+    ctx_ckpt = {7: [(500, "r@step500"), (100, "r@step100")]}
+    out, ctx = run_job(tmp_path, models, documents, checkpoints=ctx_ckpt, train_job=7, num_segments=2)
+    assert out.summary["models"] == ["r@step100", "r@step500"] and out.summary["steps"] == [100, 500]
+    ref_early = eager_entropies(early, token_windows(early.tokenizer, documents, SEQ_LEN, 2))
+    bound = np.log(np.arange(SEQ_LEN) + 1.0)
+    for layer in range(2):
+        for head in range(4):
+            (s,) = series(out, "entropy.mean", layer=layer, head=head)
+            assert list(s.x) == [100, 500]
+            assert s.y[0] == pytest.approx(ref_early[layer, :, head].mean(), abs=2e-5)
+            assert s.y[1] == pytest.approx(bound.mean(), abs=2e-5)  # the uniform (late) checkpoint
+    assert [s.labels["step"] for s in series(out, "entropy.layer_mean")] == [100, 500]
+    assert (tmp_path / "entropy_over_training.png").stat().st_size > 5000
+    # One progress report per batch over both models, each stage the model being measured.
+    assert ctx.progress_log == [(1, 2, "r@step100"), (2, 2, "r@step500")]
+
+
+def test_models_list_form(tmp_path, documents):
+    a, b = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    out, _ = run_job(tmp_path, {"a": a, "b": b}, documents, models=["b", "a"], num_segments=1)
+    assert out.summary["models"] == ["b", "a"] and out.summary["steps"] == [0, 1]  # no @step suffix: list index
+    (s,) = series(out, "entropy.mean", layer=1, head=3)
+    ref_b = eager_entropies(b, token_windows(b.tokenizer, documents, SEQ_LEN, 1))
+    assert list(s.x) == [0, 1] and s.y[0] == pytest.approx(ref_b[1, :, 3].mean(), abs=2e-5)
+
+
+def test_checkpoint_list_rules():
+    ctx = LocalContext("/tmp/unused-entropy", checkpoints={3: [(20, "r@step20"), (10, "r@step10")]})
+    mk = lambda **kw: EntropyParams(dataset="d", **kw)  # noqa: E731
+    assert entropy.checkpoint_list(mk(models=["r@step500", "r@step100"]), ctx) == [(100, "r@step100"), (500, "r@step500")]
+    assert entropy.checkpoint_list(mk(models=["base", "r@step100"]), ctx) == [(0, "base"), (1, "r@step100")]
+    assert entropy.checkpoint_list(mk(models=["a@step5", "b@step5"]), ctx) == [(0, "a@step5"), (1, "b@step5")]
+    assert entropy.checkpoint_list(mk(train_job=3), ctx) == [(10, "r@step10"), (20, "r@step20")]
+    assert entropy.checkpoint_list(mk(model="r@step10"), ctx) == [(0, "r@step10")]  # one model: a single x = 0
+    with pytest.raises(JobFailed, match="no checkpoints"):
+        entropy.checkpoint_list(mk(train_job=4), ctx)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"dataset": "d"}, "exactly one of 'model'"),
+    ({"dataset": "d", "model": "a", "models": ["b"]}, "got model and models"),
+    ({"dataset": "d", "model": "a", "train_job": 1}, "got model and train_job"),
+    ({"dataset": "d", "models": []}, "at least 1"),
+    ({"dataset": "d", "models": ["a", "a"]}, "twice"),
+    ({"dataset": "d", "model": "a", "seq_len": 1}, "greater than or equal to 2"),
+    ({"dataset": "d", "model": "a", "near_uniform_margin": 0}, "greater than 0"),
+    ({"dataset": "d", "model": "a", "bins": 10}, "Extra inputs"),
+])
+def test_params_refuse_bad_input(raw, message):
+    with pytest.raises(ValidationError, match=message):
+        validate_params("entropy", raw)
+
+
+def test_params_refs():
+    p = validate_params("entropy", {"dataset": "d", "train_job": 5})
+    assert (p.model_refs(), p.dataset_refs(), p.job_refs()) == ([], ["d"], [5])
+    p = validate_params("entropy", {"dataset": "d", "models": ["a", "b"]})
+    assert (p.model_refs(), p.job_refs()) == (["a", "b"], [])
+
+
+def test_runtime_refusals_and_cancel(tmp_path, documents):
+    loaded = tiny_model("gpt2")  # 64 positions
+    with pytest.raises(JobFailed, match="at most 64"):
+        run_job(tmp_path, {"m": loaded}, documents, model="m", seq_len=65)
+    with pytest.raises(JobFailed, match="fewer than one window"):
+        run_job(tmp_path, {"m": loaded}, ["a few bytes"], model="m")
+    # Fewer tokens than num_segments windows: what exists is used and reported.
+    out, _ = run_job(tmp_path, {"m": loaded}, documents[:3], model="m", num_segments=10_000, batch_size=64)
+    available = len(token_windows(loaded.tokenizer, documents[:3], SEQ_LEN, None))
+    assert 1 <= out.summary["num_segments_used"] == available < 10_000
+    # seq_len not given: 512, or the model's context (64) when shorter.
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, model="m", seq_len=None, num_segments=1)
+    assert out.summary["seq_len"] == 64 and len(series(out, "uniform_bound")[0].x) == 64
+    ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"wiki": documents}, cancel_after=1)
+    with pytest.raises(JobCancelled):
+        entropy.run(EntropyParams(model="m", dataset="wiki", seq_len=SEQ_LEN, num_segments=4, batch_size=1), ctx)
+    assert len(ctx.progress_log) == 1

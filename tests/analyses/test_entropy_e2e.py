@@ -1,0 +1,99 @@
+"""`entropy` end to end: a tiny `train` job, then the entropy job on its checkpoints, both submitted
+over HTTP (Flask test client), run by the embedded worker, read back through results and artifacts;
+the numbers are checked against the eager attention of the checkpoint loaded from disk."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from lmscope.api import create_app
+from lmscope.catalog import read_documents
+from lmscope.db.engine import make_engine, make_sessionmaker
+from lmscope.modeling.loading import load_model, token_windows
+from lmscope.queue import LocalPublisher
+from lmscope.worker.embedded import EmbeddedWorker
+from lmscope.worker.startup import ensure_builtins
+
+
+@pytest.fixture
+def service(settings_factory, sqlite_url):
+    settings = settings_factory(database_url=sqlite_url, auth=False)
+    if settings.wikitext2_path is None:
+        pytest.skip("WikiText-2 (../shared/data/wikitext-2-raw/wiki.test.raw) is not here")
+    engine = make_engine(sqlite_url)
+    sessions = make_sessionmaker(engine)
+    ensure_builtins(settings, sessions)
+    publisher = LocalPublisher()
+    app = create_app(settings, publisher=publisher)
+    yield app.test_client(), EmbeddedWorker(settings, sessions, publisher), settings
+    engine.dispose()
+
+
+def submit(client, kind, params):
+    r = client.post("/v1/jobs", json={"kind": kind, "params": params})
+    assert r.status_code == 202, r.get_json()
+    return r.get_json()["id"]
+
+
+def finished(client, worker, job_id):
+    assert worker.run_once()
+    job = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert job["status"] == "succeeded", job["error"]
+    return job
+
+
+def test_entropy_over_a_train_jobs_checkpoints(service):
+    client, worker, settings = service
+    # A slice of WikiText-2 uploaded as its own dataset keeps tokenizer training short.
+    lines = settings.wikitext2_path.read_text(encoding="utf-8").splitlines(keepends=True)[:400]
+    r = client.post("/v1/datasets?name=wiki-slice&format=lines", data="".join(lines).encode(), content_type="text/plain")
+    assert r.status_code == 201, r.get_json()
+    train = {"dataset": "wiki-slice", "architecture": "llama", "layers": 2, "width": 32, "heads": 4, "kv_heads": 2,
+             "context": 32, "tokenizer": "bpe", "vocab_size": 300, "steps": 4, "batch_size": 2, "checkpoint_every": 2,
+             "eval_every": 2, "eval_batches": 1, "warmup_steps": 1, "run_name": "ent"}
+    train_job = finished(client, worker, submit(client, "train", train))
+    assert train_job["summary"]["checkpoints"] == ["ent@step2", "ent@step4"]
+
+    params = {"train_job": train_job["id"], "dataset": "wiki-slice", "seq_len": 32, "num_segments": 3,
+              "batch_size": 2, "dimension_wise": True, "dimension_segments": 1}
+    job_id = submit(client, "entropy", params)
+    job = finished(client, worker, job_id)
+    s = job["summary"]
+    assert s["models"] == ["ent@step2", "ent@step4"] and s["steps"] == [2, 4]
+    assert (s["layers"], s["heads"], s["tokens"]) == (2, 4, 3 * 32)
+    assert job["environment"]["kernel_backend"] == s["kernel_backend"] in ("reference", "triton")
+    assert job["progress"]["done"] == job["progress"]["total"] == 2 * (2 + 1)  # 2 + 1 batches per checkpoint
+
+    series = client.get(f"/v1/jobs/{job_id}/results").get_json()["series"]
+    means = [x for x in series if x["name"] == "entropy.mean"]
+    assert len(means) == 2 * 4 and all(x["x"] == [2, 4] for x in means)
+    artifacts = {a["name"]: a for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
+    assert {"entropy_heatmap.png", "entropy_by_layer.png", "entropy_by_position.png", "entropy_over_training.png",
+            "dimension_entropy.png", "entropy_by_position.npz", "dimension_entropy.npz"} <= set(artifacts)
+    npz = np.load(io.BytesIO(client.get(f"/v1/jobs/{job_id}/artifacts/entropy_by_position.npz").data))
+    for x in means:
+        np.testing.assert_allclose(x["y"], npz["mean"][:, x["labels"]["layer"], x["labels"]["head"]], rtol=1e-9)
+
+    # The last checkpoint from disk, eager attention matrices, -Σ p ln p in float64.
+    path = settings.artifact_dir / "jobs" / str(train_job["id"]) / "checkpoints" / "step-4"
+    lm = load_model("ent@step4", "checkpoint", str(path), attn_implementation="eager")
+    windows = token_windows(lm.tokenizer, read_documents(settings.wikitext2_path, "lines")[:400], 32, 3)
+    with torch.no_grad():
+        attentions = lm.model(input_ids=windows, output_attentions=True, use_cache=False).attentions
+    for layer, p in enumerate(attentions):
+        p = p.double()
+        ent = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)  # [W, H, N]
+        np.testing.assert_allclose(npz["by_position"][1, layer], ent.mean(0).numpy(), atol=2e-5)
+
+
+def test_submit_refuses_bad_entropy_params(service):
+    client, _, _ = service
+    r = client.post("/v1/jobs", json={"kind": "entropy", "params": {"dataset": "wikitext-2", "model": "tiny-gpt2",
+                                                                     "train_job": 1}})
+    assert r.status_code == 422 and "exactly one of 'model'" in r.get_data(as_text=True)
+    r = client.post("/v1/jobs", json={"kind": "entropy", "params": {"dataset": "wikitext-2", "train_job": 999}})
+    assert r.status_code == 422 and "job 999 does not exist" in r.get_data(as_text=True)
