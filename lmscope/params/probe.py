@@ -10,7 +10,8 @@ class ProbeParams(JobParams):
 
     model: str = Field(description="a registered model name, e.g. tiny-gpt2")
     dtype: DType = "float32"
-    prompt: str = Field("The quick brown fox jumps over the lazy dog.", max_length=10_000)
+    prompt: str = Field("The quick brown fox jumps over the lazy dog.", min_length=1, max_length=10_000,
+                        description="text whose mean next-token loss is reported (needs ≥ 2 tokens)")
 
     def model_refs(self) -> list[str]:
         return [self.model]

@@ -2,24 +2,59 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmscope.params.base import JobParams
 
 
 class TrainParams(JobParams):
-    """Train a small causal LM on a registered dataset (placeholder; owned by the training issue)."""
+    """Train a small causal LM (GPT-2 or LLaMA style) on a registered dataset, with HF checkpoints.
 
-    dataset: str
+    AdamW, linear warm-up then cosine decay to ``lr * min_lr_ratio``; the last ``val_fraction`` of the
+    documents is held out for validation. Checkpoints become models named ``<run_name>@step<N>``.
+    """
+
+    dataset: str = Field(description="a registered dataset name, e.g. wikitext-2")
     architecture: Literal["gpt2", "llama"] = "gpt2"
     layers: int = Field(4, ge=1, le=48)
-    width: int = Field(128, ge=8, le=4096)
+    width: int = Field(128, ge=8, le=4096, description="hidden size d_model")
     heads: int = Field(4, ge=1, le=64)
-    context: int = Field(128, ge=8, le=8192)
-    vocab_size: int = Field(2048, ge=260, le=65536)
+    kv_heads: int | None = Field(None, ge=1, le=64, description="llama only: key/value heads (GQA); default = heads")
+    context: int = Field(128, ge=8, le=8192, description="tokens per training window")
+    tokenizer: str = Field("bpe", description='"bpe" (trained on the dataset), "bytes", or a registered model whose tokenizer to reuse')
+    vocab_size: int = Field(2048, ge=260, le=65536, description="BPE vocabulary size (tokenizer=bpe; the other tokenizers bring their own)")
     steps: int = Field(1000, ge=1, le=1_000_000)
+    batch_size: int = Field(16, ge=1, le=4096)
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    warmup_steps: int = Field(100, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
     checkpoint_every: int = Field(250, ge=1)
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    eval_every: int = Field(100, ge=1)
+    eval_batches: int = Field(8, ge=1, le=1000)
     seed: int = 0
+    run_name: str | None = Field(None, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="checkpoint models are named <run_name>@step<N>; default run<job_id>")
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "TrainParams":
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}; choose width = heads × head size")
+        if self.architecture == "llama":
+            if (self.width // self.heads) % 2:
+                raise ValueError(f"head size {self.width // self.heads} is odd; rotary embeddings need an even head size")
+            if self.kv_heads is not None and self.heads % self.kv_heads:
+                raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        elif self.kv_heads is not None and self.kv_heads != self.heads:
+            raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})")
+        return self
+
+    def model_refs(self) -> list[str]:
+        return [] if self.tokenizer in ("bpe", "bytes") else [self.tokenizer]
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset]

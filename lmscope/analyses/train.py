@@ -1,0 +1,407 @@
+"""Job kind `train`: train a small GPT-2- or LLaMA-style causal LM on a dataset, with resumable checkpoints.
+
+Data. The last ``val_fraction`` of the documents (a contiguous tail, so no article is split between
+train and validation) is held out. Each split becomes one token stream (documents joined with EOS)
+cut into non-overlapping windows of ``context + 1`` tokens: input ``w[:-1]``, targets ``w[1:]``.
+Step ``s`` reads windows ``order[s·B : (s+1)·B]`` of an endless sequence of seeded permutations,
+one per epoch — the data position is a function of the step, which is what makes resume exact.
+
+Optimisation. AdamW (β = 0.9, 0.95; weight decay on matrices only), learning rate
+    lr(s) = lr · (s+1)/warmup                                    for s < warmup
+    lr(s) = lr · (r + (1−r)·½(1 + cos(π·(s−warmup)/(steps−warmup))))  afterwards, r = min_lr_ratio,
+gradient clipping, bf16 autocast on CUDA, fp32 on CPU.
+
+Baseline. ``unigram_entropy`` is the cross-entropy, in nats, of the validation targets under the
+unigram distribution of the training stream (add-one smoothed):
+    H = −(1/|val|) Σ_{t ∈ val} ln p(t),   p(t) = (count_train(t) + 1) / (N_train + V).
+It is exactly what the best context-free model fitted on the training split scores on the same
+targets as ``loss.val``; a validation loss below it means the model uses context.
+
+Checkpoints. Every ``checkpoint_every`` steps and at the end, ``checkpoints/step-N/`` (written to a
+temporary folder, then renamed) holds the HF model (safetensors), the tokenizer, and
+``trainer_state.json`` (step, loss history, RNG state; the lr schedule is a function of the step).
+The newest checkpoint also holds ``optimizer.pt`` (AdamW moments), dropped from older ones to save
+space. Each is registered as model ``<run_name>@step<N>``. A new attempt of the same job continues
+from the newest checkpoint; on CPU the result equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series
+from lmscope.params.train import TrainParams
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+# Fields that decide the model, the tokenizer or the data: a checkpoint made with other values cannot be resumed.
+SHAPE_FIELDS = ("dataset", "architecture", "layers", "width", "heads", "kv_heads", "context", "tokenizer",
+                "vocab_size", "batch_size", "val_fraction", "seed")
+
+
+# ---------------------------------------------------------------- pieces (each testable on its own)
+
+def split_documents(documents: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(train, val): val is the last ``ceil(val_fraction · n)`` documents, at least one on each side."""
+    if len(documents) < 2:
+        raise JobFailed(f"the dataset has {len(documents)} document(s); training needs at least 2 "
+                        "(one for training, one for validation)")
+    n_val = min(len(documents) - 1, max(1, math.ceil(val_fraction * len(documents))))
+    return documents[:-n_val], documents[-n_val:]
+
+
+def lr_at(step: int, p: TrainParams) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine to lr · min_lr_ratio."""
+    if step < p.warmup_steps:
+        return p.lr * (step + 1) / p.warmup_steps
+    progress = (step - p.warmup_steps) / max(1, p.steps - p.warmup_steps)
+    return p.lr * (p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class BatchOrder:
+    """Window indices of each step: epoch e visits the windows in ``randperm(n, seed=(seed, e))`` order."""
+
+    def __init__(self, num_windows: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = num_windows, batch_size, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch in memory
+        return self._perms[epoch]
+
+    def __call__(self, step: int) -> torch.Tensor:
+        positions = range(step * self.batch_size, (step + 1) * self.batch_size)
+        return torch.stack([self._perm(q // self.n)[q % self.n] for q in positions])
+
+
+def unigram_baselines(train_stream: torch.Tensor, val_targets: torch.Tensor, vocab_size: int) -> tuple[float, float]:
+    """(cross-entropy of val targets under the add-one train unigram, entropy of the train unigram), nats."""
+    counts = torch.bincount(train_stream.flatten(), minlength=vocab_size).double()
+    p_smooth = (counts + 1) / (counts.sum() + vocab_size)
+    cross = -p_smooth.log()[val_targets.flatten()].mean().item()
+    p_ml = counts[counts > 0] / counts.sum()
+    return cross, -(p_ml * p_ml.log()).sum().item()
+
+
+def build_model(p: TrainParams, tokenizer):
+    """A fresh HF causal LM (seeded init) whose vocabulary fits ``tokenizer``; tied input/output embeddings."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    if p.architecture == "gpt2":
+        config = GPT2Config(n_layer=p.layers, n_head=p.heads, n_embd=p.width, n_positions=p.context,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    else:
+        ffn = 32 * math.ceil(8 * p.width / 3 / 32)  # LLaMA's 8/3·d gated MLP, rounded up to a multiple of 32
+        config = LlamaConfig(hidden_size=p.width, intermediate_size=ffn, num_hidden_layers=p.layers,
+                             num_attention_heads=p.heads, num_key_value_heads=p.kv_heads or p.heads,
+                             max_position_embeddings=p.context, **common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(p.seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def make_optimizer(model, p: TrainParams) -> torch.optim.AdamW:
+    params = [prm for prm in model.parameters() if prm.requires_grad]
+    decay = [prm for prm in params if prm.dim() >= 2]  # matrices and embeddings; not biases or norm gains
+    no_decay = [prm for prm in params if prm.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=p.lr, betas=(0.9, 0.95))
+
+
+def next_token_loss(model, windows: torch.Tensor, autocast) -> torch.Tensor:
+    """Mean cross-entropy of ``windows[:, 1:]`` given ``windows[:, :-1]``."""
+    x, y = windows[:, :-1], windows[:, 1:]
+    with autocast():
+        logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, val_windows: torch.Tensor, batch_size: int, autocast) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(val_windows), batch_size):
+        batch = val_windows[start:start + batch_size]
+        total += next_token_loss(model, batch, autocast).item() * batch[:, 1:].numel()
+        count += batch[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def thin(points: list[list[float]], max_points: int = 5000) -> tuple[list[float], list[float]]:
+    """At most ``max_points`` (x, y): block means of consecutive points, x = the block's last x."""
+    stride = max(1, math.ceil(len(points) / max_points))
+    xs, ys = [], []
+    for i in range(0, len(points), stride):
+        block = points[i:i + stride]
+        xs.append(block[-1][0])
+        ys.append(sum(y for _, y in block) / len(block))
+    return xs, ys
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under ``root``, in step order."""
+    found = []
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit() and (d / STATE_FILE).is_file():
+                found.append((int(d.name[5:]), d))
+    return sorted(found)
+
+
+def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer, state: dict[str, Any]) -> Path:
+    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict()}, tmp / OPTIMIZER_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps(state))  # written last: its presence marks a complete checkpoint
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for _, older in checkpoint_dirs(root):  # only the newest checkpoint is needed to resume
+        if older != final:
+            (older / OPTIMIZER_FILE).unlink(missing_ok=True)
+    return final
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------- the job
+
+def _eta(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
+    from lmscope.modeling.tokenization import byte_tokenizer, train_bpe_tokenizer
+
+    if p.tokenizer == "bpe":
+        return train_bpe_tokenizer(train_docs, p.vocab_size)
+    if p.tokenizer == "bytes":
+        return byte_tokenizer()
+    tokenizer = ctx.load_model(p.tokenizer).tokenizer
+    if tokenizer.eos_token_id is None:
+        raise JobFailed(f"the tokenizer of {p.tokenizer!r} has no EOS token to separate documents; "
+                        "use tokenizer 'bpe' or 'bytes'")
+    return tokenizer
+
+
+def run(params: TrainParams, ctx: JobContext) -> JobOutput:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars at every checkpoint
+
+    p = params
+    started = time.perf_counter()
+    run_name = p.run_name or f"run{ctx.job_id}"
+    ckpt_root = ctx.artifact_dir / CHECKPOINTS
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    device = ctx.device
+    use_bf16 = device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    ctx.record("precision", "bf16 autocast" if use_bf16 else "fp32")
+
+    def register_all() -> list[str]:
+        names = []
+        for step, path in checkpoint_dirs(ckpt_root):
+            ctx.register_model(f"{run_name}@step{step}", path, step=step)
+            names.append(f"{run_name}@step{step}")
+        return names
+
+    for stale in ckpt_root.glob(".step-*.tmp"):  # half-written by an attempt that died while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    # An earlier attempt of this job may have left checkpoints: continue from the newest.
+    existing = checkpoint_dirs(ckpt_root)
+    resume_dir = existing[-1][1] if existing else None
+    state: dict[str, Any] = json.loads((resume_dir / STATE_FILE).read_text()) if resume_dir else {}
+    if resume_dir:
+        old = {k: state["params"].get(k) for k in SHAPE_FIELDS}
+        new = {k: getattr(p, k) for k in SHAPE_FIELDS}
+        if old != new:
+            changed = [k for k in SHAPE_FIELDS if old[k] != new[k]]
+            raise JobFailed(f"the checkpoints in {ckpt_root} were made with other {', '.join(changed)}; "
+                            "submit a new job instead of retrying this one")
+        register_all()  # an attempt may have died between saving and registering
+
+    with ctx.stage("data"):
+        documents = ctx.load_documents(p.dataset)
+        train_docs, val_docs = split_documents(documents, p.val_fraction)
+        ctx.progress(0, p.steps, "training the tokenizer" if p.tokenizer == "bpe" and not resume_dir else "tokenizing")
+        if resume_dir:
+            tokenizer = AutoTokenizer.from_pretrained(str(resume_dir), local_files_only=True)
+        else:
+            tokenizer = _tokenizer_for(p, ctx, train_docs)
+        from lmscope.modeling.windows import token_windows
+
+        try:
+            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None)
+        except ValueError:
+            raise JobFailed(f"the training split ({len(train_docs)} documents) holds less than one window of "
+                            f"{p.context + 1} tokens; use a larger dataset or lower context") from None
+        try:
+            val_windows = token_windows(tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size)
+        except ValueError:
+            raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
+                            f"{p.context + 1} tokens; raise val_fraction or lower context") from None
+        vocab_size = len(tokenizer)
+        unigram_val, unigram_train = unigram_baselines(train_windows, val_windows[:, 1:], vocab_size)
+
+    if resume_dir:
+        model = AutoModelForCausalLM.from_pretrained(str(resume_dir), dtype=torch.float32, local_files_only=True,
+                                                     attn_implementation="sdpa")
+    else:
+        model = build_model(p, tokenizer)
+    model.to(device).train()
+    num_parameters = sum(prm.numel() for prm in model.parameters())
+    optimizer = make_optimizer(model, p)
+    history: dict[str, list] = state.get("history", {"train": [], "val": [], "lr": []})
+    start_step = state.get("step", 0)
+    wall_before = state.get("train_seconds", 0.0)
+    if resume_dir:
+        optimizer.load_state_dict(torch.load(resume_dir / OPTIMIZER_FILE, map_location=device)["optimizer"])
+        _set_rng_state(state["rng"])
+    else:
+        torch.manual_seed(p.seed)
+
+    order = BatchOrder(len(train_windows), p.batch_size, p.seed)
+    val_windows = val_windows.to(device)  # training windows stay on the CPU; each batch moves on its own
+
+    def checkpoint(step: int) -> None:
+        trainer_state = {"step": step, "run_name": run_name, "params": p.model_dump(), "history": history,
+                         "rng": _rng_state(), "tokens_seen": step * p.batch_size * p.context,
+                         "train_seconds": wall_before + time.perf_counter() - loop_start,
+                         "lr_schedule": "warm-up + cosine, a function of the step (lmscope.analyses.train.lr_at)"}
+        path = save_checkpoint(ckpt_root, step, model, tokenizer, optimizer, trainer_state)
+        ctx.register_model(f"{run_name}@step{step}", path, step=step)
+
+    if not history["val"]:
+        history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
+    report_every = max(1, min(10, p.steps // 100))
+    loop_start = time.perf_counter()
+    step = start_step
+    try:
+        with ctx.stage("train"):
+            while step < p.steps:
+                lr = lr_at(step, p)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss = next_token_loss(model, train_windows[order(step)].to(device), autocast)
+                loss.backward()
+                if p.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                history["train"].append([step, loss.item()])
+                history["lr"].append([step, lr])
+
+                if step % p.eval_every == 0 or step == p.steps:
+                    history["val"].append([step, evaluate(model, val_windows, p.batch_size, autocast)])
+                if step % p.checkpoint_every == 0 or step == p.steps:
+                    checkpoint(step)
+                if step % report_every == 0 or step == p.steps:
+                    recent = [l for _, l in history["train"][-report_every:]]
+                    per_step = (time.perf_counter() - loop_start) / (step - start_step)
+                    ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
+                                                f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
+    except JobCancelled:
+        register_all()  # what was written stays usable
+        raise
+
+    checkpoint_names = register_all()
+    train_seconds = wall_before + time.perf_counter() - loop_start
+    _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_val, [s for s, _ in checkpoint_dirs(ckpt_root)])
+
+    tail = [l for _, l in history["train"][-20:]]
+    train_x, train_y = thin(history["train"])
+    series = [
+        Series("loss.train", train_x, train_y),
+        Series("loss.val", [s for s, _ in history["val"]], [l for _, l in history["val"]]),
+        Series("lr", *thin(history["lr"])),
+        Series("unigram_entropy", [0, p.steps], [unigram_val, unigram_val],
+               {"definition": "val cross-entropy under the add-one train unigram, nats"}),
+    ]
+    summary = {
+        "run_name": run_name,
+        "train_loss": sum(tail) / len(tail) if tail else None,  # mean of the last 20 steps
+        "val_loss": history["val"][-1][1],
+        "unigram_entropy": unigram_val,
+        "unigram_train_entropy": unigram_train,
+        "steps": p.steps,
+        "tokens_seen": p.steps * p.batch_size * p.context,
+        "epochs": p.steps * p.batch_size / len(train_windows),
+        "train_tokens": int(train_windows.numel()),
+        "val_tokens": int(val_windows[:, 1:].numel()),
+        "vocab_size": vocab_size,
+        "num_parameters": num_parameters,
+        "checkpoints": checkpoint_names,
+        "resumed_from_step": start_step if resume_dir else None,
+        "train_seconds": round(train_seconds, 2),
+        "wall_seconds": round(time.perf_counter() - started, 2),
+    }
+    return JobOutput(summary=summary, series=series)
+
+
+def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
+          checkpoint_steps: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    steps = [s for s, _ in history["train"]]
+    losses = [l for _, l in history["train"]]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
+    window = 20  # trailing mean, so the trend is visible through batch noise
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    ax.plot(steps, smooth, color="tab:blue", label=f"train (mean of last {window} steps)")
+    ax.plot([s for s, _ in history["val"]], [l for _, l in history["val"]], "o-", color="tab:orange", ms=3,
+            label="validation")
+    ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline {baseline:.2f}")
+    for s in checkpoint_steps:
+        ax.axvline(s, color="lightgray", ls=":", lw=0.8)
+    ax.set_yscale("log")
+    from matplotlib.ticker import ScalarFormatter
+
+    for formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 5, 6, 7 rather than 5×10⁰
+        formatter(ScalarFormatter())
+    ax.set_ylabel("next-token loss (nats, log scale)")
+    ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context} "
+                 f"(dotted: checkpoints)", fontsize=9)
+    ax.legend()
+    ax_lr.plot([s for s, _ in history["lr"]], [v for _, v in history["lr"]], color="tab:green")
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,203 @@
+"""Turn a registered model (built-in, HF directory or training checkpoint) into a model ready to run.
+
+    lm = load_model("tiny-gpt2", "builtin", None)                 # random init, seed 0, byte tokenizer
+    lm = load_model("gpt2", "directory", "/models/gpt2", dtype="bfloat16", device="cuda")
+    lm.model(input_ids).logits
+
+Nothing is downloaded: directories are read with ``local_files_only=True``. Models load in eval mode
+with ``attn_implementation="sdpa"``; analyses that need attention weights or the Triton kernels switch
+with ``lm.model.set_attn_implementation("eager")`` (or the kernels' registered implementation).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lmscope.analyses.base import LoadedModel
+from lmscope.catalog import BUILTIN_MODELS, BYTE_VOCAB_SIZE, safetensors_parameter_count
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import document_samples, token_windows  # re-exported for the analyses
+
+__all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "model_info", "builtin_config",
+           "byte_tokenizer", "token_windows", "document_samples"]
+
+# Loading bars belong in a terminal, not in worker logs.
+transformers.utils.logging.disable_progress_bar()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUILTIN_SEED = 0
+DEFAULT_ATTENTION = "sdpa"
+# A directory may name its tokenizer here instead of shipping tokenizer files: {"tokenizer": "bytes"}.
+LMSCOPE_MANIFEST = "lmscope.json"
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message says what to change."""
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def builtin_config(name: str) -> transformers.PretrainedConfig:
+    """The HF config of a built-in tiny model (``catalog.BUILTIN_MODELS``)."""
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"{name!r} is not a built-in model; built-ins: {', '.join(BUILTIN_MODELS)}")
+    cfg = dict(BUILTIN_MODELS[name])
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def _load_builtin(name: str, attn_implementation: str):
+    config = builtin_config(name)
+    # Fixed seed in a forked RNG: the same built-in is bit-identical on every worker, and the
+    # caller's random stream is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(BUILTIN_SEED)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model, byte_tokenizer()
+
+
+def _load_tokenizer(path: Path, vocab_size: int | None):
+    manifest = path / LMSCOPE_MANIFEST
+    if manifest.is_file() and json.loads(manifest.read_text()).get("tokenizer") == "bytes":
+        return byte_tokenizer()
+    has_files = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"))
+    if has_files:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if vocab_size == BYTE_VOCAB_SIZE:
+        return byte_tokenizer()
+    raise ModelLoadError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+                         "save the tokenizer into the model directory with tokenizer.save_pretrained(path)")
+
+
+def _weights_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes the weights will take in `dtype` (from safetensors headers; .bin files by their size)."""
+    n = sum(safetensors_parameter_count(f) * dtype.itemsize for f in path.glob("*.safetensors"))
+    return n + sum(f.stat().st_size for f in path.glob("*.bin"))
+
+
+def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_implementation: str):
+    if not path:
+        raise ModelLoadError("a directory or checkpoint model needs a path")
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p} has no config.json; it is not a Hugging Face model directory")
+    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True, attn_implementation=attn_implementation)
+    # Larger than the free GPU memory: let HF spread the layers over all visible GPUs (and CPU).
+    # Needs the `accelerate` package; untested here (no GPU in CI).
+    sharded = False
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        if _weights_bytes(p, dtype) > 0.9 * free:  # leave room for activations
+            kwargs["device_map"] = "auto"
+            sharded = True
+    model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    tokenizer = _load_tokenizer(p, getattr(model.config, "vocab_size", None))
+    return model, tokenizer, sharded
+
+
+def model_info(model) -> dict[str, Any]:
+    """Architecture facts of a loaded HF causal LM (the same keys as the models table)."""
+    c = model.config
+    heads = getattr(c, "num_attention_heads", None)
+    seen: set[int] = set()
+    num_parameters = 0
+    for prm in model.parameters():  # tied weights (embedding = LM head) count once
+        if id(prm) not in seen:
+            seen.add(id(prm))
+            num_parameters += prm.numel()
+    return {
+        "architecture": c.model_type,
+        "num_layers": getattr(c, "num_hidden_layers", None),
+        "num_heads": heads,
+        "num_kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "hidden_size": getattr(c, "hidden_size", None),
+        "vocab_size": getattr(c, "vocab_size", None),
+        "num_parameters": num_parameters,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # LLaMA-style MLP: down(act(gate(x)) * up(x)); Proposition 1 of the norms paper needs the plain one.
+        "gated_ffn": any(n.endswith(("gate_proj", "gate_up_proj")) for n, _ in model.named_modules()),
+        "max_positions": getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None),
+    }
+
+
+def load_model(name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
+    """Load a registered model: ``source`` is ``builtin``, ``directory`` or ``checkpoint``."""
+    torch_dtype = _torch_dtype(dtype)
+    sharded = False
+    if source == "builtin":
+        model, tokenizer = _load_builtin(name, attn_implementation)
+    elif source in ("directory", "checkpoint"):
+        model, tokenizer, sharded = _load_directory(path, torch_dtype, device, attn_implementation)
+    else:
+        raise ModelLoadError(f"unknown model source {source!r}; use builtin, directory or checkpoint")
+    if not sharded:
+        model = model.to(device=device, dtype=torch_dtype)
+    model.eval()
+    info = model_info(model)
+    info["source"] = source
+    info["device"] = device if not sharded else "auto"
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, info=info)
+
+
+class ModelCache:
+    """Keep the last ``capacity`` loaded models (LRU by name, dtype, device); thread-safe."""
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = max(1, capacity)
+        self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+        key = (name, dtype, device)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            # Make room before loading so two big models are never resident at once.
+            while len(self._models) >= self.capacity:
+                self._evict_oldest()
+            loaded = load_model(name, source, path, dtype=dtype, device=device)
+            self._models[key] = loaded
+            return loaded
+
+    def forget(self, name: str) -> None:
+        """Drop every cached copy of a model (e.g. after its row changed)."""
+        with self._lock:
+            for key in [k for k in self._models if k[0] == name]:
+                del self._models[key]
+            _free_memory()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
+            _free_memory()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def __contains__(self, key: tuple[str, str, str]) -> bool:
+        return key in self._models
+
+    def _evict_oldest(self) -> None:
+        self._models.popitem(last=False)
+        _free_memory()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

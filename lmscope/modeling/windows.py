@@ -1,0 +1,74 @@
+"""Documents → model inputs: fixed-length token windows, or one sample per document.
+
+``token_windows`` is what training and the attention analyses read: the corpus as one token stream
+(documents joined with EOS) cut into consecutive, non-overlapping windows. ``document_samples`` is
+what the norms analysis reads: each long-enough document on its own, with the tokenizer's usual
+special tokens (e.g. BOS for LLaMA), cut to ``max_tokens + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_CHUNK = 256  # documents tokenized per call: fast (Rust, batched) and we stop as soon as we have enough
+
+
+def _encode(tokenizer, docs: Sequence[str], *, special: bool) -> list[list[int]]:
+    return tokenizer(list(docs), add_special_tokens=special)["input_ids"]
+
+
+def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = None) -> torch.LongTensor:
+    """Token ids of ``doc0 EOS doc1 EOS doc2 …`` (EOS between documents), at most ``limit`` of them."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token to join documents with; set tokenizer.eos_token")
+    pieces: list[torch.Tensor] = []
+    produced = 0
+    for start in range(0, len(documents), _CHUNK):
+        chunk: list[int] = []
+        for i, ids in enumerate(_encode(tokenizer, documents[start:start + _CHUNK], special=False)):
+            if start + i > 0:
+                chunk.append(eos)
+            chunk.extend(ids)
+        pieces.append(torch.tensor(chunk, dtype=torch.long))
+        produced += len(chunk)
+        if limit is not None and produced >= limit:
+            break
+    stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return stream if limit is None else stream[:limit]
+
+
+def token_windows(tokenizer, documents: Sequence[str], seq_len: int, num_windows: int | None) -> torch.LongTensor:
+    """``[n, seq_len]`` consecutive non-overlapping windows of the joined token stream, in order.
+
+    ``n = min(num_windows, available)``; ``num_windows=None`` takes every full window. A trailing
+    partial window is dropped. Raises ValueError when not even one window fits.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be ≥ 1, got {seq_len}")
+    limit = None if num_windows is None else seq_len * num_windows
+    ids = token_stream(tokenizer, documents, limit=limit)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than one window of {seq_len}; "
+                         "use a shorter seq_len or a larger dataset")
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def document_samples(tokenizer, documents: Sequence[str], *, min_words: int, max_tokens: int,
+                     max_samples: int | None) -> list[list[int]]:
+    """One token-id list per document with ≥ ``min_words`` words: its first ``max_tokens + 1`` tokens.
+
+    Encoded with the tokenizer's usual special tokens (BOS for LLaMA-style tokenizers, none for
+    GPT-2), so a sample looks like what the model saw in training. Documents keep their order.
+    """
+    kept = [d for d in documents if len(d.split()) >= min_words]
+    samples: list[list[int]] = []
+    for start in range(0, len(kept), _CHUNK):
+        for ids in _encode(tokenizer, kept[start:start + _CHUNK], special=True):
+            samples.append(ids[: max_tokens + 1])
+            if max_samples is not None and len(samples) >= max_samples:
+                return samples
+    return samples

@@ -1,0 +1,147 @@
+"""load_model, ModelCache, token_windows and document_samples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmscope.modeling.loading import ModelCache, ModelLoadError, load_model
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import document_samples, token_windows
+
+TEXT = "Robert Boulter is an English film , television and theatre actor ."
+
+
+def _logits(lm, text=TEXT):
+    ids = lm.tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return lm.model(input_ids=ids).logits
+
+
+def _unique_numel(model) -> int:
+    return sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_builtin_is_identical_in_every_load_and_leaves_the_callers_rng_alone(name):
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = load_model(name, "builtin", None)
+    assert torch.equal(torch.rand(3), expected_next)  # the fixed seed was used in a forked RNG
+    b = load_model(name, "builtin", None)
+    assert a.model is not b.model
+    assert torch.equal(_logits(a), _logits(b))
+    assert not a.model.training
+
+
+def test_builtin_is_identical_in_a_fresh_process():
+    code = ("import torch, json; from lmscope.modeling.loading import load_model;"
+            "m = load_model('tiny-llama', 'builtin', None).model;"
+            "print(json.dumps([p.double().sum().item() for p in m.parameters()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(_repo_root())})
+    here = [p.double().sum().item() for p in load_model("tiny-llama", "builtin", None).model.parameters()]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+def _repo_root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2]
+
+
+def test_builtin_info_describes_the_model():
+    gpt2 = load_model("tiny-gpt2", "builtin", None)
+    llama = load_model("tiny-llama", "builtin", None)
+    assert gpt2.info["architecture"] == "gpt2" and not gpt2.info["gated_ffn"]
+    assert llama.info["architecture"] == "llama" and llama.info["gated_ffn"]
+    assert (llama.info["num_layers"], llama.info["num_heads"], llama.info["num_kv_heads"]) == (4, 4, 2)
+    assert llama.model.model.layers[0].self_attn.k_proj.out_features == 2 * 16  # 2 KV heads of size 64/4
+    for lm in (gpt2, llama):
+        assert lm.info["num_parameters"] == _unique_numel(lm.model)
+        assert lm.info["vocab_size"] == 259 and lm.info["hidden_size"] == 64
+        assert lm.info["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_a_saved_directory_reloads_with_the_same_logits(name, tmp_path):
+    original = load_model(name, "builtin", None)
+    original.model.save_pretrained(tmp_path)
+    original.tokenizer.save_pretrained(tmp_path)
+    for source in ("directory", "checkpoint"):
+        again = load_model("copy", source, str(tmp_path))
+        assert again.tokenizer(TEXT)["input_ids"] == original.tokenizer(TEXT)["input_ids"]
+        assert torch.equal(_logits(again), _logits(original))
+        assert again.info["num_parameters"] == original.info["num_parameters"]
+    half = load_model("copy", "directory", str(tmp_path), dtype="bfloat16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16 and half.info["dtype"] == "bfloat16"
+    torch.testing.assert_close(_logits(half).float(), _logits(original), atol=0.1, rtol=0.05)
+
+
+def test_directory_without_tokenizer(tmp_path):
+    lm = load_model("tiny-gpt2", "builtin", None)
+    lm.model.save_pretrained(tmp_path / "bytes")  # vocabulary 259: the byte tokenizer is implied
+    assert load_model("m", "directory", str(tmp_path / "bytes")).tokenizer(TEXT)["input_ids"] == \
+        byte_tokenizer()(TEXT)["input_ids"]
+    lm.model.resize_token_embeddings(300)
+    lm.model.save_pretrained(tmp_path / "other")
+    with pytest.raises(ModelLoadError, match="no tokenizer"):
+        load_model("m", "directory", str(tmp_path / "other"))
+
+
+def test_bad_requests_say_what_to_change(tmp_path):
+    with pytest.raises(ModelLoadError, match="built-ins: tiny-gpt2"):
+        load_model("tiny-nope", "builtin", None)
+    with pytest.raises(ModelLoadError, match="use one of"):
+        load_model("tiny-gpt2", "builtin", None, dtype="float8")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model("m", "directory", str(tmp_path))
+
+
+def test_model_cache_is_lru_by_name_dtype_device():
+    cache = ModelCache(capacity=2)
+    a = cache.get("tiny-gpt2", "builtin", None)
+    assert cache.get("tiny-gpt2", "builtin", None) is a  # hit: no reload
+    b = cache.get("tiny-llama", "builtin", None)
+    cache.get("tiny-gpt2", "builtin", None)  # a is now the most recently used
+    c = cache.get("tiny-gpt2", "builtin", None, dtype="bfloat16")  # a different key evicts the LRU (b)
+    assert len(cache) == 2 and c is not a
+    assert ("tiny-llama", "float32", "cpu") not in cache and ("tiny-gpt2", "float32", "cpu") in cache
+    assert cache.get("tiny-llama", "builtin", None) is not b  # reloaded after eviction
+
+
+def test_token_windows_hand_example():
+    tok = byte_tokenizer()  # id = byte value, EOS = 257
+    docs = ["ab", "cde", "f"]  # stream: a b EOS c d e EOS f  (EOS between documents only)
+    a, b, c, d, e, f, eos = 97, 98, 99, 100, 101, 102, 257
+    assert token_windows(tok, docs, 3, None).tolist() == [[a, b, eos], [c, d, e]]  # trailing "EOS f" dropped
+    assert token_windows(tok, docs, 2, None).tolist() == [[a, b], [eos, c], [d, e], [eos, f]]
+    assert token_windows(tok, docs, 2, 3).tolist() == [[a, b], [eos, c], [d, e]]
+    assert token_windows(tok, docs, 2, 99).shape == (4, 2)
+    assert token_windows(tok, docs, 2, 1).dtype == torch.long
+    with pytest.raises(ValueError, match="fewer than one window"):
+        token_windows(tok, docs, 9, None)
+
+
+def test_token_windows_cover_real_text_in_order(wikitext_docs):
+    tok = byte_tokenizer()
+    docs = wikitext_docs[:300]  # more than one tokenization chunk
+    stream = []
+    for i, doc in enumerate(docs):
+        stream += ([257] if i else []) + list(doc.encode())
+    windows = token_windows(tok, docs, 64, None)
+    assert windows.flatten().tolist() == stream[: len(stream) // 64 * 64]
+
+
+def test_document_samples_filter_truncate_and_keep_special_tokens():
+    tok = byte_tokenizer()
+    docs = ["one two three", "short", "four five six seven", "x y z"]
+    samples = document_samples(tok, docs, min_words=3, max_tokens=5, max_samples=None)
+    assert samples == [[256] + list(b"one t"), [256] + list(b"four "), [256] + list(b"x y z")]
+    assert document_samples(tok, docs, min_words=3, max_tokens=5, max_samples=2) == samples[:2]
+    assert document_samples(tok, docs, min_words=4, max_tokens=100, max_samples=None) == [[256] + list(b"four five six seven")]

@@ -1,0 +1,75 @@
+"""The `probe` job kind: parameter counts per part equal sums over the modules that own them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmscope.analyses.local import LocalContext
+from lmscope.analyses.probe import run
+from lmscope.params.probe import ProbeParams
+
+PROMPT = "The tower is 324 metres tall , about the same height as an 81 @-@ storey building ."
+
+
+def numel(*modules) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
+def expected_groups(model) -> tuple[dict[str, int], list[int], list[int]]:
+    """Counts from the module tree (not from parameter names): totals, attention and MLP per layer."""
+    if model.config.model_type == "gpt2":
+        t = model.transformer
+        blocks, attn, mlp = t.h, [b.attn for b in t.h], [b.mlp for b in t.h]
+        norms = [b.ln_1 for b in t.h] + [b.ln_2 for b in t.h] + [t.ln_f]
+        embeddings = [t.wte, t.wpe]
+    else:
+        m = model.model
+        blocks, attn, mlp = m.layers, [b.self_attn for b in m.layers], [b.mlp for b in m.layers]
+        norms = [b.input_layernorm for b in m.layers] + [b.post_attention_layernorm for b in m.layers] + [m.norm]
+        embeddings = [m.embed_tokens]
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    groups = {"embeddings": numel(*embeddings), "attention": numel(*attn), "mlp": numel(*mlp),
+              "norms": numel(*norms), "head": 0 if tied else numel(model.lm_head)}
+    assert numel(*blocks) == sum(numel(b) for b in attn + mlp) + numel(*norms) - numel(norms[-1])
+    return groups, [numel(a) for a in attn], [numel(m) for m in mlp]
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_parameter_counts_and_prompt_loss(name, tmp_path):
+    ctx = LocalContext(tmp_path)
+    out = run(ProbeParams(model=name, prompt=PROMPT), ctx)
+    s = out.summary
+    model = ctx.load_model(name).model  # built-ins are bit-identical on every load
+    groups, attn_by_layer, mlp_by_layer = expected_groups(model)
+
+    assert s["parameters"] == groups
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}  # tied weights once
+    assert s["num_parameters"] == sum(unique.values()) == sum(groups.values())
+    assert s["tied_embeddings"] == (name == "tiny-gpt2")
+    assert (s["num_layers"], s["num_heads"], s["hidden_size"], s["vocab_size"], s["head_dim"]) == (4, 4, 64, 259, 16)
+    assert s["num_kv_heads"] == (2 if name == "tiny-llama" else 4)
+    assert s["gated_ffn"] == (name == "tiny-llama")
+
+    by_layer = {sr.labels["group"]: sr for sr in out.series if sr.name == "parameters.by_layer"}
+    assert by_layer["attention"].x == [0, 1, 2, 3]
+    assert by_layer["attention"].y == attn_by_layer and by_layer["mlp"].y == mlp_by_layer
+
+    # The prompt loss against HF's own shifted loss, and against a float64 recomputation.
+    ids = ctx.load_model(name).tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        hf = model(input_ids=ids, labels=ids).loss.item()
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    by_hand = -logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].mean().item()
+    assert s["prompt_tokens"] == ids.shape[1] == len(PROMPT.encode()) + 1
+    assert s["prompt_loss"] == pytest.approx(by_hand, abs=1e-5) == pytest.approx(hf, abs=1e-5)
+    assert s["prompt_loss"] == pytest.approx(math.log(259), abs=0.5)  # random init: about uniform
+    assert (tmp_path / "parameters.png").read_bytes()[:4] == b"\x89PNG"
+    assert [done for done, _, _ in ctx.progress_log] == [1, 2, 3]
+
+
+def test_probe_in_bfloat16(tmp_path):
+    out = run(ProbeParams(model="tiny-llama", dtype="bfloat16"), LocalContext(tmp_path))
+    assert out.summary["dtype"] == "bfloat16" and math.isfinite(out.summary["prompt_loss"])
