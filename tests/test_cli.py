@@ -119,3 +119,5 @@ def test_submit_wait_fetch_against_lmscope_up(lmscope_up, tmp_path):
     assert bad.returncode == 1 and "Unknown model" in bad.stderr and "params.model: model 'ghost'" in bad.stderr
     missing = lmscope(env, "show", "99")
     assert missing.returncode == 1 and "Job not found" in missing.stderr
+    finished = lmscope(env, "cancel", "1")
+    assert finished.returncode == 1 and "Job already finished" in finished.stderr and "succeeded" in finished.stderr

@@ -53,8 +53,7 @@ def test_services_and_healthchecks():
     for name in ("api", "worker"):
         assert SERVICES[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
         assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
-    gpu = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and gpu["count"] == 1 and "gpu" in gpu["capabilities"]
+    assert SERVICES["migrate"].get("restart") == "no"  # one-shot
     declared = set(COMPOSE.get("volumes") or {})
     for service in SERVICES.values():
         for source in [interpolate(v).split(":")[0] for v in service.get("volumes", [])]:
@@ -131,3 +130,35 @@ def test_dockerfiles():
     assert re.search(r"FROM python:3\.\d+-slim", api)
     assert re.search(r'pip install "\.\[worker[^"]*\]"', worker)
     assert re.search(r"ARG BASE_IMAGE=pytorch/pytorch:[\w.-]*cuda[\w.-]*runtime", worker)
+
+
+def gpus_of(service: dict) -> list[str]:
+    """The GPU ids a service reserves; fails unless it pins exactly one NVIDIA GPU by id."""
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1, devices
+    (gpu,) = devices
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    # By id, not `count: 1`: a count hands every worker the same first GPU.
+    assert "count" not in gpu and len(gpu["device_ids"]) == 1, gpu
+    return gpu["device_ids"]
+
+
+def test_one_worker_per_gpu_and_the_documented_recipe_for_more():
+    """The worker reserves one GPU; the header's recipe for the next GPU (pasted under `services:`)
+    gives an identical worker pinned to another GPU, and nothing else."""
+    assert gpus_of(SERVICES["worker"]) == ["0"]
+    assert SERVICES["worker"].get("hostname") is None  # the claim tells dead local job processes by host name
+    text = (ROOT / "docker-compose.yml").read_text()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#   worker-gpu1:"))
+    recipe = []
+    for line in lines[start:]:
+        if not line.startswith("#   "):
+            break
+        recipe.append("  " + line[4:])
+    extended = yaml.safe_load(text.replace("\nservices:\n", "\nservices:\n" + "\n".join(recipe) + "\n", 1))
+    services = extended["services"]
+    assert set(services) == set(SERVICES) | {"worker-gpu1"}
+    assert gpus_of(services["worker-gpu1"]) == ["1"] and gpus_of(services["worker"]) == ["0"]
+    for key in ("image", "build", "command", "environment", "volumes", "depends_on", "stop_grace_period"):
+        assert services["worker-gpu1"][key] == SERVICES["worker"][key], key

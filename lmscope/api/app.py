@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 
@@ -13,6 +12,7 @@ from lmscope.api.errors import register_error_handlers
 from lmscope.api.metrics import RequestMetrics
 from lmscope.api.state import ApiState, Publisher
 from lmscope.config import Settings
+from lmscope.db.builtins import ensure_builtins
 from lmscope.db.engine import make_engine, make_sessionmaker
 from lmscope.queue import make_publisher
 
@@ -23,18 +23,8 @@ UPLOAD_OVERHEAD_BYTES = 64 * 1024
 
 
 def upsert_builtins(settings: Settings, sessions) -> None:
-    """Upsert the built-in models/datasets at start-up (workers do the same).
-
-    `ensure_builtins` lives in `lmscope.worker.startup`, a light module (sqlalchemy + catalog, no
-    torch) that the API image also ships. It is looked up by name because the import contracts keep
-    the API's code free of `lmscope.worker` imports; if it is missing the API still starts. A
-    failure here (e.g. an unmigrated database) is logged and must not stop the API either.
-    """
-    try:
-        ensure_builtins = importlib.import_module("lmscope.worker.startup").ensure_builtins
-    except (ImportError, AttributeError) as e:
-        log.info("built-in models/datasets not upserted (%s)", e)
-        return
+    """Upsert the built-in models/datasets at start-up (workers do the same). A failure (e.g. an
+    unmigrated database) is logged and does not stop the API: /readyz and the job routes say more."""
     try:
         ensure_builtins(settings, sessions)
     except Exception:

@@ -88,9 +88,12 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "metrics.metrics"): {"responses": {"200": {"description": "Prometheus text format",
                                                         "content": {"text/plain": {"schema": {"type": "string"}}}}}},
     ("get", "openapi.docs_page"): {"responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}},
+    ("get", "dashboard.dashboard"): {"responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}},
 }
 
-PUBLIC = {"health.healthz", "health.readyz", "metrics.metrics", "openapi.openapi_json", "openapi.docs_page"}
+# No token needed (the authentication hook guards /v1/ only).
+PUBLIC = {"health.healthz", "health.readyz", "metrics.metrics", "openapi.openapi_json", "openapi.docs_page",
+          "dashboard.dashboard"}
 
 _CONVERTER = re.compile(r"<(?:(\w+)(?:\([^)]*\))?:)?(\w+)>")
 
@@ -125,6 +128,7 @@ def build_spec(app: Flask) -> dict[str, Any]:
     schemas.update(STATIC_SCHEMAS)
 
     paths: dict[str, dict] = {}
+    used_ids: set[str] = set()
     for rule in sorted(app.url_map.iter_rules(), key=lambda r: r.rule):
         path = _CONVERTER.sub(lambda m: "{" + m.group(2) + "}", rule.rule)
         params = [{"name": arg, "in": "path", "required": True,
@@ -135,8 +139,12 @@ def build_spec(app: Flask) -> dict[str, Any]:
         for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
             m = method.lower()
             extra = EXTRA.get((m, rule.endpoint), {})
+            operation_id = rule.endpoint.replace(".", "_") + ("" if m == "get" else f"_{m}")
+            if operation_id in used_ids:  # one view on several paths: operation ids must stay unique
+                operation_id += "_" + (re.sub(r"\W+", "_", path).strip("_") or "root")
+            used_ids.add(operation_id)
             op: dict[str, Any] = {
-                "operationId": rule.endpoint.replace(".", "_") + ("" if m == "get" else f"_{m}"),
+                "operationId": operation_id,
                 "summary": doc[0],
                 "tags": [rule.endpoint.split(".")[0]],
                 "parameters": params + extra.get("parameters", []),

@@ -19,9 +19,10 @@ import sys
 from celery import signals
 
 from lmscope.config import Settings
+from lmscope.db.builtins import ensure_builtins
 from lmscope.queue import QUEUE_NAME, TASK_NAME, CeleryPublisher, make_celery
 from lmscope.worker import runner
-from lmscope.worker.startup import ensure_builtins, forget_inherited_engines, load_extra_kinds, session_factory_for
+from lmscope.worker.startup import forget_inherited_engines, load_extra_kinds, session_factory_for
 
 log = logging.getLogger("lmscope.worker")
 

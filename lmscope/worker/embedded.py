@@ -121,8 +121,9 @@ def serve(settings: Settings) -> None:
     from werkzeug.serving import make_server
 
     from lmscope.api import create_app
+    from lmscope.db.builtins import ensure_builtins
     from lmscope.db.engine import make_engine, make_sessionmaker, upgrade
-    from lmscope.worker.startup import ensure_builtins, load_extra_kinds
+    from lmscope.worker.startup import load_extra_kinds
 
     if not settings.auth and settings.host not in LOOPBACK:
         raise SystemExit(f"refusing to listen on {settings.host} without tokens: set LMSCOPE_AUTH=1 (and create a "

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, exists, func, insert, select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.analyses import registry
@@ -277,6 +277,20 @@ def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwarg
     return False
 
 
+def record_start_environment(session_factory: sessionmaker[Session], attempt: Attempt, device: str) -> None:
+    """Where the attempt runs, written before it computes: a job whose worker dies (and that the reaper
+    fails as worker-lost) still says on which host, device and versions it last ran. The record written
+    at the end (with stages and wall time) replaces it."""
+    env = environment_record(device, {}, 0.0, {}, attempt=attempt.number, worker=attempt.worker)
+    for key in ("stages", "wall_seconds"):
+        env.pop(key, None)
+    try:
+        with session_factory() as session, session.begin():
+            session.execute(update(Job).where(attempt.owned()).values(environment=jsonable(env)))
+    except SQLAlchemyError as e:  # cosmetic: the job runs anyway and writes its full record at the end
+        log.warning("job %s: could not record the environment at start: %s", attempt.job_id, e)
+
+
 def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionmaker[Session],
                  compute, shutdown: threading.Event | None) -> str | None:
     """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome."""
@@ -286,6 +300,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     prepare_artifact_dir(folder)
     heartbeat = Heartbeat(session_factory, attempt, settings.heartbeat_seconds)
     device = worker_device()
+    record_start_environment(session_factory, attempt, device)
     deadline = time.monotonic() + settings.task_time_limit if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
                         deadline=deadline)

@@ -31,7 +31,8 @@ def test_job_document(api):
 def test_other_users_jobs_are_404_and_admins_see_all(api):
     ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
     job_id = api.submit(ann).get_json()["id"]
-    for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/results", f"/v1/jobs/{job_id}/artifacts"):
+    for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/results", f"/v1/jobs/{job_id}/artifacts",
+                 f"/v1/jobs/{job_id}/artifacts/plots/x.png", f"/v1/jobs/{job_id}/events"):
         is_problem(api.client.get(path, headers=bob), 404, "not-found")
     is_problem(api.client.post(f"/v1/jobs/{job_id}/cancel", headers=bob), 404, "not-found")
     assert api.client.get("/v1/jobs", headers=bob).get_json()["items"] == []
@@ -54,10 +55,13 @@ def test_pagination_walks_every_job_once_newest_first(api):
         page = api.client.get(url, headers=h).get_json()
         seen += [j["id"] for j in page["items"]]
         pages += 1
+        if pages == 1:  # a job that arrives while paging shows on a fresh first page, never inside these
+            newer = api.submit(h).get_json()["id"]
         token = page["next_page_token"]
         if not token:
             break
     assert seen == sorted(ids, reverse=True) and pages == 3
+    assert api.client.get("/v1/jobs?limit=1", headers=h).get_json()["items"][0]["id"] == newer
     # Filters compose with paging.
     evens = api.client.get("/v1/jobs?tag=even&limit=2", headers=h).get_json()
     rest = api.client.get(f"/v1/jobs?tag=even&limit=2&page_token={evens['next_page_token']}", headers=h).get_json()

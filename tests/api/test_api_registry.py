@@ -41,6 +41,10 @@ def test_admin_registers_a_model_directory(api, tmp_path):
     m = listed["gpt2-mini"]
     assert (m["source"], m["architecture"], m["layers"], m["heads"], m["hidden"]) == ("directory", "gpt2", 1, 2, 4)
     assert m["params"] == 10 * 4 + 4 * 12 + 10
+    # The API upserted the built-in tiny models at start-up (lmscope.db.builtins, as workers do).
+    from lmscope.catalog import BUILTIN_MODELS
+
+    assert {n for n, x in listed.items() if x["source"] == "builtin"} >= set(BUILTIN_MODELS)
     # Now jobs may name it.
     assert api.submit(api.user("ann"), params={"model": "gpt2-mini"}).status_code == 202
     is_problem(api.client.post("/v1/models", headers=admin, json={"name": "gpt2-mini", "path": str(model_dir)}),

@@ -1,6 +1,7 @@
 """Delivery with real parts: a redis-server (AOF on) and a Celery worker subprocess, on SQLite and PostgreSQL.
 
-(a) a job runs and its results are readable; (b) SIGKILL of the worker's child mid-job → retried,
+(a) a job submitted over HTTP runs and its results are readable over HTTP (and a running job is
+cancelled over HTTP); (b) SIGKILL of the worker's child mid-job → retried,
 one set of results, attempts == 2; (c) a message that was never sent → the reaper publishes it;
 (d) Redis restarted with a job queued and no worker running → the job still runs.
 """
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -98,18 +100,55 @@ def series_names(sessions, job_id):
         return sorted(s.execute(select(Series.name).where(Series.job_id == job_id)).scalars())
 
 
-def test_a_job_runs_and_its_results_are_readable(delivery, sessions, make_job, job_row):
+def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, sessions):
+    """HTTP → SQL → Redis → the Celery child → SQL → HTTP. On the way, a running job cancelled over HTTP
+    stops at its next batch and the worker takes the next job."""
+    import hashlib
+
+    from lmscope.api import create_app
+    from lmscope.api.auth import create_user
+
+    app = create_app(replace(delivery.settings, auth=True))  # publishes through Celery to the real Redis
+    with sessions.begin() as s:
+        _, token = create_user(s, "ann")
+    http, h = app.test_client(), {"Authorization": f"Bearer {token}"}
+
+    def job(job_id):
+        r = http.get(f"/v1/jobs/{job_id}", headers=h)
+        assert r.status_code == 200, r.get_json()
+        return r.get_json()
+
+    def submit(params):
+        r = http.post("/v1/jobs", headers=h, json={"kind": "count", "params": params})
+        assert r.status_code == 202, r.get_json()
+        return r.get_json()["id"]
+
     worker = delivery.start()
-    job_id = make_job(params={"steps": 5, "plot": True})
-    assert publish_jobs(delivery.publisher, sessions, [job_id]) == [job_id]
-    job = wait_for_status(job_row, job_id)
-    assert job.attempts == 1 and job.summary == {"total": 15, "attempt": 1}
-    assert job.published_at is not None
-    assert int(job.worker.rsplit(":", 1)[1]) != worker.proc.pid  # ran in the prefork child
-    with sessions() as s:
-        square = s.execute(select(Series).where(Series.job_id == job_id, Series.name == "square")).scalar_one()
-    assert square.y == [x * x for x in square.x] and square.x == [1, 2, 3, 4, 5]
-    assert (Path(delivery.settings.artifact_dir) / "jobs" / str(job_id) / "plots" / "square.png").is_file()
+    slow = submit({"steps": 2000, "sleep": 0.01, "plot": False})
+    wait_until(lambda: ((job(slow)["progress"] or {}).get("done") or 0) >= 5, timeout=60, what="the slow job's progress")
+    r = http.post(f"/v1/jobs/{slow}/cancel", headers=h)
+    assert r.status_code == 202 and r.get_json()["cancel_requested"]
+    wait_until(lambda: job(slow)["status"] == "cancelled", timeout=30, what="the running job to be cancelled")
+    assert job(slow)["progress"]["done"] < 2000  # it stopped at a batch boundary, not at its end
+
+    job_id = submit({"steps": 5, "plot": True})
+    wait_until(lambda: job(job_id)["status"] in ("succeeded", "failed"), timeout=60, what=f"job {job_id} to finish")
+    done = job(job_id)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 1 and done["summary"] == {"total": 15, "attempt": 1} and done["published_at"]
+    assert int(done["worker"].rsplit(":", 1)[1]) != worker.proc.pid  # ran in the prefork child
+    # The main process consumes and reaps but never loads torch: CUDA is initialised only in the child.
+    assert "libtorch" not in Path(f"/proc/{worker.proc.pid}/maps").read_text()
+    env = done["environment"]
+    assert env["lmscope"] and env["device"] == "cpu" and env["device_name"] and env["attempt"] == 1
+    assert set(env["stages"]) >= {"count", "plot", "total"} and env["wall_seconds"] >= env["stages"]["total"]
+
+    series = http.get(f"/v1/jobs/{job_id}/results?series=square", headers=h).get_json()["series"]
+    assert [(s["x"], s["y"]) for s in series] == [([1, 2, 3, 4, 5], [1, 4, 9, 16, 25])]
+    items = {a["name"]: a for a in http.get(f"/v1/jobs/{job_id}/artifacts", headers=h).get_json()["items"]}
+    png = http.get(items["plots/square.png"]["url"], headers=h)
+    assert png.status_code == 200 and png.data.startswith(b"\x89PNG")
+    assert hashlib.sha256(png.data).hexdigest() == items["plots/square.png"]["sha256"]
 
 
 def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, make_job, job_row):
@@ -121,7 +160,7 @@ def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, m
     os.kill(killed, signal.SIGKILL)
 
     job = wait_for_status(job_row, job_id, timeout=90)
-    assert job.attempts == 2 and job.summary["attempt"] == 2
+    assert job.attempts == 2 and job.summary["attempt"] == 2 and job.environment["attempt"] == 2
     assert int(job.worker.rsplit(":", 1)[1]) != killed
     assert series_names(sessions, job_id) == ["nan", "square"]  # exactly one set
     checkpoints = Path(delivery.settings.artifact_dir) / "jobs" / str(job_id) / "checkpoints"

@@ -141,10 +141,6 @@ def _http(method: str, url: str, body: dict | None = None) -> dict:
 
 def test_serve_keeps_jobs_across_a_restart(tmp_path):
     pytest.importorskip("flask")
-    try:
-        from lmscope.api import create_app  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"the API is not available yet ({e})")
     from tests.conftest import free_port, wait_for_port
 
     data, port, log = tmp_path / "data", free_port(), open(tmp_path / "serve.log", "w")
@@ -181,3 +177,11 @@ def test_serve_keeps_jobs_across_a_restart(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
+
+
+def test_without_tokens_it_listens_on_loopback_only(settings_factory, tmp_path):
+    from lmscope.worker.embedded import serve
+
+    with pytest.raises(SystemExit, match="LMSCOPE_AUTH=1"):
+        serve(settings_factory(auth=False, host="0.0.0.0", database_url=f"sqlite:///{tmp_path / 'never.db'}"))
+    assert not (tmp_path / "never.db").exists()  # refused before anything was created

@@ -226,6 +226,10 @@ def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_
     t.start()
     first = wait_until(lambda: job_row(job_id).heartbeat_at, what="heartbeat")
     wait_until(lambda: job_row(job_id).heartbeat_at > first, timeout=5, what="a newer heartbeat")
+    # Where it runs is on the row while it runs (a worker that dies leaves that behind for the reaper's failure).
+    env = job_row(job_id).environment
+    assert env["attempt"] == 1 and env["host"] == socket.gethostname() and env["lmscope"] == lmscope.__version__
+    assert env["device"] in ("cpu", "cuda") and env["device_name"] and "stages" not in env
     with sessions() as s, s.begin():
         s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
     t.join(timeout=20)

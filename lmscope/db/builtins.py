@@ -1,0 +1,56 @@
+"""Rows every deployment has: the built-in tiny models and, when its file exists, dataset ``wikitext-2``.
+
+The API and every worker call ``ensure_builtins`` at start-up (any number of processes at once).
+Light on purpose (SQLAlchemy + ``lmscope.catalog``, no torch): the API image ships it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from lmscope.catalog import BUILTIN_MODELS, config_facts, read_documents, sha256_bytes
+from lmscope.config import Settings
+from lmscope.db.models import Dataset, Model
+
+WIKITEXT2 = "wikitext-2"
+
+
+def _upsert(session_factory: sessionmaker[Session], model, name: str, values: dict) -> None:
+    """Insert the row, or update it if it exists; a concurrent insert by another process is fine."""
+    for _ in range(2):
+        try:
+            with session_factory() as session, session.begin():
+                row = session.execute(select(model).where(model.name == name)).scalar_one_or_none()
+                if row is None:
+                    session.add(model(name=name, **values))
+                else:
+                    for key, value in values.items():
+                        if getattr(row, key) != value:
+                            setattr(row, key, value)
+            return
+        except IntegrityError:  # someone inserted it between our read and our insert: update it instead
+            continue
+
+
+def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) -> None:
+    """Upsert rows for ``catalog.BUILTIN_MODELS`` and, when the file exists, dataset ``wikitext-2``."""
+    for name, config in BUILTIN_MODELS.items():
+        facts = config_facts(config)
+        _upsert(session_factory, Model, name, dict(
+            source="builtin", path=None, architecture=facts.architecture, num_layers=facts.num_layers,
+            num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size,
+            vocab_size=facts.vocab_size, dtype="float32", info={"config": dict(config), "tokenizer": "bytes"}))
+    path = settings.wikitext2_path
+    if path and Path(path).is_file():
+        data = Path(path).read_bytes()
+        with session_factory() as session:
+            row = session.execute(select(Dataset.sha256, Dataset.path).where(Dataset.name == WIKITEXT2)).one_or_none()
+        if row is None or row.sha256 != sha256_bytes(data) or row.path != str(Path(path).resolve()):
+            _upsert(session_factory, Dataset, WIKITEXT2, dict(
+                source="builtin", path=str(Path(path).resolve()), format="lines",
+                num_documents=len(read_documents(Path(path), "lines")), num_bytes=len(data), sha256=sha256_bytes(data),
+                description="WikiText-2 (raw) test split; every non-empty line that is not a heading is a document"))
