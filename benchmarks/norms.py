@@ -1,0 +1,140 @@
+"""Benchmark: the `norms` job against a plain forward pass over the same tokens, and the Gram condition's cost.
+
+Over the same WikiText-2 samples (same batches, same right padding):
+
+  forward     model(input_ids, attention_mask).logits with the model's own attention (sdpa): the floor
+  job         the whole `norms` job without the Gram condition (hidden states, norms, PCA, inner loss,
+              artifacts, plots); target ≤ 1.3× the forward on GPU. Also reported: the job without the
+              inner loss, and the job's measuring stages only (forward + inner loss + pca, no plots)
+  gram        the "gram condition" stage per (sample, layer) pair: D×D linearised layer, WᵀW, eigh,
+              all float64, batched on the device (GPT-2-style models only)
+
+    python benchmarks/norms.py                                  # tiny-gpt2 on CPU (seconds)
+    python benchmarks/norms.py --model bench-gpt2 --samples 512 --json out.json     # GPT-2-small shape, GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from lmscope.analyses import norms
+from lmscope.analyses.base import LoadedModel
+from lmscope.analyses.local import LocalContext
+from lmscope.catalog import BUILTIN_MODELS, read_documents
+from lmscope.config import REPO_ROOT
+from lmscope.modeling.loading import DTYPES, load_model, model_info
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.params.norms import NormsParams
+
+WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
+    """`bench-gpt2` (GPT-2 small: 12 layers, 12 heads, 768 wide, 50257-token head), a built-in, or an HF dir."""
+    if spec == "bench-gpt2":
+        from transformers import AutoModelForCausalLM, GPT2Config
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(GPT2Config(), attn_implementation="sdpa")  # byte ids < 259 fit
+        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        return LoadedModel("bench-gpt2", model, byte_tokenizer(), model_info(model))
+    if spec in BUILTIN_MODELS:
+        return load_model(spec, "builtin", None, dtype=dtype, device=device)
+    return load_model(Path(spec).name, "directory", spec, dtype=dtype, device=device)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def plain_forward(lm: LoadedModel, params: NormsParams, documents, device: str) -> float:
+    """Seconds for model(...).logits over exactly the job's batches."""
+    samples = norms.select_samples(lm.tokenizer, documents, params)
+    pad = lm.tokenizer.pad_token_id or 0
+    start = time.perf_counter()
+    for batch, _ in norms.batches(samples, params.batch_size):
+        ids, mask = norms.pad_batch(samples, batch, pad, device)
+        lm.model(input_ids=ids, attention_mask=mask).logits
+    sync(device)
+    return time.perf_counter() - start
+
+
+def job(lm: LoadedModel, params: NormsParams, documents, device: str) -> tuple[float, LocalContext, dict]:
+    with tempfile.TemporaryDirectory() as d:
+        ctx = LocalContext(d, models={lm.name: lm}, datasets={"wiki": documents}, device=device)
+        start = time.perf_counter()
+        out = norms.run(params, ctx)
+        sync(device)
+        return time.perf_counter() - start, ctx, out.summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="bench-gpt2 | tiny-gpt2 | tiny-llama | HF directory "
+                                                  "(default: bench-gpt2 on GPU, tiny-gpt2 on CPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--gram-samples", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per route")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    spec = args.model or ("bench-gpt2" if args.device.startswith("cuda") else "tiny-gpt2")
+    lm = bench_model(spec, args.dtype, args.device)
+    documents = read_documents(WIKITEXT, "lines")
+    base = dict(model=lm.name, dataset="wiki", max_samples=args.samples, max_tokens=args.max_tokens,
+                batch_size=args.batch_size, dtype=args.dtype, loss_filter=None, gram_condition=False)
+
+    def best(fn):
+        fn()  # warm-up: kernels compiled, caches filled
+        runs = [fn() for _ in range(args.repeats)]
+        return min(runs, key=lambda r: r if isinstance(r, float) else r[0])
+
+    forward_s = best(lambda: plain_forward(lm, NormsParams(**base), documents, args.device))
+    job_s, ctx, summary = best(lambda: job(lm, NormsParams(**base), documents, args.device))
+    no_loss_s, _, _ = best(lambda: job(lm, NormsParams(**base, inner_loss=False), documents, args.device))
+    measuring_s = sum(ctx.timings.get(k, 0.0) for k in ("forward", "inner loss", "pca"))
+    result = {
+        "model": spec, "device": args.device, "dtype": args.dtype, "samples": summary["samples"],
+        "tokens": args.max_tokens, "batch_size": args.batch_size, "kernel_backend": ctx.environment.get("kernel_backend"),
+        "forward_s": forward_s, "job_s": job_s, "job_ratio": job_s / forward_s,
+        "job_without_inner_loss_ratio": no_loss_s / forward_s, "measuring_stages_ratio": measuring_s / forward_s,
+        "stage_s": ctx.timings,
+    }
+    if all(norms.is_gpt2_block(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
+        gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
+                                     "gram_samples": args.gram_samples})
+        _, gctx, gsum = best(lambda: job(lm, gram_params, documents, args.device))
+        pairs = gsum["gram_condition_pairs"]
+        result.update(gram_pairs=pairs, gram_s=gctx.timings["gram condition"],
+                      gram_ms_per_pair=1e3 * gctx.timings["gram condition"] / pairs)
+
+    print(f"{spec} on {args.device} ({args.dtype}), {result['samples']} samples × ≤{args.max_tokens} tokens, "
+          f"batch {args.batch_size}, attention: {result['kernel_backend']}")
+    print(f"  plain forward            {forward_s:8.3f} s")
+    print(f"  norms job (no Gram)      {job_s:8.3f} s   {result['job_ratio']:5.2f}×   "
+          f"(measuring stages only {result['measuring_stages_ratio']:.2f}×)")
+    print(f"  norms job, no inner loss {no_loss_s:8.3f} s   {result['job_without_inner_loss_ratio']:5.2f}×")
+    print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()))
+    if "gram_ms_per_pair" in result:
+        print(f"  Gram condition           {result['gram_s']:8.3f} s for {result['gram_pairs']} (sample, layer) pairs"
+              f" = {result['gram_ms_per_pair']:.2f} ms per pair (float64, incl. its forward passes)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,517 @@
+"""norms — the current token's norm across layers (Wu & Varshney, "A Meta-Learning Perspective on
+Transformers for Causal Language Modeling"; DESIGN.md §7, docs/analyses/norms.md).
+
+For every sample (one document, first max_tokens + 1 tokens; the model reads all but the last):
+
+    trajectory      ‖h_0[t]‖, ‖h_1[t]‖, …, ‖h_{L-1}[t]‖   (+ ‖h_L[t]‖ before the final norm, optional)
+                    h_0 = embedding output, h_l = output of block l, t = the current token
+    sequence %      share of trajectories with every step non-decreasing; pair % = share of steps
+    inner loss      loss_l = CE(lm_head(final_norm(block_{L-1}(h_l)))[t], label)   l = 0 … L-1   (eq. 14)
+    PCA             principal axes of all trajectory points; 3-D polylines for a few trajectories
+    Gram condition  W = (I + W2·W1)(I + Σ_h W_O^h (Σ_{i≤t} v_i^h k_i^hᵀ) W_Q^h),  v_i = W_V z_i, k_i = W_K z_i
+                    (linear attention over the sample's own layer-l context z_i = h_l[i]; eq. 10)
+                    holds when Σ λ_j a_j b_j ≥ Σ a_j b_j,  WᵀW = U Λ U⁻¹, a = Uᵀx, b = U⁻¹x, x = h_l[t]
+
+Everything is batched: one forward pass per batch of right-padded samples gives all hidden states;
+the last block is re-applied to the hidden states of several layers at once (stacked on the batch
+axis); the Gram condition runs on (sample, layer) pairs at once in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lmscope.analyses import norms_plots
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.modeling.windows import document_samples
+from lmscope.params.norms import NormsParams
+
+# Memory budgets that bound the size of one chunk of work, whatever the model size.
+LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the last block
+LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
+GRAM_MATRIX_BYTES = 256 * 2**20  # one [pairs, D, D] float64 stack in the Gram condition
+TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
+
+
+# ---------------------------------------------------------------- the model's parts
+
+@dataclass
+class ModelParts:
+    base: torch.nn.Module  # the transformer without the LM head (GPT2Model, LlamaModel, …)
+    blocks: torch.nn.ModuleList
+    final_norm: torch.nn.Module
+    lm_head: torch.nn.Module
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+
+def model_parts(model) -> ModelParts:
+    """Blocks, final norm and LM head of a HF causal LM, whatever the architecture calls them."""
+    base = model.base_model
+    blocks = next((getattr(base, n) for n in ("h", "layers", "blocks") if hasattr(base, n)), None)
+    final_norm = next((getattr(base, n) for n in ("ln_f", "norm", "final_layer_norm") if hasattr(base, n)), None)
+    lm_head = model.get_output_embeddings()
+    if blocks is None or final_norm is None or lm_head is None:
+        raise JobFailed(f"cannot find the blocks / final norm / LM head of a {type(model).__name__}; "
+                        "the norms analysis supports GPT-2, LLaMA, Mistral, Qwen2/3, Gemma and GPT-NeoX models")
+    return ModelParts(base, blocks, final_norm, lm_head)
+
+
+def is_gpt2_block(block) -> bool:
+    """Plain two-matrix FFN and fused Conv1D q/k/v: the blocks Proposition 1 is stated for."""
+    return all(hasattr(block, a) for a in ("attn", "mlp", "ln_1")) and hasattr(block.attn, "c_attn") \
+        and hasattr(block.mlp, "c_fc") and hasattr(block.mlp, "c_proj")
+
+
+# ---------------------------------------------------------------- samples
+
+@dataclass
+class Samples:
+    tokens: list[list[int]]  # first max_tokens + 1 tokens of each sample
+    doc_ids: np.ndarray  # [N] index of each sample's document in the dataset
+    traj_sample: np.ndarray  # [S] which sample each trajectory belongs to (trajectories grouped by sample)
+    traj_pos: np.ndarray  # [S] position of its current token (its label is the token at pos + 1)
+    offsets: np.ndarray  # [N + 1] sample s owns trajectories offsets[s] … offsets[s+1]-1
+
+
+def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tokens: int | None = None) -> Samples:
+    """Documents → samples → trajectories (one per current token), as the definitions say.
+    `max_tokens` overrides params.max_tokens (a model that reads fewer positions)."""
+    max_tokens = params.max_tokens if max_tokens is None else max_tokens
+    min_tokens = 2 if params.position == "last" else params.min_position + 2  # current token + its label
+    eligible = [i for i, d in enumerate(documents) if len(d.split()) >= params.min_words]
+    tokens, doc_ids = [], []
+    chunk = max(256, params.max_samples)
+    for start in range(0, len(eligible), chunk):
+        ids = eligible[start:start + chunk]
+        encoded = document_samples(tokenizer, [documents[i] for i in ids], min_words=params.min_words,
+                                   max_tokens=max_tokens, max_samples=None)
+        for doc_id, toks in zip(ids, encoded):
+            if len(toks) >= min_tokens:
+                tokens.append(toks)
+                doc_ids.append(doc_id)
+        if len(tokens) >= params.max_samples:
+            break
+    tokens, doc_ids = tokens[: params.max_samples], doc_ids[: params.max_samples]
+    if not tokens:
+        raise JobFailed(f"no document of the dataset has at least min_words={params.min_words} words / "
+                        f"{min_tokens} tokens (of {len(documents)} documents, {len(eligible)} have enough words); "
+                        "lower min_words" + (" or min_position" if params.position == "all" else "")
+                        + " or pick a larger dataset")
+    last = np.array([len(t) - 2 for t in tokens])  # the model reads toks[:-1]; its last token is the current one
+    first = last if params.position == "last" else np.full_like(last, params.min_position)
+    counts = last - first + 1
+    traj_sample = np.repeat(np.arange(len(tokens)), counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    traj_pos = np.arange(offsets[-1]) - offsets[traj_sample] + first[traj_sample]
+    return Samples(tokens, np.asarray(doc_ids), traj_sample, traj_pos, offsets)
+
+
+def batches(samples: Samples, batch_size: int, subset: np.ndarray | None = None):
+    """Yield (sample ids, trajectory ids) per batch; longest samples first so padding stays small.
+    With `subset` (sorted trajectory ids) only those trajectories and their samples."""
+    ids = np.arange(len(samples.tokens)) if subset is None else np.unique(samples.traj_sample[subset])
+    ids = sorted(ids, key=lambda s: -len(samples.tokens[s]))
+    for start in range(0, len(ids), batch_size):
+        batch = np.asarray(ids[start:start + batch_size])
+        trajs = np.concatenate([np.arange(samples.offsets[s], samples.offsets[s + 1]) for s in batch])
+        if subset is not None:
+            trajs = trajs[np.isin(trajs, subset)]
+        yield batch, np.sort(trajs)
+
+
+def current_tokens(samples: Samples, batch: np.ndarray, trajs: np.ndarray, device):
+    """(row in the batch, position) of each trajectory's current token, as index tensors."""
+    row_of = {s: r for r, s in enumerate(batch)}
+    rows = torch.tensor([row_of[s] for s in samples.traj_sample[trajs]], device=device)
+    return rows, torch.tensor(samples.traj_pos[trajs], device=device)
+
+
+def pad_batch(samples: Samples, batch: np.ndarray, pad_id: int, device):
+    """Right-padded inputs (every token but each sample's last) and the attention mask."""
+    inputs = [samples.tokens[s][:-1] for s in batch]
+    width = max(len(x) for x in inputs)
+    input_ids = torch.full((len(inputs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(inputs), width), dtype=torch.long)
+    for row, x in enumerate(inputs):
+        input_ids[row, : len(x)] = torch.tensor(x)
+        mask[row, : len(x)] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+# ---------------------------------------------------------------- forward pass
+
+@dataclass
+class BlockCall:
+    """How the model called its last block: re-used to apply that block to other layers' states."""
+
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor  # h_L before the final norm [B, T, D]
+
+
+@torch.no_grad()
+def hidden_states(parts: ModelParts, input_ids, attention_mask) -> tuple[list[torch.Tensor], BlockCall]:
+    """h_0 … h_{L-1} (transformers' hidden_states[:L]) and the last block's call (its output is h_L)."""
+    call = {}
+
+    def grab(module, args, kwargs, output):
+        call["call"] = BlockCall(args, kwargs, output[0] if isinstance(output, tuple) else output)
+
+    handle = parts.blocks[-1].register_forward_hook(grab, with_kwargs=True)
+    try:
+        out = parts.base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                         use_cache=False)
+    finally:
+        handle.remove()
+    L = parts.num_layers
+    # hidden_states[L] is after the final norm in transformers (GPT-2 ln_f, LLaMA norm): never used.
+    assert len(out.hidden_states) == L + 1, "expected embeddings + one hidden state per block"
+    return list(out.hidden_states[:L]), call["call"]
+
+
+def _tile(obj, batch: int, times: int):
+    """Repeat every per-sample tensor (first dim = batch) `times` along the batch axis (layer-major)."""
+    if isinstance(obj, torch.Tensor) and obj.dim() > 0 and obj.shape[0] == batch:
+        return obj.repeat(times, *[1] * (obj.dim() - 1))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_tile(o, batch, times) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _tile(v, batch, times) for k, v in obj.items()}
+    return obj
+
+
+@torch.no_grad()
+def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE(lm_head(final_norm(h)), label) per row of h [N, D]; logits made in chunks to bound memory."""
+    vocab = parts.lm_head.weight.shape[0]
+    rows = max(1, LOGIT_ELEMENTS // vocab)
+    out = []
+    for start in range(0, h.shape[0], rows):
+        logits = parts.lm_head(parts.final_norm(h[start:start + rows])).float()
+        out.append(F.cross_entropy(logits, labels[start:start + rows], reduction="none"))
+    return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+
+
+@torch.no_grad()
+def inner_losses(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, rows: torch.Tensor,
+                 cols: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Eq. 14 for l = 0 … L-1 → [n, L]: the last block applied to ALL positions of h_l (same masks,
+    same position embeddings as in the model's own pass), then the final norm and the LM head at the
+    current tokens (rows, cols) against their labels. Several layers go through the block at once;
+    l = L-1 is the model's own pass (block_{L-1}(h_{L-1}) = h_L), so it is not run again."""
+    B, T, D = hidden[0].shape
+    L = len(hidden)
+    per_call = max(1, min(L, LAST_BLOCK_ELEMENTS // (B * T * D)))
+    outputs = []  # [c, n, D] last-block outputs at the current tokens, layer chunk by layer chunk
+    for first in range(0, L - 1, per_call):
+        layers = range(first, min(L - 1, first + per_call))
+        x = torch.cat([hidden[l] for l in layers])  # [c·B, T, D], layer-major
+        args = _tile(call.args[1:], B, len(layers))
+        kwargs = _tile(call.kwargs, B, len(layers))
+        y = parts.blocks[-1](x, *args, **kwargs)
+        y = (y[0] if isinstance(y, tuple) else y).view(len(layers), B, T, D)
+        outputs.append(y[:, rows, cols])  # only the current tokens need the LM head
+    outputs.append(call.output[rows, cols][None])
+    current = torch.cat(outputs)  # [L, n, D]
+    return token_losses(parts, current.reshape(-1, D), labels.repeat(L)).view(L, -1).T  # [n, L]
+
+
+# ---------------------------------------------------------------- Gram condition (Proposition 1)
+
+class LinearisedGPT2:
+    """The linearised GPT-2 blocks of eq. 10, as column-vector matrices (y = W x) in float64.
+
+    GPT-2's Conv1D computes y = x @ weight + bias with weight [in, out], so the matrix acting on a
+    column vector is weight.T. Biases and layer norms are omitted, as in the paper.
+    """
+
+    def __init__(self, blocks, device):
+        def col(conv):  # Conv1D weight [in, out] → matrix of y = W x
+            return conv.weight.detach().to(device, torch.float64).T
+
+        D = blocks[0].attn.c_proj.weight.shape[0]
+        qkv = [col(b.attn.c_attn) for b in blocks]  # [3D, D]: rows = q | k | v outputs
+        self.W_Q = torch.stack([w[:D] for w in qkv])  # [L, D, D]
+        self.W_K = torch.stack([w[D:2 * D] for w in qkv])
+        self.W_V = torch.stack([w[2 * D:] for w in qkv])
+        self.W_O = torch.stack([col(b.attn.c_proj) for b in blocks])
+        self.W_FFN = torch.stack([col(b.mlp.c_proj) @ col(b.mlp.c_fc) for b in blocks])  # W2·W1
+        H = blocks[0].attn.num_heads
+        head = torch.arange(D, device=device) // (D // H)
+        self.same_head = (head[:, None] == head[None, :]).to(torch.float64)  # block-diagonal mask
+        self.dim = D
+
+    def layer_matrix(self, layer: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
+        """W [P, D, D] for P (sample, layer) pairs: layer [P], context z_i [P, T, D], mask [P, T] (i ≤ t)."""
+        z = context.to(torch.float64) * context_mask[..., None].to(torch.float64)
+        k = z @ self.W_K[layer].transpose(1, 2)  # k_i = W_K z_i   [P, T, D]
+        v = z @ self.W_V[layer].transpose(1, 2)  # v_i = W_V z_i
+        memory = v.transpose(1, 2) @ k * self.same_head  # Σ_i v_i^h k_i^hᵀ per head h, [P, D, D]
+        W_mhsa = self.W_O[layer] @ memory @ self.W_Q[layer]  # Σ_h W_O^h (Σ_i v_i^h k_i^hᵀ) W_Q^h
+        eye = torch.eye(self.dim, dtype=torch.float64, device=z.device)
+        return (eye + self.W_FFN[layer]) @ (eye + W_mhsa)
+
+
+def gram_condition_holds(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposition 1 for a batch: W [P, D, D], x [P, D] → (holds [P] bool, Σλab / Σab [P]).
+
+    WᵀW is symmetric, so eigh gives U orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx and the condition reads
+    xᵀWᵀWx ≥ xᵀx, i.e. ‖Wx‖ ≥ ‖x‖ (the test checks that equivalence).
+    """
+    W, x = W.to(torch.float64), x.to(torch.float64)
+    lam, U = torch.linalg.eigh(W.transpose(1, 2) @ W)  # WᵀW = U Λ Uᵀ
+    a = (U.transpose(1, 2) @ x[..., None])[..., 0]  # a = Uᵀx
+    b = a  # b = U⁻¹x = Uᵀx
+    stretched, plain = (lam * a * b).sum(-1), (a * b).sum(-1)
+    return stretched >= plain, stretched / plain
+
+
+# ---------------------------------------------------------------- PCA
+
+class RunningPCA:
+    """Mean and covariance of all trajectory points, accumulated batch by batch in float64."""
+
+    def __init__(self, dim: int, device):
+        self.n = 0
+        self.sum = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.outer = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+
+    def add(self, points: torch.Tensor) -> None:  # [N, D]
+        p = points.to(torch.float64)
+        self.n += p.shape[0]
+        self.sum += p.sum(0)
+        self.outer += p.T @ p
+
+    def fit(self, k: int = 3):
+        """(mean [D], components [k, D], explained variance ratio [k])."""
+        mean = self.sum / self.n
+        cov = (self.outer - self.n * torch.outer(mean, mean)) / max(1, self.n - 1)
+        var, vecs = torch.linalg.eigh(cov)  # ascending
+        k = min(k, var.numel())
+        top = torch.flip(torch.arange(var.numel(), device=var.device), [0])[:k]
+        ratio = var[top] / var.sum().clamp_min(1e-300)
+        return mean, vecs[:, top].T, ratio
+
+
+# ---------------------------------------------------------------- statistics
+
+def monotone_percentages(norms: np.ndarray) -> tuple[float, float]:
+    """(sequence %, pair %) of non-decreasing steps in trajectories [S, L']."""
+    steps = np.diff(norms, axis=1) >= 0
+    return 100.0 * float(steps.all(axis=1).mean()), 100.0 * float(steps.mean())
+
+
+def _choose(n: int, k: int, seed: int, salt: int) -> np.ndarray:
+    """k of n indices at random (sorted), reproducible from the job's seed."""
+    rng = np.random.default_rng([seed, salt])
+    return np.sort(rng.choice(n, size=min(k, n), replace=False)) if k > 0 and n > 0 else np.zeros(0, int)
+
+
+@contextlib.contextmanager
+def kernel_attention(model, ctx: JobContext):
+    """Run the model's attention through lmscope's Triton kernel where it runs (CUDA), or wherever
+    LMSCOPE_KERNEL_BACKEND asks for it; the model's own attention implementation is restored
+    afterwards (models are cached and shared between jobs). On CPU PyTorch's SDPA is kept: the
+    kernel's reference path is ~4× slower there and gives the same numbers."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    try:
+        from lmscope.kernels.dispatch import ENV_VAR, kernel_backend
+        from lmscope.kernels.hf import use_lmscope_attention
+    except ImportError:  # a worker without the kernels package
+        ctx.record("kernel_backend", f"transformers-{previous}")
+        yield
+        return
+    backend = kernel_backend(next(model.parameters()).device)
+    if backend != "triton" and not os.environ.get(ENV_VAR):
+        ctx.record("kernel_backend", f"transformers-{previous}")
+        yield
+        return
+    use_lmscope_attention(model)
+    ctx.record("kernel_backend", backend)
+    try:
+        yield
+    finally:
+        if previous is not None and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(previous)
+
+
+# ---------------------------------------------------------------- the job
+
+@dataclass
+class Measurements:
+    norms: np.ndarray  # [S, L'] ‖h_l[t]‖ per trajectory
+    losses: np.ndarray  # [S, L] inner loss per layer (NaN when not computed)
+    pca_points: np.ndarray  # [pca_samples, L', D] the drawn trajectories' hidden states
+    pca: RunningPCA  # moments of all trajectory points
+
+
+def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int, device,
+            points: int, pca_trajs: np.ndarray) -> Measurements:
+    """One batched forward pass per batch: norms, PCA moments and (optionally) the inner loss."""
+    S, D = len(samples.traj_sample), parts.lm_head.weight.shape[1]
+    m = Measurements(np.zeros((S, points), np.float32), np.full((S, parts.num_layers), np.nan, np.float32),
+                     np.zeros((len(pca_trajs), points, D), np.float32), RunningPCA(D, device))
+    n_batches = math.ceil(len(samples.tokens) / params.batch_size)
+    for done, (batch, trajs) in enumerate(batches(samples, params.batch_size), 1):
+        rows, cols = current_tokens(samples, batch, trajs, device)
+        with ctx.stage("forward"):
+            input_ids, mask = pad_batch(samples, batch, pad_id, device)
+            hidden, call = hidden_states(parts, input_ids, mask)
+            states = hidden + [call.output] if params.include_last_layer else hidden
+            current = torch.stack([h[rows, cols] for h in states], 1).float()  # [n, L', D]
+            m.norms[trajs] = current.norm(dim=-1).cpu().numpy()
+            m.pca.add(current.reshape(-1, D))
+            drawn = np.isin(trajs, pca_trajs)
+            m.pca_points[np.searchsorted(pca_trajs, trajs[drawn])] = current[torch.from_numpy(drawn).to(device)].cpu().numpy()
+        ctx.progress(done, n_batches, "forward")
+        if params.inner_loss:
+            with ctx.stage("inner loss"):
+                targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
+                                        zip(samples.traj_sample[trajs], samples.traj_pos[trajs])], device=device)
+                m.losses[trajs] = inner_losses(parts, hidden, call, rows, cols, targets).cpu().numpy()
+            ctx.progress(done, n_batches, "inner loss")
+    return m
+
+
+def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: int) -> tuple[dict, list[Series], np.ndarray]:
+    """Headline numbers, per-layer curves and which trajectories the loss filter keeps."""
+    S, points = m.norms.shape
+    sequence_pct, pair_pct = monotone_percentages(m.norms)
+    summary = {
+        "samples": len(samples.tokens), "trajectories": S, "layers": layers, "trajectory_points": points,
+        "position": params.position, "sequence_pct": sequence_pct, "pair_pct": pair_pct,
+        "null_sequence_pct": 100.0 * 2.0 ** -(points - 1),
+    }
+    x = list(range(points))
+    series = [Series(f"norm.{name}", x, fn(m.norms, axis=0).tolist(), {"unit": "L2 norm"})
+              for name, fn in (("mean", np.mean), ("std", np.std), ("median", np.median))]
+    series += [Series(f"norm.q{q}", x, np.quantile(m.norms, q / 100, axis=0).tolist(), {"unit": "L2 norm"})
+               for q in (10, 90)]
+    kept = np.zeros(S, bool)
+    if not params.inner_loss:
+        summary["inner_loss_kept"] = None
+        return summary, series, kept
+    final = m.losses[:, -1]
+    kept = final <= params.loss_filter if params.loss_filter is not None else np.ones(S, bool)
+    summary.update(inner_loss_kept=int(kept.sum()), inner_loss_total=S, loss_filter=params.loss_filter,
+                   inner_loss_final_mean=float(final.mean()))
+    if kept.any():
+        about = {"kept": int(kept.sum()), "total": S, "loss_filter": params.loss_filter}
+        series += [Series("inner_loss.mean", list(range(layers)), m.losses[kept].mean(0).tolist(), about),
+                   Series("inner_loss.std", list(range(layers)), m.losses[kept].std(0).tolist(), about)]
+    return summary, series, kept
+
+
+def run(params: NormsParams, ctx: JobContext) -> JobOutput:
+    lm = ctx.load_model(params.model, dtype=params.dtype)
+    model, tokenizer = lm.model, lm.tokenizer
+    parts = model_parts(model)
+    device = next(model.parameters()).device
+    L = parts.num_layers
+    points = L + 1 if params.include_last_layer else L  # h_0 … h_{L-1} (+ h_L before the final norm)
+    if points < 2:
+        raise JobFailed(f"{params.model} has {L} block(s): a trajectory needs two points; set include_last_layer=true")
+    # A model that reads fewer positions than max_tokens reads as many as it can (said in the summary).
+    max_positions = lm.info.get("max_positions") or getattr(model.config, "max_position_embeddings", None)
+    max_tokens = min(params.max_tokens, max_positions) if max_positions else params.max_tokens
+    if params.position == "all" and params.min_position >= max_tokens:
+        raise JobFailed(f"min_position={params.min_position} is beyond the {max_tokens} positions {params.model} "
+                        f"reads; set min_position < {max_tokens}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out anyway
+
+    samples = select_samples(tokenizer, ctx.load_documents(params.dataset), params, max_tokens)
+    pca_trajs = _choose(len(samples.traj_sample), params.pca_samples, params.seed, 1)
+    with kernel_attention(model, ctx):
+        m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs)
+        with ctx.stage("pca"):
+            ctx.progress(0, 1, "pca")
+            mean, components, explained = m.pca.fit(3)
+            coords = ((torch.from_numpy(m.pca_points).to(device, torch.float64) - mean) @ components.T).cpu().numpy()
+            ctx.progress(1, 1, "pca")
+        gram = gram_condition(params, ctx, parts, samples, pad_id, device, points, lm.info)
+
+    summary, series, kept = summarise(params, m, samples, L)
+    summary["max_tokens"] = max_tokens
+    if max_tokens < params.max_tokens:
+        summary["note"] = f"{params.model} reads at most {max_tokens} positions: max_tokens={params.max_tokens} was cut to that"
+    summary.update(gram)
+    summary["pca_explained_variance"] = explained.cpu().tolist()
+
+    out = ctx.artifact_dir
+    np.savez_compressed(out / "trajectories.npz", norms=m.norms, sample_ids=samples.traj_sample,
+                        doc_ids=samples.doc_ids[samples.traj_sample], positions=samples.traj_pos,
+                        layers=np.arange(points), inner_loss=m.losses, inner_loss_kept=kept)
+    np.savez_compressed(out / "pca.npz", mean=mean.cpu().numpy(), components=components.cpu().numpy(),
+                        explained_variance_ratio=explained.cpu().numpy(), coords=coords,
+                        trajectory_ids=pca_trajs, sample_ids=samples.traj_sample[pca_trajs])
+    with ctx.stage("plots"):
+        title = f"{params.model} on {params.dataset}"
+        ctx.progress(0, 3, "plots")
+        norms_plots.plot_norms(out / "norms.png", m.norms, _choose(len(m.norms), TRAJECTORY_LINES, params.seed, 2),
+                               params.include_last_layer, title, summary["sequence_pct"], summary["pair_pct"])
+        ctx.progress(1, 3, "plots")
+        if params.inner_loss:
+            norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title)
+        ctx.progress(2, 3, "plots")
+        norms_plots.plot_pca3d(out / "pca3d.png", coords, explained.cpu().numpy(), params.include_last_layer, title)
+        ctx.progress(3, 3, "plots")
+    return JobOutput(summary, series)
+
+
+def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int,
+                   device, points: int, info: dict) -> dict:
+    """% of (trajectory, layer) pairs meeting Proposition 1's condition, for GPT-2-style blocks.
+
+    Layer l pairs x = h_l[t] with block l (the map h_l → h_{l+1}), for the steps of the trajectory.
+    """
+    if not params.gram_condition:
+        return {"gram_condition_pct": None, "gram_condition_reason": "not requested (gram_condition=false)"}
+    gated = info.get("gated_ffn") or any(hasattr(getattr(b, "mlp", None), "gate_proj") for b in parts.blocks)
+    if gated or not all(is_gpt2_block(b) for b in parts.blocks):
+        why = "a gated FFN (LLaMA family)" if gated else f"{type(parts.blocks[0]).__name__} blocks"
+        return {"gram_condition_pct": None,
+                "gram_condition_reason": f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
+                                         f"two-matrix FFN (W2·W1); {params.model} has {why}"}
+    if params.gram_samples == 0:
+        return {"gram_condition_pct": None, "gram_condition_reason": "gram_samples=0"}
+    chosen = _choose(len(samples.traj_sample), params.gram_samples, params.seed, 3)
+    steps = points - 1  # blocks 0 … steps-1
+    linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
+    per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * linear.dim ** 2))
+    holds, ratio, pair_traj, pair_layer = [], [], [], []
+    n_batches = math.ceil(len(np.unique(samples.traj_sample[chosen])) / params.batch_size)
+    with ctx.stage("gram condition"):
+        for done, (batch, trajs) in enumerate(batches(samples, params.batch_size, subset=chosen), 1):
+            input_ids, mask = pad_batch(samples, batch, pad_id, device)
+            hidden, _ = hidden_states(parts, input_ids, mask)
+            rows, cols = current_tokens(samples, batch, trajs, device)
+            # every (trajectory, layer) pair of this batch, processed in chunks of stacked D×D matrices
+            traj_idx = torch.arange(len(trajs), device=device).repeat(steps)
+            layer_idx = torch.arange(steps, device=device).repeat_interleave(len(trajs))
+            T = input_ids.shape[1]
+            stacked = torch.stack(hidden[:steps])  # [steps, B, T, D]
+            for start in range(0, len(traj_idx), per_chunk):
+                t_i, l_i = traj_idx[start:start + per_chunk], layer_idx[start:start + per_chunk]
+                context = stacked[l_i, rows[t_i]]  # [P, T, D]: h_l of the pair's sample
+                context_mask = torch.arange(T, device=device)[None, :] <= cols[t_i][:, None]  # i ≤ t
+                x = stacked[l_i, rows[t_i], cols[t_i]]  # the current token's h_l
+                ok, r = gram_condition_holds(linear.layer_matrix(l_i, context, context_mask), x)
+                holds.append(ok.cpu())
+                ratio.append(r.cpu())
+                pair_traj.append(torch.as_tensor(trajs, device=device)[t_i].cpu())
+                pair_layer.append(l_i.cpu())
+            ctx.progress(done, n_batches, "gram condition")
+    holds_np = torch.cat(holds).numpy()
+    np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),
+                        layers=torch.cat(pair_layer).numpy(), holds=holds_np, ratio=torch.cat(ratio).numpy())
+    return {"gram_condition_pct": 100.0 * float(holds_np.mean()), "gram_condition_pairs": int(holds_np.size)}

@@ -1,0 +1,460 @@
+"""The `norms` job kind against independent computations (docs/analyses/norms.md).
+
+Oracles: each sample run alone through the model (no batching, no padding) with
+``output_hidden_states``; a hand-built GPT-2 whose blocks add a known vector to the residual stream
+(so the trajectories and percentages are worked out by hand); a one-block copy of the model fed
+``inputs_embeds = h_l`` for the inner loss; and the linearised layer W assembled head by head from
+the modules' behaviour on basis vectors for the Gram condition (‖Wx‖ ≥ ‖x‖).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from lmscope.analyses import norms
+from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
+from lmscope.analyses.local import LocalContext
+from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
+from lmscope.config import REPO_ROOT
+from lmscope.modeling.loading import model_info
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.params import validate_params
+from lmscope.params.norms import NormsParams
+
+WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+MAX_TOKENS = 96
+MIN_WORDS = 10
+
+
+@pytest.fixture(scope="module")
+def documents():
+    """WikiText sentences: real English of varied lengths (so batches need padding)."""
+    if WIKITEXT.exists():
+        docs = [s.strip() + " ." for line in read_documents(WIKITEXT, "lines")[:20] for s in line.split(" . ")
+                if s.strip()]
+    else:  # outside the shared checkout any English-like text will do
+        docs = [f"Line {i} says {'little ' * (i % 15)}about the river and the town." for i in range(80)]
+    assert any(len(d.split()) < MIN_WORDS for d in docs), "want some documents the word filter drops"
+    return docs
+
+
+def tiny(arch: str, seed: int = 0) -> LoadedModel:
+    if arch == "gpt2":
+        config = GPT2Config(n_layer=3, n_head=2, n_embd=32, n_positions=128, vocab_size=BYTE_VOCAB_SIZE,
+                            bos_token_id=256, eos_token_id=257, initializer_range=0.05)
+    else:  # LLaMA with grouped-query attention
+        config = LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             intermediate_size=64, max_position_embeddings=128, vocab_size=BYTE_VOCAB_SIZE,
+                             bos_token_id=256, eos_token_id=257, pad_token_id=258, initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return LoadedModel(f"tiny-{arch}", model, byte_tokenizer(), model_info(model))
+
+
+def run_job(path, lm: LoadedModel, documents, **params):
+    ctx = LocalContext(path, models={"m": lm}, datasets={"wiki": documents})
+    params = NormsParams(model="m", dataset="wiki", **{"max_tokens": MAX_TOKENS, "min_words": MIN_WORDS,
+                                                       "batch_size": 4, **params})
+    return norms.run(params, ctx), ctx
+
+
+# ---------------------------------------------------------------- independent references
+
+def reference_samples(tokenizer, documents, max_samples=None):
+    """The definition: documents with ≥ min_words words, in order, cut to max_tokens + 1 tokens."""
+    out = []
+    for i, d in enumerate(documents):
+        if len(d.split()) >= MIN_WORDS:
+            out.append((i, tokenizer(d)["input_ids"][: MAX_TOKENS + 1]))
+    return out[:max_samples]
+
+
+_STATES: dict = {}
+
+
+def unbatched_states(model, tokens):
+    """h_0 … h_L for one sample read alone (no padding); h_L taken before the final norm. Cached."""
+    key = (id(model), tuple(tokens))
+    if key not in _STATES:
+        _STATES[key] = _unbatched_states(model, tokens)
+    return _STATES[key]
+
+
+@torch.no_grad()
+def _unbatched_states(model, tokens):
+    final_norm = model.transformer.ln_f if hasattr(model, "transformer") else model.model.norm
+    seen = {}
+    hook = final_norm.register_forward_pre_hook(lambda m, args: seen.__setitem__("pre_norm", args[0]))
+    try:
+        out = model(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    L = model.config.num_hidden_layers
+    states = [h[0].double() for h in out.hidden_states[:L]] + [seen["pre_norm"][0].double()]
+    return states, out.logits[0].double()
+
+
+def one_block_copy(model):
+    """A 1-block model with the last block, final norm and LM head of `model`: logits of block(h_l)."""
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = 1
+    small = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    if hasattr(model, "transformer"):  # GPT-2: no position embeddings on top of inputs_embeds = h_l
+        small.transformer.h[0].load_state_dict(model.transformer.h[-1].state_dict())
+        small.transformer.ln_f.load_state_dict(model.transformer.ln_f.state_dict())
+        small.transformer.wpe.weight.data.zero_()
+    else:
+        small.model.layers[0].load_state_dict(model.model.layers[-1].state_dict())
+        small.model.norm.load_state_dict(model.model.norm.state_dict())
+    small.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    return small
+
+
+@torch.no_grad()
+def reference_inner_loss(small, states, tokens, positions):
+    """[len(positions), L]: CE at each position of lm_head(norm(last block(h_l)))."""
+    labels = torch.tensor(tokens[1:])[positions]
+    out = []
+    for h in states[:-1]:  # h_0 … h_{L-1}
+        logits = small(inputs_embeds=h[None].float()).logits[0]
+        out.append(F.cross_entropy(logits[positions].double(), labels, reduction="none"))
+    return torch.stack(out, 1).numpy()
+
+
+def percentages(norms_):
+    steps = np.diff(norms_, axis=1) >= 0
+    return 100 * steps.all(1).mean(), 100 * steps.mean()
+
+
+# ---------------------------------------------------------------- the job on real text
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory, documents):
+    lm = tiny("gpt2")
+    out, ctx = run_job(tmp_path_factory.mktemp("gpt2"), lm, documents, max_samples=20, loss_filter=None,
+                       gram_samples=12, pca_samples=10)
+    return lm, out, ctx
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory, documents):
+    """Through lmscope's attention kernel (its reference path on CPU), as on a GPU worker."""
+    lm = tiny("llama")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMSCOPE_KERNEL_BACKEND", "reference")
+        out, ctx = run_job(tmp_path_factory.mktemp("llama"), lm, documents, max_samples=20, loss_filter=None,
+                           include_last_layer=True, pca_samples=10)
+    assert ctx.environment["kernel_backend"] == "reference"
+    assert lm.model.config._attn_implementation == "sdpa", "the shared model gets its attention back"
+    return lm, out, ctx
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_trajectories_match_each_sample_run_alone(arch, request, documents):
+    lm, out, ctx = request.getfixturevalue(f"{arch}_run")
+    L = lm.model.config.num_hidden_layers
+    include_last = arch == "llama"
+    saved = np.load(ctx.artifact_dir / "trajectories.npz")
+    samples = reference_samples(lm.tokenizer, documents, 20)
+    assert len(samples) == 20 and out.summary["samples"] == 20 and out.summary["trajectories"] == 20
+    assert saved["doc_ids"].tolist() == [i for i, _ in samples]
+    assert saved["positions"].tolist() == [len(t) - 2 for _, t in samples]
+    assert len({len(t) for _, t in samples}) > 1, "samples of different lengths: batches are padded"
+
+    expected = []
+    for _, tokens in samples:
+        states, _ = unbatched_states(lm.model, tokens)
+        states = states if include_last else states[:L]  # never the post-final-norm state
+        expected.append([h[-1].norm().item() for h in states])
+    expected = np.array(expected)
+    assert saved["norms"].shape == (20, L + include_last)
+    np.testing.assert_allclose(saved["norms"], expected, rtol=1e-5)
+
+    seq, pair = percentages(expected)
+    assert out.summary["sequence_pct"] == pytest.approx(seq) and out.summary["pair_pct"] == pytest.approx(pair)
+    assert out.summary["null_sequence_pct"] == pytest.approx(100 * 2.0 ** -(expected.shape[1] - 1))
+    assert out.summary["layers"] == L and out.summary["trajectory_points"] == L + include_last
+    series = {s.name: s for s in out.series}
+    assert series["norm.mean"].x == list(range(L + include_last))
+    np.testing.assert_allclose(series["norm.mean"].y, expected.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(series["norm.std"].y, expected.std(0), rtol=1e-4)
+    np.testing.assert_allclose(series["norm.median"].y, np.median(expected, 0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_inner_loss_is_the_last_block_rerun_on_each_layer(arch, request, documents):
+    lm, out, ctx = request.getfixturevalue(f"{arch}_run")
+    L = lm.model.config.num_hidden_layers
+    small = one_block_copy(lm.model)
+    saved = np.load(ctx.artifact_dir / "trajectories.npz")
+    expected = []
+    for _, tokens in reference_samples(lm.tokenizer, documents, 20):
+        states, logits = unbatched_states(lm.model, tokens)
+        row = reference_inner_loss(small, states, tokens, [len(tokens) - 2])[0]
+        # at l = L-1 the "inner" model is the model itself: its own loss on the final token
+        assert row[-1] == pytest.approx(F.cross_entropy(logits[-1], torch.tensor(tokens[-1])).item(), rel=1e-4)
+        expected.append(row)
+    expected = np.array(expected)
+    np.testing.assert_allclose(saved["inner_loss"], expected, rtol=1e-4)
+    assert out.summary["inner_loss_kept"] == 20 and out.summary["inner_loss_total"] == 20  # loss_filter=None
+    series = {s.name: s for s in out.series}
+    assert series["inner_loss.mean"].x == list(range(L))
+    np.testing.assert_allclose(series["inner_loss.mean"].y, expected.mean(0), rtol=1e-4)
+    np.testing.assert_allclose(series["inner_loss.std"].y, expected.std(0), rtol=1e-3, atol=1e-6)
+
+
+def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path, documents):
+    lm, _, first = gpt2_run
+    final = np.load(first.artifact_dir / "trajectories.npz")["inner_loss"][:, -1]
+    threshold = float(np.sort(final)[6])  # 7 of the 20 samples are at or below it
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=20, loss_filter=threshold, gram_condition=False,
+                       pca_samples=0)
+    assert out.summary["inner_loss_kept"] == 7 and out.summary["inner_loss_total"] == 20
+    saved = np.load(ctx.artifact_dir / "trajectories.npz")
+    assert saved["inner_loss_kept"].tolist() == (final <= threshold).tolist()
+    series = {s.name: s for s in out.series}
+    kept_losses = saved["inner_loss"][final <= threshold]
+    np.testing.assert_allclose(series["inner_loss.mean"].y, kept_losses.mean(0), rtol=1e-5)
+    assert series["inner_loss.mean"].labels["kept"] == 7
+
+
+def test_summary_series_artifacts_plots_and_progress(gpt2_run):
+    lm, out, ctx = gpt2_run
+    for key in ("samples", "layers", "sequence_pct", "pair_pct", "null_sequence_pct", "inner_loss_kept",
+                "gram_condition_pct"):
+        assert key in out.summary, key
+    assert {s.name for s in out.series} >= {"norm.mean", "norm.std", "norm.median", "inner_loss.mean", "inner_loss.std"}
+    for name in ("norms.png", "inner_loss.png", "pca3d.png"):
+        assert (ctx.artifact_dir / name).stat().st_size > 20_000, name  # a drawn figure, not an empty canvas
+    pca = np.load(ctx.artifact_dir / "pca.npz")
+    assert pca["coords"].shape == (10, 3, 3) and pca["components"].shape == (3, 32)
+    np.testing.assert_allclose(pca["components"] @ pca["components"].T, np.eye(3), atol=1e-8)
+    assert (np.diff(pca["explained_variance_ratio"]) <= 0).all() and 0 < pca["explained_variance_ratio"].sum() <= 1
+    stages = [stage for _, _, stage in ctx.progress_log]
+    for stage in ("forward", "inner loss", "pca", "gram condition", "plots"):
+        assert stage in stages
+    done, total, _ = [p for p in ctx.progress_log if p[2] == "forward"][-1]
+    assert done == total == 5  # 20 samples in batches of 4
+    assert ctx.environment["kernel_backend"] == "transformers-sdpa"  # CPU: PyTorch's SDPA, not the slow reference
+
+
+def test_pca_of_all_trajectory_points(gpt2_run, documents):
+    """PCA coordinates = projections of the drawn trajectories on the top eigenvectors of the covariance
+    of every trajectory point, recomputed here with numpy."""
+    lm, _, ctx = gpt2_run
+    L = lm.model.config.num_hidden_layers
+    points = []
+    for _, tokens in reference_samples(lm.tokenizer, documents, 20):
+        states, _ = unbatched_states(lm.model, tokens)
+        points.append([h[-1].numpy() for h in states[:L]])
+    points = np.array(points)  # [20, L, D]
+    flat = points.reshape(-1, points.shape[-1])
+    var, vecs = np.linalg.eigh(np.cov(flat.T))
+    top = vecs[:, ::-1][:, :3].T
+    pca = np.load(ctx.artifact_dir / "pca.npz")
+    np.testing.assert_allclose(pca["explained_variance_ratio"], var[::-1][:3] / var.sum(), rtol=1e-4)
+    signs = np.sign((top * pca["components"]).sum(1))  # eigenvectors are defined up to sign
+    expected = (points[pca["sample_ids"]] - flat.mean(0)) @ top.T * signs
+    np.testing.assert_allclose(pca["coords"], expected, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------- Gram condition (Proposition 1)
+
+def linear_map(module, dim):
+    """The matrix M of x ↦ module(x) − module(0), read off the module's outputs on basis vectors."""
+    with torch.no_grad():
+        eye = torch.eye(dim, dtype=torch.float64)
+        m = copy.deepcopy(module).double()
+        return (m(eye) - m(torch.zeros(1, dim, dtype=torch.float64))).T  # column j = M e_j
+
+
+def block_maps(block, D):
+    qkv = linear_map(block.attn.c_attn, D)  # [3D, D]
+    W1 = linear_map(block.mlp.c_fc, D)  # [4D, D]
+    return dict(Wq=qkv[:D], Wk=qkv[D:2 * D], Wv=qkv[2 * D:], Wo=linear_map(block.attn.c_proj, D),
+                W1=W1, W2=linear_map(block.mlp.c_proj, W1.shape[0]), H=block.attn.num_heads)
+
+
+def direct_linearised_layer(maps, context, t):
+    """W = (I + W2 W1)(I + Σ_h Σ_{i≤t} W_O^h W_V^h z_i z_iᵀ W_K^hᵀ W_Q^h), term by term."""
+    D = context.shape[-1]
+    H = maps["H"]
+    dh = D // H
+    Wq, Wk, Wv, Wo, W1, W2 = (maps[k] for k in ("Wq", "Wk", "Wv", "Wo", "W1", "W2"))
+    mhsa = torch.zeros(D, D, dtype=torch.float64)
+    for h in range(H):
+        s = slice(h * dh, (h + 1) * dh)
+        for i in range(t + 1):
+            z = context[i][:, None]
+            mhsa += Wo[:, s] @ Wv[s] @ z @ z.T @ Wk[s].T @ Wq[s]
+    eye = torch.eye(D, dtype=torch.float64)
+    return (eye + W2 @ W1) @ (eye + mhsa)
+
+
+def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
+    lm, out, ctx = gpt2_run
+    L = lm.model.config.num_hidden_layers
+    saved = np.load(ctx.artifact_dir / "gram_condition.npz")
+    samples = reference_samples(lm.tokenizer, documents, 20)
+    traj = np.load(ctx.artifact_dir / "trajectories.npz")
+    assert len(np.unique(saved["trajectory_ids"])) == 12 and set(saved["layers"].tolist()) == set(range(L - 1))
+    maps = [block_maps(b, lm.model.config.n_embd) for b in lm.model.transformer.h]
+    direct = []
+    for tr, layer in zip(saved["trajectory_ids"], saved["layers"]):
+        tokens = samples[traj["sample_ids"][tr]][1]
+        t = traj["positions"][tr]
+        states, _ = unbatched_states(lm.model, tokens)
+        W = direct_linearised_layer(maps[layer], states[layer], t)
+        x = states[layer][t]
+        direct.append(bool((W @ x).norm() >= x.norm()))
+    direct = np.array(direct)
+    assert 0 < direct.mean() < 1, "the check must see both outcomes"
+    assert saved["holds"].tolist() == direct.tolist()
+    assert out.summary["gram_condition_pct"] == pytest.approx(100 * direct.mean())
+    assert out.summary["gram_condition_pairs"] == 12 * (L - 1)
+
+
+def test_gram_eigen_form_is_the_norm_comparison():
+    torch.manual_seed(0)
+    D = 6
+    Q, _ = torch.linalg.qr(torch.randn(3, D, D, dtype=torch.float64))
+    x = torch.randn(3, D, dtype=torch.float64)
+    stretch, _ = norms.gram_condition_holds(1.1 * Q, x)  # ‖1.1·Qx‖ = 1.1‖x‖
+    shrink, ratio = norms.gram_condition_holds(0.9 * Q, x)
+    assert stretch.all() and not shrink.any()
+    np.testing.assert_allclose(ratio.numpy(), 0.81, rtol=1e-10)  # Σλab/Σab = ‖Wx‖²/‖x‖²
+    W = torch.eye(D, dtype=torch.float64) + 0.4 * torch.randn(200, D, D, dtype=torch.float64)
+    x = torch.randn(200, D, dtype=torch.float64)
+    holds, ratio = norms.gram_condition_holds(W, x)
+    direct = (W @ x[..., None])[..., 0].norm(dim=1) >= x.norm(dim=1)
+    assert 0.1 < direct.double().mean() < 0.9
+    assert torch.equal(holds, direct)
+    np.testing.assert_allclose(ratio.numpy(), ((W @ x[..., None])[..., 0].norm(dim=1) / x.norm(dim=1)).numpy() ** 2,
+                               rtol=1e-9)
+
+
+def test_llama_gram_condition_not_applicable(llama_run):
+    _, out, ctx = llama_run
+    assert out.summary["gram_condition_pct"] is None
+    assert "gated" in out.summary["gram_condition_reason"]
+    assert not (ctx.artifact_dir / "gram_condition.npz").exists()
+
+
+# ---------------------------------------------------------------- a model with a worked-out answer
+
+CLASS_START = {0: 1.0, 1: -1.0, 2: -0.7}  # h_0 = start·e_1 by token class (token id mod 3)
+STEP = 0.5  # every block adds 0.5·e_1
+
+
+def hand_built_gpt2() -> LoadedModel:
+    """Attention output 0, MLP output = its c_proj bias (0.5·e_1): h_{l+1} = h_l + 0.5·e_1 exactly."""
+    config = GPT2Config(n_layer=3, n_head=2, n_embd=8, n_positions=128, vocab_size=BYTE_VOCAB_SIZE)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for block in model.transformer.h:
+            block.ln_1.weight.fill_(1)
+            block.ln_2.weight.fill_(1)
+            block.mlp.c_proj.bias[0] = STEP
+        model.transformer.ln_f.weight.fill_(1)
+        ids = torch.arange(BYTE_VOCAB_SIZE)
+        model.transformer.wte.weight[:, 0] = torch.tensor([CLASS_START[int(i) % 3] for i in ids])
+    return LoadedModel("hand-built", model, byte_tokenizer(), model_info(model))
+
+
+@pytest.mark.parametrize("include_last_layer", [False, True])
+def test_hand_built_model_gives_known_percentages(include_last_layer, tmp_path, documents):
+    # class 0: 1 → 1.5 → 2 → 2.5 (always up); class 1: 1 → 0.5 → 0 → 0.5; class 2: 0.7 → 0.2 → 0.3 → 0.8
+    worked = {c: [abs(s + STEP * l) for l in range(4)] for c, s in CLASS_START.items()}
+    points = 4 if include_last_layer else 3
+    lm = hand_built_gpt2()
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=30, inner_loss=False, gram_condition=False,
+                       include_last_layer=include_last_layer, pca_samples=5)
+    classes = np.array([tokens[-2] % 3 for _, tokens in reference_samples(lm.tokenizer, documents, 30)])
+    assert len(set(classes.tolist())) == 3, "the text exercises every class"
+    expected = np.array([worked[c][:points] for c in classes])
+    np.testing.assert_allclose(np.load(ctx.artifact_dir / "trajectories.npz")["norms"], expected, atol=1e-6)
+    up_pairs = {c: sum(b >= a for a, b in zip(w[:points], w[1:points])) for c, w in worked.items()}
+    assert up_pairs == ({0: 2, 1: 0, 2: 1} if points == 3 else {0: 3, 1: 1, 2: 2})
+    assert out.summary["sequence_pct"] == pytest.approx(100 * np.mean(classes == 0))
+    assert out.summary["pair_pct"] == pytest.approx(100 * np.mean([up_pairs[c] for c in classes]) / (points - 1))
+    assert out.summary["null_sequence_pct"] == pytest.approx(100 / 2 ** (points - 1))
+    # every point lies on the e_1 axis: one principal component explains everything
+    pca = np.load(ctx.artifact_dir / "pca.npz")
+    assert pca["explained_variance_ratio"][0] == pytest.approx(1.0, abs=1e-9)
+    assert abs(pca["components"][0][0]) == pytest.approx(1.0, abs=1e-9)
+
+
+# ---------------------------------------------------------------- position="all", edge cases
+
+def test_every_position_is_a_current_token(llama_run, tmp_path, documents):
+    lm = llama_run[0]
+    min_position = 30
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=6, position="all", min_position=min_position,
+                       gram_condition=False, loss_filter=None, pca_samples=4)
+    saved = np.load(ctx.artifact_dir / "trajectories.npz")
+    small = one_block_copy(lm.model)
+    L = lm.model.config.num_hidden_layers
+    norms_, losses, positions = [], [], []
+    for _, tokens in reference_samples(lm.tokenizer, documents, 6):
+        states, _ = unbatched_states(lm.model, tokens)
+        pos = list(range(min_position, len(tokens) - 1))  # every position with a next token
+        positions += pos
+        norms_.append(torch.stack([h[pos].norm(dim=-1) for h in states[:L]], 1).numpy())
+        losses.append(reference_inner_loss(small, states, tokens, pos))
+    assert saved["positions"].tolist() == positions
+    assert out.summary["samples"] == 6 and out.summary["trajectories"] == len(positions) > 6
+    np.testing.assert_allclose(saved["norms"], np.concatenate(norms_), rtol=1e-5)
+    np.testing.assert_allclose(saved["inner_loss"], np.concatenate(losses), rtol=1e-4)
+
+
+def test_no_long_enough_document_is_a_clear_error(tmp_path):
+    short = ["too short", "three words here", "", "four words are here"]
+    with pytest.raises(JobFailed, match=r"min_words=10 words.*lower min_words"):
+        run_job(tmp_path, tiny("gpt2"), short)
+
+
+def test_max_samples_smaller_than_a_batch(gpt2_run, tmp_path, documents):
+    lm, _, first = gpt2_run
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=3, batch_size=16, inner_loss=False,
+                       gram_condition=False, pca_samples=50)
+    assert out.summary["samples"] == 3 and out.summary["inner_loss_kept"] is None
+    np.testing.assert_allclose(np.load(ctx.artifact_dir / "trajectories.npz")["norms"],
+                               np.load(first.artifact_dir / "trajectories.npz")["norms"][:3], rtol=1e-5)
+    assert np.load(ctx.artifact_dir / "pca.npz")["coords"].shape[0] == 3
+    assert not (ctx.artifact_dir / "inner_loss.png").exists()
+
+
+def test_max_tokens_beyond_the_model_is_cut_to_its_positions(gpt2_run, tmp_path, documents):
+    lm = gpt2_run[0]  # n_positions = 128
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=4, max_tokens=500, inner_loss=False,
+                       gram_condition=False, pca_samples=0)
+    assert out.summary["max_tokens"] == 128 and "128" in out.summary["note"]
+    long_docs = [d for d in documents if len(d.split()) >= MIN_WORDS][:4]
+    expected = [min(len(lm.tokenizer(d)["input_ids"]), 129) - 2 for d in long_docs]
+    assert np.load(ctx.artifact_dir / "trajectories.npz")["positions"].tolist() == expected and max(expected) == 127
+
+
+def test_cancel_between_batches(tmp_path, documents):
+    ctx = LocalContext(tmp_path, models={"m": tiny("gpt2")}, datasets={"wiki": documents}, cancel_after=2)
+    with pytest.raises(JobCancelled):
+        norms.run(NormsParams(model="m", dataset="wiki", max_tokens=MAX_TOKENS, batch_size=2, max_samples=20), ctx)
+    assert len(ctx.progress_log) == 2
+
+
+def test_bad_parameters_are_refused_at_submit():
+    with pytest.raises(ValidationError, match="min_position"):
+        validate_params("norms", {"model": "m", "dataset": "d", "position": "all", "min_position": 300})
+    with pytest.raises(ValidationError, match="positon"):
+        validate_params("norms", {"model": "m", "dataset": "d", "positon": "all"})
+    with pytest.raises(ValidationError):
+        validate_params("norms", {"model": "m", "dataset": "d", "loss_filter": -1})
+    assert validate_params("norms", {"model": "m", "dataset": "d", "loss_filter": None}).loss_filter is None
