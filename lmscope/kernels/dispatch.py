@@ -20,11 +20,11 @@ ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported (a CPU worker may not have it)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
     try:
+        if importlib.util.find_spec("triton") is None:
+            return False
         import triton  # noqa: F401
-    except Exception:  # a broken install counts as missing: fall back rather than crash
+    except Exception:  # a broken or blocked install counts as missing: fall back rather than crash
         return False
     return True
 

@@ -55,26 +55,24 @@ def attention_with_entropy_reference(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk] fp32
     allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask, device=q.device)
     if attn_mask is not None:
-        allowed = allowed & attn_mask.to(torch.bool)
-    allowed = allowed.expand_as(s)
-
-    neg_inf = torch.tensor(float("-inf"), device=s.device)
-    s_masked = torch.where(allowed, s, neg_inf)
-    any_visible = allowed.any(dim=-1)
-    # A row with no visible key has max -inf; shift it by 0 instead so no (-inf) - (-inf) appears.
-    m = torch.where(any_visible, s_masked.amax(dim=-1), torch.zeros((), device=s.device)).detach()
-    e = torch.where(allowed, torch.exp(s_masked - m[..., None]), torch.zeros((), device=s.device))
-    l = e.sum(dim=-1)
-    l_safe = torch.where(any_visible, l, torch.ones((), device=s.device))
-    p = e / l_safe[..., None]
-    log_l = torch.log(l_safe)
-    # -sum p log p with log p = (s - m) - log l computed per entry: no cancellation between large
-    # numbers when the scores are big, and masked entries contribute exactly 0 (never 0 * -inf).
-    logp = torch.where(allowed, s - m[..., None] - log_l[..., None], torch.zeros((), device=s.device))
-    entropy = torch.where(any_visible, -(p * logp).sum(dim=-1), torch.zeros((), device=s.device))
-    lse = torch.where(any_visible, m + log_l, neg_inf)
+        allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
+    any_visible = allowed.any(dim=-1).expand(s.shape[:-1])  # [B, H, Nq]
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = bool((~any_visible).any())
+    if empty:  # rows with no visible key: score them 0 here (no -inf - -inf), zero them below
+        s = s.masked_fill(~any_visible[..., None], 0.0)
+    logp = torch.log_softmax(s, dim=-1)
+    p = logp.exp()
+    if empty:
+        p = p.masked_fill(~any_visible[..., None], 0.0)
+    # masked entries have p = 0 and log p = -inf: drop them rather than form 0 * (-inf)
+    entropy = -(p * logp.masked_fill(~allowed, 0.0)).sum(dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    if empty:
+        entropy = entropy.masked_fill(~any_visible, 0.0)
+        lse = lse.masked_fill(~any_visible, float("-inf"))
     out = torch.matmul(p, v.float()).to(q.dtype)
     return out, entropy, lse

@@ -14,8 +14,6 @@ and t, m are converted back to natural-log units at the end. The N x N matrix ne
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +21,65 @@ import triton.language as tl
 from ..dispatch import interpreting
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals must be constexpr
+
+
+@triton.jit
+def _fold_key_block(
+    acc, m_i, l_i, t_i,
+    q, k_base, v_base, kpm_base,
+    offs_m, offs_d, offs_dv, start_n,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    N_K, CAUSAL_OFFSET, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Fold the key block starting at start_n into the running (acc, m, l, t) of BLOCK_M rows.
+
+    MASKED=False is the fast path for blocks entirely in range and below the causal diagonal;
+    MASKED=True handles the diagonal and the ragged tail.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if MASKED:
+        in_k = offs_n < N_K
+        k = tl.load(k_ptrs, mask=in_k[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+
+    # scores in log2 units: s2 = (q . k) * scale * log2(e)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    valid = tl.full([1, BLOCK_N], 1, tl.int1)
+    if MASKED:
+        valid = valid & (offs_n[None, :] < N_K)
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+    if HAS_KPM:
+        kp = tl.load(kpm_base + offs_n, mask=offs_n < N_K, other=0)
+        valid = valid & (kp[None, :] != 0)
+    if MASKED or HAS_KPM:
+        s = tl.where(valid, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so that neither
+    # (-inf) - (-inf) nor 0 * (-inf) can appear below.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    z = s - m_use[:, None]
+    p = tl.math.exp2(z)
+    if MASKED or HAS_KPM:
+        z = tl.where(valid, z, 0.0)
+    # re-base t from the old max to the new one: sum p (s - m_new) = t_old + l_old (m_old - m_new)
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_use)
+    t_i = alpha * (t_i + l_i * shift) + tl.sum(p * z, 1)
+    l_i = alpha * l_i + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i, t_i
 
 
 @triton.jit
@@ -35,55 +91,28 @@ def _attn_entropy_inner(
     start, end, N_K, CAUSAL_OFFSET, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Fold key blocks [start, end) into the running (acc, m, l, t) state of BLOCK_M query rows.
-
-    MASKED=False is the fast path for blocks that are entirely in range and below the causal
-    diagonal; MASKED=True handles the diagonal and the ragged tail.
-    """
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if MASKED:
-            in_k = offs_n < N_K
-            k = tl.load(k_ptrs, mask=in_k[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            v = tl.load(v_ptrs, mask=in_k[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-
-        # scores in log2 units: s2 = (q . k) * scale * log2(e)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        valid = tl.full([1, BLOCK_N], 1, tl.int1)
-        if MASKED:
-            valid = valid & (offs_n[None, :] < N_K)
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
-        if HAS_KPM:
-            kp = tl.load(kpm_base + offs_n, mask=offs_n < N_K, other=0)
-            valid = valid & (kp[None, :] != 0)
-        if MASKED or HAS_KPM:
-            s = tl.where(valid, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so that neither
-        # (-inf) - (-inf) nor 0 * (-inf) can appear below.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        z = s - m_use[:, None]
-        p = tl.math.exp2(z)
-        if MASKED or HAS_KPM:
-            z = tl.where(valid, z, 0.0)
-        # re-base t from the old max to the new one: sum p (s - m_new) = t_old + l_old (m_old - m_new)
-        shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_use)
-        t_i = alpha * (t_i + l_i * shift) + tl.sum(p * z, 1)
-        l_i = alpha * l_i + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    """Fold key blocks [start, end) into the running state."""
+    if INTERPRET:
+        # The Triton 3.6 interpreter cannot use a tensor as a range() bound with numpy >= 2.4
+        # (triton-lang/triton#9171); a while loop only needs bool(), which works. Compiled code
+        # keeps the for loop, which the software pipeliner understands.
+        start_n = start
+        while start_n < end:
+            acc, m_i, l_i, t_i = _fold_key_block(
+                acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv, start_n,
+                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, INPUT_PRECISION,
+            )
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            acc, m_i, l_i, t_i = _fold_key_block(
+                acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv, start_n,
+                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, INPUT_PRECISION,
+            )
     return acc, m_i, l_i, t_i
 
 
@@ -100,6 +129,7 @@ def _attn_entropy_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -140,12 +170,12 @@ def _attn_entropy_fwd(
     acc, m_i, l_i, t_i = _attn_entropy_inner(
         acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
         stride_kn, stride_kd, stride_vn, stride_vd, 0, n_full, N_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, HAS_KPM, INPUT_PRECISION,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, HAS_KPM, INPUT_PRECISION, INTERPRET,
     )
     acc, m_i, l_i, t_i = _attn_entropy_inner(
         acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
         stride_kn, stride_kd, stride_vn, stride_vd, n_full, hi, N_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, INPUT_PRECISION,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, INPUT_PRECISION, INTERPRET,
     )
 
     # Rows with no visible key (padding, or N_Q > N_K under causal): out = 0, H = 0, lse = -inf.
@@ -164,23 +194,29 @@ def _attn_entropy_fwd(
     tl.store(Lse + row, lse, mask=offs_m < N_Q)
 
 
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per input kind and head-dim bucket: the
+# tiles that ptxas compiles for sm_90 without (or with few) register spills.
+_TILES = {
+    (False, 64): [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)],
+    (False, 128): [(128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 8, 2)],
+    (False, 256): [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)],
+    # fp32 inputs use exact fp32 dot products (no tensor cores): smaller tiles
+    (True, 64): [(64, 32, 8, 2), (32, 32, 4, 2)],
+    (True, 128): [(64, 32, 8, 2), (32, 32, 8, 2)],
+    (True, 256): [(32, 32, 8, 2), (32, 16, 8, 2)],
+}
+
+
 def _configs():
-    cfgs = []
-    for bm, bn in ((128, 64), (128, 32), (64, 64), (64, 32)):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
-    return cfgs
+    tiles = sorted({t for ts in _TILES.values() for t in ts})
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
 
 
 def _prune(configs, named_args, **kwargs):
-    # Large head dims do not fit big tiles in shared memory; keep the search short there.
-    d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-    if d >= 256:
-        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 and c.num_stages <= 2]
-    elif d >= 128:
-        configs = [c for c in configs if c.kwargs["BLOCK_N"] <= 64 and c.num_stages <= 3]
-    return configs
+    d = max(kwargs.get("BLOCK_D", 64), kwargs.get("BLOCK_DV", 64))
+    bucket = 64 if d <= 64 else 128 if d <= 128 else 256
+    wanted = set(_TILES[(kwargs.get("INPUT_PRECISION") == "ieee", bucket)])
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 
 # Autotune on a GPU only: the interpreter would "benchmark" every config on the CPU.
@@ -225,8 +261,9 @@ def attention_with_entropy_triton(
     else:
         kpm = torch.empty(1, device=q.device, dtype=torch.int8)  # never read
         stride_kpm_b = 0
-    # fp32 inputs get exact fp32 dot products (tf32 would cost ~3 decimal digits of the entropy)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32 inputs get exact fp32 dot products (tf32 would cost ~3 decimal digits of the entropy);
+    # fp16/bf16 take the target's default (tensor cores, fp32 accumulation)
+    precision = "ieee" if q.dtype == torch.float32 else None
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))
 
@@ -240,6 +277,7 @@ def attention_with_entropy_triton(
         h, nq, nk, h // hk, scale * LOG2E, triton.next_power_of_2(nk),
         HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, INPUT_PRECISION=precision,
+        INTERPRET=interpreting(),
         **_INTERPRET_BLOCKS,
     )
     return out.to(out_dtype), ent, lse

@@ -1,0 +1,173 @@
+"""Attention with entropy vs PyTorch SDPA vs eager attention + entropy, side by side in one run.
+
+    python benchmarks/attention.py            # full sweep on a GPU; --quick on a machine without CUDA
+    python benchmarks/attention.py --quick    # small sizes (the default when no CUDA is present)
+
+For each head dim D and length N (B·H = 32, causal, bf16 by default) it times
+  kernel: lmscope.kernels.attention_with_entropy (out + entropy + lse; backend as dispatched)
+  sdpa:   torch.nn.functional.scaled_dot_product_attention (out only: the speed ceiling)
+  eager:  scores -> softmax -> P·V plus entropy -(p·log p).sum() from the materialised matrix
+and records peak memory (CUDA only) and which lengths ran out of memory. Output: a markdown table
+with the ratios kernel/sdpa and eager/kernel, then the longest N each method managed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lmscope.kernels import attention_with_entropy, kernel_backend  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def eager_with_entropy(q, k, v, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    n = q.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    ent = -torch.special.xlogy(p, p).sum(-1)
+    return torch.matmul(p.to(v.dtype), v), ent
+
+
+def timed(fn, device, reps, warmup):
+    """Median seconds per call and peak bytes above the inputs (CUDA), or raise on OOM."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        peak = None
+    times.sort()
+    return times[len(times) // 2], peak
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def bench_case(b, h, n, d, dtype, device, args):
+    """Time the three methods on one shape; None marks an out-of-memory."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    scale = 1.0 / math.sqrt(d)
+    fns = {
+        "kernel": lambda: attention_with_entropy(q, k, v, causal=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "eager": lambda: eager_with_entropy(q, k, v, scale),
+    }
+    res = {}
+    for name, fn in fns.items():
+        try:
+            res[name] = timed(fn, device, args.reps, args.warmup)
+        except (RuntimeError, MemoryError) as exc:
+            if not is_oom(exc):
+                raise
+            res[name] = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.check and res["kernel"]:
+        # first (batch, head) only, against float64 from the explicit matrix
+        q1, k1, v1 = (t[:1, :1].double() for t in (q, k, v))
+        _, ent64 = eager_with_entropy(q1, k1, v1, scale)
+        err = (attention_with_entropy(q, k, v, causal=True).entropy[:1, :1] - ent64).abs().max().item()
+        print(f"#   D={d} N={n}: max |entropy(kernel) - entropy(float64)| = {err:.2e}")
+    return res
+
+
+def run(args):
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    bh = args.bh
+    b, h = 1, bh  # the kernels see B*H programs per query block either way
+    backend = kernel_backend(device)
+    print(f"# attention benchmark: device={torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}"
+          f", torch {torch.__version__}, kernel backend={backend}, dtype={args.dtype}, B*H={bh}, causal")
+    if device.type != "cuda":
+        print("# (no CUDA: the kernel runs its PyTorch reference, so these rows measure the CPU path, not Triton)")
+    rows, longest = [], {"kernel": 0, "sdpa": 0, "eager": 0}
+    for d in args.dims:
+        for n in args.ns:
+            res = bench_case(b, h, n, d, dtype, device, args)
+            for name, r in res.items():
+                if r is not None:
+                    longest[name] = max(longest[name], n)
+            rows.append((d, n, res))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print()
+    print("| D | N | kernel ms | sdpa ms | eager+entropy ms | kernel/sdpa | eager/kernel "
+          "| kernel MiB | sdpa MiB | eager MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d, n, res in rows:
+        def ms(name):
+            return f"{res[name][0] * 1e3:.3f}" if res[name] else "OOM"
+
+        def mib(name):
+            if not res[name]:
+                return "OOM"
+            return "n/a" if res[name][1] is None else f"{res[name][1] / 2**20:.1f}"
+
+        kr = res["kernel"][0] if res["kernel"] else None
+        ks = f"{kr / res['sdpa'][0]:.2f}" if kr and res["sdpa"] else "-"
+        ek = f"{res['eager'][0] / kr:.2f}" if kr and res["eager"] else "-"
+        print(f"| {d} | {n} | {ms('kernel')} | {ms('sdpa')} | {ms('eager')} | {ks} | {ek} "
+              f"| {mib('kernel')} | {mib('sdpa')} | {mib('eager')} |")
+    print()
+    print("longest N run: " + ", ".join(f"{k} {v}" for k, v in longest.items()))
+    print("goals on a GPU: kernel/sdpa <= 1.25; eager/kernel >= 5 at N = 4096; kernel memory linear in N")
+
+
+def main(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", default=not cuda,
+                   help="small sizes (default when no CUDA is present)")
+    p.add_argument("--full", dest="quick", action="store_false", help="the full sweep even without CUDA")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--bh", type=int, default=32, help="batch x heads")
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--ns", type=int, nargs="+", default=None, help="sequence lengths")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--check", action="store_true", help="also print the kernel's entropy error vs float64")
+    args = p.parse_args(argv)
+    if args.ns is None:
+        args.ns = [128, 256, 512] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    args.reps = args.reps or (10 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    if os.environ.get("TRITON_INTERPRET") == "1" and args.device == "cuda":
+        p.error("TRITON_INTERPRET=1 is set: unset it to benchmark the compiled kernels")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

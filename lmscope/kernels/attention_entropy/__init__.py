@@ -1,0 +1,103 @@
+"""Attention with the entropy of every attention row, without the N x N matrix."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..dispatch import resolve_backend
+from .naive import attention_with_entropy_reference
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionEntropy:
+    """Result of :func:`attention_with_entropy`; unpacks as ``out, entropy, lse = result``.
+
+    out:     [B, H, Nq, Dv], dtype of q
+    entropy: [B, H, Nq] float32, nats, -sum_j p_ij ln p_ij of each query row
+    lse:     [B, H, Nq] float32, ln sum_j exp(s_ij) over the visible keys (natural log)
+    backend: "triton" or "reference", the code that produced it (for job records)
+    """
+
+    out: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+    backend: str
+
+    def __iter__(self):
+        return iter((self.out, self.entropy, self.lse))
+
+
+def _check(q, k, v, key_padding_mask):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on [B, H_kv, N]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    hk = k.shape[1]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError("sequence lengths must be at least 1")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask must be [B, N_k] = [{b}, {k.shape[2]}]; got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool (True = attend); got {key_padding_mask.dtype}")
+
+
+def attention_with_entropy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> AttentionEntropy:
+    """softmax(q kᵀ · scale) v together with the entropy and log-sum-exp of every softmax row.
+
+    q: [B, H, Nq, D]; k: [B, H_kv, Nk, D]; v: [B, H_kv, Nk, Dv] with H a multiple of H_kv
+    (grouped-query attention: query head h reads kv head h // (H // H_kv)).
+    causal: query i sees keys j <= i + (Nk - Nq) (bottom-right aligned, as with a KV cache).
+    scale: defaults to 1/sqrt(D). key_padding_mask: [B, Nk] bool, True = attend (combinable with
+    causal). A row with no visible key gets out = 0, entropy = 0 and lse = -inf.
+    backend: None (see ``kernel_backend``), "triton" or "reference". The Triton path has no autograd;
+    the reference path is differentiable.
+    """
+    _check(q, k, v, key_padding_mask)
+    backend = resolve_backend(backend, q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend == "reference":
+        out, ent, lse = attention_with_entropy_reference(
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask
+        )
+        return AttentionEntropy(out, ent, lse, "reference")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton kernel takes {SUPPORTED_DTYPES}; got {q.dtype} (use backend='reference')")
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        raise ValueError(f"the Triton kernel supports head dims up to 256; got {q.shape[-1]}, {v.shape[-1]}")
+    from .triton_kernel import attention_with_entropy_triton  # lazy: importing triton is optional
+
+    with torch.no_grad():
+        out, ent, lse = attention_with_entropy_triton(
+            q, k, v, causal=causal, scale=float(scale), key_padding_mask=key_padding_mask
+        )
+    return AttentionEntropy(out, ent, lse, "triton")
+
+
+__all__ = ["AttentionEntropy", "attention_with_entropy", "attention_with_entropy_reference"]

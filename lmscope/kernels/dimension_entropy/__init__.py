@@ -1,0 +1,50 @@
+"""Entropy of softmax(q_i k_iᵀ · scale) for every head dimension i separately."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dispatch import resolve_backend
+from .naive import dimension_entropy_reference
+
+
+def dimension_entropy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Entropy [B, H, D, N] (float32, nats) of each row of the rank-1 attention of each dimension.
+
+    q: [B, H, N, D], k: [B, H_kv, N, D] (H a multiple of H_kv). Entry [b, h, i, n] is the entropy
+    of softmax_m(scale * q[b,h,n,i] * k[b,h_kv,m,i]) over the keys m visible to query n (m <= n
+    when causal). scale defaults to 1/sqrt(D), as in the model's own attention.
+    """
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q and k must agree on B, N and D; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key heads ({k.shape[1]})")
+    if q.shape[2] == 0:
+        raise ValueError("sequence length must be at least 1")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k dtypes differ: {q.dtype}, {k.dtype}")
+    backend = resolve_backend(backend, q, k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend == "reference":
+        return dimension_entropy_reference(q, k, causal=causal, scale=scale)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype} (use backend='reference')")
+    from .triton_kernel import dimension_entropy_triton  # lazy: triton is optional
+
+    with torch.no_grad():
+        return dimension_entropy_triton(q, k, causal=causal, scale=float(scale))
+
+
+__all__ = ["dimension_entropy", "dimension_entropy_reference"]

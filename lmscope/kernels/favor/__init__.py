@@ -1,0 +1,67 @@
+"""Performer FAVOR+ attention (positive orthogonal random features)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .naive import draw_favor_projection, favor_attention_reference, favor_features
+
+_NO_TRITON = (
+    "{name} has no Triton kernel: it is matmul-bound and runs through PyTorch (cuBLAS) on every "
+    "device; use backend=None or 'reference'"
+)
+
+
+def check_backend(backend: str | None, name: str) -> None:
+    """FAVOR+ and Linformer only have the PyTorch implementation (which is what runs on GPUs too)."""
+    if backend not in (None, "reference"):
+        if backend == "triton":
+            raise NotImplementedError(_NO_TRITON.format(name=name))
+        raise ValueError(f"backend={backend!r}: expected None, 'triton' or 'reference'")
+
+
+def favor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_features: int | None = None,
+    causal: bool = True,
+    seed: int | None = None,
+    projection: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """FAVOR+ estimate [B, H, N, Dv] of softmax(q kᵀ · scale) v; differentiable.
+
+    Give either ``projection`` (ω [m, D], e.g. from :func:`draw_favor_projection`) or
+    ``num_features`` and ``seed`` (the projection is then drawn from the seed). k, v may have
+    fewer heads (grouped-query). causal: query n averages over keys j <= n (prefix sums).
+    scale defaults to 1/sqrt(D); ``eps`` is the positivity stabiliser added to every feature.
+    """
+    check_backend(backend, "favor_attention")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [B, H, N, D]")
+    if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"batch must match and H ({q.shape[1]}) be a multiple of H_kv ({k.shape[1]})")
+    d = q.shape[-1]
+    if projection is None:
+        if num_features is None or seed is None:
+            raise ValueError("give projection=, or num_features= and seed=")
+        projection = draw_favor_projection(num_features, d, seed, device=q.device)
+    else:
+        if projection.ndim != 2 or projection.shape[1] != d:
+            raise ValueError(f"projection must be [num_features, {d}]; got {tuple(projection.shape)}")
+        if num_features is not None and num_features != projection.shape[0]:
+            raise ValueError(f"num_features={num_features} but projection has {projection.shape[0]} rows")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    return favor_attention_reference(q, k, v, projection.to(q.device), causal=causal, scale=scale, eps=eps)
+
+
+__all__ = ["draw_favor_projection", "favor_attention", "favor_attention_reference", "favor_features"]

@@ -1,0 +1,241 @@
+"""Run Hugging Face models' attention through :func:`attention_with_entropy`.
+
+Registers the attention function ``"lmscope_entropy"`` with transformers' ``AttentionInterface``
+(and the boolean sdpa-style mask builder under the same name with ``AttentionMaskInterface``, so
+that pure-causal batches come with ``attention_mask=None`` and padded ones with a [B,1,N,N] bool
+mask). Any model that dispatches through the interface (GPT-2, LLaMA, Mistral, Qwen2, …) then
+computes its attention with the fused kernel; the per-layer entropies go to an active
+:class:`EntropyCollector`::
+
+    with EntropyCollector(model) as col:
+        logits = model(input_ids, attention_mask=mask).logits
+    col.entropy          # [ [B, H, N] float32 ] per layer, in layer order
+
+Masks the kernel cannot express (sliding windows, packed sequences, …) run on the reference path
+with the explicit mask; ``col.backends`` lists what was used.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import Any
+
+import torch
+
+from .attention_entropy import attention_with_entropy
+from .attention_entropy.naive import attention_with_entropy_reference, visible_keys
+from .dispatch import kernel_backend
+
+ATTENTION_NAME = "lmscope_entropy"
+
+# Collectors active in this thread / task (a worker thread and the API thread never share one).
+_ACTIVE: contextvars.ContextVar[tuple[EntropyCollector, ...]] = contextvars.ContextVar("lmscope_collectors", default=())
+# Backend requested per module by use_lmscope_attention (weak: never keeps a model alive).
+_MODULE_BACKEND: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+def register_attention() -> str:
+    """Register lmscope's attention (and its mask builder) with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, lmscope_attention_forward)
+    # The sdpa mask builder: None for plain causal batches, a bool [B, 1, Nq, Nk] mask otherwise.
+    AttentionMaskInterface.register(ATTENTION_NAME, AttentionMaskInterface._global_mapping["sdpa"])
+    return ATTENTION_NAME
+
+
+def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older transformers
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:
+        raise RuntimeError(f"{type(model).__name__} did not switch its attention to {name!r}")
+
+
+def use_lmscope_attention(model: torch.nn.Module, *, backend: str | None = None) -> torch.nn.Module:
+    """Make ``model`` run its attention through the fused kernel from now on (no collecting).
+
+    Returns the model. ``backend`` as for :func:`attention_with_entropy`.
+    """
+    register_attention()
+    for m in model.modules():
+        _MODULE_BACKEND[m] = backend
+    _set_attn_implementation(model, ATTENTION_NAME)
+    return model
+
+
+def _split_mask(
+    mask: torch.Tensor, batch: int, nq: int, nk: int
+) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+    """Turn a 4-D HF mask into (causal, key_padding_mask, explicit_mask).
+
+    Boolean masks (True = attend) and additive masks (0 / very negative) are accepted. When the mask
+    is "bottom-right causal AND key padding" or "key padding only", it is returned in that compact
+    form; anything else comes back as an explicit bool mask for the reference path.
+    """
+    if mask.dtype != torch.bool:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+        if not bool(torch.all(torch.where(allowed, mask == 0, True))):
+            raise NotImplementedError("additive attention biases (ALiBi, relative positions) are not supported")
+        mask = allowed
+    if mask.ndim != 4 or mask.shape[-2:] != (nq, nk):
+        raise ValueError(f"unexpected attention mask shape {tuple(mask.shape)} for Nq={nq}, Nk={nk}")
+    if mask.shape[1] != 1:
+        return False, None, mask
+    m = mask[:, 0].expand(batch, nq, nk)
+    kpm = m.any(dim=1)  # a key is unpadded iff some query sees it (the last one does under causal)
+    causal_tri = visible_keys(nq, nk, causal=True, device=m.device)[0]
+    if torch.equal(m, causal_tri & kpm[:, None, :]):
+        causal = True
+    elif torch.equal(m, kpm[:, None, :].expand_as(m)):
+        causal = False
+    else:
+        return False, None, mask
+    return causal, (None if bool(kpm.all()) else kpm), None
+
+
+def lmscope_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [B,H,N,D], k/v [B,H_kv,N,D] → ([B,N,H,Dv], None)."""
+    if dropout and module.training:
+        raise ValueError("lmscope attention has no attention dropout; call model.eval() first")
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"lmscope attention does not support {name!r}")
+    collectors = [c for c in _ACTIVE.get() if c._owns(module)]
+    backend = collectors[-1].backend if collectors else _MODULE_BACKEND.get(module)
+
+    b, _, nq, _ = query.shape
+    nk = key.shape[2]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if attention_mask is None:
+        causal, kpm, explicit = bool(is_causal), None, None
+    else:
+        causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk)
+
+    if explicit is None:
+        res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,
+                                     backend=backend)
+        out, ent, lse, used = res.out, res.entropy, res.lse, res.backend
+    else:
+        out, ent, lse = attention_with_entropy_reference(query, key, value, causal=False, scale=scaling,
+                                                         attn_mask=explicit)
+        used = "reference"
+    for col in collectors:
+        col._record(module, ent, lse, (query, key, value), used)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class EntropyCollector:
+    """Context manager: run ``model`` through lmscope attention and keep each layer's entropies.
+
+    Inside the ``with`` block the model's attention implementation is ``"lmscope_entropy"``; the
+    previous one is restored on exit. After a forward pass:
+
+    - ``entropy``: list over layers of [B, H, N] float32 row entropies (nats). Rows with no visible
+      key (e.g. left-padding queries) are 0; mask padded query positions out before averaging.
+    - ``lse``: the same for the log-sum-exp of each row.
+    - ``qkv`` (with ``capture_qkv=True``): {layer: (q, k, v)}, [B, H, N, D] after RoPE, detached;
+      k and v keep the model's H_kv heads (grouped-query models). ``to_cpu=True`` moves them (and
+      the entropies) to the CPU as they arrive, to bound GPU memory.
+    - ``backends``: the set of backends that ran ("triton", "reference").
+
+    A later forward pass inside the same block overwrites the layers it runs; ``clear()`` empties.
+    Layers are keyed by the attention module's ``layer_idx`` (else by order of first call).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        capture_qkv: bool = False,
+        to_cpu: bool = False,
+        backend: str | None = None,
+    ):
+        self.model = model
+        self.capture_qkv = capture_qkv
+        self.to_cpu = to_cpu
+        self.backend = backend
+        self._modules: set[int] = set()
+        self._order: dict[int, int] = {}
+        self._entropy: dict[int, torch.Tensor] = {}
+        self._lse: dict[int, torch.Tensor] = {}
+        self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.backends: set[str] = set()
+        self._prev_impl: str | None = None
+        self._token: contextvars.Token | None = None
+
+    @property
+    def expected_backend(self) -> str:
+        """The backend the fused path will use for the model's device (for job records)."""
+        if self.backend is not None:
+            return self.backend
+        return kernel_backend(next(self.model.parameters()).device)
+
+    def __enter__(self) -> EntropyCollector:
+        register_attention()
+        self._modules = {id(m) for m in self.model.modules()}
+        self._prev_impl = self.model.config._attn_implementation
+        _set_attn_implementation(self.model, ATTENTION_NAME)
+        self._token = _ACTIVE.set(_ACTIVE.get() + (self,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.reset(self._token)
+        self._token = None
+        if self._prev_impl is not None:
+            _set_attn_implementation(self.model, self._prev_impl)
+
+    def _owns(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._modules
+
+    def _record(self, module, ent, lse, qkv, backend) -> None:
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            layer = self._order.setdefault(id(module), len(self._order))
+        move = (lambda t: t.detach().cpu()) if self.to_cpu else (lambda t: t.detach())
+        self._entropy[layer] = move(ent)
+        self._lse[layer] = move(lse)
+        if self.capture_qkv:
+            self.qkv[layer] = tuple(move(t) for t in qkv)
+        self.backends.add(backend)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._entropy)
+
+    @property
+    def entropy(self) -> list[torch.Tensor]:
+        return [self._entropy[i] for i in self.layers]
+
+    @property
+    def lse(self) -> list[torch.Tensor]:
+        return [self._lse[i] for i in self.layers]
+
+    def clear(self) -> None:
+        self._entropy.clear()
+        self._lse.clear()
+        self.qkv.clear()
+        self.backends.clear()
+
+
+__all__ = [
+    "ATTENTION_NAME",
+    "EntropyCollector",
+    "lmscope_attention_forward",
+    "register_attention",
+    "use_lmscope_attention",
+]

@@ -1,0 +1,46 @@
+"""Linformer attention: keys and values projected to k rows along the sequence."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..favor import check_backend
+from .naive import draw_linformer_projections, linformer_attention_reference
+
+
+def linformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    E: torch.Tensor,
+    F: torch.Tensor,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """softmax(q (E k)ᵀ · scale) (F v) → [B, H, N, Dv]; non-causal, differentiable.
+
+    q: [B, H, N, D]; k, v: [B, H_kv, N, D(v)]; E, F: [k, N] shared by all heads, or anything that
+    broadcasts against [B, H, k, N] (e.g. per-head [H, k, N]). scale defaults to 1/sqrt(D).
+    With E = F = I_N this is exact softmax attention.
+    """
+    check_backend(backend, "linformer_attention")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [B, H, N, D]")
+    if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"batch must match and H ({q.shape[1]}) be a multiple of H_kv ({k.shape[1]})")
+    n = k.shape[2]
+    if E.shape[-1] != n or F.shape[-1] != n:
+        raise ValueError(f"E and F must have N = {n} columns; got {tuple(E.shape)} and {tuple(F.shape)}")
+    if E.shape[-2] != F.shape[-2]:
+        raise ValueError(f"E and F must have the same number of rows; got {tuple(E.shape)} and {tuple(F.shape)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return linformer_attention_reference(q, k, v, E.to(q.device), F.to(q.device), scale=scale)
+
+
+__all__ = ["draw_linformer_projections", "linformer_attention", "linformer_attention_reference"]

@@ -1,0 +1,111 @@
+"""Fixtures for the kernel tests: float64 oracles built from the explicit attention matrix.
+
+The Triton kernels run on CPU tensors through the interpreter, which must be switched on before
+triton is imported (the root conftest does the same when there is no GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+TRITON_OK = _triton_ok()
+_SKIP_NO_TRITON = pytest.mark.skipif(not TRITON_OK, reason="triton is not installed")
+
+
+def _allowed(nq, nk, causal, key_padding_mask, device):
+    """[B|1, 1, Nq, Nk] bool: query i sees key j iff (not causal or j <= i + Nk - Nq) and j unpadded."""
+    i = torch.arange(nq, device=device).view(nq, 1)
+    j = torch.arange(nk, device=device).view(1, nk)
+    allowed = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
+    allowed = allowed.view(1, 1, nq, nk)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.view(key_padding_mask.shape[0], 1, 1, nk)
+    return allowed
+
+
+def attention_oracle(q, k, v, *, causal, scale=None, key_padding_mask=None):
+    """float64 (out, entropy, lse, probabilities) from the explicit N x N matrix.
+
+    Rows with no visible key: out = 0, entropy = 0, lse = -inf (the convention under test).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device).expand_as(s)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # empty rows: exp(-inf - -inf) = nan -> 0
+    entropy = -torch.special.xlogy(p, p).sum(-1)
+    out = p @ v
+    return out, entropy, lse, p
+
+
+def dimension_oracle(q, k, *, causal, scale=None):
+    """float64 [B, H, D, N]: per dimension i, entropy of rows of softmax(scale q_i k_iᵀ)."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    b, h, n, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    mask = _allowed(n, n, causal, None, q.device)[0, 0]
+    out = torch.empty(b, h, d, n, dtype=torch.float64, device=q.device)
+    for i in range(d):
+        s = q[..., i, None] * k[..., None, :, i] * scale  # [B, H, N, N] explicit
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        out[:, :, i] = -torch.special.xlogy(p, p).sum(-1)
+    return out
+
+
+def softmax_attention_oracle(q, k, v, *, causal, scale=None):
+    return attention_oracle(q, k, v, causal=causal, scale=scale)[0]
+
+
+@pytest.fixture
+def oracle():
+    """Independent float64 computations (explicit matrices; no lmscope code)."""
+    return types.SimpleNamespace(
+        attention=attention_oracle,
+        dimension=dimension_oracle,
+        softmax_attention=softmax_attention_oracle,
+        allowed=_allowed,
+    )
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(params=["reference", pytest.param("triton", marks=_SKIP_NO_TRITON)])
+def backend(request):
+    """Every kernel test runs on both implementations."""
+    return request.param
+
+
+@pytest.fixture
+def triton_backend():
+    """For tests of the Triton kernel alone."""
+    if not TRITON_OK:
+        pytest.skip("triton is not installed")
+    return "triton"

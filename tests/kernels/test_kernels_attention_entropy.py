@@ -1,0 +1,230 @@
+"""attention_with_entropy: both backends against a float64 oracle from the explicit matrix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmscope.kernels import AttentionEntropy, attention_with_entropy
+
+
+def _qkv(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, nk=None, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    nk = n if nk is None else nk
+    dv = d if dv is None else dv
+    q = torch.randn(b, h, n, d, generator=g)
+    k = torch.randn(b, hk, nk, d, generator=g)
+    v = torch.randn(b, hk, nk, dv, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+def _close(actual, expected, atol, rtol=0.0):
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
+def _check_against(res, ref, atol=2e-5):
+    out, ent, lse, _ = ref
+    _close(res.out, out, atol)
+    _close(res.entropy, ent, atol)
+    _close(res.lse, lse, atol)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [1, 7, 77, 130])
+def test_matches_float64_oracle(backend, device, oracle, n, causal):
+    q, k, v = _qkv(1, 2, 2, n, 32, device=device)
+    res = attention_with_entropy(q, k, v, causal=causal, backend=backend)
+    assert isinstance(res, AttentionEntropy) and res.backend == backend
+    out, ent, lse = res  # unpacks as a triple
+    assert out is res.out and ent is res.entropy and lse is res.lse
+    assert res.out.shape == (1, 2, n, 32) and res.out.dtype == torch.float32
+    assert res.entropy.shape == (1, 2, n) and res.entropy.dtype == torch.float32
+    assert res.lse.shape == (1, 2, n) and res.lse.dtype == torch.float32
+    _check_against(res, oracle.attention(q, k, v, causal=causal))
+    if causal:  # the first query sees one key: a one-point distribution
+        assert res.entropy[..., 0].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("hk", [1, 2])
+def test_grouped_query_attention(backend, device, oracle, hk):
+    q, k, v = _qkv(2, 4, hk, 33, 16, device=device, seed=1)
+    res = attention_with_entropy(q, k, v, causal=True, scale=0.3, backend=backend)
+    _check_against(res, oracle.attention(q, k, v, causal=True, scale=0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs(backend, device, oracle, dtype):
+    # the oracle sees exactly the rounded inputs the kernel sees
+    q, k, v = _qkv(1, 2, 1, 77, 32, device=device, dtype=dtype, seed=2)
+    res = attention_with_entropy(q, k, v, causal=True, backend=backend)
+    assert res.out.dtype == dtype and res.entropy.dtype == torch.float32 and res.lse.dtype == torch.float32
+    out, ent, lse, _ = oracle.attention(q, k, v, causal=True)
+    _close(res.out, out, atol=2e-2, rtol=1e-2)  # output rounded to 8 (bf16) / 11 (fp16) bits
+    _close(res.entropy, ent, atol=1e-4)  # fp32 accumulation
+    _close(res.lse, lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(triton_backend, device, dtype):
+    q, k, v = _qkv(2, 4, 2, 70, 64, device=device, dtype=dtype, seed=3)
+    kpm = torch.rand(2, 70, generator=torch.Generator().manual_seed(0)) > 0.2
+    kpm = kpm.to(device)
+    a = attention_with_entropy(q, k, v, causal=True, key_padding_mask=kpm, backend="triton")
+    r = attention_with_entropy(q, k, v, causal=True, key_padding_mask=kpm, backend="reference")
+    assert a.backend == "triton" and r.backend == "reference"
+    _close(a.out, r.out, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    _close(a.entropy, r.entropy, atol=1e-4)
+    _close(a.lse, r.lse, atol=1e-4)
+
+
+def _padding_masks(device):
+    m = torch.ones(4, 40, dtype=torch.bool)
+    m[1, 29:] = False  # right padding
+    m[2, :11] = False  # left padding: under causal the first 11 queries see no key at all
+    m[2, 20:23] = False
+    m[3, ::3] = False  # holes
+    return m.to(device)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_padding_mask(backend, device, oracle, causal):
+    q, k, v = _qkv(4, 2, 2, 40, 32, device=device, seed=4)
+    kpm = _padding_masks(device)
+    res = attention_with_entropy(q, k, v, causal=causal, key_padding_mask=kpm, backend=backend)
+    out, ent, lse, _ = oracle.attention(q, k, v, causal=causal, key_padding_mask=kpm)
+    _check_against(res, (out, ent, lse, None))
+    if causal:  # the defined result for rows with no visible key
+        assert torch.all(res.out[2, :, :11] == 0)
+        assert torch.all(res.entropy[2, :, :11] == 0)
+        assert torch.all(torch.isneginf(res.lse[2, :, :11]))
+        assert torch.isfinite(res.lse[2, :, 11:]).all()
+
+
+def test_fully_padded_sequence(backend, device):
+    q, k, v = _qkv(2, 1, 1, 20, 16, device=device, seed=5)
+    kpm = torch.ones(2, 20, dtype=torch.bool, device=device)
+    kpm[1] = False
+    res = attention_with_entropy(q, k, v, causal=False, key_padding_mask=kpm, backend=backend)
+    assert torch.all(res.out[1] == 0) and torch.all(res.entropy[1] == 0)
+    assert torch.all(torch.isneginf(res.lse[1]))
+    assert not torch.isnan(res.out).any() and not torch.isnan(res.entropy).any()
+    assert torch.isfinite(res.entropy[0]).all() and (res.entropy[0] > 0).all()
+
+
+@pytest.mark.parametrize("how", ["zero_queries", "identical_keys"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_equal_scores_give_log_of_visible_keys(backend, device, oracle, causal, how):
+    n = 40
+    q, k, v = _qkv(4, 2, 2, n, 32, device=device, seed=6)
+    if how == "zero_queries":
+        q = torch.zeros_like(q)
+    else:  # every key the same vector: each row's scores are equal but not zero
+        k = k[:, :, :1].expand_as(k).contiguous()
+    kpm = _padding_masks(device)
+    res = attention_with_entropy(q, k, v, causal=causal, key_padding_mask=kpm, backend=backend)
+    visible = oracle.allowed(n, n, causal, kpm, device).sum(-1).expand(4, 2, n).double()
+    expected = torch.where(visible > 0, torch.log(visible.clamp(min=1)), torch.zeros_like(visible))
+    _close(res.entropy, expected, atol=2e-5)
+    # and the output is the plain mean of the visible values
+    _close(res.out, oracle.attention(q, k, v, causal=causal, key_padding_mask=kpm)[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_hot_rows_have_zero_entropy(backend, device, causal):
+    n, d = 24, 32
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(7))
+    if causal:
+        perm = torch.arange(n)  # query i picks key i, which it can see
+    k = 20.0 * torch.eye(d)[:n]  # key j = 20 e_j
+    q = k[perm]  # query i aligned with key perm[i]: score 400/sqrt(32) ~ 71 vs 0 for the rest
+    v = torch.randn(n, d, generator=torch.Generator().manual_seed(8))
+    q, k, v = (t.view(1, 1, n, d).to(device) for t in (q, k, v))
+    res = attention_with_entropy(q, k, v, causal=causal, backend=backend)
+    assert res.entropy.min() >= -1e-6
+    assert res.entropy.max() <= 1e-5
+    _close(res.out[0, 0], v[0, 0][perm], atol=1e-5)
+    _close(res.lse[0, 0], torch.full((n,), 400 / math.sqrt(d), dtype=torch.float64), atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_head_dims(triton_backend, device, oracle, d):
+    q, k, v = _qkv(1, 2, 1, 19, d, device=device, seed=9)
+    res = attention_with_entropy(q, k, v, causal=True, backend=triton_backend)
+    _check_against(res, oracle.attention(q, k, v, causal=True))
+
+
+def test_value_dim_differs_from_key_dim(backend, device, oracle):
+    q, k, v = _qkv(1, 2, 2, 21, 32, device=device, seed=10, dv=16)
+    res = attention_with_entropy(q, k, v, causal=True, backend=backend)
+    assert res.out.shape == (1, 2, 21, 16)
+    _check_against(res, oracle.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 37), (40, 9)])
+def test_query_and_key_lengths_differ(backend, device, oracle, nq, nk):
+    # causal is aligned bottom-right (KV-cache style); with nq > nk the first rows see nothing
+    q, k, v = _qkv(1, 2, 2, nq, 16, device=device, seed=11, nk=nk)
+    for causal in (True, False):
+        res = attention_with_entropy(q, k, v, causal=causal, backend=backend)
+        _check_against(res, oracle.attention(q, k, v, causal=causal))
+
+
+def test_non_contiguous_inputs(backend, device, oracle):
+    # transformers hands over [B, N, H, D] tensors transposed to [B, H, N, D]
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 35, 4, 16, generator=g).to(device).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    res = attention_with_entropy(q, k, v, causal=True, backend=backend)
+    _check_against(res, oracle.attention(q, k, v, causal=True))
+
+
+def test_reference_gradients(device):
+    q, k, v = _qkv(2, 2, 1, 17, 8, device=device, seed=13)
+    kpm = torch.ones(2, 17, dtype=torch.bool, device=device)
+    kpm[1, :3] = False  # queries 0-2 of sequence 1 see no key under causal
+    params = [t.clone().requires_grad_() for t in (q, k, v)]
+    w_out = torch.randn(2, 2, 17, 8, generator=torch.Generator().manual_seed(0)).to(device)
+    res = attention_with_entropy(*params, causal=True, key_padding_mask=kpm, backend="reference")
+    (res.out * w_out).sum().add(res.entropy.sum()).backward()
+    grads = [p.grad for p in params]
+    assert all(torch.isfinite(g_).all() for g_ in grads)
+
+    # float64 autograd through an independent formula: H = lse - sum_j p_j s_j over visible keys
+    p64 = [t.double().clone().requires_grad_() for t in (q, k, v)]
+    qq, kk, vv = p64[0], p64[1].repeat_interleave(2, 1), p64[2].repeat_interleave(2, 1)
+    s = qq @ kk.transpose(-1, -2) / math.sqrt(8)
+    allowed = torch.ones(17, 17, dtype=torch.bool, device=device).tril()[None, None] & kpm[:, None, None, :]
+    rows = allowed.any(-1)
+    s_m = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s_m.masked_fill(~rows[..., None], 0.0), dim=-1)
+    p = torch.softmax(s_m.masked_fill(~rows[..., None], 0.0), dim=-1) * allowed
+    ent = torch.where(rows, lse - (p * s.masked_fill(~allowed, 0.0)).sum(-1), torch.zeros_like(lse))
+    out = p @ vv
+    (out * w_out.double()).sum().add(ent.sum()).backward()
+    for got, want in zip(grads, p64):
+        _close(got, want.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_validation_errors(device):
+    q, k, v = _qkv(1, 3, 2, 8, 16, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_with_entropy(q, k, v)
+    q, k, v = _qkv(1, 2, 2, 8, 16, device=device)
+    with pytest.raises(ValueError, match="head dims"):
+        attention_with_entropy(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="B, H, N, D"):
+        attention_with_entropy(q[0], k, v)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        attention_with_entropy(q, k, v, key_padding_mask=torch.ones(1, 7, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="bool"):
+        attention_with_entropy(q, k, v, key_padding_mask=torch.ones(1, 8, device=device))
+    with pytest.raises(ValueError, match="backend"):
+        attention_with_entropy(q, k, v, backend="cuda")
+
+
+def test_triton_rejects_float64(triton_backend, device):
+    q, k, v = _qkv(1, 1, 1, 8, 16, device=device, dtype=torch.float64)
+    with pytest.raises(ValueError, match="reference"):
+        attention_with_entropy(q, k, v, backend=triton_backend)

@@ -1,0 +1,82 @@
+"""dimension_entropy: both backends against per-dimension float64 matrices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmscope.kernels import dimension_entropy
+
+
+def _qk(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, spread=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = spread * torch.randn(b, h, n, d, generator=g)
+    k = spread * torch.randn(b, hk, n, d, generator=g)
+    return q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype)
+
+
+def _close(actual, expected, atol):
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=0.0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [1, 7, 77, 130])
+def test_matches_float64_oracle(backend, device, oracle, n, causal):
+    q, k = _qk(1, 2, 2, n, 16, device=device, seed=n)
+    ent = dimension_entropy(q, k, causal=causal, backend=backend)
+    assert ent.shape == (1, 2, 16, n) and ent.dtype == torch.float32
+    _close(ent, oracle.dimension(q, k, causal=causal), atol=2e-5)
+
+
+def test_grouped_query_and_scale(backend, device, oracle):
+    q, k = _qk(2, 4, 1, 40, 16, device=device, seed=1)
+    ent = dimension_entropy(q, k, causal=True, scale=0.7, backend=backend)
+    _close(ent, oracle.dimension(q, k, causal=True, scale=0.7), atol=2e-5)
+
+
+def test_bfloat16_inputs(backend, device, oracle):
+    q, k = _qk(1, 2, 2, 50, 16, device=device, dtype=torch.bfloat16, seed=2)
+    ent = dimension_entropy(q, k, causal=False, backend=backend)
+    assert ent.dtype == torch.float32
+    _close(ent, oracle.dimension(q, k, causal=False), atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_head_dims(triton_backend, device, oracle, d):
+    q, k = _qk(1, 1, 1, 9, d, device=device, seed=d)
+    _close(dimension_entropy(q, k, causal=True, backend=triton_backend), oracle.dimension(q, k, causal=True), 2e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_zero_query_dimensions_are_uniform(backend, device, causal):
+    # a dimension where q is 0 scores every key equally: entropy = ln(number of visible keys)
+    n = 37
+    q, k = _qk(1, 2, 2, n, 16, device=device, seed=3)
+    q[..., 5] = 0.0
+    ent = dimension_entropy(q, k, causal=causal, backend=backend)
+    visible = torch.arange(1, n + 1, dtype=torch.float64) if causal else torch.full((n,), float(n), dtype=torch.float64)
+    _close(ent[:, :, 5], torch.log(visible).expand(1, 2, n), atol=2e-5)
+    assert (ent[:, :, [i for i in range(16) if i != 5]] < math.log(n) + 1e-5).all()
+
+
+def test_peaked_dimension_has_near_zero_entropy(backend, device):
+    # one key is far larger than the others in dimension 0: rows with positive q pick it
+    n = 20
+    q = torch.ones(1, 1, n, 4, device=device) * 10.0
+    k = torch.zeros(1, 1, n, 4, device=device)
+    k[0, 0, 3, 0] = 30.0  # score 10*30/2 = 150 nats above the rest
+    ent = dimension_entropy(q, k, causal=False, backend=backend)
+    assert ent[0, 0, 0].abs().max() < 1e-6
+    _close(ent[0, 0, 1], torch.full((n,), math.log(n), dtype=torch.float64), atol=2e-5)
+
+
+def test_validation_errors(device):
+    q, k = _qk(1, 2, 2, 8, 16, device=device)
+    with pytest.raises(ValueError):
+        dimension_entropy(q, k[:, :, :5])
+    with pytest.raises(ValueError):
+        dimension_entropy(q, k[..., :8])
+    with pytest.raises(ValueError, match="multiple"):
+        dimension_entropy(torch.cat([q, q[:, :1]], 1), k)

@@ -1,0 +1,90 @@
+"""Backend choice, its environment override, and the light import of lmscope.kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmscope.kernels import attention_with_entropy, dimension_entropy, dispatch, kernel_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_default_choice(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert kernel_backend("cpu") == "reference"
+    expected_cuda = "triton" if dispatch.triton_available() else "reference"
+    assert kernel_backend(torch.device("cuda")) == expected_cuda
+    assert kernel_backend() == kernel_backend("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_cuda_without_triton_falls_back(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    assert kernel_backend("cuda") == "reference"
+    with pytest.raises(RuntimeError, match="not installed"):
+        dispatch.resolve_backend("triton", torch.zeros(1))
+
+
+@pytest.mark.parametrize("value", ["triton", "reference", " Reference "])
+def test_environment_override(monkeypatch, value):
+    monkeypatch.setenv(dispatch.ENV_VAR, value)
+    assert kernel_backend("cpu") == value.strip().lower()
+    assert kernel_backend("cuda") == value.strip().lower()
+
+
+def test_environment_override_rejects_unknown(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=dispatch.ENV_VAR):
+        kernel_backend("cpu")
+
+
+def test_override_reaches_the_kernels(monkeypatch, triton_backend):
+    q = torch.randn(1, 1, 5, 16)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert attention_with_entropy(q, q, q).backend == "triton"
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert attention_with_entropy(q, q, q).backend == "reference"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch, triton_backend):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        attention_with_entropy(q, q, q, backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        dimension_entropy(q, q, backend="triton")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop(dispatch.ENV_VAR, None)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_is_light_and_works_without_triton():
+    # importing the package loads neither triton nor transformers; with triton made unimportable
+    # the kernels still run (reference) and CUDA would fall back to the reference too
+    code = (
+        "import sys\n"
+        "import lmscope.kernels as K\n"
+        "assert 'triton' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+        "sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from lmscope.kernels import dispatch\n"
+        "dispatch.triton_available.cache_clear()\n"
+        "assert not dispatch.triton_available()\n"
+        "assert K.kernel_backend('cuda') == 'reference'\n"
+        "q = torch.randn(1, 2, 6, 16)\n"
+        "r = K.attention_with_entropy(q, q, q)\n"
+        "assert r.backend == 'reference' and r.entropy.shape == (1, 2, 6)\n"
+        "print('ok')\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr

@@ -1,0 +1,168 @@
+"""FAVOR+ and Linformer against exact softmax attention and explicit float64 feature matrices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmscope.kernels import draw_favor_projection, draw_linformer_projections, favor_attention, linformer_attention
+
+
+def _qkv(b, h, n, d, *, hk=None, spread=0.5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hk = h if hk is None else hk
+    q = spread * torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    k = spread * torch.randn(b, hk, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hk, n, d, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ------------------------------------------------------------------ projections
+
+def test_favor_projection_is_orthogonal_blocks_and_reproducible():
+    d, m = 16, 40
+    w = draw_favor_projection(m, d, seed=3, dtype=torch.float64)
+    assert w.shape == (m, d)
+    assert torch.equal(w, draw_favor_projection(m, d, seed=3, dtype=torch.float64))
+    assert not torch.equal(w, draw_favor_projection(m, d, seed=4, dtype=torch.float64))
+    for start in range(0, m, d):  # rows inside a block are mutually orthogonal
+        blk = w[start : start + d]
+        gram = blk @ blk.T
+        off = gram - torch.diag(torch.diag(gram))
+        assert off.abs().max() < 1e-10
+    # row norms are chi(d)-distributed: mean ~ sqrt(d) (loose check over many rows)
+    norms = draw_favor_projection(4096, d, seed=0, dtype=torch.float64).norm(dim=1)
+    assert abs(norms.pow(2).mean().item() - d) < 0.05 * d
+
+
+def test_linformer_projections_distribution_and_seed():
+    e, f = draw_linformer_projections(32, 200, seed=1, dtype=torch.float64)
+    assert e.shape == f.shape == (32, 200)
+    assert not torch.equal(e, f)
+    e2, f2 = draw_linformer_projections(32, 200, seed=1, dtype=torch.float64)
+    assert torch.equal(e, e2) and torch.equal(f, f2)
+    assert abs(e.var().item() - 1 / 32) < 0.1 / 32  # N(0, 1/k)
+    assert abs(e.mean().item()) < 0.01
+
+
+# ------------------------------------------------------------------ Linformer
+
+def test_linformer_with_identity_is_exact_attention(oracle):
+    q, k, v = _qkv(2, 4, 23, 16, hk=2, spread=1.0)
+    eye = torch.eye(23, dtype=torch.float64)
+    out = linformer_attention(q, k, v, eye, eye)
+    torch.testing.assert_close(out, oracle.softmax_attention(q, k, v, causal=False), atol=1e-12, rtol=0)
+
+
+def test_linformer_with_pooling_matrix_matches_explicit(oracle):
+    # E = F = averaging over blocks of 4 positions: attention over 6 pooled keys, checked by hand
+    n, kk = 24, 6
+    q, k, v = _qkv(1, 2, n, 8, seed=2, spread=1.0)
+    pool = torch.zeros(kk, n, dtype=torch.float64)
+    for i in range(kk):
+        pool[i, 4 * i : 4 * i + 4] = 0.25
+    kp = k.view(1, 2, kk, 4, 8).mean(3)
+    vp = v.view(1, 2, kk, 4, 8).mean(3)
+    p = torch.softmax(q @ kp.transpose(-1, -2) / math.sqrt(8), -1)
+    torch.testing.assert_close(linformer_attention(q, k, v, pool, pool), p @ vp, atol=1e-12, rtol=0)
+
+
+def test_linformer_is_differentiable():
+    q, k, v = _qkv(1, 1, 6, 3, seed=3)
+    e, f = draw_linformer_projections(3, 6, seed=0, dtype=torch.float64)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v, e, f))
+    assert torch.autograd.gradcheck(lambda *a: linformer_attention(*a), inputs)
+
+
+def test_linformer_float32_and_validation():
+    q, k, v = _qkv(1, 2, 12, 8, dtype=torch.float32)
+    e, f = draw_linformer_projections(4, 12, seed=0)
+    assert linformer_attention(q, k, v, e, f).dtype == torch.float32
+    with pytest.raises(ValueError, match="columns"):
+        linformer_attention(q, k, v, e[:, :5], f)
+    with pytest.raises(NotImplementedError):
+        linformer_attention(q, k, v, e, f, backend="triton")
+
+
+# ------------------------------------------------------------------ FAVOR+
+
+def _explicit_favor(q, k, v, w, causal):
+    """float64, no stabiliser: φ(x) = exp(ωᵀx - |x|²/2)/sqrt(m), x = q d^(-1/4); explicit kernel matrix."""
+    d, m = q.shape[-1], w.shape[0]
+    xq, xk = q.double() * d**-0.25, k.double() * d**-0.25
+    phi = lambda x: torch.exp(x @ w.double().T - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(m)  # noqa: E731
+    a = phi(xq) @ phi(xk).transpose(-1, -2)  # [B, H, N, N] estimate of exp(q k / sqrt(d))
+    if causal:
+        a = torch.tril(a)
+    return (a @ v.double()) / a.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_favor_equals_explicit_feature_computation(causal):
+    # prefix sums (chunked) and the max-subtraction must not change the estimator itself
+    q, k, v = _qkv(2, 2, 150, 16, spread=0.8, seed=4)
+    w = draw_favor_projection(64, 16, seed=0, dtype=torch.float64)
+    out = favor_attention(q, k, v, projection=w, causal=causal, eps=0.0)
+    torch.testing.assert_close(out, _explicit_favor(q, k, v, w, causal), atol=1e-10, rtol=1e-8)
+
+
+def test_favor_features_are_unbiased_for_the_softmax_kernel():
+    # φ(x)·φ(y) over m features is a Monte Carlo mean whose expectation is exp(x·y); with m = 50k
+    # the estimate sits within a few percent (a missing -|x|²/2 term alone would be ~15% off)
+    g = torch.Generator().manual_seed(5)
+    x = 0.2 * torch.randn(6, 8, generator=g, dtype=torch.float64)
+    y = 0.2 * torch.randn(6, 8, generator=g, dtype=torch.float64)
+    m = 50_000
+    w = draw_favor_projection(m, 8, seed=0, dtype=torch.float64)
+    fx = torch.exp(x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(m)
+    fy = torch.exp(y @ w.T - 0.5 * (y * y).sum(-1, keepdim=True)) / math.sqrt(m)
+    torch.testing.assert_close(fx @ fy.T, torch.exp(x @ y.T), rtol=0.05, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_favor_error_decreases_with_features(oracle, causal):
+    q, k, v = _qkv(1, 2, 64, 16, spread=0.5, seed=6)
+    exact = oracle.softmax_attention(q, k, v, causal=causal)
+    errs = []
+    for m in (16, 64, 256, 1024):
+        errs.append(sum(_rel_err(favor_attention(q, k, v, num_features=m, seed=s, causal=causal), exact)
+                        for s in range(6)) / 6)
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < errs[0] / 4, errs  # Monte Carlo: ~ 1/sqrt(m), i.e. /8 from 16 to 1024
+
+
+def test_favor_is_close_to_exact_with_many_features(oracle):
+    q, k, v = _qkv(1, 2, 48, 16, hk=1, spread=0.4, seed=7)
+    exact = oracle.softmax_attention(q, k, v, causal=False)
+    out = favor_attention(q, k, v, num_features=8192, seed=0, causal=False)
+    assert _rel_err(out, exact) < 0.02
+
+
+def test_favor_is_differentiable():
+    q, k, v = _qkv(1, 1, 7, 3, seed=8)
+    w = draw_favor_projection(6, 3, seed=1, dtype=torch.float64)
+    for causal in (False, True):
+        # eps=0: the detached stabilisers cancel exactly, so autograd must equal finite differences
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: favor_attention(a, b, c, projection=w, causal=causal, eps=0.0),
+            tuple(t.clone().requires_grad_() for t in (q, k, v)),
+        )
+
+
+def test_favor_float32_seed_and_validation():
+    q, k, v = _qkv(1, 2, 10, 8, dtype=torch.float32)
+    a = favor_attention(q, k, v, num_features=32, seed=3)
+    assert a.dtype == torch.float32 and a.shape == (1, 2, 10, 8)
+    assert torch.equal(a, favor_attention(q, k, v, projection=draw_favor_projection(32, 8, seed=3)))
+    with pytest.raises(ValueError, match="projection"):
+        favor_attention(q, k, v)
+    with pytest.raises(ValueError):
+        favor_attention(q, k, v, projection=torch.randn(16, 4))
+    with pytest.raises(NotImplementedError):
+        favor_attention(q, k, v, num_features=8, seed=0, backend="triton")

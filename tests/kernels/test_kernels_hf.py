@@ -1,0 +1,161 @@
+"""The transformers integration: same logits as eager attention, same entropies as its matrices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmscope.kernels.hf import ATTENTION_NAME, EntropyCollector, use_lmscope_attention  # noqa: E402
+
+VOCAB = 128
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _batch(n=13, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, n), generator=g)
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    mask[2, n - 3 :] = 0  # right padding
+    return ids.to(device), mask.to(device)
+
+
+def _eager_entropies(attentions):
+    return [-torch.special.xlogy(a.double(), a.double()).sum(-1) for a in attentions]
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model(request, device):
+    torch.manual_seed(0)
+    return MODELS[request.param]().to(device)
+
+
+def test_logits_and_entropies_match_eager(model, device):
+    ids, mask = _batch(device=device)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, output_attentions=True)
+        with EntropyCollector(model) as col:
+            got = model(ids, attention_mask=mask)
+    valid = mask.bool()  # eager gives padded queries with no visible key arbitrary rows: compare real tokens
+    torch.testing.assert_close(got.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
+    heads = model.config.num_attention_heads
+    assert col.layers == list(range(model.config.num_hidden_layers))
+    for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
+        assert ent.shape == (3, heads, ids.shape[1]) and ent.dtype == torch.float32
+        rows = valid[:, None, :].expand_as(ent)
+        torch.testing.assert_close(ent.double()[rows], want[rows], atol=2e-5, rtol=0)
+    # sanity: real entropies are not trivially zero, and bounded by ln(visible keys)
+    assert col.entropy[0][0, :, -1].min() > 0.1
+    assert (col.entropy[0][0] <= torch.log(torch.arange(1, ids.shape[1] + 1, device=device)) + 1e-5).all()
+
+
+def test_unpadded_batch_without_mask(model, device):
+    ids, _ = _batch(seed=1, device=device)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        with EntropyCollector(model) as col:
+            got = model(ids)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
+        torch.testing.assert_close(ent.double(), want, atol=2e-5, rtol=0)
+
+
+def test_triton_backend_through_the_model(triton_backend, device):
+    torch.manual_seed(1)
+    model = _llama().to(device)
+    ids, mask = _batch(n=11, seed=2, device=device)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, output_attentions=True)
+        with EntropyCollector(model, backend=triton_backend) as col:
+            got = model(ids, attention_mask=mask)
+    assert col.backends == {"triton"}  # padding went through the fused kernel, not a fallback
+    valid = mask.bool()
+    torch.testing.assert_close(got.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
+    for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
+        rows = valid[:, None, :].expand_as(ent)
+        torch.testing.assert_close(ent.double()[rows], want[rows], atol=2e-5, rtol=0)
+
+
+def test_implementation_is_restored_and_collector_is_scoped(model, device):
+    ids, _ = _batch(seed=3, device=device)
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad(), EntropyCollector(model) as col:
+        assert model.config._attn_implementation == ATTENTION_NAME
+        model(ids)
+    assert model.config._attn_implementation == "eager"
+    assert len(col.entropy) == model.config.num_hidden_layers
+    before = [e.clone() for e in col.entropy]
+    with torch.no_grad():
+        model(ids[:, :5])  # outside the block: nothing recorded
+    assert all(torch.equal(a, b) for a, b in zip(before, col.entropy))
+
+
+def test_capture_qkv_is_post_rope_and_reproduces_eager(device):
+    torch.manual_seed(2)
+    model = _llama().to(device)
+    ids, _ = _batch(seed=4, device=device)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        with EntropyCollector(model, capture_qkv=True, to_cpu=True) as col:
+            model(ids)
+    n, d = ids.shape[1], model.config.head_dim
+    for layer, attn in enumerate(ref.attentions):
+        q, k, v = col.qkv[layer]
+        assert q.device.type == "cpu" and not q.requires_grad
+        assert q.shape == (3, 4, n, d) and k.shape == v.shape == (3, 2, n, d)  # k, v keep H_kv heads
+        k = k.repeat_interleave(2, dim=1).double()
+        s = q.double() @ k.transpose(-1, -2) / math.sqrt(d)
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(torch.softmax(s, -1), attn.double().cpu(), atol=1e-5, rtol=0)
+
+
+def test_use_lmscope_attention(model, device):
+    ids, mask = _batch(seed=5, device=device)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        use_lmscope_attention(model)
+        assert model.config._attn_implementation == ATTENTION_NAME
+        got = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_generation_with_kv_cache(device):
+    # decoding: one query against a longer cache (bottom-right causal alignment)
+    torch.manual_seed(3)
+    model = _gpt2().to(device)
+    ids, _ = _batch(n=6, seed=6, device=device)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with EntropyCollector(model) as col:
+            got = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, ref)
+    assert col.entropy[0].shape[-1] == 1  # the last forward was a one-token decoding step
+
+
+def test_training_mode_dropout_is_refused(device):
+    model = _gpt2().to(device).train()
+    ids, _ = _batch(seed=7, device=device)
+    with EntropyCollector(model), pytest.raises(ValueError, match="eval"):
+        model(ids)
