@@ -7,30 +7,10 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import pytest
 import torch
 
-from lmscope.api import create_app
 from lmscope.catalog import read_documents
-from lmscope.db.engine import make_engine, make_sessionmaker
 from lmscope.modeling.loading import load_model, token_windows
-from lmscope.queue import LocalPublisher
-from lmscope.worker.embedded import EmbeddedWorker
-from lmscope.worker.startup import ensure_builtins
-
-
-@pytest.fixture
-def service(settings_factory, sqlite_url):
-    settings = settings_factory(database_url=sqlite_url, auth=False)
-    if settings.wikitext2_path is None:
-        pytest.skip("WikiText-2 (../shared/data/wikitext-2-raw/wiki.test.raw) is not here")
-    engine = make_engine(sqlite_url)
-    sessions = make_sessionmaker(engine)
-    ensure_builtins(settings, sessions)
-    publisher = LocalPublisher()
-    app = create_app(settings, publisher=publisher)
-    yield app.test_client(), EmbeddedWorker(settings, sessions, publisher), settings
-    engine.dispose()
 
 
 def submit(client, kind, params):

@@ -8,29 +8,9 @@ import io
 import numpy as np
 import pytest
 
-from lmscope.api import create_app
-from lmscope.db.engine import make_engine, make_sessionmaker
-from lmscope.queue import LocalPublisher
-from lmscope.worker.embedded import EmbeddedWorker
-from lmscope.worker.startup import ensure_builtins
-
-
-@pytest.fixture
-def service(settings_factory, sqlite_url):
-    settings = settings_factory(database_url=sqlite_url, auth=False)
-    if settings.wikitext2_path is None:
-        pytest.skip("WikiText-2 (../shared/data/wikitext-2-raw/wiki.test.raw) is not here")
-    engine = make_engine(sqlite_url)
-    sessions = make_sessionmaker(engine)
-    ensure_builtins(settings, sessions)
-    publisher = LocalPublisher()
-    app = create_app(settings, publisher=publisher)
-    yield app.test_client(), EmbeddedWorker(settings, sessions, publisher)
-    engine.dispose()
-
 
 def test_norms_job_through_the_api(service):
-    client, worker = service
+    client, worker, _ = service
     params = {"model": "tiny-gpt2", "dataset": "wikitext-2", "max_samples": 12, "max_tokens": 48,
               "batch_size": 4, "loss_filter": None, "gram_samples": 6, "pca_samples": 6}
     r = client.post("/v1/jobs", json={"kind": "norms", "params": params})
