@@ -58,6 +58,16 @@ def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
     return job
 
 
+def previous_training(client: Client, params: dict) -> dict | None:
+    """A demo training run that already succeeded in this data directory, so a second `make demo` skips it."""
+    for job in client.list(kind="train", status="succeeded", tag="demo"):
+        job = client.get(job["id"])
+        if all(job["params"].get(k) == v for k, v in params.items()):
+            print(f"\n== train: reusing job {job['id']} (delete {os.environ.get('LMSCOPE_DATA_DIR', '.demo')} to retrain)")
+            return job
+    return None
+
+
 def main() -> None:
     data_dir = Path(os.environ.get("LMSCOPE_DATA_DIR", Path.cwd() / ".demo")).resolve()
     port = int(os.environ.get("LMSCOPE_PORT", _free_port()))
@@ -83,7 +93,9 @@ def main() -> None:
         if "wikitext-2" not in datasets:
             raise SystemExit("the built-in dataset wikitext-2 is missing: set LMSCOPE_WIKITEXT2_PATH to wiki.test.raw")
 
-        train = run_job(client, "train", example("train_demo.json"), "demo: GPT-2-style model on WikiText-2")
+        train = previous_training(client, example("train_demo.json"))
+        if train is None:
+            train = run_job(client, "train", example("train_demo.json"), "demo: GPT-2-style model on WikiText-2")
         checkpoints = train["summary"]["checkpoints"]
         final_model = checkpoints[-1]
         jobs = [train]

@@ -16,6 +16,8 @@ and reduce it on the fly to float64 sums:
     histogram       = counts of H in fixed bins on [0, ln(seq_len)]
 
 Across checkpoints of a training run the same numbers become curves against the training step.
+Windows are plain stream windows, or BOS + seq_len − 1 stream tokens (``bos_per_window``). Layers with
+a sliding window shorter than seq_len are refused: their rows see min(t + 1, window) keys.
 
 Dimension-wise entropy (optional): for each head dimension i alone, the scores q_i k_iᵀ/√d give a
 softmax row per query; the note looks at how many of those rows are near uniform
@@ -69,6 +71,32 @@ def _layers_heads(model) -> tuple[int, int]:
 def _max_positions(model) -> int | None:
     c = model.config
     return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+def sliding_windows(config, layers: int) -> dict[int, int]:
+    """{layer: window} for the layers whose attention is a sliding window (query t sees the last `window` keys).
+
+    Mistral: every layer when ``sliding_window`` is set. Qwen2/Qwen3 (``use_sliding_window``) and others:
+    the layers that ``layer_types`` marks "sliding_attention".
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return {i: int(window) for i, kind in enumerate(types) if kind == "sliding_attention"}
+    return {i: int(window) for i in range(layers)}
+
+
+def _refuse_short_windows(name: str, seq_len: int, windows: dict[int, int]) -> None:
+    """The bound ln(t + 1) assumes query t sees keys 0..t; a sliding window shows it min(t + 1, window)."""
+    short = {layer: w for layer, w in windows.items() if w < seq_len}
+    if short:
+        w = min(short.values())
+        raise JobFailed(
+            f"{name}: layer(s) {sorted(short)} attend over a sliding window of {w} tokens, shorter than seq_len "
+            f"{seq_len}, so a query there sees min(t+1, {w}) keys and the uniform bound ln(t+1) would be wrong; "
+            f"lower seq_len to at most {w}")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -163,13 +191,25 @@ class DimensionStats:
 
 
 def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> torch.Tensor:
-    """[W, seq_len] consecutive non-overlapping windows of the dataset's token stream, W <= num_segments."""
+    """[W, seq_len] consecutive non-overlapping windows of the dataset's token stream, W <= num_segments.
+
+    With ``bos_per_window`` each window is BOS followed by the next seq_len − 1 tokens of the stream
+    (the stream itself is still cut without overlap).
+    """
     from lmscope.modeling.loading import token_windows
 
+    bos = loaded.tokenizer.bos_token_id
+    if params.bos_per_window and bos is None:
+        raise JobFailed(f"{name}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows with "
+                        "one; set bos_per_window=false")
+    stream_len = params.seq_len - 1 if params.bos_per_window else params.seq_len
     try:
-        return token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments)
+        windows = token_windows(loaded.tokenizer, documents, stream_len, params.num_segments)
     except ValueError as e:  # not even one full window
         raise JobFailed(f"dataset {params.dataset!r} with {name}'s tokenizer: {e}") from None
+    if params.bos_per_window:
+        windows = torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], dim=1)
+    return windows
 
 
 def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tensor, report,
@@ -188,11 +228,13 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
     if max_pos is not None and params.seq_len > max_pos:
         raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
                         f"lower seq_len to at most {max_pos}")
+    _refuse_short_windows(name, params.seq_len, sliding_windows(model.config, layers))
 
     def check(col) -> None:
         if len(col.entropy) != layers:
             raise JobFailed(f"{name}: only {len(col.entropy)} of {layers} attention layers ran through "
                             "transformers' attention interface; this architecture is not supported by `entropy`")
+        _refuse_short_windows(name, params.seq_len, col.sliding_window)  # what the layers really asked for
         backends.update(col.backends)
 
     stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)

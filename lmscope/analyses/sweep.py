@@ -21,6 +21,7 @@ A `sweep` is a parent job; the API expands its grid into children (`lmscope.para
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from lmscope.params.sweep import (
     AttentionApproxParams,
     SumformerFitParams,
     SweepParams,
+    clamped_latent_dims,
     effective_latent_dim,
     theory_latent_dim,
 )
@@ -68,17 +70,46 @@ def _predict(model, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
     return torch.cat([model(x[i:i + batch]) for i in range(0, len(x), batch)])
 
 
+# torch.set_num_threads is process-wide. _single_threaded counts the trainings inside it, so that the
+# setting found before the first one is restored after the last one (not by whichever ends first).
+_THREADS_LOCK = threading.Lock()
+_single_thread_holders = 0
+_threads_before = 1
+WORKER_THREAD_PREFIX = "lmscope-worker-"  # the embedded worker's job threads (lmscope.worker.embedded)
+
+
+def _several_jobs_in_process() -> bool:
+    """True when this process runs jobs on more than one thread (`lmscope up` with several worker threads)."""
+    return sum(t.name.startswith(WORKER_THREAD_PREFIX) for t in threading.enumerate()) > 1
+
+
 @contextmanager
 def _single_threaded(device: torch.device):
-    """These networks are tiny: on a CPU, intra-op threads only fight each other (measured 10-40x slower
-    with 2 threads on a loaded 2-core machine), so train with one and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    """Train with one intra-op thread on a CPU, when this process runs one job at a time.
+
+    These networks are tiny: on a CPU, intra-op threads only fight each other (measured 10-40x slower
+    with 2 threads on a loaded 2-core machine). The thread count is process-wide, so it is left alone
+    when the process runs several jobs at once (it would throttle the others: an embedded worker with
+    several threads), and it is changed only when it is > 1. Overlapping trainings share one change;
+    the last to finish restores the count found before the first.
+    """
+    global _single_thread_holders, _threads_before
+    with _THREADS_LOCK:
+        apply = device.type == "cpu" and (_single_thread_holders > 0 or
+                                          (torch.get_num_threads() > 1 and not _several_jobs_in_process()))
+        if apply:
+            if _single_thread_holders == 0:
+                _threads_before = torch.get_num_threads()
+                torch.set_num_threads(1)
+            _single_thread_holders += 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        if apply:
+            with _THREADS_LOCK:
+                _single_thread_holders -= 1
+                if _single_thread_holders == 0:
+                    torch.set_num_threads(_threads_before)
 
 
 def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> JobOutput:
@@ -162,6 +193,13 @@ def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> Job
     if params.architecture == "poly_sumformer" and d_eff < theory:
         summary["note"] = (f"latent_dim {params.latent_dim} < C(n+d,d)-1 = {theory}: φ keeps the first {d_eff} "
                            "monomials in graded order (a truncated power-sum embedding)")
+    asked = list(params.latent_dim_requested or [])
+    if params.architecture == "poly_sumformer" and params.latent_dim is not None and params.latent_dim > theory:
+        asked.append(params.latent_dim)  # a child submitted with a d′ above the theory (not via a sweep)
+    if params.architecture == "poly_sumformer" and asked:
+        summary["latent_dim_requested"] = asked
+        summary["note"] = (f"latent_dim {', '.join(map(str, asked))} > C(n+d,d)-1 = {theory}: clamped to {theory} "
+                           "(φ has only that many monomials; all of them are used)")
     labels = {"architecture": params.architecture, "target": params.target, "token_dim": params.token_dim,
               "seq_len": params.seq_len, "latent_dim": d_eff, "features": params.features, "seed": params.seed}
     series = [Series("val_error", eval_x, val_errors, labels), Series("train_loss", epochs_x, losses, labels)]
@@ -172,13 +210,17 @@ def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> Job
 # ============================================================================ attention_approx
 
 
-def exact_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """softmax(q kᵀ/√D) v in float64 with the N × N matrix built explicitly (the oracle)."""
+def exact_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v in float64 with the N × N matrix built explicitly (the oracle).
+
+    scale: the layer's own softmax scale; None = 1/√D.
+    """
     h, hk = q.shape[1], k.shape[1]
     if h != hk:  # grouped-query attention: query head h reads kv head h // (H / H_kv)
         k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
     q, k, v = q.double(), k.double(), v.double()
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
         n = q.shape[2]
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
@@ -219,6 +261,36 @@ def pooling_projection(k: int, seq_len: int) -> torch.Tensor:
     return p
 
 
+PROJECTION_LABELS = {"pooling": "block-mean pooling E = F", "shared": "shared Gaussian E = F = R",
+                     "gaussian": "independent Gaussian E, F"}
+
+
+def shared_gaussian_projection(k: int, seq_len: int, seed: int, device=None) -> torch.Tensor:
+    """R [k, N] with i.i.d. N(0, 1/k) entries, used as E = F = R (one shared JL projection).
+
+    The Linformer paper's argument projects keys and values with the same R (E = δR, F = e^(−δ)R;
+    δ = 1 here). R is the first matrix of the kernels' `draw_linformer_projections` for the seed.
+    """
+    from lmscope.kernels import draw_linformer_projections
+
+    return draw_linformer_projections(k, seq_len, seed, device)[0]
+
+
+def linformer_projections(kind: str, k: int, seq_len: int, seed: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, F) [k', N] for `linformer_projection` = pooling | shared | gaussian (see lmscope.params.sweep)."""
+    from lmscope.kernels import draw_linformer_projections
+
+    if kind == "pooling":
+        pool = pooling_projection(k, seq_len).to(device)
+        return pool, pool
+    if kind == "shared":
+        r = shared_gaussian_projection(k, seq_len, seed, device)
+        return r, r
+    if kind == "gaussian":
+        return draw_linformer_projections(k, seq_len, seed, device)
+    raise ValueError(f"unknown linformer_projection {kind!r}; use pooling, shared or gaussian")
+
+
 def _projection_seed(seed: int, layer: int, k: int) -> int:
     """A distinct, reproducible random draw per (seed, layer, k)."""
     return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
@@ -229,12 +301,13 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
 
     Performer is causal (prefix sums) and is compared with the model's causal attention. Linformer
     projects the keys along the sequence (E K mixes every position), so it cannot be causal: it is
-    compared with exact *bidirectional* softmax attention on the same q, k, v. Its E, F are the
-    kernels' Gaussian JL draws (independent, N(0, 1/k)) or block-mean pooling (`linformer_projection`).
-    The softmax scale is 1/√D for every method (the models lmscope supports use it).
+    compared with exact *bidirectional* softmax attention on the same q, k, v. Its E, F are block-mean
+    pooling, one shared Gaussian R (E = F = R) or independent Gaussians (`linformer_projection`).
+    Every method uses each layer's own softmax scale (the attention module's `scaling`, recorded by
+    the collector), so "exact" is the model's own attention.
     """
-    from lmscope.kernels import (attention_with_entropy, draw_favor_projection, draw_linformer_projections,
-                                 favor_attention, kernel_backend, linformer_attention)
+    from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
+                                 linformer_attention)
     from lmscope.kernels.hf import EntropyCollector
     from lmscope.modeling.windows import token_windows
 
@@ -270,26 +343,23 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
     # Random features / projections, drawn once per (layer, k) and reused for every segment.
     draws: dict[tuple[int, int], Any] = {}
 
-    def approx(layer: int, k: int, q, kk, v):
+    def approx(layer: int, k: int, q, kk, v, scale: float):
+        seed = _projection_seed(params.seed, layer, k)
         if params.method == "performer":
             if (layer, k) not in draws:
-                draws[layer, k] = draw_favor_projection(k, q.shape[-1], _projection_seed(params.seed, layer, k), device)
-            return favor_attention(q, kk, v, projection=draws[layer, k], causal=True)
+                draws[layer, k] = draw_favor_projection(k, q.shape[-1], seed, device)
+            return favor_attention(q, kk, v, projection=draws[layer, k], causal=True, scale=scale)
         if (layer, k) not in draws:
-            if params.linformer_projection == "pooling":
-                pool = pooling_projection(k, q.shape[2]).to(device)
-                draws[layer, k] = (pool, pool)
-            else:
-                draws[layer, k] = draw_linformer_projections(k, q.shape[2], _projection_seed(params.seed, layer, k),
-                                                             device)
+            draws[layer, k] = linformer_projections(params.linformer_projection, k, q.shape[2], seed, device)
         e, f = draws[layer, k]
-        return linformer_attention(q, kk, v, e.to(q.dtype), f.to(q.dtype))
+        return linformer_attention(q, kk, v, e.to(q.dtype), f.to(q.dtype), scale=scale)
 
     errors = {(layer, k): [] for layer in layers for k in ks}  # per segment
     t_exact = 0.0
     t_approx = {k: 0.0 for k in ks}
     batches = list(range(0, len(windows), params.batch_size))
     head_info: dict[str, int] = {}
+    scales: dict[int, float] = {}
     with torch.no_grad(), ctx.stage("measure"):
         for b, start in enumerate(batches):
             input_ids = windows[start:start + params.batch_size].to(device)
@@ -297,18 +367,20 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
                 model(input_ids=input_ids, use_cache=False)
             for layer in layers:
                 q, kk, v = col.qkv[layer]
+                scale = scales[layer] = col.scaling[layer]  # the layer's own scale (GPT-2 may use 1/(√D·(l+1)))
                 head_info = {"num_heads": q.shape[1], "num_kv_heads": kk.shape[1], "head_dim": q.shape[-1]}
                 if b == 0:  # warm-up (Triton compilation, cuBLAS handles) outside the timings
-                    attention_with_entropy(q, kk, v, causal=causal_ref)
+                    attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale)
                     for k in ks:
-                        approx(layer, k, q, kk, v)
-                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref), device)
+                        approx(layer, k, q, kk, v, scale)
+                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), device)
                 t_exact += dt
                 # one window at a time: the float64 N × N matrices of all heads of one window at most
-                exact = torch.cat([exact_attention_f64(q[i:i + 1], kk[i:i + 1], v[i:i + 1], causal=causal_ref)
+                exact = torch.cat([exact_attention_f64(q[i:i + 1], kk[i:i + 1], v[i:i + 1], causal=causal_ref,
+                                                       scale=scale)
                                    for i in range(q.shape[0])])
                 for k in ks:
-                    out, dt = _timed(lambda: approx(layer, k, q, kk, v), device)
+                    out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), device)
                     t_approx[k] += dt
                     errors[layer, k].extend(per_segment_rel_error(out, exact).tolist())
                 del exact
@@ -331,6 +403,7 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
         "segments": len(windows),
         "seq_len": params.seq_len,
         **head_info,
+        "softmax_scale": [scales[layer] for layer in layers],  # per layer, as the model applies it
         "features": ks,
         "kernel_backend": backend,
         "exact_seconds": round(t_exact, 4),
@@ -343,7 +416,7 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
                     {(params.method, layer): (ks, curve[layer], None, None) for layer in layers},
                     {params.method: (ks, ratios)},
                     title=f"{params.model}: {params.method} (seed {params.seed}) vs exact softmax attention",
-                    notes={"linformer": f"{params.linformer_projection} E, F"})
+                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]})
     return JobOutput(summary, series)
 
 
@@ -438,7 +511,11 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     if any(len(per_x) > 1 for per_x in best.values()):
         _plot_fig2(ctx.artifact_dir / "fig2_latent_dim.png", best)
         plots.append("fig2_latent_dim.png")
-    return JobOutput({"best": headline[:100], "plots": plots}, series)
+    summary: dict[str, Any] = {"best": headline[:100], "plots": plots}
+    clamped = clamped_latent_dims(params)
+    if clamped:  # the grid asked for more monomials than exist: those points ran with C(n+d,d)−1
+        summary["latent_dim_clamped"] = clamped
+    return JobOutput(summary, series)
 
 
 def _mean_curve(curves: list[tuple[list, list]]) -> tuple[list, list]:
@@ -492,7 +569,7 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
                     title=f"{params.model}: approximations vs exact softmax attention "
                           f"({params.num_segments} windows of {params.seq_len} tokens)",
-                    notes={"linformer": f"{params.linformer_projection} E, F"})
+                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]})
     return JobOutput(summary, series)
 
 
@@ -644,5 +721,6 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     plt.close(fig)
 
 
-__all__ = ["aggregate", "exact_attention_f64", "make_dataset", "per_segment_rel_error", "relative_l2_error",
-           "run_attention_approx", "run_sumformer_fit"]
+__all__ = ["aggregate", "exact_attention_f64", "linformer_projections", "make_dataset", "per_segment_rel_error",
+           "pooling_projection", "relative_l2_error", "run_attention_approx", "run_sumformer_fit",
+           "shared_gaussian_projection"]

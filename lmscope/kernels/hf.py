@@ -135,7 +135,8 @@ def lmscope_attention_forward(
                                                          attn_mask=explicit)
         used = "reference"
     for col in collectors:
-        col._record(module, ent, lse, (query, key, value), used)
+        col._record(module, ent, lse, (query, key, value), used, scaling=scaling,
+                    sliding_window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -152,6 +153,11 @@ class EntropyCollector:
       k and v keep the model's H_kv heads (grouped-query models). ``to_cpu=True`` moves them (and
       the entropies) to the CPU as they arrive, to bound GPU memory.
     - ``backends``: the set of backends that ran ("triton", "reference").
+    - ``scaling``: {layer: the softmax scale the layer used}, i.e. the module's own ``scaling``
+      (1/√D, or e.g. GPT-2's 1/(√D·(layer+1)) with ``scale_attn_by_inverse_layer_idx``); 1/√D when
+      the model passed none.
+    - ``sliding_window``: {layer: window} for layers that asked for a sliding-window mask (Mistral,
+      Qwen2 with ``use_sliding_window``): query t then sees keys max(0, t − window + 1)..t.
 
     A later forward pass inside the same block overwrites the layers it runs; ``clear()`` empties.
     Layers are keyed by the attention module's ``layer_idx`` (else by order of first call).
@@ -175,6 +181,8 @@ class EntropyCollector:
         self._lse: dict[int, torch.Tensor] = {}
         self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.backends: set[str] = set()
+        self.scaling: dict[int, float] = {}
+        self.sliding_window: dict[int, int] = {}
         self._prev_impl: str | None = None
         self._token: contextvars.Token | None = None
 
@@ -202,7 +210,8 @@ class EntropyCollector:
     def _owns(self, module: torch.nn.Module) -> bool:
         return id(module) in self._modules
 
-    def _record(self, module, ent, lse, qkv, backend) -> None:
+    def _record(self, module, ent, lse, qkv, backend, *, scaling: float | None = None,
+                sliding_window: int | None = None) -> None:
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             layer = self._order.setdefault(id(module), len(self._order))
@@ -212,6 +221,10 @@ class EntropyCollector:
         if self.capture_qkv:
             self.qkv[layer] = tuple(move(t) for t in qkv)
         self.backends.add(backend)
+        # The scale attention_with_entropy applied (its default is 1/√D when the model passes none).
+        self.scaling[layer] = float(scaling) if scaling is not None else qkv[0].shape[-1] ** -0.5
+        if sliding_window is not None:
+            self.sliding_window[layer] = int(sliding_window)
 
     @property
     def layers(self) -> list[int]:
@@ -230,6 +243,8 @@ class EntropyCollector:
         self._lse.clear()
         self.qkv.clear()
         self.backends.clear()
+        self.scaling.clear()
+        self.sliding_window.clear()
 
 
 __all__ = [

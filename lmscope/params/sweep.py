@@ -28,10 +28,17 @@ Architecture = Literal["poly_sumformer", "mlp_sumformer", "transformer", "linfor
 USES_FEATURES = ("linformer", "performer")  # k random features (Performer) / k projected keys (Linformer)
 APPROX_METHODS = ("performer", "linformer")
 ApproxMethod = Literal["performer", "linformer"]
-# How the attention study draws Linformer's E, F ∈ R^(k×N): "gaussian" = i.i.d. N(0, 1/k) entries, E and F
-# independent (the Linformer paper's JL projections); "pooling" = E = F = the mean over k contiguous
-# blocks of positions (the paper's pooling variant; k ≥ N gives exact attention).
-LinformerProjection = Literal["gaussian", "pooling"]
+# How the attention study draws Linformer's E, F ∈ R^(k×N) (docs/analyses/sweep.md has the measurements):
+# - "pooling" (default): E = F = the mean over k contiguous blocks of positions (the paper's pooling
+#   variant): error falls with k and is exactly 0 at k ≥ N.
+# - "shared": E = F = R, one Gaussian R with i.i.d. N(0, 1/k) entries (the paper's JL argument uses one
+#   R, E = δR and F = e^(−δ)R; δ = 1 here).
+# - "gaussian": E and F drawn independently, N(0, 1/k) each (an ablation: the pairing of keys with
+#   values is lost).
+# Untrained random projections (shared or not) do not approximate softmax attention: their error
+# falls towards ≈ 1 as k grows, never towards 0; only pooling gives a curve that goes to 0.
+LinformerProjection = Literal["pooling", "shared", "gaussian"]
+DEFAULT_LINFORMER_PROJECTION = "pooling"
 
 # Equivariant targets f(X)_i = g(x_i, {x_k : k != i}), applied to every coordinate c separately:
 # f(X)_{i,c} = g(x_{i,c}, {x_{k,c} : k != i}), tokens x_k uniform on [0,1]^d. In the formulas x1 is
@@ -131,6 +138,9 @@ class SumformerFitParams(JobParams):
     features: int | None = Field(None, ge=1, le=65536, description="k, for linformer / performer")
     seed: int = 0
     train: TrainSettings = Field(default_factory=TrainSettings)
+    latent_dim_requested: list[int] | None = Field(
+        None, description="the sweep grid's d′ values that were clamped to this child's d′ (poly_sumformer "
+                          "d′ > C(n+d,d)−1); set by the sweep's expansion, said in the child's summary")
 
     @field_validator("target")
     @classmethod
@@ -156,7 +166,7 @@ class AttentionApproxParams(JobParams):
     seq_len: int = Field(512, ge=2, le=65536)
     num_segments: int = Field(16, ge=1, le=100_000)
     batch_size: int = Field(4, ge=1, le=1024)
-    linformer_projection: LinformerProjection = "gaussian"
+    linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
     seed: int = 0
 
     @field_validator("features")
@@ -217,7 +227,7 @@ class SweepParams(JobParams):
     seq_len: int = Field(512, ge=2, le=65536)
     num_segments: int = Field(16, ge=1, le=100_000)
     batch_size: int = Field(4, ge=1, le=1024)
-    linformer_projection: LinformerProjection = "gaussian"
+    linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
     seeds: int | list[int] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
 
     @property
@@ -293,12 +303,30 @@ def _fmt_latent(d: int | None) -> str:
     return "theory" if d is None else str(d)
 
 
+def clamped_latent_dims(params: SweepParams) -> list[dict]:
+    """The grid's poly_sumformer d′ values above C(n+d,d)−1, per (d, n): what was asked and what runs.
+
+    [{"token_dim": d, "seq_len": n, "requested": [d′, …], "effective": C(n+d,d)−1}, …]; empty when
+    nothing was clamped (or the sweep has no poly_sumformer).
+    """
+    if params.study != "sumformer" or "poly_sumformer" not in params.architectures:
+        return []
+    out = []
+    for n, d in itertools.product(params.grid.seq_len, params.grid.token_dim):
+        theory = theory_latent_dim(d, n)
+        asked = sorted(x for x in params.grid.latent_dim if x is not None and x > theory)
+        if asked:
+            out.append({"token_dim": d, "seq_len": n, "requested": asked, "effective": theory})
+    return out
+
+
 def expand_sweep(params: SweepParams) -> list[ChildSpec]:
     """The sweep's grid points as child jobs (runs in the API at submit: pure Python, no torch).
 
     Sumformer: architectures × targets × seq_len × token_dim × latent_dim × features × seed, where
     features multiplies only linformer/performer. A polynomial Sumformer's d' above C(n+d,d)−1 is
-    clamped to it, and grid points that become identical are created once.
+    clamped to it, and grid points that become identical are created once; the child's
+    `latent_dim_requested` keeps the grid's values (see also `clamped_latent_dims`).
     Attention: methods × seeds; each child covers every layer and every k.
     """
     if params.study == "attention":
@@ -317,26 +345,30 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
         ]
 
     g = params.grid
-    children: list[ChildSpec] = []
-    seen: set[tuple] = set()
+    # key → the grid's d′ values above the theory d′ that became this point (in grid order)
+    points: dict[tuple, list[int]] = {}
     for arch, target, n, d, latent, seed in itertools.product(
         params.architectures, params.targets, g.seq_len, g.token_dim, g.latent_dim, g.seed
     ):
+        clamped = []
         if arch == "poly_sumformer" and latent is not None:
+            if latent > theory_latent_dim(d, n):
+                clamped = [latent]
             latent = effective_latent_dim(arch, latent, d, n)
             if latent == theory_latent_dim(d, n):
                 latent = None  # "all monomials": one child, whatever larger d' the grid asked for
         for k in (g.features if arch in USES_FEATURES else [None]):
-            key = (arch, target, n, d, latent, k, seed)
-            if key in seen:
-                continue
-            seen.add(key)
-            child = SumformerFitParams(
-                target=target, architecture=arch, latent_dim=latent, token_dim=d, seq_len=n, features=k,
-                seed=seed, train=params.train,
-            )
-            name = f"{arch} {target} d={d} n={n} d'={_fmt_latent(latent)}" + (f" k={k}" if k else "") + f" seed={seed}"
-            children.append(ChildSpec("sumformer_fit", child.model_dump(mode="json"), name=name))
+            points.setdefault((arch, target, n, d, latent, k, seed), []).extend(clamped)
+    children: list[ChildSpec] = []
+    for (arch, target, n, d, latent, k, seed), clamped in points.items():
+        child = SumformerFitParams(
+            target=target, architecture=arch, latent_dim=latent, token_dim=d, seq_len=n, features=k,
+            seed=seed, train=params.train, latent_dim_requested=clamped or None,
+        )
+        asked = f" (asked {', '.join(map(str, clamped))})" if clamped else ""
+        name = (f"{arch} {target} d={d} n={n} d'={_fmt_latent(latent)}{asked}" + (f" k={k}" if k else "")
+                + f" seed={seed}")
+        children.append(ChildSpec("sumformer_fit", child.model_dump(mode="json"), name=name))
     return children
 
 
@@ -347,6 +379,7 @@ def sweep_size(params: SweepParams) -> int:
 
 __all__ = [
     "ARCHITECTURES", "APPROX_METHODS", "TARGET_FORMULAS", "USES_FEATURES", "AttentionApproxParams",
-    "SumformerFitParams", "SumformerGrid", "SweepParams", "TrainSettings", "effective_latent_dim",
+    "SumformerFitParams", "SumformerGrid", "SweepParams", "TrainSettings", "clamped_latent_dims",
+    "effective_latent_dim",
     "expand_sweep", "sweep_size", "theory_latent_dim",
 ]

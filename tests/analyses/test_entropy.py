@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from lmscope.analyses import entropy
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -311,3 +311,54 @@ def test_runtime_refusals_and_cancel(tmp_path, documents):
     with pytest.raises(JobCancelled):
         entropy.run(EntropyParams(model="m", dataset="wiki", seq_len=SEQ_LEN, num_segments=4, batch_size=1), ctx)
     assert len(ctx.progress_log) == 1
+
+
+def _sliding(arch: str, window: int) -> LoadedModel:
+    """Tiny Mistral (every layer slides) or Qwen2 (layers ≥ max_window_layers = 1 slide) with a short window."""
+    common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                  intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256,
+                  eos_token_id=257, pad_token_id=258, initializer_range=0.25, sliding_window=window)
+    config = (MistralConfig(**common) if arch == "mistral"
+              else Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
+
+
+@pytest.mark.parametrize("arch,layers", [("mistral", r"\[0, 1\]"), ("qwen2", r"\[1\]")])
+def test_sliding_window_shorter_than_seq_len_is_refused(tmp_path, documents, arch, layers):
+    """Query t of a sliding-window layer sees min(t+1, window) keys: ln(t+1) would be the wrong bound."""
+    loaded = _sliding(arch, window=8)
+    with pytest.raises(JobFailed, match=f"layer\\(s\\) {layers} attend over a sliding window of 8 .* "
+                                        "lower seq_len to at most 8"):
+        run_job(tmp_path, {"m": loaded}, documents)  # seq_len 24 > 8
+    # seq_len within the window: every query sees keys 0..t, and the job matches eager attention.
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, seq_len=8, num_segments=3)
+    ref = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, 8, 3))
+    np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["by_position"][0], ref.mean(1), atol=2e-5)
+
+
+def test_sliding_window_is_also_caught_from_what_the_layers_ask(tmp_path, documents, monkeypatch):
+    """A config the up-front check does not understand: the window the attention call received still counts."""
+    monkeypatch.setattr(entropy, "sliding_windows", lambda config, layers: {})
+    with pytest.raises(JobFailed, match="sliding window of 8"):
+        run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents)
+
+
+def test_bos_per_window(tmp_path, documents):
+    """bos_per_window: BOS + the next seq_len − 1 stream tokens; entropies of exactly those windows."""
+    loaded = tiny_model("llama")
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=3, bos_per_window=True)
+    stream = token_windows(loaded.tokenizer, documents, SEQ_LEN - 1, 3)  # consecutive, non-overlapping
+    windows = torch.cat([torch.full((3, 1), loaded.tokenizer.bos_token_id), stream], dim=1)
+    ref = eager_entropies(loaded, windows)
+    got = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]
+    np.testing.assert_allclose(got, ref.mean(1), atol=2e-5)
+    plain = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, SEQ_LEN, 3))
+    assert np.abs(got - plain.mean(1)).max() > 1e-3  # the BOS windows are really different inputs
+    assert out.summary["tokens"] == 3 * SEQ_LEN
+
+    no_bos = LoadedModel(name="m", model=loaded.model, tokenizer=byte_tokenizer())
+    no_bos.tokenizer.bos_token = None
+    with pytest.raises(JobFailed, match="no BOS token.*bos_per_window=false"):
+        run_job(tmp_path, {"m": no_bos}, documents, bos_per_window=True)

@@ -53,6 +53,33 @@ def test_expand_sweep_counts_grid_points_by_hand():
     assert KINDS["sweep"].expand is expand_sweep
 
 
+def test_clamped_poly_latent_dims_are_said_in_the_children_and_the_parent(tmp_path):
+    """d = 1, n = 3: C(4,1) − 1 = 3 monomials exist; the grid's d′ = 4 and 9 both become the d′ = 3 child."""
+    from lmscope.params.sweep import clamped_latent_dims
+
+    p = SweepParams(architectures=["poly_sumformer"], grid={"latent_dim": [2, 4, 9], "token_dim": [1, 2]},
+                    train=tiny_train(epochs=2, eval_every=1))
+    kids = {c.name: SumformerFitParams.model_validate(c.params) for c in expand_sweep(p)}
+    clamped = {name: q for name, q in kids.items() if q.latent_dim_requested}
+    assert list(clamped) == ["poly_sumformer fig2_poly d=1 n=3 d'=theory (asked 4, 9) seed=0"]
+    [q] = clamped.values()
+    assert q.latent_dim is None and q.latent_dim_requested == [4, 9]
+    # d = 2: theory C(5,2) − 1 = 9 ≥ every d′ asked, nothing clamped (d′ = 9 is the theory child)
+    assert all(q.latent_dim_requested is None for q in kids.values() if q.token_dim == 2)
+    assert clamped_latent_dims(p) == [{"token_dim": 1, "seq_len": 3, "requested": [4, 9], "effective": 3}]
+
+    out = run_sumformer_fit(q, LocalContext(tmp_path / "child"))
+    assert out.summary["latent_dim_effective"] == 3 and out.summary["latent_dim_requested"] == [4, 9]
+    assert "4, 9 > C(n+d,d)-1 = 3: clamped to 3" in out.summary["note"]
+    child = ChildResult(1, "sumformer_fit", q.model_dump(mode="json"), "succeeded", out.summary, out.series)
+    parent = aggregate(p, [child], LocalContext(tmp_path / "parent"))
+    assert parent.summary["latent_dim_clamped"] == clamped_latent_dims(p)
+    # no clamping, no key
+    plain = SweepParams(architectures=["poly_sumformer"], grid={"latent_dim": [2, 3], "token_dim": [1]})
+    assert clamped_latent_dims(plain) == [] and "latent_dim_clamped" not in aggregate(
+        plain, [child], LocalContext(tmp_path / "plain")).summary
+
+
 @pytest.mark.parametrize("raw,words", [
     ({"architectures": ["mlp_sumformer", "bogus"]}, ["architectures", "bogus", "poly_sumformer"]),
     ({"target": "nope"}, ["unknown target 'nope'", "fig2_poly"]),
@@ -129,6 +156,59 @@ def test_sumformer_fit_reports_curves_progress_and_a_plot(tmp_path):
     assert again.summary["best_val_error"] == s["best_val_error"]
 
 
+def test_single_threaded_restores_the_count_after_overlapping_trainings():
+    """torch's thread count is process-wide: two overlapping fits must leave it as it was before the first."""
+    import threading
+
+    from lmscope.analyses.sweep import _single_threaded
+
+    cpu = torch.device("cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first, second = _single_threaded(cpu), _single_threaded(cpu)
+        first.__enter__()
+        assert torch.get_num_threads() == 1
+        second.__enter__()
+        first.__exit__(None, None, None)  # the first ends while the second still trains
+        assert torch.get_num_threads() == 1
+        second.__exit__(None, None, None)
+        assert torch.get_num_threads() == 2  # not the 1 the second one found
+
+        # a process running several jobs at once (an embedded worker with 2 threads): leave the count alone
+        stop = threading.Event()
+        workers = [threading.Thread(target=stop.wait, name=f"lmscope-worker-{i}", daemon=True) for i in range(2)]
+        for t in workers:
+            t.start()
+        try:
+            with _single_threaded(cpu):
+                assert torch.get_num_threads() == 2
+        finally:
+            stop.set()
+            for t in workers:
+                t.join()
+        with _single_threaded(cpu):  # one job at a time again: the measured speed-up applies
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_embedded_worker_threads_carry_the_name_single_threaded_looks_for(settings_factory, sqlite_url):
+    from lmscope.analyses.sweep import WORKER_THREAD_PREFIX
+    from lmscope.db.engine import make_engine, make_sessionmaker
+    from lmscope.queue import LocalPublisher
+    from lmscope.worker.embedded import EmbeddedWorker
+
+    engine = make_engine(sqlite_url)
+    worker = EmbeddedWorker(settings_factory(database_url=sqlite_url, auth=False), make_sessionmaker(engine),
+                            LocalPublisher(), threads=2, poll_seconds=0.2)
+    try:
+        assert [t.name.startswith(WORKER_THREAD_PREFIX) for t in worker._threads] == [True, True]
+    finally:
+        engine.dispose()
+
+
 def test_sumformer_fit_honours_cancel(tmp_path):
     params = SumformerFitParams(architecture="transformer", token_dim=1, seq_len=3, latent_dim=2,
                                 train=tiny_train(epochs=50))
@@ -166,50 +246,84 @@ def _gpt2_qkv_by_hand(model, ids):
     return qkv
 
 
-def _softmax_attention_f64(q, k, v, causal):
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
+def _softmax_attention_f64(q, k, v, causal, scale=None):
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
     if causal:
         n = q.shape[2]
         scores = scores + torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
     return torch.einsum("bhij,bhjd->bhid", torch.softmax(scores, dim=-1), v)
 
 
-@pytest.mark.parametrize("method,projection", [("performer", "gaussian"), ("linformer", "gaussian"),
-                                               ("linformer", "pooling")])
-def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection):
-    from lmscope.analyses.sweep import _projection_seed, pooling_projection
-    from lmscope.catalog import read_documents
+def _gpt2_with_inverse_layer_scaling():
+    """GPT-2 whose layer l scales its scores by 1/(√D·(l+1)) (scale_attn_by_inverse_layer_idx), peaky init."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lmscope.analyses.base import LoadedModel
+    from lmscope.catalog import BUILTIN_MODELS
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    cfg = {k: v for k, v in BUILTIN_MODELS["tiny-gpt2"].items() if k != "model_type"}
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**cfg, scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)).eval()
+    return LoadedModel(name="scaled-gpt2", model=model, tokenizer=byte_tokenizer())
+
+
+def _independent_approximation(method, projection, q, k, v, feats, seed, scale):
+    """The approximation recomputed from the kernels' public functions (float32, as the job runs)."""
+    from lmscope.analyses.sweep import pooling_projection
     from lmscope.kernels import draw_favor_projection, draw_linformer_projections, favor_attention, linformer_attention
+
+    qf, kf, vf = q.float(), k.float(), v.float()
+    n = q.shape[2]
+    if method == "performer":
+        return favor_attention(qf, kf, vf, projection=draw_favor_projection(feats, q.shape[-1], seed), causal=True,
+                               scale=scale)
+    if projection == "pooling":
+        e = f = pooling_projection(feats, n)
+    elif projection == "shared":  # one R [k, N], N(0, 1/k), for keys and values
+        g = torch.Generator().manual_seed(seed)
+        e = f = (torch.randn(feats, n, generator=g, dtype=torch.float64) / math.sqrt(feats)).float()
+    else:
+        e, f = draw_linformer_projections(feats, n, seed)
+    return linformer_attention(qf, kf, vf, e, f, scale=scale)
+
+
+@pytest.mark.parametrize("method,projection,scaled", [
+    ("performer", "gaussian", False), ("linformer", "gaussian", False), ("linformer", "shared", False),
+    ("linformer", "pooling", False), ("performer", "gaussian", True), ("linformer", "shared", True)])
+def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled):
+    """`scaled`: a GPT-2 with scale_attn_by_inverse_layer_idx, whose own attention is softmax(q kᵀ/(√D·(l+1)))."""
+    from lmscope.analyses.sweep import _projection_seed
+    from lmscope.catalog import read_documents
     from lmscope.modeling.windows import token_windows
 
     docs = read_documents(WIKITEXT, "lines")[:60]
-    ctx = LocalContext(tmp_path, datasets={"w": docs})
+    name = "scaled-gpt2" if scaled else "tiny-gpt2"
+    ctx = LocalContext(tmp_path, datasets={"w": docs},
+                       models={"scaled-gpt2": _gpt2_with_inverse_layer_scaling()} if scaled else None)
     params = validate_params("attention_approx", {
-        "model": "tiny-gpt2", "dataset": "w", "method": method, "features": [4, 256], "layers": [0, 2],
+        "model": name, "dataset": "w", "method": method, "features": [4, 256], "layers": [0, 2],
         "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1, "linformer_projection": projection,
     }, internal=True)
     out = run_attention_approx(params, ctx)
     got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
 
-    lm = ctx.load_model("tiny-gpt2")
+    lm = ctx.load_model(name)
     ids = token_windows(lm.tokenizer, docs, 32, 2)
     with torch.no_grad():
         qkv = _gpt2_qkv_by_hand(lm.model, ids)
+    head_dim = qkv[0][0].shape[-1]
     for layer in (0, 2):
         q, k, v = qkv[layer]
-        exact = _softmax_attention_f64(q, k, v, causal=(method == "performer"))
+        scale = 1 / (math.sqrt(head_dim) * ((layer + 1) if scaled else 1))
+        exact = _softmax_attention_f64(q, k, v, causal=(method == "performer"), scale=scale)
         for feats in (4, 256):
-            seed = _projection_seed(1, layer, feats)
-            qf, kf, vf = q.float(), k.float(), v.float()
-            if method == "performer":
-                approx = favor_attention(qf, kf, vf, projection=draw_favor_projection(feats, q.shape[-1], seed), causal=True)
-            elif projection == "pooling":
-                pool = pooling_projection(feats, 32)
-                approx = linformer_attention(qf, kf, vf, pool, pool)
-            else:
-                approx = linformer_attention(qf, kf, vf, *draw_linformer_projections(feats, 32, seed))
+            approx = _independent_approximation(method, projection, q, k, v, feats, _projection_seed(1, layer, feats),
+                                                scale)
             per_segment = [float((approx[i].double() - exact[i]).norm() / exact[i].norm()) for i in range(2)]
             assert got[layer, feats] == pytest.approx(sum(per_segment) / 2, rel=1e-3, abs=1e-6)
+    assert out.summary["softmax_scale"] == pytest.approx(
+        [1 / (math.sqrt(head_dim) * ((layer + 1) if scaled else 1)) for layer in (0, 2)])
     if method == "performer":  # more random features, better estimate
         assert all(got[layer, 256] < got[layer, 4] for layer in (0, 2))
     if projection == "pooling":  # k ≥ N: the block means are the keys themselves, exact attention
@@ -218,6 +332,25 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     ratio = next(s for s in out.series if s.name == "time_ratio")
     assert list(ratio.x) == [4, 256] and all(r > 0 for r in ratio.y)
     assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
+
+
+def test_linformer_default_is_pooling_and_shared_uses_one_gaussian():
+    """The default must give a curve that goes to 0 (pooling); `shared` is E = F = R with N(0, 1/k) entries."""
+    from lmscope.analyses.sweep import linformer_projections
+
+    assert SweepParams(study="attention", model="m", dataset="d").linformer_projection == "pooling"
+    assert validate_params("attention_approx", {"model": "m", "dataset": "d"}, internal=True).linformer_projection \
+        == "pooling"
+    e, f = linformer_projections("shared", 64, 512, seed=3)
+    assert e is f and e.shape == (64, 512)
+    assert abs(float(e.double().var()) * 64 - 1) < 0.05 and abs(float(e.double().mean())) < 0.01
+    e, f = linformer_projections("gaussian", 64, 512, seed=3)
+    assert not torch.equal(e, f) and abs(float(f.double().var()) * 64 - 1) < 0.05
+    e, f = linformer_projections("pooling", 4, 8, seed=3)
+    assert torch.equal(e, f) and torch.equal(e, torch.tensor([[0.5, 0.5] + [0] * 6, [0, 0, 0.5, 0.5] + [0] * 4,
+                                                              [0] * 4 + [0.5, 0.5, 0, 0], [0] * 6 + [0.5, 0.5]]))
+    with pytest.raises(ValidationError, match="pooling"):
+        validate_params("attention_approx", {"model": "m", "dataset": "d", "linformer_projection": "jl"}, internal=True)
 
 
 def test_attention_study_refuses_missing_layers(tmp_path):

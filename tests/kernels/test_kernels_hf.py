@@ -130,6 +130,51 @@ def test_capture_qkv_is_post_rope_and_reproduces_eager(device):
         torch.testing.assert_close(torch.softmax(s, -1), attn.double().cpu(), atol=1e-5, rtol=0)
 
 
+def test_collector_records_each_layers_own_scale(device):
+    """GPT-2 with scale_attn_by_inverse_layer_idx: layer l scales by 1/(√D·(l+1)), not 1/√D."""
+    cfg = transformers.GPT2Config(n_layer=3, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, scale_attn_by_inverse_layer_idx=True,
+                                  initializer_range=0.2)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
+    ids, _ = _batch(seed=6, device=device)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        with EntropyCollector(model, capture_qkv=True) as col:
+            model(ids)
+    d = cfg.n_embd // cfg.n_head
+    n = ids.shape[1]
+    for layer, attn in enumerate(ref.attentions):
+        assert col.scaling[layer] == pytest.approx(1 / (math.sqrt(d) * (layer + 1)))
+        # the recorded scale reproduces the model's own attention matrix from the captured q, k
+        q, k, _ = (t.double() for t in col.qkv[layer])
+        s = (q @ k.transpose(-1, -2)) * col.scaling[layer]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        torch.testing.assert_close(torch.softmax(s, -1), attn.double(), atol=1e-5, rtol=0)
+    assert col.sliding_window == {}
+    col.clear()
+    assert col.scaling == {}
+
+
+def test_collector_records_sliding_windows(device):
+    """Mistral with sliding_window < N: every layer reports its window, and entropies match eager."""
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0, sliding_window=4)
+    torch.manual_seed(4)
+    model = transformers.MistralForCausalLM(cfg).eval().to(device)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        with EntropyCollector(model) as col:
+            model(ids)
+    assert col.sliding_window == {0: 4, 1: 4}
+    for got, want in zip(col.entropy, _eager_entropies(ref.attentions)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+    assert float(col.entropy[0][..., 8:].max()) <= math.log(4) + 1e-5  # four visible keys, not t + 1
+
+
 def test_use_lmscope_attention(model, device):
     ids, mask = _batch(seed=5, device=device)
     with torch.no_grad():
