@@ -4,13 +4,19 @@ Over the same WikiText-2 samples (same batches, same right padding):
 
   forward     model(input_ids, attention_mask).logits with the model's own attention (sdpa): the floor
   job         the whole `norms` job without the Gram condition (hidden states, norms, PCA, inner loss,
-              artifacts, plots); target ≤ 1.3× the forward on GPU. Also reported: the job without the
-              inner loss, and the job's measuring stages only (forward + inner loss + pca, no plots)
+              artifacts, plots); target ≤ 1.3× the forward on GPU. Twice: with the inner loss's last
+              block computed at the current tokens only (the job's route for GPT-2 / LLaMA-family
+              blocks) and by re-running the whole block on all positions (the generic route). Also
+              reported: the job without the inner loss, and the job's measuring stages only
+              (forward + inner loss + pca, no plots)
   gram        the "gram condition" stage per (sample, layer) pair: D×D linearised layer, WᵀW, eigh,
               all float64, batched on the device (GPT-2-style models only)
 
     python benchmarks/norms.py                                  # tiny-gpt2 on CPU (seconds)
+    python benchmarks/norms.py --model bench-gpt2 --samples 16 --max-tokens 128 --batch-size 8 --threads 1  # CPU
     python benchmarks/norms.py --model bench-gpt2 --samples 512 --json out.json     # GPT-2-small shape, GPU
+
+The routes run interleaved, best of --repeats each, so a busy shared machine slows them alike.
 """
 
 from __future__ import annotations
@@ -39,14 +45,19 @@ WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.
 
 
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
-    """`bench-gpt2` (GPT-2 small: 12 layers, 12 heads, 768 wide, 50257-token head), a built-in, or an HF dir."""
-    if spec == "bench-gpt2":
-        from transformers import AutoModelForCausalLM, GPT2Config
+    """`bench-gpt2` (GPT-2 small: 12 layers, 12 heads, 768 wide, 50257-token head), `bench-llama` (the same
+    size as a LLaMA: 12 layers, 12 query / 4 key-value heads, 768 wide, 32000-token head), a built-in,
+    or an HF dir. Random weights: the timings do not depend on them."""
+    if spec in ("bench-gpt2", "bench-llama"):
+        from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+        config = GPT2Config() if spec == "bench-gpt2" else LlamaConfig(
+            num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, hidden_size=768,
+            intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(GPT2Config(), attn_implementation="sdpa")  # byte ids < 259 fit
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")  # byte ids < 259 fit
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
-        return LoadedModel("bench-gpt2", model, byte_tokenizer(), model_info(model))
+        return LoadedModel(spec, model, byte_tokenizer(), model_info(model))
     if spec in BUILTIN_MODELS:
         return load_model(spec, "builtin", None, dtype=dtype, device=device)
     return load_model(Path(spec).name, "directory", spec, dtype=dtype, device=device)
@@ -70,13 +81,24 @@ def plain_forward(lm: LoadedModel, params: NormsParams, documents, device: str) 
     return time.perf_counter() - start
 
 
-def job(lm: LoadedModel, params: NormsParams, documents, device: str) -> tuple[float, LocalContext, dict]:
-    with tempfile.TemporaryDirectory() as d:
-        ctx = LocalContext(d, models={lm.name: lm}, datasets={"wiki": documents}, device=device)
-        start = time.perf_counter()
-        out = norms.run(params, ctx)
-        sync(device)
-        return time.perf_counter() - start, ctx, out.summary
+def job(lm: LoadedModel, params: NormsParams, documents, device: str,
+        route: str = "auto") -> tuple[float, LocalContext, dict]:
+    """The whole job; route "full" makes the inner loss re-run the whole last block (the generic path)."""
+    previous, norms.INNER_LOSS_ROUTE = norms.INNER_LOSS_ROUTE, route
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            ctx = LocalContext(d, models={lm.name: lm}, datasets={"wiki": documents}, device=device)
+            start = time.perf_counter()
+            out = norms.run(params, ctx)
+            sync(device)
+            return time.perf_counter() - start, ctx, out.summary
+    finally:
+        norms.INNER_LOSS_ROUTE = previous
+
+
+def measuring(ctx: LocalContext) -> float:
+    """Seconds of the job's measuring stages (no artifacts, no plots)."""
+    return sum(ctx.timings.get(k, 0.0) for k in ("forward", "inner loss", "pca"))
 
 
 def main() -> None:
@@ -90,44 +112,73 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--gram-samples", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per route")
+    ap.add_argument("--position", default="last", choices=["last", "all"])
+    ap.add_argument("--min-position", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU: 1 makes shared machines comparable)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = args.model or ("bench-gpt2" if args.device.startswith("cuda") else "tiny-gpt2")
     lm = bench_model(spec, args.dtype, args.device)
     documents = read_documents(WIKITEXT, "lines")
     base = dict(model=lm.name, dataset="wiki", max_samples=args.samples, max_tokens=args.max_tokens,
-                batch_size=args.batch_size, dtype=args.dtype, loss_filter=None, gram_condition=False)
+                batch_size=args.batch_size, dtype=args.dtype, loss_filter=None, gram_condition=False,
+                position=args.position, min_position=args.min_position)
 
-    def best(fn):
+    routes = {  # name → one timed run; a float, or (seconds, context, summary)
+        "forward": lambda: plain_forward(lm, NormsParams(**base), documents, args.device),
+        "job": lambda: job(lm, NormsParams(**base), documents, args.device),
+        "job_full_block": lambda: job(lm, NormsParams(**base), documents, args.device, route="full"),
+        "job_without_inner_loss": lambda: job(lm, NormsParams(**base, inner_loss=False), documents, args.device),
+    }
+    runs = {name: [] for name in routes}
+    for name, fn in routes.items():
         fn()  # warm-up: kernels compiled, caches filled
-        runs = [fn() for _ in range(args.repeats)]
-        return min(runs, key=lambda r: r if isinstance(r, float) else r[0])
-
-    forward_s = best(lambda: plain_forward(lm, NormsParams(**base), documents, args.device))
-    job_s, ctx, summary = best(lambda: job(lm, NormsParams(**base), documents, args.device))
-    no_loss_s, _, _ = best(lambda: job(lm, NormsParams(**base, inner_loss=False), documents, args.device))
-    measuring_s = sum(ctx.timings.get(k, 0.0) for k in ("forward", "inner loss", "pca"))
+    for _ in range(args.repeats):  # interleaved: a noisy neighbour slows every route alike
+        for name, fn in routes.items():
+            runs[name].append(fn())
+    best = {name: min(r, key=lambda run: run if isinstance(run, float) else run[0]) for name, r in runs.items()}
+    forward_s = best["forward"]
+    job_s, ctx, summary = best["job"]
+    full_s, full_ctx, _ = best["job_full_block"]
+    no_loss_s, _, _ = best["job_without_inner_loss"]
+    inner = {name: min(r[1].timings["inner loss"] for r in runs[name]) for name in ("job", "job_full_block")}
     result = {
         "model": spec, "device": args.device, "dtype": args.dtype, "samples": summary["samples"],
-        "tokens": args.max_tokens, "batch_size": args.batch_size, "kernel_backend": ctx.environment.get("kernel_backend"),
+        "trajectories": summary["trajectories"], "position": args.position, "tokens": args.max_tokens,
+        "batch_size": args.batch_size, "threads": torch.get_num_threads(),
+        "kernel_backend": ctx.environment.get("kernel_backend"),
         "forward_s": forward_s, "job_s": job_s, "job_ratio": job_s / forward_s,
-        "job_without_inner_loss_ratio": no_loss_s / forward_s, "measuring_stages_ratio": measuring_s / forward_s,
+        "measuring_stages_ratio": measuring(ctx) / forward_s,
+        "job_full_block_s": full_s, "job_full_block_ratio": full_s / forward_s,
+        "measuring_stages_full_block_ratio": measuring(full_ctx) / forward_s,
+        "job_without_inner_loss_ratio": no_loss_s / forward_s,
+        "inner_loss_s": inner["job"], "inner_loss_full_block_s": inner["job_full_block"],
         "stage_s": ctx.timings,
     }
     if all(norms.is_gpt2_block(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
         gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
                                      "gram_samples": args.gram_samples})
-        _, gctx, gsum = best(lambda: job(lm, gram_params, documents, args.device))
+        job(lm, gram_params, documents, args.device)
+        _, gctx, gsum = min((job(lm, gram_params, documents, args.device) for _ in range(args.repeats)),
+                            key=lambda r: r[1].timings["gram condition"])
         pairs = gsum["gram_condition_pairs"]
         result.update(gram_pairs=pairs, gram_s=gctx.timings["gram condition"],
                       gram_ms_per_pair=1e3 * gctx.timings["gram condition"] / pairs)
 
-    print(f"{spec} on {args.device} ({args.dtype}), {result['samples']} samples × ≤{args.max_tokens} tokens, "
+    print(f"{spec} on {args.device} ({args.dtype}, {result['threads']} threads), {result['samples']} samples × "
+          f"≤{args.max_tokens} tokens, position={args.position} ({result['trajectories']} trajectories), "
           f"batch {args.batch_size}, attention: {result['kernel_backend']}")
-    print(f"  plain forward            {forward_s:8.3f} s")
-    print(f"  norms job (no Gram)      {job_s:8.3f} s   {result['job_ratio']:5.2f}×   "
+    print(f"  plain forward                            {forward_s:8.3f} s")
+    print(f"  norms job (no Gram)                      {job_s:8.3f} s   {result['job_ratio']:5.2f}×   "
           f"(measuring stages only {result['measuring_stages_ratio']:.2f}×)")
-    print(f"  norms job, no inner loss {no_loss_s:8.3f} s   {result['job_without_inner_loss_ratio']:5.2f}×")
+    print(f"  norms job, whole last block re-run       {full_s:8.3f} s   {result['job_full_block_ratio']:5.2f}×   "
+          f"(measuring stages only {result['measuring_stages_full_block_ratio']:.2f}×)")
+    print(f"  norms job, no inner loss                 {no_loss_s:8.3f} s   "
+          f"{result['job_without_inner_loss_ratio']:5.2f}×")
+    print(f"  inner loss stage: {inner['job']:.3f} s at the current tokens vs {inner['job_full_block']:.3f} s "
+          f"re-running the whole block")
     print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()))
     if "gram_ms_per_pair" in result:
         print(f"  Gram condition           {result['gram_s']:8.3f} s for {result['gram_pairs']} (sample, layer) pairs"

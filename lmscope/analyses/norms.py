@@ -14,7 +14,9 @@ For every sample (one document, first max_tokens + 1 tokens; the model reads all
 
 Everything is batched: one forward pass per batch of right-padded samples gives all hidden states;
 the last block is re-applied to the hidden states of several layers at once (stacked on the batch
-axis); the Gram condition runs on (sample, layer) pairs at once in float64.
+axis), computing only what its output at the current tokens needs for GPT-2 and LLaMA-family blocks
+(keys and values everywhere, the rest at the current tokens); the Gram condition runs on (sample,
+layer) pairs at once in float64.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the
 LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
 GRAM_MATRIX_BYTES = 256 * 2**20  # one [pairs, D, D] float64 stack in the Gram condition
 TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
+INNER_LOSS_ROUTE = "auto"  # "full": always re-run the whole last block (the benchmark's comparison)
 
 
 # ---------------------------------------------------------------- the model's parts
@@ -202,27 +205,153 @@ def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> to
     return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- the last block at the current tokens only
+#
+# Eq. 14 reads the last block's output at the current token t only. In a causal block every part but
+# attention acts on each position on its own (norms, projections, MLP), and attention mixes positions
+# only through the keys and values of the positions it may see (i ≤ t, not padding). So
+#
+#     block(h)[t] = u + MLP(norm_2(u)),   u = h[t] + W_O softmax(q_t Kᵀ·scale + mask_t) V
+#     q_t = W_Q norm_1(h[t]),   K = W_K norm_1(h),   V = W_V norm_1(h)     (+ RoPE on q_t and K for LLaMA)
+#
+# is exactly the block applied to all positions of h, read at t. It costs K and V at every position
+# (2·D² multiply-adds per token for GPT-2, less with grouped-query attention) and the rest of the
+# block at the current tokens only, instead of the whole block (~12·D² per token) at every position.
+
+LLAMA_LIKE_BLOCKS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                     "GemmaDecoderLayer"}  # pre-norm, q/k/v/o_proj with RoPE (+ GQA), gated MLP: same maths
+
+
+def at(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [N, T, …] read at positions [N, Q] → [N, Q, …]."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], positions]
+
+
+def attend(q, k, v, visible, scale) -> torch.Tensor:
+    """Softmax attention of queries q [N, Q, H, d] over keys/values k, v [N, T, H_kv, d] (H_kv divides H:
+    grouped-query attention) where visible [N, 1, Q, T] allows it → [N, Q, H·d]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return a.transpose(1, 2).flatten(2)
+
+
+def gpt2_block_at(block, x, positions, visible, rope=None) -> torch.Tensor:
+    """GPT2Block(x) at positions [N, Q] of x [N, T, D], computing queries and the MLP there only."""
+    attn, D = block.attn, x.shape[-1]
+    W, b = attn.c_attn.weight, attn.c_attn.bias  # Conv1D: y = z @ W + b, output columns q | k | v
+    z = block.ln_1(x)
+    k, v = (z @ W[:, D:] + b[D:]).unflatten(-1, (2, attn.num_heads, attn.head_dim)).unbind(2)  # all positions
+    q = (at(z, positions) @ W[:, :D] + b[:D]).unflatten(-1, (attn.num_heads, attn.head_dim))  # current tokens
+    u = at(x, positions) + attn.c_proj(attend(q, k, v, visible, attn.scaling))
+    return u + block.mlp(block.ln_2(u))
+
+
+def rotate(x, cos, sin) -> torch.Tensor:
+    """RoPE as LLaMA applies it: x [N, T, H, d], cos/sin [N, T, d]; x·cos + (−x₂, x₁)·sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin[:, :, None]
+
+
+def llama_block_at(block, x, positions, visible, rope) -> torch.Tensor:
+    """LlamaDecoderLayer(x) (and Mistral, Qwen2/3, Gemma) at positions [N, Q] of x [N, T, D];
+    rope = the model's (cos, sin) [N, T, d] for every position."""
+    attn, d = block.self_attn, block.self_attn.head_dim
+    cos, sin = rope
+    z = block.input_layernorm(x)
+    q = attn.q_proj(at(z, positions)).unflatten(-1, (-1, d))  # current tokens  [N, Q, H, d]
+    k = attn.k_proj(z).unflatten(-1, (-1, d))  # all positions  [N, T, H_kv, d]
+    v = attn.v_proj(z).unflatten(-1, (-1, d))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's query and key before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rotate(q, at(cos, positions), at(sin, positions)), rotate(k, cos, sin)
+    u = at(x, positions) + attn.o_proj(attend(q, k, v, visible, attn.scaling))
+    return u + block.mlp(block.post_attention_layernorm(u))
+
+
+def current_token_block(block, call: BlockCall):
+    """(block_at, rope, sliding window) for the blocks written out above, or None: then the generic path
+    re-runs the whole block on all positions."""
+    name = type(block).__name__
+    if name == "GPT2Block":
+        return gpt2_block_at, None, None
+    rope = call.kwargs.get("position_embeddings")
+    if name in LLAMA_LIKE_BLOCKS and rope is not None and getattr(block.self_attn, "is_causal", True):
+        attn = block.self_attn
+        if hasattr(attn, "sliding_window"):  # Qwen2/3: per layer (None on full-attention layers)
+            window = attn.sliding_window
+        else:  # Mistral: one window for every layer (None: none); LLaMA, Gemma: none
+            window = getattr(attn.config, "sliding_window", None)
+        return llama_block_at, rope, window
+    return None
+
+
+def query_grid(rows: torch.Tensor, cols: torch.Tensor, attention_mask: torch.Tensor):
+    """The current tokens (rows, cols) laid out per batch row: positions [B, Q], Q = most current tokens
+    in one row, and each current token's slot in its row. Free slots point at the row's first real
+    token: any visible position will do, their outputs are never read."""
+    B, T = attention_mask.shape
+    counts = torch.bincount(rows, minlength=B)
+    order = torch.argsort(rows * T + cols)
+    slot = torch.empty_like(rows)
+    slot[order] = torch.arange(len(rows), device=rows.device) - (torch.cumsum(counts, 0) - counts)[rows[order]]
+    positions = attention_mask.long().argmax(1)[:, None].repeat(1, int(counts.max()))
+    positions[rows, slot] = cols
+    return positions, slot
+
+
+def visible_keys(positions: torch.Tensor, attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, 1, Q, T] bool: from query position t, key i is visible when i ≤ t (causal), i is a real token
+    (not padding) and, with a sliding window, t − i < window (transformers' sliding_window_overlay)."""
+    keys = torch.arange(attention_mask.shape[1], device=positions.device)
+    t = positions[..., None]  # [B, Q, 1]
+    visible = (keys <= t) & attention_mask.bool()[:, None, :]
+    if window is not None:
+        visible &= t - keys < window
+    return visible[:, None]
+
+
 @torch.no_grad()
-def inner_losses(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, rows: torch.Tensor,
-                 cols: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Eq. 14 for l = 0 … L-1 → [n, L]: the last block applied to ALL positions of h_l (same masks,
-    same position embeddings as in the model's own pass), then the final norm and the LM head at the
-    current tokens (rows, cols) against their labels. Several layers go through the block at once;
-    l = L-1 is the model's own pass (block_{L-1}(h_{L-1}) = h_L), so it is not run again."""
+def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, attention_mask: torch.Tensor,
+                       rows: torch.Tensor, cols: torch.Tensor, route: str = "auto") -> torch.Tensor:
+    """block_{L-1}(h_l) at the current tokens (rows, cols), for l = 0 … L-1 → [L, n, D]: the last block
+    applied to ALL positions of h_l with the same masks and position embeddings as in the model's own
+    pass. Several layers go through the block at once (stacked on the batch axis); l = L-1 is the
+    model's own pass (block_{L-1}(h_{L-1}) = h_L), so it is not run again.
+
+    route "auto": computed at the current tokens only (see above) for GPT-2 and LLaMA-family blocks,
+    else by re-running the whole block; "full": always re-run the whole block."""
     B, T, D = hidden[0].shape
     L = len(hidden)
+    block = parts.blocks[-1]
+    cheap = current_token_block(block, call) if route == "auto" else None
+    if cheap is not None:
+        block_at, rope, window = cheap
+        positions, slot = query_grid(rows, cols, attention_mask)
+        visible = visible_keys(positions, attention_mask, window)
     per_call = max(1, min(L, LAST_BLOCK_ELEMENTS // (B * T * D)))
-    outputs = []  # [c, n, D] last-block outputs at the current tokens, layer chunk by layer chunk
+    outputs = []  # [c, n, D] per chunk of c layers
     for first in range(0, L - 1, per_call):
-        layers = range(first, min(L - 1, first + per_call))
-        x = torch.cat([hidden[l] for l in layers])  # [c·B, T, D], layer-major
-        args = _tile(call.args[1:], B, len(layers))
-        kwargs = _tile(call.kwargs, B, len(layers))
-        y = parts.blocks[-1](x, *args, **kwargs)
-        y = (y[0] if isinstance(y, tuple) else y).view(len(layers), B, T, D)
-        outputs.append(y[:, rows, cols])  # only the current tokens need the LM head
+        c = min(L - 1, first + per_call) - first
+        x = torch.cat(hidden[first:first + c])  # [c·B, T, D], layer-major
+        if cheap is not None:
+            rope_c = None if rope is None else tuple(r.expand(B, T, -1).repeat(c, 1, 1) for r in rope)
+            y = block_at(block, x, positions.repeat(c, 1), visible.repeat(c, 1, 1, 1), rope_c)  # [c·B, Q, D]
+            outputs.append(y.view(c, B, -1, D)[:, rows, slot])
+        else:
+            y = block(x, *_tile(call.args[1:], B, c), **_tile(call.kwargs, B, c))
+            y = (y[0] if isinstance(y, tuple) else y).view(c, B, T, D)
+            outputs.append(y[:, rows, cols])  # only the current tokens need the LM head
     outputs.append(call.output[rows, cols][None])
-    current = torch.cat(outputs)  # [L, n, D]
+    return torch.cat(outputs)
+
+
+@torch.no_grad()
+def inner_losses(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, attention_mask: torch.Tensor,
+                 rows: torch.Tensor, cols: torch.Tensor, labels: torch.Tensor, route: str = "auto") -> torch.Tensor:
+    """Eq. 14 for l = 0 … L-1 → [n, L]: CE(lm_head(final_norm(block_{L-1}(h_l)))[t], label) at the
+    current tokens t = (rows, cols)."""
+    current = last_block_outputs(parts, hidden, call, attention_mask, rows, cols, route)  # [L, n, D]
+    L, _, D = current.shape
     return token_losses(parts, current.reshape(-1, D), labels.repeat(L)).view(L, -1).T  # [n, L]
 
 
@@ -378,7 +507,8 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
             with ctx.stage("inner loss"):
                 targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
                                         zip(samples.traj_sample[trajs], samples.traj_pos[trajs])], device=device)
-                m.losses[trajs] = inner_losses(parts, hidden, call, rows, cols, targets).cpu().numpy()
+                m.losses[trajs] = inner_losses(parts, hidden, call, mask, rows, cols, targets,
+                                               INNER_LOSS_ROUTE).cpu().numpy()
             ctx.progress(done, n_batches, "inner loss")
     return m
 

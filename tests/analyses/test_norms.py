@@ -4,7 +4,8 @@ Oracles: each sample run alone through the model (no batching, no padding) with
 ``output_hidden_states``; a hand-built GPT-2 whose blocks add a known vector to the residual stream
 (so the trajectories and percentages are worked out by hand); a one-block copy of the model fed
 ``inputs_embeds = h_l`` for the inner loss; and the linearised layer W assembled head by head from
-the modules' behaviour on basis vectors for the Gram condition (‖Wx‖ ≥ ‖x‖).
+the modules' behaviour on basis vectors for the Gram condition (‖Wx‖ ≥ ‖x‖); and the whole last
+block re-run on all positions (float64) for the job's cheaper current-token route.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 from lmscope.analyses import norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -263,6 +264,68 @@ def test_pca_of_all_trajectory_points(gpt2_run, documents):
     signs = np.sign((top * pca["components"]).sum(1))  # eigenvectors are defined up to sign
     expected = (points[pca["sample_ids"]] - flat.mean(0)) @ top.T * signs
     np.testing.assert_allclose(pca["coords"], expected, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the last block at the current tokens only
+
+SMALL = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
+             max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, initializer_range=0.1)
+BLOCK_CONFIGS = {
+    "gpt2": lambda: GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
+                               initializer_range=0.1),
+    "llama-gqa": lambda: LlamaConfig(**SMALL),
+    "mistral-sliding-window": lambda: MistralConfig(**SMALL, sliding_window=6),  # a window shorter than the text
+    "qwen3-qk-norm": lambda: Qwen3Config(**SMALL, head_dim=8),
+    "gpt-neox": lambda: GPTNeoXConfig(num_hidden_layers=3, num_attention_heads=4, hidden_size=32,
+                                      intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE),
+}
+
+
+@pytest.mark.parametrize("arch", list(BLOCK_CONFIGS))
+def test_last_block_at_current_tokens_equals_the_whole_block(arch):
+    """In float64, the last block computed at the current tokens only (K, V everywhere, the rest there)
+    gives what re-running it on all positions of h_l gives, read at those tokens: padded rows,
+    current tokens in the middle of a row (real tokens after them) and several in one row."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(BLOCK_CONFIGS[arch](), attn_implementation="sdpa").eval().double()
+    parts = norms.model_parts(model)
+    lengths = torch.tensor([20, 13, 7, 16])  # right-padded to 20
+    mask = (torch.arange(20)[None] < lengths[:, None]).long()
+    hidden, call = norms.hidden_states(parts, torch.randint(0, 256, (4, 20)), mask)
+    rows = torch.tensor([3, 0, 1, 2, 3, 3, 1, 0])
+    cols = torch.tensor([15, 19, 12, 6, 2, 9, 5, 4])  # each row's last real token, then mid-row ones
+    cheap = norms.current_token_block(parts.blocks[-1], call)
+    assert (cheap is None) == (arch == "gpt-neox"), "GPT-2 and LLaMA-family blocks take the cheap route"
+    fast = norms.last_block_outputs(parts, hidden, call, mask, rows, cols)
+    whole = norms.last_block_outputs(parts, hidden, call, mask, rows, cols, route="full")
+    assert fast.shape == whole.shape == (3, 8, 32)
+    torch.testing.assert_close(fast, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fast[-1], call.output[rows, cols], rtol=0, atol=0)  # l = L-1: the model's own pass
+    if arch == "mistral-sliding-window":  # the window matters here: without it row 3, token 15 sees 0 … 15
+        block_at, rope, window = cheap
+        position = torch.tensor([[15]])
+        no_window = block_at(parts.blocks[-1], hidden[0][3:4], position, norms.visible_keys(position, mask[3:4], None),
+                             tuple(r.expand(1, 20, -1) for r in rope))
+        assert window == 6 and (no_window[0, 0] - whole[0, 0]).abs().max() > 1e-3
+
+
+def test_inner_loss_routes_agree_in_float32(llama_run, documents):
+    """The job's dtype: the cheap route's losses match the whole-block route's to float32 rounding."""
+    lm = llama_run[0]
+    parts = norms.model_parts(lm.model)
+    params = NormsParams(model="m", dataset="wiki", max_tokens=MAX_TOKENS, min_words=MIN_WORDS, max_samples=8,
+                         position="all", min_position=40)
+    samples = norms.select_samples(lm.tokenizer, documents, params)
+    batch, trajs = next(norms.batches(samples, 8))
+    ids, mask = norms.pad_batch(samples, batch, 0, "cpu")
+    rows, cols = norms.current_tokens(samples, batch, trajs, "cpu")
+    labels = torch.tensor([samples.tokens[s][p + 1]
+                           for s, p in zip(samples.traj_sample[trajs], samples.traj_pos[trajs])])
+    hidden, call = norms.hidden_states(parts, ids, mask)
+    fast = norms.inner_losses(parts, hidden, call, mask, rows, cols, labels)
+    whole = norms.inner_losses(parts, hidden, call, mask, rows, cols, labels, route="full")
+    assert fast.shape == (len(trajs), 3) and len(trajs) > len(batch)
+    torch.testing.assert_close(fast, whole, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- Gram condition (Proposition 1)
