@@ -22,6 +22,7 @@ layer) pairs at once in float64.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -195,12 +196,19 @@ def _tile(obj, batch: int, times: int):
 
 @torch.no_grad()
 def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """CE(lm_head(final_norm(h)), label) per row of h [N, D]; logits made in chunks to bound memory."""
-    vocab = parts.lm_head.weight.shape[0]
+    """CE(lm_head(final_norm(h)), label) per row of h [N, D]; logits made in chunks to bound memory.
+
+    The LM head runs in float32 whatever the model's dtype: in bf16/fp16 the cross-entropy would be off
+    by ~1e-2 nats, enough to move trajectories across `loss_filter`.
+    """
+    norm = copy.deepcopy(parts.final_norm).float()  # D parameters: cheap to copy
+    weight = parts.lm_head.weight.float()
+    bias = parts.lm_head.bias.float() if getattr(parts.lm_head, "bias", None) is not None else None
+    vocab = weight.shape[0]
     rows = max(1, LOGIT_ELEMENTS // vocab)
     out = []
     for start in range(0, h.shape[0], rows):
-        logits = parts.lm_head(parts.final_norm(h[start:start + rows])).float()
+        logits = F.linear(norm(h[start:start + rows].float()), weight, bias)
         out.append(F.cross_entropy(logits, labels[start:start + rows], reduction="none"))
     return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 
@@ -533,8 +541,10 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
         return summary, series, kept
     final = m.losses[:, -1]
     kept = final <= params.loss_filter if params.loss_filter is not None else np.ones(S, bool)
+    finite = np.isfinite(final)  # one overflowed fp16 loss must not make the headline NaN
     summary.update(inner_loss_kept=int(kept.sum()), inner_loss_total=S, loss_filter=params.loss_filter,
-                   inner_loss_final_mean=float(final.mean()))
+                   inner_loss_final_mean=float(final[finite].mean()) if finite.any() else None,
+                   inner_loss_nonfinite=int((~finite).sum()))
     if kept.any():
         about = {"kept": int(kept.sum()), "total": S, "loss_filter": params.loss_filter}
         series += [Series("inner_loss.mean", list(range(layers)), m.losses[kept].mean(0).tolist(), about),

@@ -521,3 +521,23 @@ def test_bad_parameters_are_refused_at_submit():
     with pytest.raises(ValidationError):
         validate_params("norms", {"model": "m", "dataset": "d", "loss_filter": -1})
     assert validate_params("norms", {"model": "m", "dataset": "d", "loss_filter": None}).loss_filter is None
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_inner_loss_logits_are_float32_for_a_bfloat16_model(arch):
+    """In bf16 the loss must still match a float64 computation from the same (bf16) weights."""
+    config = (GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=BYTE_VOCAB_SIZE) if arch == "gpt2" else
+              LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=64,
+                          intermediate_size=128, vocab_size=BYTE_VOCAB_SIZE))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    parts = norms.model_parts(model)
+    h = (4 * torch.randn(32, 64)).to(torch.bfloat16)
+    labels = torch.randint(0, BYTE_VOCAB_SIZE, (32,))
+
+    norm64 = copy.deepcopy(parts.final_norm).double()
+    logits64 = F.linear(norm64(h.double()), parts.lm_head.weight.double())
+    expected = F.cross_entropy(logits64, labels, reduction="none")
+    got = norms.token_losses(parts, h, labels)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, atol=2e-4, rtol=0)
