@@ -74,7 +74,9 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
         env = dict(os.environ if env is None else env)
-        data_dir = Path(env.get("LMSCOPE_DATA_DIR", Path.home() / ".lmscope")).expanduser()
+        # Absolute, so that a relative LMSCOPE_DATA_DIR means the same folder to every component
+        # (Flask's send_file, for one, resolves relative paths against the package, not the cwd).
+        data_dir = Path(env.get("LMSCOPE_DATA_DIR", Path.home() / ".lmscope")).expanduser().absolute()
         broker = env.get("LMSCOPE_BROKER_URL") or None
         wikitext = env.get("LMSCOPE_WIKITEXT2_PATH")
         default_wikitext = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -82,8 +84,8 @@ class Settings:
             data_dir=data_dir,
             database_url=env.get("LMSCOPE_DATABASE_URL", f"sqlite:///{data_dir / 'lmscope.db'}"),
             broker_url=broker,
-            artifact_dir=Path(env.get("LMSCOPE_ARTIFACT_DIR", data_dir / "artifacts")).expanduser(),
-            model_dirs=[Path(p).expanduser() for p in env.get("LMSCOPE_MODEL_DIRS", "").split(os.pathsep) if p],
+            artifact_dir=Path(env.get("LMSCOPE_ARTIFACT_DIR", data_dir / "artifacts")).expanduser().absolute(),
+            model_dirs=[Path(p).expanduser().absolute() for p in env.get("LMSCOPE_MODEL_DIRS", "").split(os.pathsep) if p],
             auth=env.get("LMSCOPE_AUTH", "0" if not broker else "1") not in ("0", "false", "no", ""),
             max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
             max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),

@@ -62,6 +62,6 @@ def download_artifact(job_id: int, name: str):
     if path is None or not Path(path).is_file():
         raise Problem(404, "not-found", "Artifact file missing",
                       f"artifact {name!r} of job {job_id} is recorded but its file is not in the artifact store")
-    return send_file(path, mimetype=artifact.media_type, download_name=Path(name).name,
+    return send_file(Path(path).absolute(), mimetype=artifact.media_type, download_name=Path(name).name,
                      as_attachment=not artifact.media_type.startswith(("image/", "text/", "application/json")),
                      conditional=True, etag=artifact.sha256)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 import time
+from pathlib import Path
 
 from lmscope.db.models import Artifact, Series, utcnow
 
@@ -108,3 +109,16 @@ def test_events_stream_is_bounded(api):
     r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=0.3", headers=h)
     text = r.get_data(as_text=True)
     assert "event: status" in text and "event: timeout" in text and "event: end" not in text
+
+
+def test_artifacts_download_when_the_artifact_dir_is_relative(make_api, tmp_path, monkeypatch):
+    """A relative artifact folder (e.g. `LMSCOPE_DATA_DIR=.demo`): the files are found, not a 500."""
+    monkeypatch.chdir(tmp_path)
+    api = make_api(artifact_dir=Path("relative-data/artifacts"))
+    api.add_model("m")
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    png = b"\x89PNG\r\n\x1a\n" + b"\x01" * 64
+    add_results(api, job_id, {"norms.png": png})
+    r = api.client.get(f"/v1/jobs/{job_id}/artifacts/norms.png", headers=h)
+    assert r.status_code == 200 and r.data == png
