@@ -445,6 +445,32 @@ def datasets(ctx):
         ctx.invoke(datasets_list)
 
 
+@datasets.command("add")
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "lines", "jsonl"]), default="text", show_default=True,
+              help="text: paragraphs split by blank lines; lines: one document per line (WikiText); jsonl: {\"text\": ...}")
+@click.option("--description", help="what the corpus is")
+def datasets_add(name, path, fmt, description):
+    """Register a file on the server as dataset NAME, without uploading it (run on the server: talks to the
+    database directly). For corpora larger than LMSCOPE_MAX_UPLOAD_BYTES, e.g. WikiText-103."""
+    from sqlalchemy import select
+
+    from lmscope.catalog import CatalogError
+    from lmscope.db.builtins import register_dataset_file
+    from lmscope.db.models import Dataset
+
+    sessions = _sessions()
+    with sessions() as session:
+        if session.scalar(select(Dataset.id).where(Dataset.name == name)) is not None:
+            raise click.ClickException(f"a dataset named {name!r} exists; pick another name")
+    try:
+        d = register_dataset_file(sessions, name, path, fmt, description=description)
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"registered dataset {d.name}: {d.num_documents} documents, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
+
+
 @datasets.command("list")
 def datasets_list():
     """List datasets."""

@@ -46,6 +46,36 @@ def test_server_commands_exist():
 
 # ---------------------------------------------------------------- users (direct database access)
 
+def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_path, monkeypatch):
+    """`lmscope datasets add` (for corpora past the upload limit, e.g. WikiText-103): one document per line,
+    headings dropped, counted and hashed like an upload; a taken name and a non-UTF-8 file are refused."""
+    import hashlib
+
+    from sqlalchemy import create_engine, select
+
+    from lmscope.db.models import Dataset
+
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", sqlite_url)
+    corpus = tmp_path / "wiki.train.raw"
+    body = " = Title = \r\n First paragraph .\r\n\r\n = = Section = = \r\n Second one .\r\n Third .\r\n"
+    corpus.write_bytes(body.encode())
+    runner = CliRunner()
+    added = runner.invoke(main, ["datasets", "add", "wt103", str(corpus), "--format", "lines"])
+    assert added.exit_code == 0, added.output
+    assert "3 documents" in added.output
+    with create_engine(sqlite_url).connect() as c:
+        row = c.execute(select(Dataset).where(Dataset.name == "wt103")).one()
+    assert (row.num_documents, row.num_bytes, row.format) == (3, len(body.encode()), "lines")
+    assert row.sha256 == hashlib.sha256(body.encode()).hexdigest() and row.path == str(corpus.resolve())
+
+    again = runner.invoke(main, ["datasets", "add", "wt103", str(corpus)])
+    assert again.exit_code != 0 and "exists" in again.output
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
+    bad = runner.invoke(main, ["datasets", "add", "latin", str(latin1)])
+    assert bad.exit_code != 0 and "not UTF-8" in bad.output and "line 2" in bad.output
+
+
 def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):
     from lmscope.api import create_app
 

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from lmscope.catalog import BUILTIN_MODELS, config_facts, read_documents, sha256_bytes
+from lmscope.catalog import BUILTIN_MODELS, CatalogError, config_facts, parse_documents, sha256_bytes
 from lmscope.config import Settings
 from lmscope.db.models import Dataset, Model
 
@@ -46,11 +46,28 @@ def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) 
             vocab_size=facts.vocab_size, dtype="float32", info={"config": dict(config), "tokenizer": "bytes"}))
     path = settings.wikitext2_path
     if path and Path(path).is_file():
-        data = Path(path).read_bytes()
         with session_factory() as session:
             row = session.execute(select(Dataset.sha256, Dataset.path).where(Dataset.name == WIKITEXT2)).one_or_none()
-        if row is None or row.sha256 != sha256_bytes(data) or row.path != str(Path(path).resolve()):
-            _upsert(session_factory, Dataset, WIKITEXT2, dict(
-                source="builtin", path=str(Path(path).resolve()), format="lines",
-                num_documents=len(read_documents(Path(path), "lines")), num_bytes=len(data), sha256=sha256_bytes(data),
-                description="WikiText-2 (raw) test split; every non-empty line that is not a heading is a document"))
+        if row is None or row.path != str(Path(path).resolve()) or row.sha256 != sha256_bytes(Path(path).read_bytes()):
+            register_dataset_file(session_factory, WIKITEXT2, Path(path), "lines", source="builtin",
+                                  description="WikiText-2 (raw) test split; every non-empty line that is not a "
+                                              "heading is a document")
+
+
+def register_dataset_file(session_factory: sessionmaker[Session], name: str, path: Path, fmt: str, *,
+                          source: str = "file", description: str | None = None) -> Dataset:
+    """Register a text file already on the server (no upload, no size limit) as dataset `name`.
+
+    For corpora too large to upload, e.g. WikiText-103: ``lmscope datasets add wikitext-103
+    /data/wikitext-103-raw/wiki.train.raw --format lines``. Raises CatalogError when the file cannot be read.
+    """
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise CatalogError(f"{path} is not a file")
+    data = path.read_bytes()
+    docs = parse_documents(data, fmt)
+    values = dict(source=source, path=str(path), format=fmt, num_documents=len(docs), num_bytes=len(data),
+                  sha256=sha256_bytes(data), description=description)
+    _upsert(session_factory, Dataset, name, values)
+    with session_factory() as session:
+        return session.execute(select(Dataset).where(Dataset.name == name)).scalar_one()

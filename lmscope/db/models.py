@@ -152,7 +152,7 @@ class Dataset(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    source: Mapped[str] = mapped_column(String(16))  # builtin | upload
+    source: Mapped[str] = mapped_column(String(16))  # builtin | upload | file (`lmscope datasets add`)
     path: Mapped[str] = mapped_column(Text)
     format: Mapped[str] = mapped_column(String(16))  # text | lines | jsonl (lmscope.catalog.DATASET_FORMATS)
     num_documents: Mapped[int] = mapped_column(Integer)
