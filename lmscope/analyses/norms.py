@@ -492,14 +492,24 @@ class Measurements:
     pca: RunningPCA  # moments of all trajectory points
 
 
+class Progress:
+    """One count over the whole job (forward batches, PCA, Gram batches, plots), so it never goes back."""
+
+    def __init__(self, ctx: JobContext, total: int):
+        self.ctx, self.done, self.total = ctx, 0, total
+
+    def step(self, stage: str, n: int = 1) -> None:
+        self.done = min(self.done + n, self.total)
+        self.ctx.progress(self.done, self.total, stage)
+
+
 def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int, device,
-            points: int, pca_trajs: np.ndarray) -> Measurements:
+            points: int, pca_trajs: np.ndarray, progress: Progress) -> Measurements:
     """One batched forward pass per batch: norms, PCA moments and (optionally) the inner loss."""
     S, D = len(samples.traj_sample), parts.lm_head.weight.shape[1]
     m = Measurements(np.zeros((S, points), np.float32), np.full((S, parts.num_layers), np.nan, np.float32),
                      np.zeros((len(pca_trajs), points, D), np.float32), RunningPCA(D, device))
-    n_batches = math.ceil(len(samples.tokens) / params.batch_size)
-    for done, (batch, trajs) in enumerate(batches(samples, params.batch_size), 1):
+    for batch, trajs in batches(samples, params.batch_size):
         rows, cols = current_tokens(samples, batch, trajs, device)
         with ctx.stage("forward"):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
@@ -510,14 +520,15 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
             m.pca.add(current.reshape(-1, D))
             drawn = np.isin(trajs, pca_trajs)
             m.pca_points[np.searchsorted(pca_trajs, trajs[drawn])] = current[torch.from_numpy(drawn).to(device)].cpu().numpy()
-        ctx.progress(done, n_batches, "forward")
+        if not params.inner_loss:
+            progress.step("forward")
         if params.inner_loss:
             with ctx.stage("inner loss"):
                 targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
                                         zip(samples.traj_sample[trajs], samples.traj_pos[trajs])], device=device)
                 m.losses[trajs] = inner_losses(parts, hidden, call, mask, rows, cols, targets,
                                                INNER_LOSS_ROUTE).cpu().numpy()
-            ctx.progress(done, n_batches, "inner loss")
+            progress.step("forward + inner loss")
     return m
 
 
@@ -571,14 +582,17 @@ def run(params: NormsParams, ctx: JobContext) -> JobOutput:
 
     samples = select_samples(tokenizer, ctx.load_documents(params.dataset), params, max_tokens)
     pca_trajs = _choose(len(samples.traj_sample), params.pca_samples, params.seed, 1)
+    gram_chosen = gram_trajectories(params, parts, samples, lm.info)
+    progress = Progress(ctx, math.ceil(len(samples.tokens) / params.batch_size) + 1
+                        + math.ceil(len(np.unique(samples.traj_sample[gram_chosen])) / params.batch_size)
+                        + PLOTS)
     with kernel_attention(model, ctx):
-        m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs)
+        m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs, progress)
         with ctx.stage("pca"):
-            ctx.progress(0, 1, "pca")
             mean, components, explained = m.pca.fit(3)
             coords = ((torch.from_numpy(m.pca_points).to(device, torch.float64) - mean) @ components.T).cpu().numpy()
-            ctx.progress(1, 1, "pca")
-        gram = gram_condition(params, ctx, parts, samples, pad_id, device, points, lm.info)
+            progress.step("pca")
+        gram = gram_condition(params, ctx, parts, samples, pad_id, device, points, lm.info, gram_chosen, progress)
 
     summary, series, kept = summarise(params, m, samples, L)
     summary["max_tokens"] = max_tokens
@@ -596,42 +610,56 @@ def run(params: NormsParams, ctx: JobContext) -> JobOutput:
                         trajectory_ids=pca_trajs, sample_ids=samples.traj_sample[pca_trajs])
     with ctx.stage("plots"):
         title = f"{params.model} on {params.dataset}"
-        ctx.progress(0, 3, "plots")
         norms_plots.plot_norms(out / "norms.png", m.norms, _choose(len(m.norms), TRAJECTORY_LINES, params.seed, 2),
                                params.include_last_layer, title, summary["sequence_pct"], summary["pair_pct"])
-        ctx.progress(1, 3, "plots")
+        progress.step("plots")
         if params.inner_loss:
             norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title)
-        ctx.progress(2, 3, "plots")
+        progress.step("plots")
         norms_plots.plot_pca3d(out / "pca3d.png", coords, explained.cpu().numpy(), params.include_last_layer, title)
-        ctx.progress(3, 3, "plots")
+        progress.step("plots")
     return JobOutput(summary, series)
 
 
+PLOTS = 3  # norms.png, inner_loss.png, pca3d.png
+
+
+def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> str | None:
+    """Why the Gram condition is not computed, or None when it is."""
+    if not params.gram_condition:
+        return "not requested (gram_condition=false)"
+    gated = info.get("gated_ffn") or any(hasattr(getattr(b, "mlp", None), "gate_proj") for b in parts.blocks)
+    if gated or not all(is_gpt2_block(b) for b in parts.blocks):
+        why = "a gated FFN (LLaMA family)" if gated else f"{type(parts.blocks[0]).__name__} blocks"
+        return (f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
+                f"two-matrix FFN (W2·W1); {params.model} has {why}")
+    if params.gram_samples == 0:
+        return "gram_samples=0"
+    return None
+
+
+def gram_trajectories(params: NormsParams, parts: ModelParts, samples: Samples, info: dict) -> np.ndarray:
+    """The trajectories the Gram condition is checked on (none when it does not apply)."""
+    if gram_not_applicable(params, parts, info):
+        return np.zeros(0, np.int64)
+    return _choose(len(samples.traj_sample), params.gram_samples, params.seed, 3)
+
+
 def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int,
-                   device, points: int, info: dict) -> dict:
+                   device, points: int, info: dict, chosen: np.ndarray, progress: Progress) -> dict:
     """% of (trajectory, layer) pairs meeting Proposition 1's condition, for GPT-2-style blocks.
 
     Layer l pairs x = h_l[t] with block l (the map h_l → h_{l+1}), for the steps of the trajectory.
     """
-    if not params.gram_condition:
-        return {"gram_condition_pct": None, "gram_condition_reason": "not requested (gram_condition=false)"}
-    gated = info.get("gated_ffn") or any(hasattr(getattr(b, "mlp", None), "gate_proj") for b in parts.blocks)
-    if gated or not all(is_gpt2_block(b) for b in parts.blocks):
-        why = "a gated FFN (LLaMA family)" if gated else f"{type(parts.blocks[0]).__name__} blocks"
-        return {"gram_condition_pct": None,
-                "gram_condition_reason": f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
-                                         f"two-matrix FFN (W2·W1); {params.model} has {why}"}
-    if params.gram_samples == 0:
-        return {"gram_condition_pct": None, "gram_condition_reason": "gram_samples=0"}
-    chosen = _choose(len(samples.traj_sample), params.gram_samples, params.seed, 3)
+    reason = gram_not_applicable(params, parts, info)
+    if reason:
+        return {"gram_condition_pct": None, "gram_condition_reason": reason}
     steps = points - 1  # blocks 0 … steps-1
     linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
     per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * linear.dim ** 2))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
-    n_batches = math.ceil(len(np.unique(samples.traj_sample[chosen])) / params.batch_size)
     with ctx.stage("gram condition"):
-        for done, (batch, trajs) in enumerate(batches(samples, params.batch_size, subset=chosen), 1):
+        for batch, trajs in batches(samples, params.batch_size, subset=chosen):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, _ = hidden_states(parts, input_ids, mask)
             rows, cols = current_tokens(samples, batch, trajs, device)
@@ -650,7 +678,7 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
                 ratio.append(r.cpu())
                 pair_traj.append(torch.as_tensor(trajs, device=device)[t_i].cpu())
                 pair_layer.append(l_i.cpu())
-            ctx.progress(done, n_batches, "gram condition")
+            progress.step("gram condition")
     holds_np = torch.cat(holds).numpy()
     np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),
                         layers=torch.cat(pair_layer).numpy(), holds=holds_np, ratio=torch.cat(ratio).numpy())
