@@ -299,3 +299,7 @@ def test_load_model_goes_through_the_registry_and_the_cache(settings, context, s
     assert loaded.model.config.n_layer == BUILTIN_MODELS["tiny-gpt2"]["n_layer"]
     assert context.load_model("tiny-gpt2") is loaded  # cached in the process
     assert context.environment["models"] == {"tiny-gpt2": {"source": "builtin", "dtype": "float32"}}
+    # Built-ins are registered without torch; the first load fills in their parameter count.
+    unique = {id(p): p.numel() for p in loaded.model.parameters()}
+    with sessions() as session:
+        assert session.scalar(select(Model.num_parameters).where(Model.name == "tiny-gpt2")) == sum(unique.values())
