@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import lmscope
-from lmscope.client import Client, LmscopeError
+from lmscope.client import TERMINAL_STATES, Client, LmscopeError
 
 
 # ---------------------------------------------------------------- errors
@@ -61,6 +61,51 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def field_schema(schema: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    """The JSON schema of the (dotted) params field `key` in a kind's params schema, or None."""
+    node = schema
+    for part in key.split("."):
+        node = _deref(schema, node)
+        props = (node or {}).get("properties")
+        if not isinstance(props, dict) or part not in props:
+            return None
+        node = props[part]
+    return _deref(schema, node)
+
+
+def _deref(root: dict[str, Any] | None, node: Any) -> Any:
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/$defs/"):
+        node = (root or {}).get("$defs", {}).get(node["$ref"].split("/")[-1])
+    return node
+
+
+def json_types(root: dict[str, Any] | None, node: Any) -> set[str]:
+    """The JSON types a schema accepts ({"string", "null"} for `str | None`); "any" when it cannot tell."""
+    node = _deref(root, node)
+    if not isinstance(node, dict):
+        return {"any"}
+    if "anyOf" in node or "oneOf" in node:
+        return set().union(*(json_types(root, n) for n in node.get("anyOf", node.get("oneOf"))))
+    if "type" in node:
+        return set(node["type"]) if isinstance(node["type"], list) else {node["type"]}
+    values = node.get("enum", [node["const"]] if "const" in node else None)
+    if values is not None:
+        return {"string" if isinstance(v, str) else "null" if v is None else "any" for v in values}
+    return {"any"}
+
+
+def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
+    """`parse_value`, except that a field the kind declares a string keeps the text: `model=123` is "123"."""
+    value = parse_value(raw)
+    if isinstance(value, str) or schema is None:
+        return value
+    prop = field_schema(schema, key)
+    types = json_types(schema, prop) if prop is not None else {"any"}
+    if types - {"null"} == {"string"} and not (value is None and "null" in types):
+        return raw
+    return value
+
+
 def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
     """`train.epochs` = 5 → target["train"]["epochs"] = 5."""
     parts = key.split(".")
@@ -75,8 +120,12 @@ def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def build_params(pairs: tuple[str, ...], params_file: str | None) -> dict[str, Any]:
-    """--params FILE first, then each --param key=value on top (dotted keys make nested objects)."""
+def build_params(pairs: tuple[str, ...], params_file: str | None,
+                 schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """--params FILE first, then each --param key=value on top (dotted keys make nested objects).
+
+    `schema` (the kind's params JSON schema) keeps values of string fields as text.
+    """
     params: dict[str, Any] = {}
     if params_file:
         try:
@@ -90,7 +139,7 @@ def build_params(pairs: tuple[str, ...], params_file: str | None) -> dict[str, A
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not key=value (e.g. --param model=tiny-gpt2)", param_hint="--param")
-        set_dotted(params, key.strip(), parse_value(raw))
+        set_dotted(params, key.strip(), parse_param(raw, schema, key.strip()))
     return params
 
 
@@ -118,7 +167,7 @@ class ProgressLine:
             text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"
         if p.get("total") is not None:
             text += f" {p.get('done') or 0}/{p['total']}"
-        if p.get("stage"):
+        if p.get("stage") and job["status"] not in TERMINAL_STATES:  # a finished job's stage (and ETA) is stale
             text += f" {p['stage']}"
         return text
 
@@ -285,7 +334,8 @@ def user_list():
 @main.command()
 @click.argument("kind")
 @click.option("--param", "-p", "pairs", multiple=True, metavar="KEY=VALUE",
-              help="a parameter; VALUE is JSON if it parses, else a string; dotted keys nest (train.epochs=5)")
+              help="a parameter; VALUE is JSON if it parses, else a string (a string field always keeps the "
+                   "text: model=123); dotted keys nest (train.epochs=5)")
 @click.option("--params", "params_file", type=click.Path(exists=True, dir_okay=False), help="a JSON file of parameters")
 @click.option("--name", help="a label for the job")
 @click.option("--tag", "tags", multiple=True, help="a tag (repeatable)")
@@ -295,13 +345,23 @@ def user_list():
 def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout):
     """Submit a job of KIND (see `lmscope kinds`)."""
     c = client()
-    job = c.submit(kind, build_params(pairs, params_file), name=name, tags=list(tags), idempotency_key=idempotency_key)
+    schema = kind_schema(c, kind) if pairs else None
+    job = c.submit(kind, build_params(pairs, params_file, schema), name=name, tags=list(tags),
+                   idempotency_key=idempotency_key)
     children = f" with {job['children']['total']} children" if job.get("children") else ""
     click.echo(f"submitted job {job['id']} ({job['kind']}){children}", err=True)
     if not wait_:
         click.echo(job["id"])
         return
     wait_and_report(c, job["id"], timeout)
+
+
+def kind_schema(c: Client, kind: str) -> dict[str, Any] | None:
+    """The params schema of `kind` (GET /v1/kinds), or None: then the server's answer says what is wrong."""
+    try:
+        return next((k["params_schema"] for k in c.kinds() if k["name"] == kind), None)
+    except LmscopeError:
+        return None
 
 
 @main.command()
@@ -328,21 +388,30 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 @click.option("--status", help="e.g. running or queued,running")
 @click.option("--tag")
 @click.option("--parent", help="a sweep's id (its children) or `none` (top-level jobs only)")
-@click.option("--limit", type=int, default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="at most this many jobs")
+@click.option("--all", "all_", is_flag=True, help="every job, however many")
 @click.option("--json", "as_json", is_flag=True)
-def jobs(kind, status, tag, parent, limit, as_json):
+def jobs(kind, status, tag, parent, limit, all_, as_json):
     """List your jobs, newest first."""
-    items = []
-    for job in client().list(kind=kind, status=status, tag=tag, parent=parent, page_size=min(limit, 500)):
-        items.append(job)
-        if len(items) >= limit:
+    c = client()
+    filters = {"kind": kind, "status": status, "tag": tag, "parent": parent}
+    items, token = [], None
+    while True:
+        want = 500 if all_ else min(limit - len(items), 500)
+        page = c.page(limit=want, page_token=token, **filters)
+        items += page["items"]
+        token = page.get("next_page_token")
+        if not token or (not all_ and len(items) >= limit):
             break
     if as_json:
         click.echo(json.dumps(items, indent=2))
-        return
-    print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
-                  j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
-                ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", "NAME", "TAGS"])
+    else:
+        print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
+                      j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
+                    ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", "NAME", "TAGS"])
+    if token:  # cut off by --limit: say so, and how to see the rest
+        again = " ".join(f"--{k} {v}" for k, v in filters.items() if v is not None)
+        click.echo(f"… more jobs: lmscope jobs {again + ' ' if again else ''}--limit {limit * 2} (or --all)", err=True)
 
 
 @main.command()
@@ -358,7 +427,8 @@ def show(job_id, as_json):
         if job.get(key) is not None:
             click.echo(f"{key:12} {job[key]}")
     if job.get("progress"):
-        click.echo(f"{'progress':12} {ProgressLine(job_id).render(job)}")
+        label = "last progress" if job["status"] in TERMINAL_STATES else "progress"
+        click.echo(f"{label:12} {ProgressLine(job_id).render(job)}")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):
@@ -382,6 +452,13 @@ def cancel(job_id):
 def results(job_id, fmt, series):
     """A job's series as JSON, or CSV rows (series, labels, x, y)."""
     data = client().results(job_id, list(series))
+    if data.get("missing"):
+        names = data.get("available") or []
+        shown = ", ".join(names[:30]) + (f", … ({len(names)} in all)" if len(names) > 30 else "")
+        click.echo(f"no series matched {', '.join(map(repr, data['missing']))}; "
+                   + (f"job {job_id} has: {shown}" if names else f"job {job_id} has no series"), err=True)
+        if not data["series"]:
+            raise SystemExit(1)
     if fmt == "json":
         click.echo(json.dumps(data, indent=2))
         return
@@ -398,15 +475,25 @@ def results(job_id, fmt, series):
 @click.argument("directory", type=click.Path(file_okay=False))
 def fetch(job_id, directory):
     """Download a job's artifacts (plots, npz) into DIRECTORY."""
-    for path in client().fetch(job_id, directory):
+    c = client()
+    paths = c.fetch(job_id, directory)
+    for path in paths:
         click.echo(path)
+    if not paths:
+        status = c.get(job_id)["status"]
+        click.echo(f"job {job_id} ({status}) has no artifacts{'' if status in TERMINAL_STATES else ' yet'}", err=True)
 
 
 @main.command()
 def kinds():
-    """The job kinds and what they do."""
-    for k in client().kinds():
-        click.echo(f"{k['name']:10} {k['description']}")
+    """The job kinds and what they do (child kinds are made by their parent, e.g. a sweep)."""
+    items = client().kinds()
+    width = max((len(k["name"]) for k in items), default=0)
+    for k in items:
+        note = ""
+        if not k.get("submittable", True):
+            note = f"  (child of {' / '.join(k.get('child_of') or ['another kind'])}; not submittable)"
+        click.echo(f"{k['name']:{width}}  {k['description']}{note}")
 
 
 # ---------------------------------------------------------------- models and datasets

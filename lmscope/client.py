@@ -87,16 +87,23 @@ class Client:
     def get(self, job_id: int) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{int(job_id)}")
 
+    def page(self, *, limit: int = 50, page_token: str | None = None, **filters) -> dict[str, Any]:
+        """One page of jobs: {"items": [...], "next_page_token": str | None} (filters as in `list`)."""
+        params = {k: v for k, v in filters.items() if v is not None}
+        params["limit"] = limit
+        if page_token:
+            params["page_token"] = page_token
+        return self._json("GET", "/v1/jobs", params=params)
+
     def list(self, *, page_size: int = 100, **filters) -> Iterator[dict[str, Any]]:
         """Every job matching the filters (kind, status, tag, parent, user), newest first, across pages."""
-        params = {k: v for k, v in filters.items() if v is not None}
-        params["limit"] = page_size
+        token = None
         while True:
-            page = self._json("GET", "/v1/jobs", params=params)
+            page = self.page(limit=page_size, page_token=token, **filters)
             yield from page["items"]
-            if not page.get("next_page_token"):
+            token = page.get("next_page_token")
+            if not token:
                 return
-            params["page_token"] = page["next_page_token"]
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel")
@@ -122,7 +129,10 @@ class Client:
             time.sleep(poll)
 
     def results(self, job_id: int, series: str | list[str] | None = None) -> dict[str, Any]:
-        """{job_id, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a prefix)."""
+        """{job_id, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a prefix).
+
+        A picked name that matches nothing is listed in `missing`, the job's series names in `available`.
+        """
         names = [series] if isinstance(series, str) else list(series or [])
         return self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=[("series", n) for n in names])
 

@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from lmscope.cli import build_params, main, parse_value
+from lmscope.cli import build_params, main, parse_param, parse_value
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,47 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
     f.write_text("[1]")
     with pytest.raises(click.BadParameter):
         build_params((), str(f))
+
+
+def test_string_fields_keep_the_text_of_their_values():
+    """With the kind's schema (GET /v1/kinds), `model=123` stays "123"; other fields still parse as JSON."""
+    from lmscope.params import KINDS
+
+    train = KINDS["train"].params.model_json_schema()
+    sweep = KINDS["sweep"].params.model_json_schema()
+    assert parse_param("123", train, "dataset") == "123" and parse_param("007", train, "run_name") == "007"
+    assert parse_param("null", train, "run_name") is None  # `str | None`: null still means "the default"
+    assert parse_param('"9"', train, "dataset") == "9" and parse_param("12", train, "layers") == 12
+    assert parse_param("3e-4", sweep, "train.lr") == 3e-4  # nested through $defs
+    assert parse_param("5", sweep, "model") == "5" and parse_param("[2,4]", sweep, "grid.latent_dim") == [2, 4]
+    assert parse_param('["a"]', sweep, "target") == ["a"]  # `str | list[str]`: JSON as before
+    assert parse_param("5", sweep, "no.such.field") == 5 and parse_param("5", None, "model") == 5
+    assert build_params(("model=123", "train.epochs=5"), None, sweep) == {"model": "123", "train": {"epochs": 5}}
+
+
+def test_up_is_quiet_and_names_the_dashboard_and_docs(sqlite_url, settings_factory, monkeypatch, caplog, capsys):
+    """`lmscope up` used to print alembic's INFO lines first; its ready line names / and /docs."""
+    import logging
+
+    import werkzeug.serving
+
+    from lmscope.worker.embedded import serve
+
+    class Server:  # serve_forever returns at once: start-up, the ready line, shutdown
+        port = 18765
+
+        def serve_forever(self):
+            pass
+
+        def server_close(self):
+            pass
+
+    monkeypatch.setattr(werkzeug.serving, "make_server", lambda *a, **k: Server())
+    caplog.set_level(logging.INFO)
+    serve(settings_factory(database_url=sqlite_url, auth=False))
+    assert not [r for r in caplog.records if r.name.startswith("alembic") and r.levelno < logging.WARNING]
+    out = capsys.readouterr().out
+    assert "http://127.0.0.1:18765/ " in out and "http://127.0.0.1:18765/docs" in out
 
 
 def test_server_commands_exist():

@@ -7,10 +7,13 @@ turned into problems by the handlers registered in `register_error_handlers`.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import typing
 from typing import Any
 
 from flask import Flask, Response, json, request
+from pydantic import BaseModel
 from werkzeug.exceptions import HTTPException
 
 PROBLEM_BASE = "https://lmscope.dev/problems/"
@@ -68,9 +71,56 @@ def problem_response(status: int, type: str, title: str, detail: str, *,
     return response
 
 
-def pydantic_errors(exc, prefix: tuple = ()) -> list[dict[str, Any]]:
-    """pydantic ValidationError → [{loc, msg, type}], with `prefix` (e.g. ("params",)) in front of each loc."""
-    return [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+# pydantic's own prefixes, which say nothing to a user ("Value error, warmup_steps must be ...").
+_MSG_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (`Grid`, `Grid | None`, `list[Grid]`, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def model_at(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The nested model a `loc` points into (("train",) in SweepParams → TrainSettings), or None."""
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):  # an index into a list of models: the same model
+            continue
+        field = model.model_fields.get(part)
+        found = _models_in(field.annotation) if field is not None else []
+        model = found[0] if found else None
+    return model
+
+
+def unknown_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """'unknown field; did you mean 'max_samples'?' — or the valid names when nothing is close."""
+    parent = model_at(model, loc[:-1])
+    if parent is None or not loc:
+        return "unknown field"
+    names = sorted(parent.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    return "unknown field; the fields are: " + ", ".join(names)
+
+
+def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = None) -> list[dict[str, Any]]:
+    """pydantic ValidationError → [{loc, msg, type}], with `prefix` (e.g. ("params",)) in front of each loc.
+
+    `model` (the model that raised) lets an unknown field name its likely intended spelling.
+    """
+    out = []
+    for e in exc.errors():
+        msg = e["msg"]
+        for noise in _MSG_PREFIXES:
+            msg = msg.removeprefix(noise)
+        if e["type"] == "extra_forbidden":
+            msg = unknown_field_message(model, tuple(e["loc"]))
+        out.append({"loc": [*prefix, *e["loc"]], "msg": msg, "type": e["type"]})
+    return out
 
 
 def describe_errors(errors: list[dict[str, Any]]) -> str:
@@ -80,8 +130,9 @@ def describe_errors(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) + more
 
 
-def validation_problem(exc, prefix: tuple = (), title: str = "Invalid request") -> Problem:
-    errors = pydantic_errors(exc, prefix)
+def validation_problem(exc, prefix: tuple = (), title: str = "Invalid request",
+                       model: type[BaseModel] | None = None) -> Problem:
+    errors = pydantic_errors(exc, prefix, model)
     return Problem(422, "validation-error", title, "fix these fields: " + describe_errors(errors), errors=errors)
 
 

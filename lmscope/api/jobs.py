@@ -47,7 +47,7 @@ def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     job = session.get(Job, job_id)
     if job is None or not caller.can_see(job.user_id):
         raise Problem(404, "not-found", "Job not found",
-                      f"there is no job {job_id} of yours; list your jobs with GET /v1/jobs")
+                      f"there is no job {job_id} of yours; list your jobs with GET /v1/jobs or `lmscope jobs`")
     return job
 
 
@@ -152,7 +152,8 @@ def list_jobs():
         q = q.where(Job.user_id == caller.id)
     elif request.args.get("user"):
         q = q.where(User.name == request.args["user"])
-    if kind := request.args.get("kind"):
+    kind = request.args.get("kind")
+    if kind:
         q = q.where(Job.kind == kind)
     if status := request.args.get("status"):
         wanted = status.split(",")
@@ -165,13 +166,23 @@ def list_jobs():
     if parent is not None:
         if parent.lower() in ("none", "null", ""):
             q = q.where(Job.parent_id.is_(None))
+        elif parent.isdigit() and 1 <= int(parent) < 2**63:
+            q = q.where(Job.parent_id == int(parent))
         else:
-            parent_id = _query_int("parent", None, 1, 2**63 - 1)
-            q = q.where(Job.parent_id == parent_id)
+            raise Problem(422, "validation-error", "Invalid parent",
+                          f"parent {parent!r} is neither a job id nor `none`; give a sweep's id to list its "
+                          "children, or `none` for top-level jobs only",
+                          errors=[{"loc": ["query", "parent"], "msg": "a job id or none", "type": "parent"}])
     if token := request.args.get("page_token"):
         q = q.where(Job.id < decode_page_token(token))
 
     with st.sessions() as session:
+        if kind and kind not in KINDS and session.scalar(select(Job.id).where(Job.kind == kind).limit(1)) is None:
+            # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
+            known = sorted(KINDS)
+            raise Problem(422, "validation-error", "Unknown kind filter",
+                          f"there is no job kind {kind!r}; use one of: {', '.join(known)}",
+                          errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
         if tag := request.args.get("tag"):
             q = q.where(tag_filter(session, tag))
         rows = session.execute(q).all()
@@ -228,7 +239,13 @@ def cancel_job(job_id: int):
 
 @bp.get("/kinds")
 def list_kinds():
-    """The job kinds you can submit, with a description and the JSON schema of their params."""
+    """Every job kind, with a description and the JSON schema of its params; child kinds are `submittable: false`.
+
+    Child kinds (a sweep's grid points) appear in job listings but are made only by their parent kind
+    (`child_of`).
+    """
+    parents = sorted(k for k, spec in KINDS.items() if spec.expand is not None)
     return {"items": [{"name": kind, "description": spec.description, "sweep": spec.expand is not None,
+                       "submittable": spec.submittable, "child_of": None if spec.submittable else parents,
                        "params_schema": spec.params.model_json_schema()}
-                      for kind, spec in sorted(KINDS.items()) if spec.submittable]}
+                      for kind, spec in sorted(KINDS.items())]}

@@ -40,7 +40,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
                         "description": "same key + same body → the first job (200); a different body → 422"}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitJob"}}}},
         "responses": {"202": _json("Job", "accepted; Location names the job"), "200": _json("Job", "an idempotent replay"),
-                      "422": PROBLEM, "429": PROBLEM},
+                      "409": PROBLEM, "422": PROBLEM, "429": PROBLEM},
     },
     ("get", "jobs.list_jobs"): {
         "parameters": [
@@ -52,9 +52,10 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
             _query("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size"),
             _query("page_token", {"type": "string"}, "next_page_token of the previous page"),
         ],
-        "responses": {"200": _json("JobPage")},
+        "responses": {"200": _json("JobPage"), "422": PROBLEM},
     },
     ("get", "jobs.get_job"): {"responses": {"200": _json("Job")}},
+    ("get", "jobs.list_kinds"): {"responses": {"200": _json("KindList")}},
     ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},
     ("get", "results.get_results"): {
         "parameters": [{**_query("series", {"type": "array", "items": {"type": "string"}},
@@ -206,9 +207,16 @@ STATIC_SCHEMAS: dict[str, Any] = {
     "JobPage": {"type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
         "next_page_token": _NULLABLE_STR}},
+    "KindList": {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "sweep": {"type": "boolean"},
+        "submittable": {"type": "boolean", "description": "false: a child kind, made only by its parent kind"},
+        "child_of": {"type": ["array", "null"], "items": {"type": "string"}},
+        "params_schema": {"type": "object"}}}}}},
     "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "series": {"type": "array", "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
-                                         "x": {"type": "array"}, "y": {"type": "array"}}}}}},
+                                         "x": {"type": "array"}, "y": {"type": "array"}}}},
+        "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names that matched nothing"},
+        "available": {"type": "array", "items": {"type": "string"}, "description": "with `missing`: the job's series names"}}},
 }
 
 

@@ -76,7 +76,7 @@ def register_model():
     try:
         body = RegisterModelBody.model_validate(request.get_json(silent=True, force=True) or {})
     except ValidationError as e:
-        raise validation_problem(e) from None
+        raise validation_problem(e, model=RegisterModelBody) from None
     try:
         facts = inspect_model_dir(Path(body.path), st.settings.model_dirs)
     except CatalogError as e:

@@ -24,7 +24,11 @@ def job_dir(job_id: int) -> Path:
 
 @bp.get("/jobs/<int:job_id>/results")
 def get_results(job_id: int):
-    """The job's series; repeat `series=NAME` to pick some (a name ending in `*` matches a prefix)."""
+    """The job's series; repeat `series=NAME` to pick some (a name ending in `*` matches a prefix).
+
+    A requested name that matches nothing is listed in `missing`, with every series name of the job in
+    `available`.
+    """
     wanted = request.args.getlist("series")
     with state().sessions() as session:
         load_visible_job(session, current_caller(), job_id)
@@ -34,8 +38,15 @@ def get_results(job_id: int):
             prefixes = [w[:-1] for w in wanted if w.endswith("*")]
             q = q.where(or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes)))
         rows = session.scalars(q).all()
-    return {"job_id": job_id,
-            "series": [{"name": r.name, "labels": r.labels, "x": r.x, "y": r.y} for r in rows]}
+        found = {r.name for r in rows}
+        # A requested name (or prefix*) that matched nothing: say so, and which names exist.
+        missing = [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
+        available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
+                     if missing else None)
+    body = {"job_id": job_id, "series": [{"name": r.name, "labels": r.labels, "x": r.x, "y": r.y} for r in rows]}
+    if missing:
+        body.update(missing=missing, available=available)
+    return body
 
 
 @bp.get("/jobs/<int:job_id>/artifacts")

@@ -16,10 +16,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
-from lmscope.api.errors import Problem, validation_problem
+from lmscope.api.errors import Problem, describe_errors, pydantic_errors, validation_problem
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
-from lmscope.params import KINDS, UnknownKind, validate_params
+from lmscope.params import KINDS, JobParams, UnknownKind, validate_params
 
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True)]
 
@@ -63,7 +63,7 @@ def parse_body(raw: Any) -> SubmitBody:
     try:
         return SubmitBody.model_validate(raw)
     except ValidationError as e:
-        raise validation_problem(e) from None
+        raise validation_problem(e, model=SubmitBody) from None
 
 
 def check_params(kind: str, params: dict[str, Any]):
@@ -76,7 +76,8 @@ def check_params(kind: str, params: dict[str, Any]):
                       errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
                                "type": "unknown_kind"}], kinds=kinds) from None
     except ValidationError as e:
-        raise validation_problem(e, prefix=("params",), title=f"Invalid parameters for kind {kind!r}") from None
+        raise validation_problem(e, prefix=("params",), title=f"Invalid parameters for kind {kind!r}",
+                                 model=KINDS[kind].params) from None
 
 
 def _field_holding(parsed: list, value) -> list:
@@ -106,12 +107,50 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
         ref = session.get(Job, job_id)
         if ref is None or not caller.can_see(ref.user_id):
             errors.append((_field_holding(parsed, job_id),
-                           f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train)"))
+                           f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train or "
+                           "`lmscope jobs --kind train`)"))
         elif ref.kind != "train":
             errors.append((_field_holding(parsed, job_id), f"job {job_id} is a {ref.kind!r} job, not a 'train' job"))
     if errors:
         raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])
+
+
+def check_model_names(session: Session, parsed: list) -> None:
+    """The models a job will register (a train run's `<run_name>@step<N>`) must not clash with any model
+    or with an active job that registers the same names: refused now, not at its first checkpoint."""
+    prefixes = sorted({pre for p in parsed for pre in p.model_prefixes()})
+    for prefix in prefixes:
+        taken = session.execute(select(Model.name, Model.job_id).where(Model.name.startswith(prefix, autoescape=True))
+                                .order_by(Model.id).limit(1)).first()
+        if taken is not None:
+            what = f"model {taken.name!r} exists" + (f" (a checkpoint of job {taken.job_id})" if taken.job_id else "")
+        elif (owner := _active_job_registering(session, prefix)) is not None:
+            what = f"job {owner} (still active) will register models named {prefix}<N>"
+        else:
+            continue
+        run_name = prefix.removesuffix("@step")
+        raise Problem(409, "name-taken", "Model names taken",
+                      f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)",
+                      errors=[{"loc": _field_holding(parsed, run_name), "msg": f"models {prefix}<N> are taken",
+                               "type": "name_taken"}], prefix=prefix)
+
+
+def _active_job_registering(session: Session, prefix: str) -> int | None:
+    """The id of a queued/running job whose params register models under `prefix`, else None.
+
+    Few jobs are active at a time, so their params are re-read here rather than indexed.
+    """
+    kinds = [k for k, spec in KINDS.items() if spec.params.model_prefixes is not JobParams.model_prefixes]
+    rows = session.execute(select(Job.id, Job.kind, Job.params)
+                           .where(Job.status.in_(ACTIVE_STATES), Job.kind.in_(kinds))).all()
+    for job_id, kind, params in rows:
+        try:
+            if prefix in KINDS[kind].params.model_validate(params or {}).model_prefixes():
+                return job_id
+        except ValidationError:  # params stored under an older schema: they cannot clash by name
+            continue
+    return None
 
 
 def active_jobs(session: Session, user_id: int) -> int:
@@ -152,11 +191,16 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
         for i, child in enumerate(children):
             try:
                 child_params.append(validate_params(child.kind, child.params, internal=True))
-            except (UnknownKind, ValidationError) as e:
+            except ValidationError as e:
                 # A grid value the child kind refuses: the user's fault, say which point.
                 raise Problem(422, "validation-error", "Invalid sweep point",
-                              f"grid point {i} ({child.name}) is invalid for {child.kind!r}: {e}") from None
+                              f"grid point {i} ({child.name}) is invalid for {child.kind!r}: "
+                              + describe_errors(pydantic_errors(e, model=KINDS[child.kind].params))) from None
+            except UnknownKind as e:
+                raise Problem(422, "validation-error", "Invalid sweep point",
+                              f"grid point {i} ({child.name}) has an unknown kind {e}") from None
     check_refs(session, caller, [params, *child_params])
+    check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)
 
     now = utcnow()

@@ -27,6 +27,11 @@ class JobParams(BaseModel):
         """Other jobs this job reads (e.g. a `train` job's checkpoints), checked at submit."""
         return []
 
+    def model_prefixes(self) -> list[str]:
+        """Prefixes of the model names this job will register (e.g. "demo@step"); at submit, no
+        existing model may start with one of them."""
+        return []
+
 
 @dataclass
 class ChildSpec:

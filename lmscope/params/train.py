@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmscope.params.base import JobParams
 
@@ -38,6 +39,15 @@ class TrainParams(JobParams):
     run_name: str | None = Field(None, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                  description="checkpoint models are named <run_name>@step<N>; default run<job_id>")
 
+    @field_validator("run_name")
+    @classmethod
+    def _not_a_default_name(cls, name: str | None) -> str | None:
+        # run<N> is job N's default run name: taking it explicitly would clash with that job's checkpoints.
+        if name is not None and re.fullmatch(r"run\d+", name):
+            raise ValueError(f"run_name {name!r} is reserved (run<job id> is the default name); pick another, "
+                             "e.g. 'my-run', or leave it out")
+        return name
+
     @model_validator(mode="after")
     def _check_shapes(self) -> "TrainParams":
         if self.width % self.heads:
@@ -58,3 +68,7 @@ class TrainParams(JobParams):
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset]
+
+    def model_prefixes(self) -> list[str]:
+        # The default run<job id> needs no check: nobody else may take it (see _not_a_default_name).
+        return [f"{self.run_name}@step"] if self.run_name else []

@@ -130,6 +130,8 @@ def serve(settings: Settings) -> None:
                          "user with `lmscope user create NAME`) or keep LMSCOPE_HOST=127.0.0.1")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Alembic announces every plugin and migration step at INFO: noise before the ready line.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.artifact_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
@@ -150,7 +152,8 @@ def serve(settings: Settings) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     previous = {s: signal.signal(s, _shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(f"lmscope up: http://{settings.host}:{server.port} (data in {settings.data_dir}; "
+    base = f"http://{settings.host}:{server.port}"
+    print(f"lmscope up: dashboard {base}/  API docs {base}/docs  (data in {settings.data_dir}; "
           f"{len(recovered['requeued'])} interrupted job(s) re-queued)", flush=True)
     try:
         server.serve_forever()

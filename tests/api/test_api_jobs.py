@@ -142,3 +142,28 @@ def test_cancelling_a_child_publishes_its_parent(api):
     assert api.publisher.published == [parent]
     parent_doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()
     assert parent_doc["progress"]["done"] == 1 and parent_doc["progress"]["total"] == 2
+
+
+def test_an_unknown_kind_filter_is_refused_with_the_kinds(api):
+    """`lmscope jobs --kind nrms` used to print an empty table, as if there were no such jobs."""
+    from lmscope.params import KINDS
+
+    h = api.user("ann")
+    api.submit(h)
+    body = is_problem(api.client.get("/v1/jobs?kind=nrms", headers=h), 422, "validation-error")
+    assert "'nrms'" in body["detail"] and body["kinds"] == sorted(KINDS)
+    assert "sumformer_fit" in body["detail"]  # child kinds are listed too: they can be filtered on
+    assert api.client.get("/v1/jobs?kind=sumformer_fit", headers=h).get_json()["items"] == []
+    assert len(api.client.get("/v1/jobs?kind=probe", headers=h).get_json()["items"]) == 1
+
+
+def test_a_bad_parent_filter_says_none_is_accepted(api):
+    h = api.user("ann")
+    body = is_problem(api.client.get("/v1/jobs?parent=abc", headers=h), 422, "validation-error")
+    assert "'abc'" in body["detail"] and "`none`" in body["detail"]
+    assert api.client.get("/v1/jobs?parent=none", headers=h).status_code == 200
+
+
+def test_a_missing_job_names_the_cli_command_too(api):
+    body = is_problem(api.client.get("/v1/jobs/4242", headers=api.user("ann")), 404, "not-found")
+    assert "GET /v1/jobs" in body["detail"] and "`lmscope jobs`" in body["detail"]

@@ -73,10 +73,16 @@ def test_unexpected_errors_are_500_problems(api, monkeypatch):
     assert "secret internals" not in r.get_data(as_text=True)
 
 
-def test_kinds_lists_what_can_be_submitted(api):
+def test_kinds_lists_every_kind_and_marks_child_kinds(api):
+    """Child kinds show up in `lmscope jobs`, so /v1/kinds names them too, as not submittable."""
     from lmscope.params import KINDS
 
     items = api.client.get("/v1/kinds", headers=api.user("ann")).get_json()["items"]
-    assert [k["name"] for k in items] == sorted(k for k, s in KINDS.items() if s.submittable)
-    sweep = next(k for k in items if k["name"] == "sweep")
+    assert [k["name"] for k in items] == sorted(KINDS)
+    by_name = {k["name"]: k for k in items}
+    for kind, spec in KINDS.items():
+        assert by_name[kind]["submittable"] is spec.submittable
+    assert by_name["sumformer_fit"]["child_of"] == ["sweep"] and by_name["attention_approx"]["child_of"] == ["sweep"]
+    assert by_name["probe"]["child_of"] is None
+    sweep = by_name["sweep"]
     assert sweep["sweep"] is True and "properties" in sweep["params_schema"]

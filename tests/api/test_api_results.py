@@ -122,3 +122,16 @@ def test_artifacts_download_when_the_artifact_dir_is_relative(make_api, tmp_path
     add_results(api, job_id, {"norms.png": png})
     r = api.client.get(f"/v1/jobs/{job_id}/artifacts/norms.png", headers=h)
     assert r.status_code == 200 and r.data == png
+
+
+def test_a_series_name_that_matches_nothing_lists_the_names_that_exist(api):
+    """`--series nonexistent` used to answer an empty list, indistinguishable from a job without series."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    add_results(api, job_id, {})
+    r = api.client.get(f"/v1/jobs/{job_id}/results?series=norm.mean&series=nrm.std&series=attn.*", headers=h).get_json()
+    assert [s["name"] for s in r["series"]] == ["norm.mean"]
+    assert r["missing"] == ["nrm.std", "attn.*"]
+    assert r["available"] == ["entropy.head", "norm.mean", "norm.std"]
+    # Everything found: no such fields.
+    assert "missing" not in api.client.get(f"/v1/jobs/{job_id}/results?series=norm.*", headers=h).get_json()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lmscope.db.models import Model
 from lmscope.params import KINDS
 
 from .conftest import is_problem, small_sweep
@@ -162,3 +163,67 @@ def test_publish_failure_still_accepts_the_job_for_the_reaper(api):
     assert r.status_code == 202
     row = api.job_row(r.get_json()["id"])
     assert row.status == "queued" and row.published_at is None
+
+
+def add_checkpoint(api, name: str, job_id: int) -> None:
+    """What a train job leaves in the registry: a model `<run_name>@step<N>` owned by the job."""
+    with api.sessions.begin() as session:
+        session.add(Model(name=name, source="checkpoint", architecture="gpt2", num_layers=2, num_heads=2,
+                          job_id=job_id, step=int(name.rsplit("@step", 1)[1])))
+
+
+def test_a_reused_run_name_is_refused_at_submit(api):
+    """A taken run_name used to fail at the first checkpoint, after training (or, for a short run,
+    to add `demo@step5` beside another job's `demo@step150`)."""
+    h = api.user("ann")
+    first = api.submit(h, kind="train", params={"dataset": "d", "run_name": "demo"}).get_json()["id"]
+    # While the first job is active and has no checkpoint yet, its run name is already taken.
+    body = is_problem(api.submit(h, kind="train", params={"dataset": "d", "run_name": "demo", "steps": 5,
+                                                          "warmup_steps": 1}), 409, "name-taken")
+    assert f"job {first}" in body["detail"] and "run_name" in body["detail"]
+    assert body["errors"][0]["loc"] == ["params", "run_name"]
+    # Once it finished, its checkpoints hold the name; another user cannot take it either.
+    api.set_job(first, status="failed")
+    add_checkpoint(api, "demo@step150", first)
+    body = is_problem(api.submit(api.user("bob"), kind="train", params={"dataset": "d", "run_name": "demo"}),
+                      409, "name-taken")
+    assert "'demo@step150'" in body["detail"] and f"job {first}" in body["detail"] and "'demo'" in body["detail"]
+    assert len(api.jobs()) == 1 and api.publisher.published == [first]
+    # Other names are free: a longer name with the same start, and one whose `_` a LIKE would match.
+    add_checkpoint(api, "axb@step1", first)
+    for name in ("demo2", "a_b", None):
+        assert api.submit(h, kind="train", params={"dataset": "d", "run_name": name}).status_code == 202, name
+
+
+def test_run_names_like_the_default_are_reserved(api):
+    body = is_problem(api.submit(api.user("ann"), kind="train", params={"dataset": "d", "run_name": "run7"}),
+                      422, "validation-error")
+    assert "run<job id>" in body["detail"] and "Value error" not in body["detail"]
+
+
+def test_unknown_fields_suggest_the_intended_name(api):
+    h = api.user("ann")
+    body = is_problem(api.submit(h, kind="norms", params={"model": "m", "dataset": "d", "max_sample": 50}),
+                      422, "validation-error")
+    assert body["errors"] == [{"loc": ["params", "max_sample"], "type": "extra_forbidden",
+                               "msg": "unknown field; did you mean 'max_samples'?"}]
+    assert "params.max_sample: unknown field; did you mean 'max_samples'?" in body["detail"]
+    # Nested models (a sweep's train. and grid.) and the body itself.
+    body = is_problem(api.submit(h, kind="sweep", params={"train": {"epoch": 5}, "grid": {"seeds": [0]}}),
+                      422, "validation-error")
+    msgs = {tuple(e["loc"]): e["msg"] for e in body["errors"]}
+    assert msgs[("params", "train", "epoch")] == "unknown field; did you mean 'epochs'?"
+    assert msgs[("params", "grid", "seeds")] == "unknown field; did you mean 'seed'?"
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"},
+                                                                    "tag": ["x"]}), 422, "validation-error")
+    assert body["errors"][0]["msg"] == "unknown field; did you mean 'tags'?"
+    # Nothing close: the valid names.
+    body = is_problem(api.submit(h, params={"model": "m", "colour": 1}), 422, "validation-error")
+    assert body["errors"][0]["msg"] == "unknown field; the fields are: " + ", ".join(sorted(KINDS["probe"].params.model_fields))
+
+
+def test_value_errors_read_without_pydantics_prefix(api):
+    body = is_problem(api.submit(api.user("ann"), kind="train", params={"dataset": "d", "warmup_steps": 60, "steps": 5}),
+                      422, "validation-error")
+    assert body["errors"][0]["msg"] == "warmup_steps (60) must be less than steps (5)"
+    assert body["detail"] == "fix these fields: params: warmup_steps (60) must be less than steps (5)"

@@ -1,0 +1,97 @@
+"""The `lmscope` command against the API on a real port: what a first-time user sees."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from lmscope.cli import main
+from lmscope.db.models import Series, utcnow
+
+
+@pytest.fixture
+def db_url(sqlite_url):
+    """SQLite only: the SQL behind these answers is tested on both databases in the other files."""
+    return sqlite_url
+
+
+@pytest.fixture
+def cli(api, live):
+    api.user("ann")
+    env = {"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["ann"]}
+
+    def run(*args):
+        return CliRunner(env=env).invoke(main, list(args))
+
+    return run
+
+
+def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
+    """`-p model=123` used to send the number 123 ("Input should be a valid string")."""
+    api.add_model("123")
+    r = cli("submit", "probe", "-p", "model=123", "-p", "prompt=true")
+    assert r.exit_code == 0, r.output
+    job = api.jobs()[-1]
+    assert job.params["model"] == "123" and job.params["prompt"] == "true"
+
+
+def test_jobs_says_when_the_list_was_cut_off(api, cli):
+    ids = [api.submit(api.user("ann")).get_json()["id"] for _ in range(3)]
+    r = cli("jobs", "--limit", "2", "--kind", "probe")
+    assert r.exit_code == 0, r.output
+    rows = r.stdout.splitlines()[1:]
+    assert [int(x.split()[0]) for x in rows] == ids[::-1][:2]
+    assert "… more jobs: lmscope jobs --kind probe --limit 4 (or --all)" in r.stderr
+    exact = cli("jobs", "--limit", "3")
+    assert len(exact.stdout.splitlines()) == 4 and "more" not in exact.stderr
+    every = cli("jobs", "--all")
+    assert len(every.stdout.splitlines()) == 4 and "more" not in every.stderr
+
+
+def test_jobs_filter_errors_name_the_valid_values(cli):
+    typo = cli("jobs", "--kind", "nrms")
+    assert typo.exit_code == 1 and "'nrms'" in typo.stderr and "norms" in typo.stderr
+    parent = cli("jobs", "--parent", "abc")
+    assert parent.exit_code == 1 and "`none`" in parent.stderr
+    missing = cli("show", "4242")
+    assert missing.exit_code == 1 and "`lmscope jobs`" in missing.stderr
+
+
+def test_results_name_the_series_that_exist(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=job_id, name="norm.mean", labels={}, x=[0], y=[1.0]))
+        session.add(Series(job_id=job_id, name="loss.val", labels={}, x=[0], y=[2.0]))
+    r = cli("results", str(job_id), "--series", "nonexistent")
+    assert r.exit_code == 1
+    assert "no series matched 'nonexistent'" in r.stderr and f"job {job_id} has: loss.val, norm.mean" in r.stderr
+    partly = cli("results", str(job_id), "--series", "norm.mean", "--series", "nope", "--format", "csv")
+    assert partly.exit_code == 0 and partly.stdout.splitlines()[1].startswith("norm.mean,")
+    assert "'nope'" in partly.stderr
+
+
+def test_fetch_says_when_a_job_has_no_artifacts(api, cli, tmp_path):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    r = cli("fetch", str(job_id), str(tmp_path / "out"))
+    assert r.exit_code == 0 and f"job {job_id} (queued) has no artifacts yet" in r.stderr
+    api.set_job(job_id, status="cancelled", finished_at=utcnow())
+    assert f"job {job_id} (cancelled) has no artifacts\n" in cli("fetch", str(job_id), str(tmp_path / "out")).stderr
+
+
+def test_show_of_a_finished_job_does_not_present_its_last_stage_as_live(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    stage = "step 450 · loss 3.1 · ETA 1m17s"
+    api.set_job(job_id, status="running", progress_done=450, progress_total=1000, progress_stage=stage)
+    running = cli("show", str(job_id)).stdout
+    assert "progress" in running and "ETA 1m17s" in running
+    api.set_job(job_id, status="cancelled", finished_at=utcnow())
+    cancelled = cli("show", str(job_id)).stdout
+    assert "last progress" in cancelled and "450/1000" in cancelled and "ETA" not in cancelled
+
+
+def test_kinds_lists_child_kinds_as_not_submittable(cli):
+    lines = cli("kinds").stdout.splitlines()
+    by_name = {line.split()[0]: line for line in lines}
+    assert "(child of sweep; not submittable)" in by_name["sumformer_fit"]
+    assert "(child of sweep; not submittable)" in by_name["attention_approx"]
+    assert "not submittable" not in by_name["probe"] and "norms" in by_name
