@@ -62,7 +62,7 @@ def previous_training(client: Client, params: dict) -> dict | None:
     """A demo training run that already succeeded in this data directory, so a second `make demo` skips it."""
     for job in client.list(kind="train", status="succeeded", tag="demo"):
         job = client.get(job["id"])
-        if all(job["params"].get(k) == v for k, v in params.items()):
+        if all(job["params"].get(k) == v for k, v in params.items() if k != "run_name"):
             print(f"\n== train: reusing job {job['id']} (delete {os.environ.get('LMSCOPE_DATA_DIR', '.demo')} to retrain)")
             return job
     return None
@@ -93,9 +93,16 @@ def main() -> None:
         if "wikitext-2" not in datasets:
             raise SystemExit("the built-in dataset wikitext-2 is missing: set LMSCOPE_WIKITEXT2_PATH to wiki.test.raw")
 
-        train = previous_training(client, example("train_demo.json"))
+        params = example("train_demo.json")
+        train = previous_training(client, params)
         if train is None:
-            train = run_job(client, "train", example("train_demo.json"), "demo: GPT-2-style model on WikiText-2")
+            # An earlier demo run that did not finish left `demo@step…` checkpoints: train under a new name.
+            taken = {m["name"].split("@")[0] for m in client.models() if m.get("source") == "checkpoint"}
+            n = 1
+            while params["run_name"] in taken:
+                n += 1
+                params["run_name"] = f"demo-{n}"
+            train = run_job(client, "train", params, "demo: GPT-2-style model on WikiText-2")
         checkpoints = train["summary"]["checkpoints"]
         final_model = checkpoints[-1]
         jobs = [train]
