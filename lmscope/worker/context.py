@@ -149,8 +149,11 @@ class WorkerContext:
         cache = model_cache()
         from lmscope.modeling.loading import ModelLoadError
 
+        path = row.path
+        if row.source == "checkpoint" and path and not Path(path).is_absolute():
+            path = str(self.artifact_root / path)  # stored relative to the artifact store (see register_model)
         try:
-            loaded = cache.get(row.name, row.source, row.path, dtype=dtype, device=self.device)
+            loaded = cache.get(row.name, row.source, path, dtype=dtype, device=self.device)
         except ModelLoadError as e:  # a broken directory is the user's to fix, not a worker bug
             raise JobFailed(f"model {name!r} cannot be loaded: {e}", error_type="model-load") from None
         self.environment.setdefault("models", {})[name] = {"source": row.source, "dtype": dtype}
@@ -175,8 +178,17 @@ class WorkerContext:
         self.environment.setdefault("datasets", {})[dataset] = {"sha256": row.sha256}
         return read_documents(path, row.format)
 
+    @property
+    def artifact_root(self) -> Path:
+        """The artifact store (``<root>/jobs/<job id>`` is this job's folder)."""
+        return self.artifact_dir.parent.parent
+
     def register_model(self, name: str, path: Path, *, step: int | None = None) -> None:
         path = Path(path).resolve()
+        # Inside the artifact store the path is kept relative to it, so the store can be moved or
+        # mounted elsewhere (another data directory, another container path) without breaking models.
+        root = self.artifact_root.resolve()
+        stored = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
         try:
             config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
@@ -185,7 +197,7 @@ class WorkerContext:
         facts = config_facts(config)
         weights = sorted(path.glob("*.safetensors"))
         values = dict(
-            source="checkpoint", path=str(path), architecture=facts.architecture, num_layers=facts.num_layers,
+            source="checkpoint", path=stored, architecture=facts.architecture, num_layers=facts.num_layers,
             num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size,
             vocab_size=facts.vocab_size, dtype=facts.dtype, info=facts.info, job_id=self.job_id, step=step,
             num_parameters=sum(safetensors_parameter_count(w) for w in weights) if weights else None,

@@ -303,3 +303,34 @@ def test_load_model_goes_through_the_registry_and_the_cache(settings, context, s
     unique = {id(p): p.numel() for p in loaded.model.parameters()}
     with sessions() as session:
         assert session.scalar(select(Model.num_parameters).where(Model.name == "tiny-gpt2")) == sum(unique.values())
+
+
+def test_checkpoints_survive_moving_the_artifact_store(settings, sessions, make_job, tmp_path):
+    """Checkpoint paths are stored relative to the artifact store: copy the store elsewhere (another data
+    directory, another mount point) and the model still loads, with the same weights."""
+    if settings.database_url.startswith("postgresql"):
+        pytest.skip("path handling does not depend on the database; checked once, on SQLite")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    job_id = make_job()
+    attempt = runner.claim(sessions, job_id, "test:1")
+    old_root = tmp_path / "old-store"
+    context = WorkerContext(attempt, sessions, old_root / "jobs" / str(job_id), "cpu")
+    ckpt = context.artifact_dir / "checkpoints" / "step-5"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=259))
+    model.save_pretrained(ckpt)
+    context.register_model("moved@step5", ckpt, step=5)
+    with sessions() as s:
+        stored = s.scalar(select(Model.path).where(Model.name == "moved@step5"))
+    assert stored == f"jobs/{job_id}/checkpoints/step-5"
+
+    new_root = tmp_path / "new-store"
+    shutil.copytree(old_root, new_root)
+    shutil.rmtree(old_root)
+    moved = WorkerContext(attempt, sessions, new_root / "jobs" / str(job_id), "cpu")
+    loaded = moved.load_model("moved@step5")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded.model(ids).logits, model.eval()(ids).logits)
