@@ -37,13 +37,13 @@ from lmscope.analyses import entropy
 from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BUILTIN_MODELS, BYTE_VOCAB_SIZE, read_documents
-from lmscope.config import REPO_ROOT
+from lmscope.config import Settings
 from lmscope.kernels import kernel_backend
 from lmscope.modeling.loading import DTYPES, load_model, token_windows
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params.entropy import EntropyParams
 
-WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path
 
 
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:

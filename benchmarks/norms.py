@@ -36,12 +36,12 @@ from lmscope.analyses import norms
 from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BUILTIN_MODELS, read_documents
-from lmscope.config import REPO_ROOT
+from lmscope.config import Settings
 from lmscope.modeling.loading import DTYPES, load_model, model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params.norms import NormsParams
 
-WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path
 
 
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+WIKITEXT2_CANDIDATES = [REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw",
+                        REPO_ROOT / "data" / "wikitext-2-raw" / "wiki.test.raw"]
 
 ENV_VARS = {
     "LMSCOPE_DATA_DIR": "where the embedded database, artifacts and uploads live (default ~/.lmscope)",
@@ -27,7 +29,7 @@ ENV_VARS = {
     "LMSCOPE_STALE_AFTER_SECONDS": "heartbeat age after which the reaper re-enqueues a job (default 60)",
     "LMSCOPE_UNPUBLISHED_AFTER_SECONDS": "age of a never-published queued job before the reaper publishes it (default 30)",
     "LMSCOPE_TASK_TIME_LIMIT": "hard time limit of one job attempt in seconds (default 21600)",
-    "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/...)",
+    "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/..., else data/...)",
     "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton | reference",
     "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
     "LMSCOPE_HOST": "address `lmscope up` / the API binds (default 127.0.0.1)",
@@ -79,7 +81,8 @@ class Settings:
         data_dir = Path(env.get("LMSCOPE_DATA_DIR", Path.home() / ".lmscope")).expanduser().absolute()
         broker = env.get("LMSCOPE_BROKER_URL") or None
         wikitext = env.get("LMSCOPE_WIKITEXT2_PATH")
-        default_wikitext = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+        # The team's shared copy beside the checkout, else the copy bundled in the repository (data/).
+        default_wikitext = next((p for p in WIKITEXT2_CANDIDATES if p.is_file()), None)
         values = dict(
             data_dir=data_dir,
             database_url=env.get("LMSCOPE_DATABASE_URL", f"sqlite:///{data_dir / 'lmscope.db'}"),
@@ -95,7 +98,7 @@ class Settings:
             stale_after_seconds=_float(env, "LMSCOPE_STALE_AFTER_SECONDS", 60.0),
             unpublished_after_seconds=_float(env, "LMSCOPE_UNPUBLISHED_AFTER_SECONDS", 30.0),
             task_time_limit=_int(env, "LMSCOPE_TASK_TIME_LIMIT", 21600),
-            wikitext2_path=Path(wikitext) if wikitext else (default_wikitext if default_wikitext.exists() else None),
+            wikitext2_path=Path(wikitext) if wikitext else default_wikitext,
             host=env.get("LMSCOPE_HOST", "127.0.0.1"),
             port=_int(env, "LMSCOPE_PORT", 8765),
         )

@@ -15,8 +15,6 @@ def service(settings_factory, sqlite_url):
     from lmscope.worker.embedded import EmbeddedWorker
 
     settings = settings_factory(database_url=sqlite_url, auth=False)
-    if settings.wikitext2_path is None:
-        pytest.skip("WikiText-2 (../shared/data/wikitext-2-raw/wiki.test.raw) is not here")
     engine = make_engine(sqlite_url)
     sessions = make_sessionmaker(engine)
     ensure_builtins(settings, sessions)

@@ -19,22 +19,19 @@ from lmscope.analyses import entropy
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
-from lmscope.config import REPO_ROOT
+from lmscope.config import Settings
 from lmscope.modeling.loading import token_windows
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
 
-WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 SEQ_LEN = 24
 
 
 @pytest.fixture(scope="module")
 def documents():
-    if WIKITEXT.exists():
-        return read_documents(WIKITEXT, "lines")[:40]
-    # Fallback so the tests still run outside the shared checkout: any English-like text will do.
-    return [f"Sentence number {i} tells of the river, the hills and the town of Ely." for i in range(200)]
+    return read_documents(WIKITEXT, "lines")[:40]
 
 
 def tiny_model(arch: str, seed: int = 0):

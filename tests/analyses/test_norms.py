@@ -23,13 +23,13 @@ from lmscope.analyses import norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
-from lmscope.config import REPO_ROOT
+from lmscope.config import Settings
 from lmscope.modeling.loading import model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.norms import NormsParams
 
-WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 MAX_TOKENS = 96
 MIN_WORDS = 10
 
@@ -37,11 +37,8 @@ MIN_WORDS = 10
 @pytest.fixture(scope="module")
 def documents():
     """WikiText sentences: real English of varied lengths (so batches need padding)."""
-    if WIKITEXT.exists():
-        docs = [s.strip() + " ." for line in read_documents(WIKITEXT, "lines")[:20] for s in line.split(" . ")
-                if s.strip()]
-    else:  # outside the shared checkout any English-like text will do
-        docs = [f"Line {i} says {'little ' * (i % 15)}about the river and the town." for i in range(80)]
+    docs = [s.strip() + " ." for line in read_documents(WIKITEXT, "lines")[:20] for s in line.split(" . ")
+            if s.strip()]
     assert any(len(d.split()) < MIN_WORDS for d in docs), "want some documents the word filter drops"
     return docs
 

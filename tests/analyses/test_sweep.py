@@ -17,10 +17,11 @@ from pydantic import ValidationError
 from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, Series
 from lmscope.analyses.local import LocalContext
 from lmscope.analyses.sweep import aggregate, relative_l2_error, run_attention_approx, run_sumformer_fit
+from lmscope.config import Settings
 from lmscope.params import KINDS, validate_params
 from lmscope.params.sweep import SumformerFitParams, SweepParams, expand_sweep, theory_latent_dim
 
-WIKITEXT = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 
 
 def tiny_train(**kw):

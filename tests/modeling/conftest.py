@@ -6,7 +6,6 @@ make small-model training 5–20× slower; the numbers do not depend on it.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from lmscope.catalog import read_documents
 from lmscope.config import Settings
 
-WIKITEXT = Settings.from_env({}).wikitext2_path or Path(__file__).resolve().parents[3] / "shared/data/wikitext-2-raw/wiki.test.raw"
+WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,6 +27,4 @@ def one_thread():
 @pytest.fixture(scope="session")
 def wikitext_docs() -> list[str]:
     """WikiText-2 (raw test split) documents, one per line, headings dropped."""
-    if not Path(WIKITEXT).is_file():
-        pytest.skip(f"WikiText-2 is not at {WIKITEXT}; set LMSCOPE_WIKITEXT2_PATH")
     return read_documents(WIKITEXT, "lines")
