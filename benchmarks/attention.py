@@ -28,6 +28,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from lmscope.kernels import attention_with_entropy, kernel_backend  # noqa: E402
 
+from _common import is_oom  # noqa: E402  (this folder, first on sys.path)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -67,10 +69,6 @@ def timed(fn, device, reps, warmup):
         peak = None
     times.sort()
     return times[len(times) // 2], peak
-
-
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def bench_case(b, h, n, d, dtype, device, args):

@@ -36,12 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from lmscope.analyses import entropy
 from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
-from lmscope.catalog import BUILTIN_MODELS, BYTE_VOCAB_SIZE, read_documents
+from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
 from lmscope.kernels import kernel_backend
-from lmscope.modeling.loading import DTYPES, load_model, token_windows
+from lmscope.modeling.loading import DTYPES
 from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
+
+from _common import is_oom, load_spec, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -58,18 +61,7 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
         return LoadedModel("bench-llama", model, byte_tokenizer())
-    if spec in BUILTIN_MODELS:
-        return load_model(spec, "builtin", None, dtype=dtype, device=device)
-    return load_model(Path(spec).name, "directory", spec, dtype=dtype, device=device)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower() or isinstance(e, MemoryError)
+    return load_spec(spec, dtype, device)
 
 
 # ------------------------------------------------------------------ the three routes

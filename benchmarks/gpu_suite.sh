@@ -19,9 +19,12 @@ unset TRITON_INTERPRET
 
 # Tests: kernels compiled on the device, analyses and training with CUDA present (bf16 autocast, cache on GPU).
 python -m pytest -q -x tests/kernels tests/analyses tests/modeling 2>&1 | tee "$OUT/tests.log" | tail -5
+rc=${PIPESTATUS[0]}  # the benchmarks still run after a test failure, but the suite exits with it
 
 python benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
 python benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
   | tee "$OUT/norms.log" | tail -20
 python benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
   --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
+
+exit "$rc"

@@ -35,11 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from lmscope.analyses import norms
 from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
-from lmscope.catalog import BUILTIN_MODELS, read_documents
+from lmscope.catalog import read_documents
 from lmscope.config import Settings
-from lmscope.modeling.loading import DTYPES, load_model, model_info
+from lmscope.modeling.loading import DTYPES, model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params.norms import NormsParams
+
+from _common import load_spec, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -58,14 +60,7 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")  # byte ids < 259 fit
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
         return LoadedModel(spec, model, byte_tokenizer(), model_info(model))
-    if spec in BUILTIN_MODELS:
-        return load_model(spec, "builtin", None, dtype=dtype, device=device)
-    return load_model(Path(spec).name, "directory", spec, dtype=dtype, device=device)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    return load_spec(spec, dtype, device)
 
 
 @torch.no_grad()

@@ -12,4 +12,6 @@ RUN pip install ".[api]" \
 
 USER lmscope
 EXPOSE 8000
-CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", "--threads", "16", "lmscope.api.wsgi:app"]
+# The same command as the api service in docker-compose.yml.
+CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", \
+     "--threads", "16", "--timeout", "120", "--access-logfile", "-", "lmscope.api.wsgi:app"]

@@ -11,6 +11,7 @@ database) happen only inside the commands that need them, so `lmscope jobs` star
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import click
 
 import lmscope
+from lmscope.catalog import DATASET_FORMATS
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError
 
 
@@ -32,7 +34,6 @@ class ApiFailure(click.ClickException):
         self.error = error
 
     def show(self, file=None):
-        file = file or sys.stderr
         click.echo(f"Error: {self.error}", err=True)
         for e in self.error.errors:
             loc = ".".join(str(p) for p in e.get("loc", []))
@@ -395,21 +396,18 @@ def jobs(kind, status, tag, parent, limit, all_, as_json):
     """List your jobs, newest first."""
     c = client()
     filters = {"kind": kind, "status": status, "tag": tag, "parent": parent}
-    items, token = [], None
-    while True:
-        want = 500 if all_ else min(limit - len(items), 500)
-        page = c.page(limit=want, page_token=token, **filters)
-        items += page["items"]
-        token = page.get("next_page_token")
-        if not token or (not all_ and len(items) >= limit):
-            break
+    if all_:
+        items, more = list(c.list(page_size=500, **filters)), False
+    else:  # one job past the limit tells whether the list was cut off
+        items = list(itertools.islice(c.list(page_size=min(limit + 1, 500), **filters), limit + 1))
+        items, more = items[:limit], len(items) > limit
     if as_json:
         click.echo(json.dumps(items, indent=2))
     else:
         print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
                       j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
                     ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", "NAME", "TAGS"])
-    if token:  # cut off by --limit: say so, and how to see the rest
+    if more:  # cut off by --limit: say so, and how to see the rest
         again = " ".join(f"--{k} {v}" for k, v in filters.items() if v is not None)
         click.echo(f"… more jobs: lmscope jobs {again + ' ' if again else ''}--limit {limit * 2} (or --all)", err=True)
 
@@ -535,7 +533,7 @@ def datasets(ctx):
 @datasets.command("add")
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["text", "lines", "jsonl"]), default="text", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(list(DATASET_FORMATS)), default="text", show_default=True,
               help="text: paragraphs split by blank lines; lines: one document per line (WikiText); jsonl: {\"text\": ...}")
 @click.option("--description", help="what the corpus is")
 def datasets_add(name, path, fmt, description):
@@ -569,7 +567,7 @@ def datasets_list():
 @datasets.command("upload")
 @click.argument("name")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["text", "lines", "jsonl"]), default="text", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(list(DATASET_FORMATS)), default="text", show_default=True,
               help="text: paragraphs; lines: one document per line; jsonl: {\"text\": ...} per line")
 @click.option("--description")
 def datasets_upload(name, file, fmt, description):

@@ -17,6 +17,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from lmscope.cli import ProgressLine
 from lmscope.client import Client, LmscopeError
 
 
@@ -30,26 +31,15 @@ def example(name: str) -> dict:
     return json.loads(resources.files("lmscope.examples").joinpath(name).read_text())
 
 
-def _progress_line(job: dict) -> None:
-    p = job.get("progress") or {}
-    done, total = p.get("done"), p.get("total")
-    frac = p.get("fraction")
-    bar = ""
-    if frac is not None:
-        filled = int(30 * frac)
-        bar = "[" + "#" * filled + "." * (30 - filled) + f"] {100 * frac:5.1f}%"
-    counts = f" {done}/{total}" if total else ""
-    stage = p.get("stage") or ""
-    sys.stdout.write(f"\r  {job['status']:<9} {bar}{counts} {stage[:60]:<60}")
-    sys.stdout.flush()
-
-
 def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
     print(f"\n== {kind}: {name}")
     job = client.submit(kind, params, name=name, tags=["demo"])
     print(f"  job {job['id']} queued")
-    job = client.wait(job["id"], on_progress=_progress_line)
-    print()
+    progress = ProgressLine(job["id"], sys.stdout)
+    try:
+        job = client.wait(job["id"], on_progress=progress)
+    finally:
+        progress.close()
     if job["status"] != "succeeded":
         err = job.get("error") or {}
         raise SystemExit(f"job {job['id']} {job['status']}: {err.get('type')}: {err.get('message')}")
@@ -60,8 +50,7 @@ def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
 
 def previous_training(client: Client, params: dict) -> dict | None:
     """A demo training run that already succeeded in this data directory, so a second `make demo` skips it."""
-    for job in client.list(kind="train", status="succeeded", tag="demo"):
-        job = client.get(job["id"])
+    for job in client.list(kind="train", status="succeeded", tag="demo"):  # full job documents
         if all(job["params"].get(k) == v for k, v in params.items() if k != "run_name"):
             print(f"\n== train: reusing job {job['id']} (delete {os.environ.get('LMSCOPE_DATA_DIR', '.demo')} to retrain)")
             return job

@@ -5,8 +5,10 @@ a duplicate or a stale message is harmless because the worker claims the row wit
 UPDATE, and a lost message is re-sent by the reaper (``lmscope.worker.reaper``).
 
 Who sets ``jobs.published_at``: whoever publishes, *after* the broker accepted the message
-(``publish_jobs`` below does both; the API, the runner and the reaper all go through it). A failed
-publish leaves ``published_at`` NULL so the reaper sends it again later; the job is never lost.
+(``publish_jobs`` below does both; the API and the runner go through it). The reaper sets it first,
+as its claim on a re-publish (concurrent reapers send each message once), then sends through
+``send_each`` like ``publish_jobs`` does. A failed publish leaves ``published_at`` NULL so the reaper
+sends it again later; the job is never lost.
 
 Light module (imported by the API): celery is imported only when a Celery publisher is made.
 """
@@ -91,26 +93,15 @@ def make_celery(settings: "Settings") -> "Celery":
 class CeleryPublisher:
     """Sends task ``lmscope.run_job`` with args ``[job_id]`` (JSON) to queue ``lmscope``."""
 
-    def __init__(self, broker_url: str | None = None, *, settings: "Settings | None" = None,
-                 app: "Celery | None" = None):
+    def __init__(self, *, settings: "Settings | None" = None, app: "Celery | None" = None):
         if app is None:
             if settings is None:
-                from lmscope.config import Settings
-
-                settings = Settings.from_env()
-            if broker_url:
-                settings = _with_broker(settings, broker_url)
+                raise TypeError("CeleryPublisher needs settings= (with a broker_url) or app=")
             app = make_celery(settings)
         self.app = app
 
     def publish(self, job_id: int) -> None:
         self.app.send_task(TASK_NAME, args=[int(job_id)], queue=QUEUE_NAME)
-
-
-def _with_broker(settings: "Settings", broker_url: str) -> "Settings":
-    from dataclasses import replace
-
-    return replace(settings, broker_url=broker_url)
 
 
 # ---------------------------------------------------------------- embedded
@@ -150,6 +141,19 @@ def make_publisher(settings: "Settings") -> Publisher:
 
 # ---------------------------------------------------------------- publish + record
 
+def send_each(publisher: Publisher, job_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+    """Publish each id; returns (sent, failed). A failure is logged, not raised (the reaper retries)."""
+    sent, failed = [], []
+    for job_id in job_ids:
+        try:
+            publisher.publish(job_id)
+            sent.append(job_id)
+        except Exception as e:  # broker down: the reaper will retry
+            log.warning("could not publish job %s (%s: %s); the reaper will retry", job_id, type(e).__name__, e)
+            failed.append(job_id)
+    return sent, failed
+
+
 def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]", job_ids: Iterable[int]) -> list[int]:
     """Publish each id, then set ``published_at`` for those the queue accepted.
 
@@ -160,14 +164,7 @@ def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]",
 
     from lmscope.db.models import Job, utcnow
 
-    sent, failed = [], []
-    for job_id in job_ids:
-        try:
-            publisher.publish(job_id)
-            sent.append(job_id)
-        except Exception as e:  # broker down: the reaper will retry
-            log.warning("could not publish job %s (%s: %s); the reaper will retry", job_id, type(e).__name__, e)
-            failed.append(job_id)
+    sent, failed = send_each(publisher, job_ids)
     try:
         with session_factory() as session, session.begin():
             if sent:
@@ -180,4 +177,4 @@ def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]",
 
 
 __all__ = ["Publisher", "CeleryPublisher", "LocalPublisher", "make_celery", "celery_config", "make_publisher",
-           "publish_jobs", "TASK_NAME", "QUEUE_NAME"]
+           "publish_jobs", "send_each", "TASK_NAME", "QUEUE_NAME"]

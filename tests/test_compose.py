@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -10,12 +11,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
+import yaml
 
 from lmscope.cli import main
 from lmscope.config import ENV_VARS, Settings
-
-yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -128,6 +127,9 @@ def test_dockerfiles():
     assert SERVICES["worker"]["build"]["dockerfile"] == "docker/worker.Dockerfile"
     assert re.search(r'pip install "\.\[api\]"', api) and "torch" not in api.replace("no torch", "")
     assert re.search(r"FROM python:3\.\d+-slim", api)
+    # `docker run lmscope-api` serves the way the compose api service does.
+    cmd = re.search(r"^CMD (\[.*?\])\s*$", api.replace("\\\n", " "), re.M | re.S)
+    assert cmd and json.loads(cmd.group(1)) == SERVICES["api"]["command"]
     assert re.search(r'pip install "\.\[worker[^"]*\]"', worker)
     assert re.search(r"ARG BASE_IMAGE=pytorch/pytorch:[\w.-]*cuda[\w.-]*runtime", worker)
 

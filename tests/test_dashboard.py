@@ -9,6 +9,8 @@ import tempfile
 import pytest
 import requests
 
+from lmscope.client import Client
+
 # By package path: a bare `conftest` is whichever conftest.py pytest imported last (tests/worker, tests/kernels, ...).
 from tests.conftest import need
 
@@ -35,11 +37,7 @@ def test_dashboard_shows_jobs_progress_summary_and_plots(lmscope_up, tmp_path):
     url = lmscope_up["LMSCOPE_URL"]
     job = requests.post(f"{url}/v1/jobs", json={"kind": "probe", "params": {"model": "tiny-gpt2"},
                                                 "name": "dashboard probe"}, timeout=30).json()
-    for _ in range(600):
-        state = requests.get(f"{url}/v1/jobs/{job['id']}", timeout=30).json()
-        if state["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        __import__("time").sleep(0.2)
+    state = Client(url).wait(job["id"], timeout=120)
     assert state["status"] == "succeeded", state
 
     # The job list: the row with its kind, name and status.

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from lmscope.modeling.loaded import LoadedModel  # re-exported: analyses and the worker import it from here
+
 
 class JobCancelled(Exception):
     """Raised inside an analysis when its job was cancelled; the worker marks the job cancelled."""
@@ -44,16 +46,6 @@ class JobOutput:
 
 
 @dataclass
-class LoadedModel:
-    """A model ready to run: HF causal LM, its tokenizer, and facts about it."""
-
-    name: str
-    model: Any  # transformers.PreTrainedModel, eval mode, on ctx.device
-    tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class ChildResult:
     """What a sweep's aggregator sees of one finished child job."""
 
@@ -71,6 +63,9 @@ class JobContext(Protocol):
     attempt: int
     artifact_dir: Path  # emptied at the start of each attempt, except its `checkpoints/` folder
     device: str  # "cuda" or "cpu"
+    # True when other jobs may run in this process at the same time (e.g. an embedded worker with
+    # several threads): process-wide state (RNG seeds, torch settings, the model cache) is shared.
+    shares_process: bool
 
     def progress(self, done: int, total: int, stage: str | None = None) -> None:
         """Report progress (throttled by the worker); raises JobCancelled if the job was cancelled."""

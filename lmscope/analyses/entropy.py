@@ -34,6 +34,9 @@ import numpy as np
 import torch
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.plotting import pyplot, save
+from lmscope.modeling.loading import max_positions
+from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
 
 # ---------------------------------------------------------------------------- which models
@@ -59,18 +62,6 @@ def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, s
     if len(steps) == len(names) and len(set(steps)) == len(steps):
         return sorted(zip(steps, names))
     return list(enumerate(names))
-
-
-def _layers_heads(model) -> tuple[int, int]:
-    c = model.config
-    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer")
-    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
-    return int(layers), int(heads)
-
-
-def _max_positions(model) -> int | None:
-    c = model.config
-    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
 
 def sliding_windows(config, layers: int) -> dict[int, int]:
@@ -196,8 +187,6 @@ def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> 
     With ``bos_per_window`` each window is BOS followed by the next seq_len − 1 tokens of the stream
     (the stream itself is still cut without overlap).
     """
-    from lmscope.modeling.loading import token_windows
-
     bos = loaded.tokenizer.bos_token_id
     if params.bos_per_window and bos is None:
         raise JobFailed(f"{name}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows with "
@@ -223,8 +212,8 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
 
     model = loaded.model
     device = next(model.parameters()).device
-    layers, heads = _layers_heads(model)
-    max_pos = _max_positions(model)
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    max_pos = max_positions(model.config)
     if max_pos is not None and params.seq_len > max_pos:
         raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
                         f"lower seq_len to at most {max_pos}")
@@ -269,7 +258,6 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
 
 
 def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
-    torch.manual_seed(params.seed)
     checkpoints = checkpoint_list(params, ctx)
     steps = [s for s, _ in checkpoints]
     names = [n for _, n in checkpoints]
@@ -299,7 +287,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
         with ctx.stage("load_model"):
             loaded = ctx.load_model(name, dtype=params.dtype)
         if params.seq_len is None:  # not given: 512, or the (first) model's context when shorter
-            max_pos = _max_positions(loaded.model)
+            max_pos = max_positions(loaded.model.config)
             params = params.model_copy(update={"seq_len": min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)})
         with ctx.stage("tokenize"):
             windows = _windows(params, loaded, documents, name)
@@ -401,11 +389,7 @@ def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
 
 
 def _plots(ctx, params, steps, names, results, dim_results) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = ctx.artifact_dir
     last, last_name = results[-1], names[-1]
     layers, heads = last["mean"].shape
@@ -424,9 +408,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     ax.set_title(f"mean attention entropy (nats), {last_name}\n"
                  f"scale top = uniform {uniform_mean:.2f} (mean of ln(t+1))", fontsize=10)
     fig.colorbar(im, ax=ax, label="nats")
-    fig.tight_layout()
-    fig.savefig(out / "entropy_heatmap.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "entropy_heatmap.png")
 
     # Mean entropy per layer (±std over heads), one line per checkpoint.
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -443,9 +425,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title="attention entropy by layer", xticks=range(layers))
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "entropy_by_layer.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "entropy_by_layer.png")
 
     # Entropy against query position, per layer, with the uniform bound ln(t + 1).
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -457,9 +437,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     ax.set(xlabel="query position t", ylabel="mean entropy (nats)",
            title=f"attention entropy by position, {last_name}")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "entropy_by_position.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "entropy_by_position.png")
 
     if len(results) > 1:  # training dynamics: one panel per layer, one line per head
         cols = min(3, layers)
@@ -476,9 +454,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
         for extra in range(layers, rows * cols):
             axes[extra // cols][extra % cols].axis("off")
         fig.suptitle("attention entropy over training")
-        fig.tight_layout()
-        fig.savefig(out / "entropy_over_training.png", dpi=120)
-        plt.close(fig)
+        save(fig, out / "entropy_over_training.png")
 
     if dim_results[-1] is not None:
         d = dim_results[-1]
@@ -498,6 +474,4 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                      f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
                      f"({'causal' if params.dimension_causal else 'bidirectional'})")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "dimension_entropy.png", dpi=120)
-        plt.close(fig)
+        save(fig, out / "dimension_entropy.png")

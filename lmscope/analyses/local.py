@@ -29,9 +29,11 @@ class LocalContext:
         cancel_after: int | None = None,
         job_id: int = 0,
         attempt: int = 1,
+        shares_process: bool = False,
     ):
         self.job_id = job_id
         self.attempt = attempt
+        self.shares_process = shares_process  # other jobs run in this process at the same time (JobContext)
         self.artifact_dir = Path(artifact_dir)
         self.artifact_dir.mkdir(parents=True, exist_ok=True)
         self.device = device

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.modeling.loading import max_positions
 from lmscope.modeling.windows import document_samples
 from lmscope.params.norms import NormsParams
 
@@ -97,7 +97,8 @@ def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tok
     chunk = max(256, params.max_samples)
     for start in range(0, len(eligible), chunk):
         ids = eligible[start:start + chunk]
-        encoded = document_samples(tokenizer, [documents[i] for i in ids], min_words=params.min_words,
+        # min_words=0: `eligible` already applied the filter, so `encoded` lines up with `ids`
+        encoded = document_samples(tokenizer, [documents[i] for i in ids], min_words=0,
                                    max_tokens=max_tokens, max_samples=None)
         for doc_id, toks in zip(ids, encoded):
             if len(toks) >= min_tokens:
@@ -460,26 +461,17 @@ def kernel_attention(model, ctx: JobContext):
     LMSCOPE_KERNEL_BACKEND asks for it; the model's own attention implementation is restored
     afterwards (models are cached and shared between jobs). On CPU PyTorch's SDPA is kept: the
     kernel's reference path is ~4× slower there and gives the same numbers."""
-    previous = getattr(model.config, "_attn_implementation", None)
-    try:
-        from lmscope.kernels.dispatch import ENV_VAR, kernel_backend
-        from lmscope.kernels.hf import use_lmscope_attention
-    except ImportError:  # a worker without the kernels package
-        ctx.record("kernel_backend", f"transformers-{previous}")
-        yield
-        return
+    from lmscope.kernels.dispatch import forced_backend, kernel_backend
+    from lmscope.kernels.hf import lmscope_attention
+
     backend = kernel_backend(next(model.parameters()).device)
-    if backend != "triton" and not os.environ.get(ENV_VAR):
-        ctx.record("kernel_backend", f"transformers-{previous}")
+    if backend != "triton" and forced_backend() is None:
+        ctx.record("kernel_backend", f"transformers-{model.config._attn_implementation}")
         yield
         return
-    use_lmscope_attention(model)
-    ctx.record("kernel_backend", backend)
-    try:
+    with lmscope_attention(model):
+        ctx.record("kernel_backend", backend)
         yield
-    finally:
-        if previous is not None and hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(previous)
 
 
 # ---------------------------------------------------------------- the job
@@ -573,8 +565,8 @@ def run(params: NormsParams, ctx: JobContext) -> JobOutput:
     if points < 2:
         raise JobFailed(f"{params.model} has {L} block(s): a trajectory needs two points; set include_last_layer=true")
     # A model that reads fewer positions than max_tokens reads as many as it can (said in the summary).
-    max_positions = lm.info.get("max_positions") or getattr(model.config, "max_position_embeddings", None)
-    max_tokens = min(params.max_tokens, max_positions) if max_positions else params.max_tokens
+    max_pos = max_positions(model.config)
+    max_tokens = min(params.max_tokens, max_pos) if max_pos else params.max_tokens
     if params.position == "all" and params.min_position >= max_tokens:
         raise JobFailed(f"min_position={params.min_position} is beyond the {max_tokens} positions {params.model} "
                         f"reads; set min_position < {max_tokens}")
@@ -628,7 +620,7 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
     """Why the Gram condition is not computed, or None when it is."""
     if not params.gram_condition:
         return "not requested (gram_condition=false)"
-    gated = info.get("gated_ffn") or any(hasattr(getattr(b, "mlp", None), "gate_proj") for b in parts.blocks)
+    gated = info.get("gated_ffn")
     if gated or not all(is_gpt2_block(b) for b in parts.blocks):
         why = "a gated FFN (LLaMA family)" if gated else f"{type(parts.blocks[0]).__name__} blocks"
         return (f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "

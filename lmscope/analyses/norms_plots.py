@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # workers have no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import LogFormatter  # noqa: E402
+from lmscope.analyses.plotting import pyplot, save
 
 
 def layer_names(points: int, include_last_layer: bool) -> list[str]:
@@ -24,6 +21,7 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
     """Mean and median norm per layer, the 10–90 % band, and a few single trajectories."""
     S, points = norms.shape
     x = np.arange(points)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * points + 3), 4.5))
     for i, s in enumerate(lines):
         ax.plot(x, norms[s], color="tab:gray", lw=0.7, alpha=0.5, label="single trajectories" if i == 0 else None)
@@ -38,18 +36,19 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
                  f"{pair_pct:.1f} % of pairs (null {100 * 2.0 ** -(points - 1):.2g} %)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filter: float | None, title: str) -> None:
     """Mean ± std of the inner loss per layer on a log scale, over the kept samples (all if none kept)."""
+    from matplotlib.ticker import LogFormatter
+
     S, L = losses.shape
     x = np.arange(L)
     use = kept if kept.any() else np.ones(S, bool)
     mean, std = losses[use].mean(0), losses[use].std(0)
     floor = max(float(losses[use].min()), 1e-6) * 0.5  # a log axis cannot show mean - std ≤ 0
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * L + 3), 4.5))
     ax.fill_between(x, np.maximum(mean - std, floor), mean + std, color="tab:green", alpha=0.25, label="mean ± std")
     ax.plot(x, mean, color="tab:green", lw=2, marker="o", label="mean")
@@ -68,13 +67,12 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
     ax.set_title(f"{title}: approximate inner loss (eq. 14)\n{sub}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_last_layer: bool, title: str) -> None:
     """Each trajectory as a 3-D polyline in the top principal components; circle = h0, triangle = last point."""
+    plt = pyplot()
     fig = plt.figure(figsize=(7, 6))
     ax = fig.add_subplot(projection="3d")
     colors = plt.cm.viridis(np.linspace(0, 1, max(1, len(coords))))
@@ -91,6 +89,4 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     ax.set_title(f"{title}: {len(coords)} trajectories in the top 3 principal components", fontsize=10)
     if len(coords):
         ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

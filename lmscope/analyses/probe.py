@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.probe import ProbeParams
 
 GROUPS = ("embeddings", "attention", "mlp", "norms", "head", "other")
@@ -64,16 +65,11 @@ def count_parameters(model) -> tuple[dict[str, int], list[dict[str, int]]]:
 
 
 def _plot(path, model_name: str, by_layer: list[dict[str, int]], totals: dict[str, int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     layers = list(range(len(by_layer)))
     attention = [c["attention"] for c in by_layer]
     mlp = [c["mlp"] for c in by_layer]
     norms = [c["norms"] for c in by_layer]
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.35 * len(layers) + 3), 4.2))
+    fig, ax = pyplot().subplots(figsize=(max(6.5, 0.35 * len(layers) + 3), 4.2))
     ax.bar(layers, attention, label="attention", color="tab:blue")
     ax.bar(layers, mlp, bottom=attention, label="MLP", color="tab:orange")
     ax.bar(layers, norms, bottom=[a + m for a, m in zip(attention, mlp)], label="norms", color="tab:gray")
@@ -85,9 +81,7 @@ def _plot(path, model_name: str, by_layer: list[dict[str, int]], totals: dict[st
     ax.set_title(f"{model_name}: parameters per layer\n(total {total:,}; embeddings {totals['embeddings']:,}; "
                  f"LM head {totals['head']:,}{' (tied)' if totals['head'] == 0 else ''})", fontsize=10)
     ax.legend(ncol=3, loc="upper center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run(params: ProbeParams, ctx: JobContext) -> JobOutput:

@@ -21,7 +21,6 @@ A `sweep` is a parent job; the API expands its grid into children (`lmscope.para
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -70,54 +69,30 @@ def _predict(model, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
     return torch.cat([model(x[i:i + batch]) for i in range(0, len(x), batch)])
 
 
-# torch.set_num_threads is process-wide. _single_threaded counts the trainings inside it, so that the
-# setting found before the first one is restored after the last one (not by whichever ends first).
-_THREADS_LOCK = threading.Lock()
-_single_thread_holders = 0
-_threads_before = 1
-WORKER_THREAD_PREFIX = "lmscope-worker-"  # the embedded worker's job threads (lmscope.worker.embedded)
-
-
-def _several_jobs_in_process() -> bool:
-    """True when this process runs jobs on more than one thread (`lmscope up` with several worker threads)."""
-    return sum(t.name.startswith(WORKER_THREAD_PREFIX) for t in threading.enumerate()) > 1
-
-
 @contextmanager
-def _single_threaded(device: torch.device):
+def _single_threaded(ctx: JobContext):
     """Train with one intra-op thread on a CPU, when this process runs one job at a time.
 
     These networks are tiny: on a CPU, intra-op threads only fight each other (measured 10-40x slower
     with 2 threads on a loaded 2-core machine). The thread count is process-wide, so it is left alone
-    when the process runs several jobs at once (it would throttle the others: an embedded worker with
-    several threads), and it is changed only when it is > 1. Overlapping trainings share one change;
-    the last to finish restores the count found before the first.
+    when other jobs may run in this process (`ctx.shares_process`: it would throttle them), and it is
+    changed only when it is > 1; the count found on entry is restored on exit.
     """
-    global _single_thread_holders, _threads_before
-    with _THREADS_LOCK:
-        apply = device.type == "cpu" and (_single_thread_holders > 0 or
-                                          (torch.get_num_threads() > 1 and not _several_jobs_in_process()))
-        if apply:
-            if _single_thread_holders == 0:
-                _threads_before = torch.get_num_threads()
-                torch.set_num_threads(1)
-            _single_thread_holders += 1
+    before = torch.get_num_threads()
+    apply = torch.device(ctx.device).type == "cpu" and not ctx.shares_process and before > 1
+    if apply:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
         if apply:
-            with _THREADS_LOCK:
-                _single_thread_holders -= 1
-                if _single_thread_holders == 0:
-                    torch.set_num_threads(_threads_before)
+            torch.set_num_threads(before)
 
 
-def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> JobOutput:
+def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
     """Train one grid point; report `val_error` and `train_loss` per epoch and write `training.png`."""
     from lmscope.modeling.sumformer import build_network, num_parameters
 
-    if isinstance(params, dict):
-        params = SumformerFitParams.model_validate(params)
     t = params.train
     device = torch.device(ctx.device)
     theory = theory_latent_dim(params.token_dim, params.seq_len)
@@ -130,7 +105,7 @@ def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> Job
         mu, sigma = y_train.mean(), y_train.std().clamp_min(1e-12)
 
     model = build_network(params.architecture, token_dim=params.token_dim, seq_len=params.seq_len,
-                          latent_dim=params.latent_dim, hidden=t.hidden, depth=t.depth, features=params.features,
+                          latent_dim=d_eff, hidden=t.hidden, depth=t.depth, features=params.features,
                           seed=params.seed, qk_init_std=t.qk_init_std).to(device)
     if params.architecture in ("transformer", "linformer", "performer"):
         ctx.record("kernel_backend", "reference")  # training needs autograd: the PyTorch reference kernels
@@ -142,7 +117,7 @@ def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> Job
     eval_x: list[int] = []
     val_errors: list[float] = []
     start = time.perf_counter()
-    with ctx.stage("train"), _single_threaded(device):
+    with ctx.stage("train"), _single_threaded(ctx):
         for epoch in range(1, t.epochs + 1):
             model.train()
             perm = torch.randperm(len(x_train), generator=shuffle).to(device)
@@ -210,32 +185,10 @@ def run_sumformer_fit(params: SumformerFitParams | dict, ctx: JobContext) -> Job
 # ============================================================================ attention_approx
 
 
-def exact_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                        scale: float | None = None) -> torch.Tensor:
-    """softmax(q kᵀ · scale) v in float64 with the N × N matrix built explicitly (the oracle).
-
-    scale: the layer's own softmax scale; None = 1/√D.
-    """
-    h, hk = q.shape[1], k.shape[1]
-    if h != hk:  # grouped-query attention: query head h reads kv head h // (H / H_kv)
-        k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
-    q, k, v = q.double(), k.double(), v.double()
-    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        n = q.shape[2]
-        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
 def per_segment_rel_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """‖approx − exact‖_F / ‖exact‖_F for every segment (batch row), over heads, positions, dims."""
     diff = (approx.double() - exact).flatten(1).norm(dim=1)
     return diff / exact.flatten(1).norm(dim=1)
-
-
-def _is_causal(model) -> bool:
-    return not getattr(model.config, "is_encoder_decoder", False)  # every supported model is a causal LM
 
 
 def _timed(fn, device: torch.device) -> tuple[Any, float]:
@@ -265,17 +218,6 @@ PROJECTION_LABELS = {"pooling": "block-mean pooling E = F", "shared": "shared Ga
                      "gaussian": "independent Gaussian E, F"}
 
 
-def shared_gaussian_projection(k: int, seq_len: int, seed: int, device=None) -> torch.Tensor:
-    """R [k, N] with i.i.d. N(0, 1/k) entries, used as E = F = R (one shared JL projection).
-
-    The Linformer paper's argument projects keys and values with the same R (E = δR, F = e^(−δ)R;
-    δ = 1 here). R is the first matrix of the kernels' `draw_linformer_projections` for the seed.
-    """
-    from lmscope.kernels import draw_linformer_projections
-
-    return draw_linformer_projections(k, seq_len, seed, device)[0]
-
-
 def linformer_projections(kind: str, k: int, seq_len: int, seed: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(E, F) [k', N] for `linformer_projection` = pooling | shared | gaussian (see lmscope.params.sweep)."""
     from lmscope.kernels import draw_linformer_projections
@@ -284,7 +226,9 @@ def linformer_projections(kind: str, k: int, seq_len: int, seed: int, device=Non
         pool = pooling_projection(k, seq_len).to(device)
         return pool, pool
     if kind == "shared":
-        r = shared_gaussian_projection(k, seq_len, seed, device)
+        # one R [k, N] with i.i.d. N(0, 1/k) entries for keys and values: the Linformer paper's JL
+        # argument (E = δR, F = e^(−δ)R; δ = 1 here). R is the first matrix the kernels draw for the seed.
+        r = draw_linformer_projections(k, seq_len, seed, device)[0]
         return r, r
     if kind == "gaussian":
         return draw_linformer_projections(k, seq_len, seed, device)
@@ -296,7 +240,7 @@ def _projection_seed(seed: int, layer: int, k: int) -> int:
     return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
 
 
-def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) -> JobOutput:
+def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobOutput:
     """Performer or Linformer vs exact softmax attention on a real model's q, k, v, for every k.
 
     Performer is causal (prefix sums) and is compared with the model's causal attention. Linformer
@@ -309,17 +253,16 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
     from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
                                  linformer_attention)
     from lmscope.kernels.hf import EntropyCollector
+    from lmscope.modeling.loading import max_positions
     from lmscope.modeling.windows import token_windows
 
-    if isinstance(params, dict):
-        params = AttentionApproxParams.model_validate(params)
     with ctx.stage("load_model"):
         loaded = ctx.load_model(params.model)
     model = loaded.model
     device = next(model.parameters()).device
     cfg = model.config
     num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
-    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    max_pos = max_positions(cfg)
     if max_pos is not None and params.seq_len > max_pos:
         raise JobFailed(f"seq_len {params.seq_len} is longer than {params.model} supports ({max_pos} positions); "
                         f"lower seq_len to at most {max_pos}")
@@ -335,7 +278,7 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
     except ValueError as e:
         raise JobFailed(f"dataset {params.dataset!r}: {e}") from None
 
-    causal_ref = _is_causal(model) and params.method == "performer"
+    causal_ref = params.method == "performer"  # every supported model is a causal LM
     backend = kernel_backend(device)
     ctx.record("kernel_backend", backend)
     ctx.record("approximation_backend", "reference")  # FAVOR+ / Linformer are matmul-bound PyTorch code
@@ -352,7 +295,7 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
         if (layer, k) not in draws:
             draws[layer, k] = linformer_projections(params.linformer_projection, k, q.shape[2], seed, device)
         e, f = draws[layer, k]
-        return linformer_attention(q, kk, v, e.to(q.dtype), f.to(q.dtype), scale=scale)
+        return linformer_attention(q, kk, v, e, f, scale=scale)  # it computes in q's dtype (≥ float32)
 
     errors = {(layer, k): [] for layer in layers for k in ks}  # per segment
     t_exact = 0.0
@@ -375,9 +318,11 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
                         approx(layer, k, q, kk, v, scale)
                 _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), device)
                 t_exact += dt
-                # one window at a time: the float64 N × N matrices of all heads of one window at most
-                exact = torch.cat([exact_attention_f64(q[i:i + 1], kk[i:i + 1], v[i:i + 1], causal=causal_ref,
-                                                       scale=scale)
+                # the oracle: the reference kernel in float64, with the N × N matrix built explicitly,
+                # one window at a time (the float64 matrices of all heads of one window at most)
+                exact = torch.cat([attention_with_entropy(q[i:i + 1].double(), kk[i:i + 1].double(),
+                                                          v[i:i + 1].double(), causal=causal_ref, scale=scale,
+                                                          backend="reference").out
                                    for i in range(q.shape[0])])
                 for k in ks:
                     out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), device)
@@ -423,16 +368,15 @@ def run_attention_approx(params: AttentionApproxParams | dict, ctx: JobContext) 
 # ============================================================================ aggregation
 
 
-def aggregate(params: SweepParams | dict, children: list[ChildResult], ctx: JobContext) -> JobOutput:
-    """Combine the children's results into the parent's series, summary and plots (runs once)."""
-    if isinstance(params, dict):
-        params = SweepParams.model_validate(params)
+def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext) -> JobOutput:
+    """Combine the children's results into the parent's series, summary and plots (runs once).
+
+    The children's counts per status (summary["children"]) are the worker's (lmscope.worker.runner).
+    """
     ok = [c for c in children if c.status == "succeeded"]
     not_ok = [c for c in children if c.status != "succeeded"]
     summary: dict[str, Any] = {
         "study": params.study,
-        "children": {"total": len(children), "succeeded": len(ok), "failed": sum(c.status == "failed" for c in children),
-                     "cancelled": sum(c.status == "cancelled" for c in children)},
         "failed_children": [
             {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
             for c in not_ok
@@ -473,8 +417,7 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     for c in ok:
         p, s = c.params, c.summary or {}
         key = (p["architecture"], p["target"], p["token_dim"], p["seq_len"], p.get("features"))
-        d_eff = s.get("latent_dim_effective") or effective_latent_dim(p["architecture"], p.get("latent_dim"),
-                                                                     p["token_dim"], p["seq_len"])
+        d_eff = s["latent_dim_effective"]  # every sumformer_fit summary has it
         best[key][d_eff].append(float(s["best_val_error"]))
         curve = _series_y(c, "val_error")
         if curve:
@@ -721,6 +664,5 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     plt.close(fig)
 
 
-__all__ = ["aggregate", "exact_attention_f64", "linformer_projections", "make_dataset", "per_segment_rel_error",
-           "pooling_projection", "relative_l2_error", "run_attention_approx", "run_sumformer_fit",
-           "shared_gaussian_projection"]
+__all__ = ["aggregate", "linformer_projections", "make_dataset", "per_segment_rel_error", "pooling_projection",
+           "relative_l2_error", "run_attention_approx", "run_sumformer_fit"]

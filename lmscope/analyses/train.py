@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.train import TrainParams
 
 CHECKPOINTS = "checkpoints"
@@ -215,10 +216,8 @@ def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
 
 
 def run(params: TrainParams, ctx: JobContext) -> JobOutput:
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars at every checkpoint
+    # Its import also turns off transformers' progress bars ("Writing model shards" at every checkpoint).
+    from lmscope.modeling.loading import load_model
 
     p = params
     started = time.perf_counter()
@@ -251,13 +250,14 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             raise JobFailed(f"the checkpoints in {ckpt_root} were made with other {', '.join(changed)}; "
                             "submit a new job instead of retrying this one")
         register_all()  # an attempt may have died between saving and registering
+        resumed = load_model(f"{run_name}@step{existing[-1][0]}", "checkpoint", str(resume_dir), device=device)
 
     with ctx.stage("data"):
         documents = ctx.load_documents(p.dataset)
         train_docs, val_docs = split_documents(documents, p.val_fraction)
         ctx.progress(0, p.steps, "training the tokenizer" if p.tokenizer == "bpe" and not resume_dir else "tokenizing")
         if resume_dir:
-            tokenizer = AutoTokenizer.from_pretrained(str(resume_dir), local_files_only=True)
+            tokenizer = resumed.tokenizer
         else:
             tokenizer = _tokenizer_for(p, ctx, train_docs)
         from lmscope.modeling.windows import token_windows
@@ -275,12 +275,8 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         vocab_size = len(tokenizer)
         unigram_val, unigram_train = unigram_baselines(train_windows, val_windows[:, 1:], vocab_size)
 
-    if resume_dir:
-        model = AutoModelForCausalLM.from_pretrained(str(resume_dir), dtype=torch.float32, local_files_only=True,
-                                                     attn_implementation="sdpa")
-    else:
-        model = build_model(p, tokenizer)
-    model.to(device).train()
+    model = resumed.model if resume_dir else build_model(p, tokenizer).to(device)
+    model.train()
     num_parameters = sum(prm.numel() for prm in model.parameters())
     optimizer = make_optimizer(model, p)
     history: dict[str, list] = state.get("history", {"train": [], "val": [], "lr": []})
@@ -373,12 +369,7 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
 
 def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
           checkpoint_steps: list[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    fig, (ax, ax_lr) = pyplot().subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     steps = [s for s, _ in history["train"]]
     losses = [l for _, l in history["train"]]
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
@@ -402,6 +393,4 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     ax_lr.plot([s for s, _ in history["lr"]], [v for _, v in history["lr"]], color="tab:green")
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

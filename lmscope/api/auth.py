@@ -18,7 +18,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.api.errors import Problem
-from lmscope.api.render import aware
 from lmscope.db.models import ApiToken, User, utcnow
 
 TOKEN_PREFIX = "lms_"
@@ -76,7 +75,7 @@ def user_for_token(sessions: sessionmaker, token: str) -> Caller | None:
             return None
         user_id, name, is_admin, token_id, last_used = row
         now = utcnow()
-        if last_used is None or aware(last_used) < now - _LAST_USED_RESOLUTION:
+        if last_used is None or last_used < now - _LAST_USED_RESOLUTION:
             session.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=now))
         return Caller(user_id, name, is_admin)
 

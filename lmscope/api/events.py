@@ -15,7 +15,7 @@ from flask import Blueprint, Response, current_app, request
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
 from lmscope.api.jobs import children_counts, is_parent_kind, load_visible_job
-from lmscope.api.render import iso, progress_json
+from lmscope.api.render import error_json, iso, progress_json
 from lmscope.api.state import state
 from lmscope.db.models import TERMINAL_STATES, Job
 
@@ -39,7 +39,7 @@ def snapshot(sessions, job_id: int) -> dict:
         return {
             "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
             "progress": progress_json(job, children),
-            "error": {"type": job.error_type, "message": job.error_message} if job.error_type or job.error_message else None,
+            "error": error_json(job),
             "summary": job.summary, "finished_at": iso(job.finished_at),
         }
 

@@ -15,7 +15,7 @@ from lmscope.api.render import job_json
 from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, create_job, find_replay, parse_body, request_hash
 from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
-from lmscope.params import KINDS
+from lmscope.params import KINDS, is_parent_kind
 from lmscope.queue import publish_jobs
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
@@ -24,11 +24,6 @@ DEFAULT_LIMIT, MAX_LIMIT = 50, 500
 
 
 # ---------------------------------------------------------------- helpers
-
-def is_parent_kind(kind: str) -> bool:
-    spec = KINDS.get(kind)
-    return bool(spec and spec.expand)
-
 
 def children_counts(session, parent_ids: list[int]) -> dict[int, dict[str, int]]:
     """{parent_id: {"total": n, "queued": ..., "succeeded": ...}} in one grouped query."""
@@ -116,11 +111,14 @@ def submit_job():
         raise Problem(422, "validation-error", "Invalid Idempotency-Key", "the Idempotency-Key header must be 1 to 200 characters")
     body_hash = request_hash(raw) if key else None
 
+    def replayed(session, job: Job):
+        return render_job(session, job), 200, {"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": "true"}
+
     if key:
         with st.sessions() as session:
             replay = find_replay(session, caller, key, body_hash)
             if replay is not None:
-                return render_job(session, replay), 200, {"Location": f"/v1/jobs/{replay.id}", "Idempotent-Replayed": "true"}
+                return replayed(session, replay)
 
     body: SubmitBody = parse_body(raw)
     try:
@@ -135,7 +133,7 @@ def submit_job():
             replay = find_replay(session, caller, key, body_hash)
             if replay is None:
                 raise
-            return render_job(session, replay), 200, {"Location": f"/v1/jobs/{replay.id}", "Idempotent-Replayed": "true"}
+            return replayed(session, replay)
 
     publish(to_publish)
     with st.sessions() as session:

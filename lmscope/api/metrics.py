@@ -14,7 +14,6 @@ from collections import defaultdict
 from flask import Blueprint, Response
 from sqlalchemy import func, select
 
-from lmscope.api.render import aware
 from lmscope.api.state import state
 from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job
 
@@ -88,7 +87,7 @@ def render_metrics() -> str:
 
     durations: dict[tuple[str, str], list] = defaultdict(lambda: [[0] * (len(JOB_DURATION_BUCKETS) + 1), 0.0])
     for kind, status, started, ended in finished:
-        seconds = max(0.0, (aware(ended) - aware(started)).total_seconds())
+        seconds = max(0.0, (ended - started).total_seconds())
         entry = durations[(kind, status)]
         entry[0][bisect.bisect_left(JOB_DURATION_BUCKETS, seconds)] += 1
         entry[1] += seconds

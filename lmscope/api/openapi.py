@@ -16,6 +16,7 @@ from flask import Blueprint, Flask, Response, current_app
 import lmscope
 from lmscope.api.registry import RegisterModelBody
 from lmscope.api.submit import SubmitBody
+from lmscope.catalog import DATASET_FORMATS
 from lmscope.params import KINDS
 
 bp = Blueprint("openapi", __name__)
@@ -75,11 +76,11 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("post", "registry.upload_dataset"): {
         "parameters": [_query("name", {"type": "string"}, "dataset name (raw-body uploads)"),
-                       _query("format", {"type": "string", "enum": ["text", "lines", "jsonl"]}, "file format (raw-body uploads)")],
+                       _query("format", {"type": "string", "enum": list(DATASET_FORMATS)}, "file format (raw-body uploads)")],
         "requestBody": {"required": True, "content": {
             "multipart/form-data": {"schema": {"type": "object", "required": ["file", "name"], "properties": {
                 "file": {"type": "string", "format": "binary"}, "name": {"type": "string"},
-                "format": {"type": "string", "enum": ["text", "lines", "jsonl"], "default": "text"},
+                "format": {"type": "string", "enum": list(DATASET_FORMATS), "default": "text"},
                 "description": {"type": "string"}}}},
             "text/plain": {"schema": {"type": "string"}},
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},

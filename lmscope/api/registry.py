@@ -88,8 +88,6 @@ def register_model():
                 num_parameters=facts.num_parameters, dtype=facts.dtype, info=facts.info, created_by=caller.id)
     try:
         with st.sessions() as session, session.begin():
-            if session.scalar(select(Model.id).where(Model.name == body.name)) is not None:
-                raise name_taken("model", body.name)
             session.add(row)
     except IntegrityError:
         raise name_taken("model", body.name) from None
@@ -122,11 +120,7 @@ def upload_dataset():
     """Upload a text dataset: multipart `file` + `name` + `format` (text|lines|jsonl), or a raw body with ?name=&format=."""
     st, caller = state(), current_caller()
     limit = st.settings.max_upload_bytes
-    if request.content_length is not None and request.content_length > limit + 64 * 1024:
-        raise Problem(413, "payload-too-large", "Upload too large",
-                      f"the upload is {request.content_length} bytes, the limit is {limit} (LMSCOPE_MAX_UPLOAD_BYTES); "
-                      "split the corpus or ask an admin to raise the limit")
-    fields, data = _read_upload()
+    fields, data = _read_upload()  # a body far past the limit is refused by Flask's MAX_CONTENT_LENGTH (413)
     if len(data) > limit:
         raise Problem(413, "payload-too-large", "Upload too large",
                       f"the file is {len(data)} bytes, the limit is {limit} (LMSCOPE_MAX_UPLOAD_BYTES); "

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
 from lmscope.db.models import TERMINAL_STATES, Job, utcnow
 
 
-def aware(dt: datetime | None) -> datetime | None:
-    # SQLite hands back naive datetimes (they were stored as UTC); PostgreSQL aware ones.
-    if dt is None:
-        return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
-
-
 def iso(dt: datetime | None) -> str | None:
-    dt = aware(dt)
+    # Read back aware and in UTC on every database (lmscope.db.models.UTCDateTime).
     return dt.isoformat().replace("+00:00", "Z") if dt else None
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
-    return round((aware(end) - aware(start)).total_seconds(), 3)
+    return round((end - start).total_seconds(), 3)
 
 
 def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str, Any] | None:
@@ -40,6 +33,10 @@ def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str,
     fraction = min(1.0, done / total) if done is not None and total else None
     return {"done": done, "total": total, "stage": job.progress_stage, "fraction": fraction,
             "updated_at": iso(job.progress_at)}
+
+
+def error_json(job: Job) -> dict[str, str | None] | None:
+    return {"type": job.error_type, "message": job.error_message} if job.error_type or job.error_message else None
 
 
 def timings_json(job: Job) -> dict[str, Any]:
@@ -83,7 +80,7 @@ def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int]
         "worker": job.worker,
         "progress": progress_json(job, children),
         "cancel_requested": job.cancel_requested,
-        "error": {"type": job.error_type, "message": job.error_message} if job.error_type or job.error_message else None,
+        "error": error_json(job),
         "summary": job.summary,
         "environment": job.environment,
         "timings": timings_json(job),

@@ -196,9 +196,6 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
                 raise Problem(422, "validation-error", "Invalid sweep point",
                               f"grid point {i} ({child.name}) is invalid for {child.kind!r}: "
                               + describe_errors(pydantic_errors(e, model=KINDS[child.kind].params))) from None
-            except UnknownKind as e:
-                raise Problem(422, "validation-error", "Invalid sweep point",
-                              f"grid point {i} ({child.name}) has an unknown kind {e}") from None
     check_refs(session, caller, [params, *child_params])
     check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)

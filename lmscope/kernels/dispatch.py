@@ -2,7 +2,8 @@
 
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
-``kernel_backend(device)`` so every number says which code produced it.
+``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
+the kernels share (``check_backend``, ``check_heads``) and ``repeat_kv`` for grouped-query heads.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _env_choice() -> str | None:
+def forced_backend() -> str | None:
+    """The backend ``LMSCOPE_KERNEL_BACKEND`` asks for (validated), or None when it is unset."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if not value:
         return None
@@ -52,7 +54,7 @@ def kernel_backend(device: torch.device | str | None = None) -> str:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    forced = _env_choice()
+    forced = forced_backend()
     if forced is not None:
         return forced
     return "triton" if device.type == "cuda" and triton_available() else "reference"
@@ -74,3 +76,29 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
                 "set TRITON_INTERPRET=1 before triton is imported to run kernels on the CPU"
             )
     return backend
+
+
+def check_heads(h: int, hk: int) -> None:
+    """Grouped-query attention: H query heads share H_kv key/value heads, so H must be a multiple of H_kv."""
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+
+
+def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, H_kv, N, D] → [B, H, N, D]: each key/value head repeated for the H/H_kv query heads it serves."""
+    hk = t.shape[1]
+    return t if hk == h else t.repeat_interleave(h // hk, dim=1)
+
+
+_NO_TRITON = (
+    "{name} has no Triton kernel: it is matmul-bound and runs through PyTorch (cuBLAS) on every "
+    "device; use backend=None or 'reference'"
+)
+
+
+def check_backend(backend: str | None, name: str) -> None:
+    """FAVOR+ and Linformer only have the PyTorch implementation (which is what runs on GPUs too)."""
+    if backend not in (None, "reference"):
+        if backend == "triton":
+            raise NotImplementedError(_NO_TRITON.format(name=name))
+        raise ValueError(f"backend={backend!r}: expected None, 'triton' or 'reference'")

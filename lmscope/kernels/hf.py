@@ -17,22 +17,20 @@ with the explicit mask; ``col.backends`` lists what was used.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .attention_entropy import attention_with_entropy
 from .attention_entropy.naive import attention_with_entropy_reference, visible_keys
-from .dispatch import kernel_backend
 
 ATTENTION_NAME = "lmscope_entropy"
 
 # Collectors active in this thread / task (a worker thread and the API thread never share one).
 _ACTIVE: contextvars.ContextVar[tuple[EntropyCollector, ...]] = contextvars.ContextVar("lmscope_collectors", default=())
-# Backend requested per module by use_lmscope_attention (weak: never keeps a model alive).
-_MODULE_BACKEND: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 def register_attention() -> str:
@@ -55,14 +53,29 @@ def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
         raise RuntimeError(f"{type(model).__name__} did not switch its attention to {name!r}")
 
 
-def use_lmscope_attention(model: torch.nn.Module, *, backend: str | None = None) -> torch.nn.Module:
-    """Make ``model`` run its attention through the fused kernel from now on (no collecting).
+@contextlib.contextmanager
+def lmscope_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run ``model``'s attention through the fused kernel inside the block (no collecting).
 
-    Returns the model. ``backend`` as for :func:`attention_with_entropy`.
+    The previous attention implementation is restored on exit, also when the block raises (models
+    are often cached and shared).
     """
     register_attention()
-    for m in model.modules():
-        _MODULE_BACKEND[m] = backend
+    previous = model.config._attn_implementation
+    _set_attn_implementation(model, ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        if previous is not None:
+            _set_attn_implementation(model, previous)
+
+
+def use_lmscope_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model`` run its attention through the fused kernel from now on (no collecting).
+
+    Returns the model. See :func:`lmscope_attention` for a switch that is undone afterwards.
+    """
+    register_attention()
     _set_attn_implementation(model, ATTENTION_NAME)
     return model
 
@@ -114,7 +127,7 @@ def lmscope_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"lmscope attention does not support {name!r}")
     collectors = [c for c in _ACTIVE.get() if c._owns(module)]
-    backend = collectors[-1].backend if collectors else _MODULE_BACKEND.get(module)
+    backend = collectors[-1].backend if collectors else None
 
     b, _, nq, _ = query.shape
     nk = key.shape[2]
@@ -183,29 +196,22 @@ class EntropyCollector:
         self.backends: set[str] = set()
         self.scaling: dict[int, float] = {}
         self.sliding_window: dict[int, int] = {}
-        self._prev_impl: str | None = None
+        self._switch: contextlib.AbstractContextManager | None = None
         self._token: contextvars.Token | None = None
 
-    @property
-    def expected_backend(self) -> str:
-        """The backend the fused path will use for the model's device (for job records)."""
-        if self.backend is not None:
-            return self.backend
-        return kernel_backend(next(self.model.parameters()).device)
-
     def __enter__(self) -> EntropyCollector:
-        register_attention()
         self._modules = {id(m) for m in self.model.modules()}
-        self._prev_impl = self.model.config._attn_implementation
-        _set_attn_implementation(self.model, ATTENTION_NAME)
+        switch = lmscope_attention(self.model)
+        switch.__enter__()
+        self._switch = switch
         self._token = _ACTIVE.set(_ACTIVE.get() + (self,))
         return self
 
     def __exit__(self, *exc) -> None:
         _ACTIVE.reset(self._token)
         self._token = None
-        if self._prev_impl is not None:
-            _set_attn_implementation(self.model, self._prev_impl)
+        switch, self._switch = self._switch, None
+        switch.__exit__(*exc)
 
     def _owns(self, module: torch.nn.Module) -> bool:
         return id(module) in self._modules
@@ -250,6 +256,7 @@ class EntropyCollector:
 __all__ = [
     "ATTENTION_NAME",
     "EntropyCollector",
+    "lmscope_attention",
     "lmscope_attention_forward",
     "register_attention",
     "use_lmscope_attention",

@@ -22,13 +22,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lmscope.analyses.base import LoadedModel
 from lmscope.catalog import BUILTIN_MODELS, BYTE_VOCAB_SIZE, safetensors_parameter_count
+from lmscope.modeling.loaded import LoadedModel
 from lmscope.modeling.tokenization import byte_tokenizer
-from lmscope.modeling.windows import document_samples, token_windows  # re-exported for the analyses
 
-__all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "model_info", "builtin_config",
-           "byte_tokenizer", "token_windows", "document_samples"]
+__all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "model_info", "max_positions",
+           "builtin_config", "byte_tokenizer"]
 
 # Loading bars belong in a terminal, not in worker logs.
 transformers.utils.logging.disable_progress_bar()
@@ -108,6 +107,11 @@ def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_impl
     return model, tokenizer, sharded
 
 
+def max_positions(config) -> int | None:
+    """Positions a model reads at most (``max_position_embeddings``; GPT-2's ``n_positions``), None if unknown."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def model_info(model) -> dict[str, Any]:
     """Architecture facts of a loaded HF causal LM (the same keys as the models table)."""
     c = model.config
@@ -129,7 +133,7 @@ def model_info(model) -> dict[str, Any]:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         # LLaMA-style MLP: down(act(gate(x)) * up(x)); Proposition 1 of the norms paper needs the plain one.
         "gated_ffn": any(n.endswith(("gate_proj", "gate_up_proj")) for n, _ in model.named_modules()),
-        "max_positions": getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None),
+        "max_positions": max_positions(c),
     }
 
 
@@ -179,11 +183,6 @@ class ModelCache:
         with self._lock:
             for key in [k for k in self._models if k[0] == name]:
                 del self._models[key]
-            _free_memory()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._models.clear()
             _free_memory()
 
     def __len__(self) -> int:

@@ -39,8 +39,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from lmscope.params.sweep import effective_latent_dim
-
 
 def mlp(in_dim: int, hidden: int, depth: int, out_dim: int) -> nn.Sequential:
     """in → (Linear, ReLU) × depth → Linear → out."""
@@ -182,13 +180,15 @@ class OneLayerAttentionNet(nn.Module):
 
 # ---------------------------------------------------------------- factory
 
-def build_network(architecture: str, *, token_dim: int, seq_len: int, latent_dim: int | None, hidden: int,
+def build_network(architecture: str, *, token_dim: int, seq_len: int, latent_dim: int, hidden: int,
                   depth: int, features: int | None = None, seed: int = 0, qk_init_std: float = 0.01) -> nn.Module:
-    """The network of one sweep grid point, initialised from `seed` (same seed → same weights)."""
-    d_eff = effective_latent_dim(architecture, latent_dim, token_dim, seq_len)
+    """The network of one sweep grid point, initialised from `seed` (same seed → same weights).
+
+    latent_dim: the d′ the network uses (`lmscope.params.sweep.effective_latent_dim` of the grid point).
+    """
     with torch.random.fork_rng(devices=[]):  # seed nn.Linear's initialisation without touching the caller's RNG
         torch.manual_seed(seed)
-        return _build(architecture, token_dim, seq_len, d_eff, hidden, depth, features, seed, qk_init_std)
+        return _build(architecture, token_dim, seq_len, latent_dim, hidden, depth, features, seed, qk_init_std)
 
 
 def _build(architecture, token_dim, seq_len, d_eff, hidden, depth, features, seed, qk_init_std) -> nn.Module:

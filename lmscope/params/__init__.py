@@ -37,4 +37,10 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
     return spec.params.model_validate(raw or {})
 
 
-__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "validate_params"]
+def is_parent_kind(kind: str) -> bool:
+    """A sweep parent: its parameters expand into child jobs, and it runs an aggregation, not a job."""
+    spec = KINDS.get(kind)
+    return spec is not None and spec.expand is not None
+
+
+__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "is_parent_kind", "validate_params"]

@@ -40,7 +40,7 @@ class EntropyParams(JobParams):
         False, description="start every window with the tokenizer's BOS token followed by seq_len − 1 stream tokens "
                            "(pretrained LLaMA-family models keep their position-0 attention sink); default: plain "
                            "non-overlapping windows of the token stream")
-    seed: int = 0
+    seed: int = 0  # kept for the record: the measurement draws no random numbers
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "EntropyParams":

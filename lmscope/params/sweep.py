@@ -23,10 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lmscope.params.base import ChildSpec, JobParams
 
-ARCHITECTURES = ("poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer")
 Architecture = Literal["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"]
 USES_FEATURES = ("linformer", "performer")  # k random features (Performer) / k projected keys (Linformer)
-APPROX_METHODS = ("performer", "linformer")
 ApproxMethod = Literal["performer", "linformer"]
 # How the attention study draws Linformer's E, F ∈ R^(k×N) (docs/analyses/sweep.md has the measurements):
 # - "pooling" (default): E = F = the mean over k contiguous blocks of positions (the paper's pooling
@@ -196,10 +194,9 @@ class SumformerGrid(_Strict):
     @field_validator("latent_dim", "token_dim", "seq_len", "features", "seed")
     @classmethod
     def _unique(cls, v):
-        values = [x for x in v]
-        if len(set(values)) != len(values):
+        if len(set(v)) != len(v):
             raise ValueError(f"grid values must be distinct, got {v}")
-        return values
+        return v
 
 
 class SweepParams(JobParams):
@@ -260,14 +257,15 @@ class SweepParams(JobParams):
             size = _sumformer_grid_size(self)
             if size > MAX_GRID_POINTS:
                 raise ValueError(f"the grid has {size} points (more than {MAX_GRID_POINTS}); make it smaller")
-            for arch, n, d, dp in itertools.product(self.architectures, self.grid.seq_len, self.grid.token_dim,
-                                                    self.grid.latent_dim):
-                _check_latent(arch, dp, d, n)
+            # before the loop below: _check_latent computes C(n+d, d), slow for an absurd token_dim or seq_len
             for name, values, lo, hi in (("token_dim", self.grid.token_dim, 1, 32), ("seq_len", self.grid.seq_len, 2, 256),
                                          ("features", self.grid.features, 1, 65536)):
                 bad = [v for v in values if not lo <= v <= hi]
                 if bad:
                     raise ValueError(f"grid.{name} values must lie in [{lo}, {hi}], got {bad}")
+            for arch, n, d, dp in itertools.product(self.architectures, self.grid.seq_len, self.grid.token_dim,
+                                                    self.grid.latent_dim):
+                _check_latent(arch, dp, d, n)
             bad = [v for v in self.grid.latent_dim if v is not None and not 1 <= v <= MAX_LATENT_DIM]
             if bad:
                 raise ValueError(f"grid.latent_dim values must lie in [1, {MAX_LATENT_DIM}] (or null = theory), got {bad}")
@@ -372,14 +370,8 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
     return children
 
 
-def sweep_size(params: SweepParams) -> int:
-    """Number of children `expand_sweep` creates (for messages; equals len(expand_sweep(params)))."""
-    return len(expand_sweep(params))
-
-
 __all__ = [
-    "ARCHITECTURES", "APPROX_METHODS", "TARGET_FORMULAS", "USES_FEATURES", "AttentionApproxParams",
-    "SumformerFitParams", "SumformerGrid", "SweepParams", "TrainSettings", "clamped_latent_dims",
-    "effective_latent_dim",
-    "expand_sweep", "sweep_size", "theory_latent_dim",
+    "TARGET_FORMULAS", "USES_FEATURES", "AttentionApproxParams", "SumformerFitParams", "SumformerGrid",
+    "SweepParams", "TrainSettings", "clamped_latent_dims", "effective_latent_dim", "expand_sweep",
+    "theory_latent_dim",
 ]

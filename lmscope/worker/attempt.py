@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import update
@@ -40,19 +39,11 @@ class Attempt:
     params: dict[str, Any]
     parent_id: int | None
     max_attempts: int
-    started: datetime = field(default_factory=utcnow)
 
     def owned(self):
         """SQL condition: the row is still this attempt's."""
         return (Job.id == self.job_id) & (Job.status == "running") & (Job.worker == self.worker) & \
             (Job.attempts == self.number)
-
-
-def as_utc(value: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; everything we store is UTC."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value
 
 
 class Heartbeat(threading.Thread):

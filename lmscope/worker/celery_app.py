@@ -14,7 +14,6 @@ so CUDA is initialised only in the prefork child that runs the job). The child r
 from __future__ import annotations
 
 import logging
-import sys
 
 from celery import signals
 
@@ -78,9 +77,3 @@ def worker_argv(concurrency: int = 1, loglevel: str = "info") -> list[str]:
 def run_worker(concurrency: int = 1, loglevel: str = "info") -> None:
     """Start a worker in this process (blocks). One per GPU: set CUDA_VISIBLE_DEVICES per worker."""
     celery.worker_main(worker_argv(concurrency, loglevel))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run Celery with ``argv`` (default: ``worker_argv()``), e.g. ``main(["worker", "-c", "1"])``."""
-    argv = sys.argv[1:] if argv is None else argv
-    celery.worker_main(argv or worker_argv())

@@ -48,11 +48,13 @@ def model_cache():
 class WorkerContext:
     def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
                  *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
-                 deadline: float | None = None):
+                 deadline: float | None = None, shares_process: bool = False):
         self.job_id = attempt.job_id
         self.attempt = attempt.number
         self.artifact_dir = Path(artifact_dir)
         self.device = device
+        # True only in an embedded worker with several threads; a Celery prefork child runs one job at a time.
+        self.shares_process = shares_process
         self.environment: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self.last_progress: tuple[int, int, str | None] | None = None

@@ -17,9 +17,9 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lmscope.analyses import registry
 from lmscope.config import Settings
 from lmscope.db.models import Job
+from lmscope.params import KINDS, is_parent_kind
 from lmscope.queue import LocalPublisher
 from lmscope.worker import runner
 from lmscope.worker.environment import worker_id
@@ -67,7 +67,7 @@ class EmbeddedWorker:
         """The oldest queued job that is not a sweep parent."""
         with self.session_factory() as session:
             return session.execute(select(Job.id).where(Job.status == "queued",
-                                                        Job.kind.not_in(list(registry.AGGREGATORS)))
+                                                        Job.kind.not_in([k for k in KINDS if is_parent_kind(k)]))
                                    .order_by(Job.id).limit(1)).scalar_one_or_none()
 
     def run_once(self) -> bool:
@@ -76,7 +76,7 @@ class EmbeddedWorker:
         for job_id in self.publisher.drain():
             with self.session_factory() as session:
                 kind = session.execute(select(Job.kind).where(Job.id == job_id)).scalar_one_or_none()
-            if kind is not None and runner.is_parent_kind(kind):
+            if kind is not None and is_parent_kind(kind):
                 worked |= self._execute(job_id) is not None
         job_id = self.next_queued()
         if job_id is not None:
@@ -87,7 +87,8 @@ class EmbeddedWorker:
     def _execute(self, job_id: int) -> str | None:
         try:
             return runner.execute(job_id, self.settings, self.session_factory, self.publisher,
-                                  worker=worker_id(), shutdown=self.stopping)
+                                  worker=worker_id(), shutdown=self.stopping,
+                                  shares_process=len(self._threads) > 1)
         except Exception:  # keep serving; the job's row tells what happened (or the reaper recovers it)
             log.exception("job %s: the worker failed outside the job", job_id)
             return None

@@ -28,8 +28,8 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
-from lmscope.queue import Publisher
-from lmscope.worker.runner import after_terminal, is_parent_kind, lost_message
+from lmscope.queue import Publisher, send_each
+from lmscope.worker.runner import after_terminal, give_back_values, lost_message
 
 log = logging.getLogger("lmscope.reaper")
 
@@ -50,14 +50,7 @@ def reap_interval(settings: Settings) -> float:
 
 def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session], job_ids: list[int]) -> list[int]:
     """Publish ids whose ``published_at`` we already set; undo it for those the broker refused."""
-    sent, failed = [], []
-    for job_id in job_ids:
-        try:
-            publisher.publish(job_id)
-            sent.append(job_id)
-        except Exception as e:
-            log.warning("re-publishing job %s failed (%s); will retry", job_id, e)
-            failed.append(job_id)
+    sent, failed = send_each(publisher, job_ids)
     if failed:
         with session_factory() as session, session.begin():
             session.execute(update(Job).where(Job.id.in_(failed)).values(published_at=None))
@@ -81,8 +74,7 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
     for r in rows:
         still = (Job.id == r.id) & (Job.attempts == r.attempts) & stale  # re-checked atomically
         if r.attempts < r.max_attempts:
-            back = dict(waiting_children=True) if is_parent_kind(r.kind) else dict(status="queued")
-            values = dict(worker=None, published_at=now, **back)  # published right below
+            values = give_back_values(r.kind, published_at=now)  # published right below
             key = "requeued"
         else:
             values = dict(status="failed", finished_at=now, error_type="worker-lost",
@@ -150,8 +142,7 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
                                .where(running)).all()
     for r in rows:
         if r.attempts < r.max_attempts:
-            back = dict(waiting_children=True) if is_parent_kind(r.kind) else dict(status="queued", published_at=None)
-            values, key = dict(worker=None, **back), "requeued"
+            values, key = give_back_values(r.kind), "requeued"
         else:
             values, key = dict(status="failed", finished_at=utcnow(), error_type="worker-lost",
                                error_message=lost_message(r.attempts, r.heartbeat_at, r.worker)), "failed"

@@ -42,7 +42,8 @@ from lmscope.analyses.base import Series as SeriesData
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Series, utcnow
 from lmscope.queue import Publisher, publish_jobs
-from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown, as_utc
+from lmscope.params import is_parent_kind
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
 from lmscope.worker.context import WorkerContext
 from lmscope.worker.environment import environment_record, worker_device, worker_id
 
@@ -58,8 +59,12 @@ MEDIA_TYPES = {
 KEEP_BETWEEN_ATTEMPTS = "checkpoints"
 
 
-def is_parent_kind(kind: str) -> bool:
-    return kind in registry.AGGREGATORS
+def give_back_values(kind: str, **overrides) -> dict[str, Any]:
+    """UPDATE values that give a job back for another attempt: a job goes back to the queue (to be
+    published again), a sweep parent waits for its aggregation again (it stays ``running``).
+    ``overrides``: what the caller adds (e.g. ``published_at`` when it publishes at once)."""
+    back = dict(waiting_children=True) if is_parent_kind(kind) else dict(status="queued", published_at=None)
+    return {**dict(worker=None, **back), **overrides}
 
 
 def job_dir(settings: Settings, job_id: int) -> Path:
@@ -67,8 +72,7 @@ def job_dir(settings: Settings, job_id: int) -> Path:
 
 
 def lost_message(attempts: int, heartbeat_at, worker: str | None) -> str:
-    seen = as_utc(heartbeat_at)
-    when = seen.isoformat(timespec="seconds") if seen else "never"
+    when = heartbeat_at.isoformat(timespec="seconds") if heartbeat_at else "never"
     return (f"worker lost {attempts} time{'s' if attempts != 1 else ''}; last seen at {when}"
             f"{f' on {worker}' if worker else ''}. Gave up after max_attempts; if the job needs more memory or "
             "time than a worker has, use smaller parameters")
@@ -105,6 +109,7 @@ class Finished:
     """The claim ended the job without running it (cancelled before start, out of attempts)."""
 
     status: str
+    parent_id: int | None
 
 
 def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> Attempt | Finished | None:
@@ -115,11 +120,10 @@ def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> A
                                      Job.cancel_requested, Job.kind, Job.params, Job.parent_id)
                               .where(Job.id == job_id)).one_or_none()
         if row is None:
-            log.warning("job %s does not exist; dropping its message", job_id)
-            return None
+            return None  # (execute logs a missing id)
         if row.status == "queued":
             same = (Job.status == "queued")
-        elif row.status == "running" and not is_parent_kind(row.kind) and worker_gone_here(row.worker):
+        elif row.status == "running" and worker_gone_here(row.worker):  # (execute never claims a sweep parent)
             same = (Job.status == "running") & (Job.worker == row.worker)
             log.warning("job %s: its worker %s is gone; taking over", job_id, row.worker)
         else:
@@ -128,13 +132,13 @@ def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> A
 
         if row.cancel_requested:
             done = session.execute(update(Job).where(same).values(status="cancelled", finished_at=now, worker=worker))
-            return Finished("cancelled") if done.rowcount == 1 else None
+            return Finished("cancelled", row.parent_id) if done.rowcount == 1 else None
         if row.attempts >= row.max_attempts:
             message = (lost_message(row.attempts, row.heartbeat_at, row.worker) if row.status == "running" else
                        f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})")
             done = session.execute(update(Job).where(same).values(
                 status="failed", finished_at=now, error_type="worker-lost", error_message=message))
-            return Finished("failed") if done.rowcount == 1 else None
+            return Finished("failed", row.parent_id) if done.rowcount == 1 else None
 
         done = session.execute(update(Job).where(same).values(
             status="running", attempts=Job.attempts + 1, started_at=now, heartbeat_at=now, worker=worker,
@@ -143,8 +147,7 @@ def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> A
         if done.rowcount != 1:
             return None  # someone else claimed it between our read and our write
         return Attempt(job_id=job_id, number=row.attempts + 1, worker=worker, kind=row.kind,
-                       params=dict(row.params or {}), parent_id=row.parent_id, max_attempts=row.max_attempts,
-                       started=now)
+                       params=dict(row.params or {}), parent_id=row.parent_id, max_attempts=row.max_attempts)
 
 
 # ---------------------------------------------------------------- results
@@ -274,7 +277,6 @@ def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwarg
                 raise
             log.warning("job %s: storing results failed (%s); retrying", attempt.job_id, e)
             time.sleep(2 ** attempt_number)
-    return False
 
 
 def record_start_environment(session_factory: sessionmaker[Session], attempt: Attempt, device: str) -> None:
@@ -292,9 +294,16 @@ def record_start_environment(session_factory: sessionmaker[Session], attempt: At
 
 
 def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionmaker[Session],
-                 compute, shutdown: threading.Event | None) -> str | None:
-    """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome."""
+                 compute, shutdown: threading.Event | None, *, shares_process: bool = False,
+                 final_values: dict[str, Any] | None = None) -> str | None:
+    """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome.
+
+    ``final_values``: written with the terminal status whatever it is (after the attempt's own progress);
+    a ``summary`` in it is merged into the job's summary."""
     from lmscope.params import validate_params
+
+    final = dict(final_values or {})
+    final_summary = final.pop("summary", None)
 
     folder = job_dir(settings, attempt.job_id)
     prepare_artifact_dir(folder)
@@ -303,7 +312,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     record_start_environment(session_factory, attempt, device)
     deadline = time.monotonic() + settings.task_time_limit if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
-                        deadline=deadline)
+                        deadline=deadline, shares_process=shares_process)
     started = time.perf_counter()
     heartbeat.start()
     status, values, output = None, {}, None
@@ -319,10 +328,9 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         return None
     except WorkerShutdown:
         # Give the job back without counting the attempt: a sweep parent waits for aggregation again.
-        back = dict(waiting_children=True) if is_parent_kind(attempt.kind) else dict(status="queued", published_at=None)
         with session_factory() as session, session.begin():
             session.execute(update(Job).where(attempt.owned()).values(
-                attempts=Job.attempts - 1, worker=None, heartbeat_at=None, **back))
+                **give_back_values(attempt.kind, attempts=Job.attempts - 1, heartbeat_at=None)))
         log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
         return None
     except JobCancelled:
@@ -340,6 +348,9 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     if ctx.last_progress is not None:
         done, total, stage = ctx.last_progress
         values.update(progress_done=done, progress_total=total, progress_stage=stage, progress_at=utcnow())
+    values.update(final)
+    if final_summary is not None:
+        values["summary"] = {**(values.get("summary") or {}), **final_summary}
     values["environment"] = environment_record(device, ctx.timings, time.perf_counter() - started, ctx.environment,
                                                attempt=attempt.number, worker=attempt.worker)
     values["heartbeat_at"] = utcnow()
@@ -353,7 +364,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         log.exception("job %s: storing results failed", attempt.job_id)
         error_type, message = _failure(e)
         status = "failed"
-        values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}", summary=None)
+        values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}",
+                      summary=final_summary)
         stored = finish(session_factory, attempt, status, **values)
     if not stored:
         log.warning("job %s attempt %s: row taken by another attempt; results discarded", attempt.job_id, attempt.number)
@@ -362,8 +374,10 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
 
 
 def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
-            worker: str | None = None, shutdown: threading.Event | None = None) -> str | None:
-    """Run one delivery of ``job_id``. Returns the job's final status, or None when there was nothing to do."""
+            worker: str | None = None, shutdown: threading.Event | None = None,
+            shares_process: bool = False) -> str | None:
+    """Run one delivery of ``job_id``. Returns the job's final status, or None when there was nothing to do.
+    ``shares_process``: other jobs may run in this process at the same time (``JobContext.shares_process``)."""
     worker = worker or worker_id()
     with session_factory() as session:
         kind = session.execute(select(Job.kind).where(Job.id == job_id)).scalar_one_or_none()
@@ -371,14 +385,14 @@ def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Sessi
         log.warning("job %s does not exist; dropping its message", job_id)
         return None
     if is_parent_kind(kind):
-        return aggregate(job_id, settings, session_factory, publisher, worker=worker, shutdown=shutdown)
+        return aggregate(job_id, settings, session_factory, publisher, worker=worker, shutdown=shutdown,
+                         shares_process=shares_process)
 
     claimed = claim(session_factory, job_id, worker)
     if claimed is None:
         return None
     if isinstance(claimed, Finished):
-        parent_id = _parent_of(session_factory, job_id)
-        after_terminal(session_factory, publisher, parent_id)
+        after_terminal(session_factory, publisher, claimed.parent_id)
         return claimed.status
 
     log.info("job %s (%s) attempt %s started on %s", job_id, claimed.kind, claimed.number, worker)
@@ -389,16 +403,11 @@ def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Sessi
                             "lmscope version as the API", error_type="unknown-kind")
         return registry.runner_for(claimed.kind)(params, ctx)
 
-    status = _run_attempt(claimed, settings, session_factory, compute, shutdown)
+    status = _run_attempt(claimed, settings, session_factory, compute, shutdown, shares_process=shares_process)
     if status is not None:
         log.info("job %s (%s) attempt %s %s", job_id, claimed.kind, claimed.number, status)
         after_terminal(session_factory, publisher, claimed.parent_id)
     return status
-
-
-def _parent_of(session_factory: sessionmaker[Session], job_id: int) -> int | None:
-    with session_factory() as session:
-        return session.execute(select(Job.parent_id).where(Job.id == job_id)).scalar_one_or_none()
 
 
 # ---------------------------------------------------------------- sweeps
@@ -416,7 +425,7 @@ def claim_aggregation(session_factory: sessionmaker[Session], parent_id: int, wo
     if row is None:
         return None
     return Attempt(job_id=parent_id, number=row.attempts, worker=worker, kind=row.kind, params=dict(row.params or {}),
-                   parent_id=None, max_attempts=row.max_attempts, started=now)
+                   parent_id=None, max_attempts=row.max_attempts)
 
 
 def child_results(session_factory: sessionmaker[Session], parent_id: int) -> list[ChildResult]:
@@ -431,7 +440,8 @@ def child_results(session_factory: sessionmaker[Session], parent_id: int) -> lis
 
 
 def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
-              worker: str | None = None, shutdown: threading.Event | None = None) -> str | None:
+              worker: str | None = None, shutdown: threading.Event | None = None,
+              shares_process: bool = False) -> str | None:
     """Run a sweep's aggregator once its children are all terminal (exactly once across workers)."""
     worker = worker or worker_id()
     attempt = claim_aggregation(session_factory, parent_id, worker)
@@ -453,18 +463,10 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
         return "failed"
 
     def compute(params, ctx):
-        output = registry.aggregator_for(attempt.kind)(params, children, ctx)
-        if isinstance(output, JobOutput):
-            output.summary = {**(output.summary or {}), "children": counts}
-        return output
+        return registry.aggregator_for(attempt.kind)(params, children, ctx)
 
-    status = _run_attempt(attempt, settings, session_factory, compute, shutdown)
-    if status is not None and status != "succeeded":
-        with session_factory() as session, session.begin():
-            job = session.get(Job, parent_id)
-            job.summary = {**(job.summary or {}), "children": counts}
-    if status is not None:
-        with session_factory() as session, session.begin():
-            session.execute(update(Job).where(Job.id == parent_id).values(**progress))
+    # Whatever the outcome, the parent's summary counts its children and its progress shows them all done.
+    status = _run_attempt(attempt, settings, session_factory, compute, shutdown, shares_process=shares_process,
+                          final_values=dict(summary={"children": counts}, **progress))
     log.info("sweep %s aggregated: %s (%s)", parent_id, status, counts)
     return status

@@ -1,7 +1,5 @@
 """What a worker process does once at start-up. Light: no torch.
 
-- ``ensure_builtins``: upsert the built-in model rows and the ``wikitext-2`` dataset row (it lives in
-  ``lmscope.db.builtins``, which the API calls too; re-exported here)
 - ``session_factory_for``: one engine per (process, URL); a forked Celery child never reuses the
   connections of its parent
 - ``load_extra_kinds``: the test hook ``LMSCOPE_EXTRA_KINDS`` (modules that register job kinds)
@@ -17,7 +15,6 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.config import Settings
-from lmscope.db.builtins import WIKITEXT2, ensure_builtins
 from lmscope.db.engine import make_engine, make_sessionmaker
 
 log = logging.getLogger("lmscope.worker")
@@ -26,7 +23,7 @@ log = logging.getLogger("lmscope.worker")
 # adds job kinds to lmscope.params.KINDS and lmscope.analyses.registry (tests/worker/fake_kinds.py).
 EXTRA_KINDS_ENV = "LMSCOPE_EXTRA_KINDS"
 
-__all__ = ["WIKITEXT2", "ensure_builtins", "session_factory_for", "forget_inherited_engines", "load_extra_kinds"]
+__all__ = ["session_factory_for", "forget_inherited_engines", "load_extra_kinds"]
 
 
 _engines: dict[tuple[int, str], tuple[Engine, sessionmaker[Session]]] = {}
@@ -50,14 +47,10 @@ def forget_inherited_engines() -> None:
             del _engines[(pid, url)]
 
 
-def load_extra_kinds(modules: str | None = None) -> list[str]:
+def load_extra_kinds() -> None:
     """Import the modules named in ``LMSCOPE_EXTRA_KINDS`` and call their ``register()`` (a test hook)."""
-    names = [m.strip() for m in (modules if modules is not None else os.environ.get(EXTRA_KINDS_ENV, "")).split(",")]
-    loaded = []
-    for name in filter(None, names):
+    for name in filter(None, (m.strip() for m in os.environ.get(EXTRA_KINDS_ENV, "").split(","))):
         module = importlib.import_module(name)
         if callable(getattr(module, "register", None)):
             module.register()
-        loaded.append(name)
         log.warning("loaded extra job kinds from %s (%s; a test hook)", name, EXTRA_KINDS_ENV)
-    return loaded

@@ -20,8 +20,8 @@ from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
-from lmscope.modeling.loading import token_windows
 from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
 
@@ -167,11 +167,11 @@ def test_uniform_attention_gives_the_causal_bound(tmp_path, documents, arch):
     assert (tmp_path / "dimension_entropy.png").stat().st_size > 5000
 
 
+@torch.no_grad()
 def _qk_per_layer(loaded: LoadedModel, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(q [W,H,N,D], k [W,H_kv,N,D]) of every layer as the attention sees them, from the model's own parts."""
     model, cfg = loaded.model, loaded.model.config
-    with torch.no_grad():
-        hidden = model(input_ids=windows, output_hidden_states=True, use_cache=False).hidden_states
+    hidden = model(input_ids=windows, output_hidden_states=True, use_cache=False).hidden_states
     qk = []
     if cfg.model_type == "gpt2":
         for layer, block in enumerate(model.transformer.h):
@@ -191,11 +191,6 @@ def _qk_per_layer(loaded: LoadedModel, windows: torch.Tensor) -> list[tuple[torc
     return qk
 
 
-@torch.no_grad()
-def _qk_no_grad(loaded, windows):
-    return _qk_per_layer(loaded, windows)
-
-
 @pytest.mark.parametrize("arch,causal", [("gpt2", False), ("llama", True)])
 def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
     loaded = tiny_model(arch)
@@ -207,7 +202,7 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
     visible = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
     bound = np.log(visible.sum(1))
     first = 1 if causal else 0  # a causal row 0 sees one key: trivially uniform, left out
-    for layer, (q, k) in enumerate(_qk_no_grad(loaded, windows)):
+    for layer, (q, k) in enumerate(_qk_per_layer(loaded, windows)):
         q, k = q.double().numpy(), k.double().numpy()
         k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)  # GQA: query head h reads kv head h // group
         scale = 1 / math.sqrt(q.shape[-1])

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from lmscope.catalog import read_documents
-from lmscope.modeling.loading import load_model, token_windows
+from lmscope.modeling.loading import load_model
+from lmscope.modeling.windows import token_windows
 
 
 def submit(client, kind, params):

@@ -87,7 +87,7 @@ def test_poly_sumformer_represents_a_polynomial_target_exactly():
         coef = torch.linalg.lstsq(a, y.reshape(-1, d)).solution
         return float((a @ coef - y.reshape(-1, d)).norm() / y.norm())
 
-    assert lstsq_error(None) < 1e-10  # all monomials (d' = C(n+d,d) − 1 = 14)
+    assert lstsq_error(theory_latent_dim(d, n)) < 1e-10  # all monomials (d' = C(n+d,d) − 1 = 14)
     assert lstsq_error(d) > 1e-2  # only p1 of each coordinate: p2 is missing
 
 
@@ -100,8 +100,8 @@ def test_attention_construction_computes_the_mean_of_phi(kind):
     net = OneLayerAttentionNet(kind, d, n, dp, hidden=8, depth=2, features=k, seed=3, qk_init_std=0.0).double()
     x = sample_inputs(7, n, d, seed=2, dtype=torch.float64)
     direct = net.phi(x).sum(dim=1, keepdim=True).expand(-1, n, -1) / n  # Σ_k φ(x_k) / n, by hand
-    # the softmax reference kernel computes in float32: exact up to float32 rounding
-    torch.testing.assert_close(net.pooled(x), direct, rtol=1e-6, atol=1e-6)
+    # the reference kernels compute in float64 for float64 inputs: exact up to float64 rounding
+    torch.testing.assert_close(net.pooled(x), direct, rtol=1e-12, atol=1e-12)
     # …and it is the construction that does it: random query/key weights break it.
     torch.nn.init.normal_(net.w_q.weight, std=1.0)
     torch.nn.init.normal_(net.w_k.weight, std=1.0)
@@ -122,8 +122,6 @@ def test_linformer_weights_of_the_proof_give_the_sum_over_k():
     F = torch.full((k, n), 1.0 / k, dtype=torch.float64)
     out = linformer_attention(zeros, zeros, v, E, F, backend="reference")
     torch.testing.assert_close(out, v.sum(dim=2, keepdim=True).expand_as(v) / k)
-    net = OneLayerAttentionNet("linformer", 1, n, dim, hidden=2, depth=1, features=k)
-    assert net.mean_scale == pytest.approx(k / n)
 
 
 def test_performer_features_at_zero_are_constant():

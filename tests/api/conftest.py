@@ -120,14 +120,6 @@ def is_problem(response, status: int, slug: str) -> dict:
     return body
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveServer:
     """The Flask app on a real port (werkzeug's threaded server), for the client and the CLI."""
 

@@ -11,7 +11,7 @@ import pytest
 from lmscope.client import Client, LmscopeError
 from lmscope.db.models import Artifact, Series, utcnow
 
-from .conftest import free_port
+from tests.conftest import free_port
 
 
 @pytest.fixture
@@ -73,16 +73,22 @@ def test_wait_reports_progress_and_times_out(api, ann):
         for done in range(1, 4):
             time.sleep(0.15)
             api.set_job(job_id, status="running", progress_done=done, progress_total=3, progress_stage="s")
+        saw_running.wait(10)  # finish only once a poll has seen the job running, however slow the machine
         api.set_job(job_id, status="succeeded", finished_at=utcnow(), summary={"ok": 1})
 
+    def on_progress(j):
+        seen.append((j["status"], (j["progress"] or {}).get("done")))
+        if j["status"] == "running":
+            saw_running.set()
+
+    saw_running, seen = threading.Event(), []
     thread = threading.Thread(target=worker)
     thread.start()
-    seen = []
-    final = ann.wait(job_id, on_progress=lambda j: seen.append((j["status"], (j["progress"] or {}).get("done"))),
-                     timeout=20, poll=0.05)
+    final = ann.wait(job_id, on_progress=on_progress, timeout=20, poll=0.05)
     thread.join()
     assert final["status"] == "succeeded" and final["summary"] == {"ok": 1}
     assert seen[0] == ("queued", None) and seen[-1][0] == "succeeded"
+    assert any(s == "running" for s, _ in seen)
     assert [d for s, d in seen if s == "running"] == sorted({d for s, d in seen if s == "running"})
 
 

@@ -62,7 +62,8 @@ def test_artifact_paths_cannot_escape_the_job_folder(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]
     secret = api.settings.artifact_dir / "secret.txt"
-    secret.parent.mkdir(parents=True, exist_ok=True)
+    # The job folder exists, so a plain join of jobs/<id>/../../secret.txt would reach the file.
+    (api.settings.artifact_dir / "jobs" / str(job_id)).mkdir(parents=True)
     secret.write_text("do not serve")
     # Even a recorded name that climbs out (a corrupt or hostile row) is not served.
     with api.sessions.begin() as session:

@@ -20,7 +20,7 @@ def test_default_choice(monkeypatch):
     assert kernel_backend("cpu") == "reference"
     expected_cuda = "triton" if dispatch.triton_available() else "reference"
     assert kernel_backend(torch.device("cuda")) == expected_cuda
-    assert kernel_backend() == kernel_backend("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernel_backend() == (expected_cuda if torch.cuda.is_available() else "reference")
 
 
 def test_cuda_without_triton_falls_back(monkeypatch):
@@ -44,8 +44,8 @@ def test_environment_override_rejects_unknown(monkeypatch):
         kernel_backend("cpu")
 
 
-def test_override_reaches_the_kernels(monkeypatch, triton_backend):
-    q = torch.randn(1, 1, 5, 16)
+def test_override_reaches_the_kernels(monkeypatch, triton_backend, device):
+    q = torch.randn(1, 1, 5, 16, device=device)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     assert attention_with_entropy(q, q, q).backend == "triton"
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")

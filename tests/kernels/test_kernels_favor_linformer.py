@@ -112,9 +112,11 @@ def test_favor_equals_explicit_feature_computation(causal):
     torch.testing.assert_close(out, _explicit_favor(q, k, v, w, causal), atol=1e-10, rtol=1e-8)
 
 
-def test_favor_features_are_unbiased_for_the_softmax_kernel():
-    # φ(x)·φ(y) over m features is a Monte Carlo mean whose expectation is exp(x·y); with m = 50k
-    # the estimate sits within a few percent (a missing -|x|²/2 term alone would be ~15% off)
+def test_favor_projection_gives_unbiased_softmax_kernel_features():
+    # draw_favor_projection's rows must have the distribution that makes positive random features
+    # unbiased: with φ(x) = exp(ωx − |x|²/2)/√m built here from its ω, φ(x)·φ(y) is a Monte Carlo
+    # mean whose expectation is exp(x·y); with m = 50k the estimate sits within a few percent
+    # (rows of the wrong norm would bias it)
     g = torch.Generator().manual_seed(5)
     x = 0.2 * torch.randn(6, 8, generator=g, dtype=torch.float64)
     y = 0.2 * torch.randn(6, 8, generator=g, dtype=torch.float64)

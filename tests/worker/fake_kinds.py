@@ -33,6 +33,7 @@ class CountParams(JobParams):
     plot: bool = True
     record_backend: str | None = None
     bad_series: bool = False  # x and y of different lengths: the results cannot be stored
+    record_shares_process: bool = False  # record ctx.shares_process in the environment
 
 
 def run_count(params: CountParams, ctx) -> JobOutput:
@@ -42,6 +43,8 @@ def run_count(params: CountParams, ctx) -> JobOutput:
     (checkpoints / f"from-attempt-{ctx.attempt}.txt").write_text("kept between attempts\n")
     if params.record_backend:
         ctx.record("kernel_backend", params.record_backend)
+    if params.record_shares_process:
+        ctx.record("shares_process", ctx.shares_process)
     xs = []
     with ctx.stage("count"):
         for i in range(1, params.steps + 1):

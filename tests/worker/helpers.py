@@ -21,6 +21,16 @@ class RecordingPublisher:
             self.published.append(job_id)
 
 
+def start_execute(job_id: int, settings, sessions, publisher) -> tuple[threading.Thread, dict]:
+    """``runner.execute`` in a started thread; the dict gets ``"status"`` (its return value) when it ends."""
+    from lmscope.worker import runner
+
+    outcome: dict = {}
+    t = threading.Thread(target=lambda: outcome.setdefault("status", runner.execute(job_id, settings, sessions, publisher)))
+    t.start()
+    return t, outcome
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -57,6 +57,14 @@ def test_runs_queued_jobs_oldest_first_and_aggregates_sweeps(settings, sessions,
     assert job_row(parent).summary["sum"] == 3 + 6 and fake_kinds.aggregate_calls - before == 1
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_job_knows_whether_other_jobs_share_its_process(settings, sessions, make_job, job_row, embedded, threads):
+    job_id = make_job(params={"steps": 1, "plot": False, "record_shares_process": True})
+    embedded(threads)
+    wait_until(lambda: job_row(job_id).status == "succeeded", timeout=30, what="the job")
+    assert job_row(job_id).environment["shares_process"] is (threads > 1)
+
+
 def test_stop_gives_the_running_job_back_and_the_next_start_finishes_it(settings, sessions, make_job, job_row, embedded):
     job_id = make_job(params={"steps": 3000, "sleep": 0.001, "plot": False})
     first = embedded()

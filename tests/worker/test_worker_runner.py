@@ -19,7 +19,7 @@ from lmscope.db.models import Artifact, Dataset, Job, Model, Series
 from lmscope.worker import runner
 from lmscope.worker.attempt import Attempt
 from lmscope.worker.context import WorkerContext
-from tests.worker.helpers import wait_until
+from tests.worker.helpers import start_execute, wait_until
 
 
 def series_of(sessions, job_id):
@@ -122,16 +122,16 @@ def test_progress_is_throttled_and_the_last_report_written(settings, sessions, e
 
     assert 2 <= len(writes) <= 4 * elapsed + 2, (len(writes), elapsed)
     gaps = [b - a for a, b in zip(writes, writes[1:-1])]  # the final write may follow at once
-    assert all(g >= 0.24 for g in gaps), gaps
+    # The throttle spaces its decisions 0.25 s apart; measured here, at the cursor, each write also waits for
+    # its transaction to begin, which jitters the gaps under load. Unthrottled writes would be ~3 ms apart.
+    assert all(g >= 0.2 for g in gaps), gaps
     job = job_row(job_id)
     assert (job.progress_done, job.progress_total, job.progress_stage) == (400, 400, "counting")
 
 
 def test_cancel_flag_stops_a_running_job(settings, sessions, make_job, job_row, publisher):
     job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
-    outcome = {}
-    t = threading.Thread(target=lambda: outcome.setdefault("status", runner.execute(job_id, settings, sessions, publisher)))
-    t.start()
+    t, outcome = start_execute(job_id, settings, sessions, publisher)
     wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
     requested = time.monotonic()
     with sessions() as s, s.begin():
@@ -207,9 +207,7 @@ def test_time_limit_fails_the_job(settings, sessions, make_job, job_row, publish
 def test_an_attempt_that_lost_its_row_writes_nothing(settings, sessions, make_job, job_row, publisher):
     """The reaper gave up on a slow attempt and another worker took the job: the old attempt stops quietly."""
     job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
-    outcome = {}
-    t = threading.Thread(target=lambda: outcome.setdefault("status", runner.execute(job_id, settings, sessions, publisher)))
-    t.start()
+    t, outcome = start_execute(job_id, settings, sessions, publisher)
     wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
     with sessions() as s, s.begin():
         s.execute(update(Job).where(Job.id == job_id).values(attempts=Job.attempts + 1, worker="elsewhere:1"))
@@ -222,8 +220,7 @@ def test_an_attempt_that_lost_its_row_writes_nothing(settings, sessions, make_jo
 
 def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_row, publisher):
     job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False})
-    t = threading.Thread(target=runner.execute, args=(job_id, settings, sessions, publisher))
-    t.start()
+    t, _ = start_execute(job_id, settings, sessions, publisher)
     first = wait_until(lambda: job_row(job_id).heartbeat_at, what="heartbeat")
     wait_until(lambda: job_row(job_id).heartbeat_at > first, timeout=5, what="a newer heartbeat")
     # Where it runs is on the row while it runs (a worker that dies leaves that behind for the reaper's failure).
@@ -292,7 +289,7 @@ def test_load_model_goes_through_the_registry_and_the_cache(settings, context, s
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from lmscope.catalog import BUILTIN_MODELS
-    from lmscope.worker.startup import ensure_builtins
+    from lmscope.db.builtins import ensure_builtins
 
     ensure_builtins(settings, sessions)
     loaded = context.load_model("tiny-gpt2")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import resolve_backend
+from ..dispatch import check_heads, resolve_backend
 from .naive import attention_with_entropy_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -18,8 +18,8 @@ class AttentionEntropy:
     """Result of :func:`attention_with_entropy`; unpacks as ``out, entropy, lse = result``.
 
     out:     [B, H, Nq, Dv], dtype of q
-    entropy: [B, H, Nq] float32, nats, -sum_j p_ij ln p_ij of each query row
-    lse:     [B, H, Nq] float32, ln sum_j exp(s_ij) over the visible keys (natural log)
+    entropy: [B, H, Nq] float32 (float64 for float64 inputs on the reference backend), nats, -sum_j p_ij ln p_ij of each query row
+    lse:     [B, H, Nq] float32 (likewise), ln sum_j exp(s_ij) over the visible keys (natural log)
     backend: "triton" or "reference", the code that produced it (for job records)
     """
 
@@ -42,9 +42,7 @@ def _check(q, k, v, key_padding_mask):
         raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must agree on [B, H_kv, N]; got {tuple(k.shape)} and {tuple(v.shape)}")
-    hk = k.shape[1]
-    if hk == 0 or h % hk != 0:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    check_heads(h, k.shape[1])
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError("sequence lengths must be at least 1")
     if not (q.dtype == k.dtype == v.dtype):

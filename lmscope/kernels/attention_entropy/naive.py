@@ -1,6 +1,7 @@
 """Plain-PyTorch attention with per-row entropy: the test oracle's fp32 twin and the CPU path.
 
-Materialises the [B, H, Nq, Nk] score matrix, computes in float32 and is differentiable.
+Materialises the [B, H, Nq, Nk] score matrix, computes in float32 (float64 for float64 inputs) and
+is differentiable.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def attention_with_entropy_reference(
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (out [B,H,Nq,Dv] in q's dtype, entropy [B,H,Nq] fp32, lse [B,H,Nq] fp32).
+    """Return (out [B,H,Nq,Dv] in q's dtype, entropy [B,H,Nq], lse [B,H,Nq]).
+
+    Computes in promote_types(q.dtype, float32): entropy and lse are float32 for float32 and half
+    inputs, float64 (and out computed in float64) for float64 inputs.
 
     ``attn_mask`` (bool, broadcastable to [B,H,Nq,Nk], True = attend) is an extra restriction used
     by the transformers integration for mask patterns the fused kernel does not know.
@@ -55,7 +59,8 @@ def attention_with_entropy_reference(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk] fp32
+    work = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk]
     allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask, device=q.device)
     if attn_mask is not None:
         allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
@@ -74,5 +79,5 @@ def attention_with_entropy_reference(
     if empty:
         entropy = entropy.masked_fill(~any_visible, 0.0)
         lse = lse.masked_fill(~any_visible, float("-inf"))
-    out = torch.matmul(p, v.float()).to(q.dtype)
+    out = torch.matmul(p, v.to(work)).to(q.dtype)
     return out, entropy, lse

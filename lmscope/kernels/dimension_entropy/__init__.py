@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import resolve_backend
+from ..dispatch import check_heads, resolve_backend
 from .naive import dimension_entropy_reference
 
 
@@ -28,8 +28,7 @@ def dimension_entropy(
         raise ValueError(f"q and k must be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q and k must agree on B, N and D; got {tuple(q.shape)} and {tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key heads ({k.shape[1]})")
+    check_heads(q.shape[1], k.shape[1])
     if q.shape[2] == 0:
         raise ValueError("sequence length must be at least 1")
     if q.dtype != k.dtype:

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..dispatch import repeat_kv
+
 
 def dimension_entropy_reference(
     q: torch.Tensor,
@@ -21,8 +23,7 @@ def dimension_entropy_reference(
 ) -> torch.Tensor:
     """Entropy [B, H, D, N] (float32, nats). Materialises [B, H, chunk, N, N] at a time."""
     b, h, n, d = q.shape
-    if k.shape[1] != h:  # grouped-query attention
-        k = k.repeat_interleave(h // k.shape[1], dim=1)
+    k = repeat_kv(k, h)  # grouped-query attention
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     qf = q.float().transpose(-1, -2)  # [B, H, D, N]

@@ -6,20 +6,8 @@ import math
 
 import torch
 
+from ..dispatch import check_backend, check_heads
 from .naive import draw_favor_projection, favor_attention_reference, favor_features
-
-_NO_TRITON = (
-    "{name} has no Triton kernel: it is matmul-bound and runs through PyTorch (cuBLAS) on every "
-    "device; use backend=None or 'reference'"
-)
-
-
-def check_backend(backend: str | None, name: str) -> None:
-    """FAVOR+ and Linformer only have the PyTorch implementation (which is what runs on GPUs too)."""
-    if backend not in (None, "reference"):
-        if backend == "triton":
-            raise NotImplementedError(_NO_TRITON.format(name=name))
-        raise ValueError(f"backend={backend!r}: expected None, 'triton' or 'reference'")
 
 
 def favor_attention(
@@ -47,8 +35,9 @@ def favor_attention(
         raise ValueError("q, k, v must be [B, H, N, D]")
     if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1] or k.shape[2] != q.shape[2]:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"batch must match and H ({q.shape[1]}) be a multiple of H_kv ({k.shape[1]})")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    check_heads(q.shape[1], k.shape[1])
     d = q.shape[-1]
     if projection is None:
         if num_features is None or seed is None:

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from ..dispatch import repeat_kv
+
 
 def draw_favor_projection(
     num_features: int,
@@ -77,10 +79,7 @@ def favor_attention_reference(
     chunk: int = 64,
 ) -> torch.Tensor:
     """FAVOR+ attention [B, H, N, Dv] in the dtype of q (computed in at least float32)."""
-    h, hk = q.shape[1], k.shape[1]
-    if h != hk:
-        k = k.repeat_interleave(h // hk, dim=1)
-        v = v.repeat_interleave(h // hk, dim=1)
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     work = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(work), k.to(work), v.to(work)
     phi_q = favor_features(qf, projection, scale=scale, is_query=True, eps=eps)  # [B,H,N,m]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..favor import check_backend
+from ..dispatch import check_backend, check_heads
 from .naive import draw_linformer_projections, linformer_attention_reference
 
 
@@ -31,8 +31,9 @@ def linformer_attention(
         raise ValueError("q, k, v must be [B, H, N, D]")
     if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"batch must match and H ({q.shape[1]}) be a multiple of H_kv ({k.shape[1]})")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    check_heads(q.shape[1], k.shape[1])
     n = k.shape[2]
     if E.shape[-1] != n or F.shape[-1] != n:
         raise ValueError(f"E and F must have N = {n} columns; got {tuple(E.shape)} and {tuple(F.shape)}")

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..dispatch import repeat_kv
+
 
 def draw_linformer_projections(
     k: int,
@@ -33,10 +35,7 @@ def draw_linformer_projections(
 def linformer_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor, *, scale: float
 ) -> torch.Tensor:
-    h, hk = q.shape[1], k.shape[1]
-    if h != hk:
-        k = k.repeat_interleave(h // hk, dim=1)
-        v = v.repeat_interleave(h // hk, dim=1)
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     work = torch.promote_types(q.dtype, torch.float32)
     kp = torch.matmul(e.to(work), k.to(work))  # [B,H,k,D]; E may be [k,N] or per-head [H,k,N]
     vp = torch.matmul(f.to(work), v.to(work))
