@@ -121,6 +121,7 @@ def check_model_names(session: Session, parsed: list) -> None:
     or with an active job that registers the same names: refused now, not at its first checkpoint."""
     prefixes = sorted({pre for p in parsed for pre in p.model_prefixes()})
     for prefix in prefixes:
+        _lock_name_until_commit(session, prefix)
         taken = session.execute(select(Model.name, Model.job_id).where(Model.name.startswith(prefix, autoescape=True))
                                 .order_by(Model.id).limit(1)).first()
         if taken is not None:
@@ -134,6 +135,21 @@ def check_model_names(session: Session, parsed: list) -> None:
                       f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)",
                       errors=[{"loc": _field_holding(parsed, run_name), "msg": f"models {prefix}<N> are taken",
                                "type": "name_taken"}], prefix=prefix)
+
+
+def _lock_name_until_commit(session: Session, prefix: str) -> None:
+    """Serialise submits that claim the same model names, so that two racing submits of one new
+    run_name cannot both pass the check before either row exists.
+
+    PostgreSQL: a transaction-scoped advisory lock on the name (held until this submit commits, when
+    its job row is visible to the next). SQLite needs none: ``BEGIN IMMEDIATE`` already serialises
+    every writing transaction. Prefixes are locked in sorted order, so two submits cannot deadlock.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    key = int.from_bytes(hashlib.blake2b(prefix.encode(), digest_size=8, person=b"lmscope-name").digest(),
+                         "big", signed=True)
+    session.execute(select(func.pg_advisory_xact_lock(key)))
 
 
 def _active_job_registering(session: Session, prefix: str) -> int | None:

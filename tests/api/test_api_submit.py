@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from lmscope.db.models import Model
 from lmscope.params import KINDS
 
@@ -193,6 +195,44 @@ def test_a_reused_run_name_is_refused_at_submit(api):
     add_checkpoint(api, "axb@step1", first)
     for name in ("demo2", "a_b", None):
         assert api.submit(h, kind="train", params={"dataset": "d", "run_name": name}).status_code == 202, name
+
+
+def test_racing_submits_of_one_new_run_name_let_exactly_one_through(api, monkeypatch):
+    """Two users submit the same new run_name at once. The first is held between its name check and
+    its insert; the second must wait for it (advisory lock on PostgreSQL, BEGIN IMMEDIATE on SQLite)
+    and then be refused, instead of passing the check while the first row does not exist yet."""
+    import lmscope.api.submit as submit
+
+    checked, release = threading.Event(), threading.Event()
+    real_check_quota = submit.check_quota
+
+    def held_check_quota(session, caller, settings):
+        if not checked.is_set():  # the first submit: its name check has passed
+            checked.set()
+            assert release.wait(20)
+        return real_check_quota(session, caller, settings)
+
+    monkeypatch.setattr(submit, "check_quota", held_check_quota)
+    heads = {who: api.user(who) for who in ("ann", "bob")}
+    results: dict[str, object] = {}
+
+    def post(who):
+        results[who] = api.submit(heads[who], kind="train", params={"dataset": "d", "run_name": "shared"})
+
+    first = threading.Thread(target=post, args=("ann",))
+    first.start()
+    assert checked.wait(20)
+    second = threading.Thread(target=post, args=("bob",))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second submit went ahead while the first held the name"
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert results["ann"].status_code == 202
+    body = is_problem(results["bob"], 409, "name-taken")
+    assert f"job {results['ann'].get_json()['id']}" in body["detail"]
+    assert [j.user_id for j in api.jobs()] == [api.job_row(results["ann"].get_json()["id"]).user_id]
 
 
 def test_run_names_like_the_default_are_reserved(api):
