@@ -6,7 +6,7 @@ For every sample (one document, first max_tokens + 1 tokens; the model reads all
     trajectory      ‖h_0[t]‖, ‖h_1[t]‖, …, ‖h_{L-1}[t]‖   (+ ‖h_L[t]‖ before the final norm, optional)
                     h_0 = embedding output, h_l = output of block l, t = the current token
     sequence %      share of trajectories with every step non-decreasing; pair % = share of steps
-    inner loss      loss_l = CE(lm_head(final_norm(block_{L-1}(h_l)))[t], label)   l = 0 … L-1   (eq. 14)
+    inner loss      loss_l = CE(lm_head(final_norm(block_L(h_l)))[t], label)   l = 0 … L-1   (eq. 14)
     PCA             principal axes of all trajectory points; 3-D polylines for a few trajectories
     Gram condition  W = (I + W2·W1)(I + Σ_h W_O^h (Σ_{i≤t} v_i^h k_i^hᵀ) W_Q^h),  v_i = W_V z_i, k_i = W_K z_i
                     (linear attention over the sample's own layer-l context z_i = h_l[i]; eq. 10)
@@ -322,10 +322,10 @@ def visible_keys(positions: torch.Tensor, attention_mask: torch.Tensor, window: 
 @torch.no_grad()
 def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, attention_mask: torch.Tensor,
                        rows: torch.Tensor, cols: torch.Tensor, route: str = "auto") -> torch.Tensor:
-    """block_{L-1}(h_l) at the current tokens (rows, cols), for l = 0 … L-1 → [L, n, D]: the last block
+    """block_L(h_l) at the current tokens (rows, cols), for l = 0 … L-1 → [L, n, D]: the last block
     applied to ALL positions of h_l with the same masks and position embeddings as in the model's own
     pass. Several layers go through the block at once (stacked on the batch axis); l = L-1 is the
-    model's own pass (block_{L-1}(h_{L-1}) = h_L), so it is not run again.
+    model's own pass (block_L(h_{L-1}) = h_L), so it is not run again.
 
     route "auto": computed at the current tokens only (see above) for GPT-2 and LLaMA-family blocks,
     else by re-running the whole block; "full": always re-run the whole block."""
@@ -357,7 +357,7 @@ def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: Bloc
 @torch.no_grad()
 def inner_losses(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, attention_mask: torch.Tensor,
                  rows: torch.Tensor, cols: torch.Tensor, labels: torch.Tensor, route: str = "auto") -> torch.Tensor:
-    """Eq. 14 for l = 0 … L-1 → [n, L]: CE(lm_head(final_norm(block_{L-1}(h_l)))[t], label) at the
+    """Eq. 14 for l = 0 … L-1 → [n, L]: CE(lm_head(final_norm(block_L(h_l)))[t], label) at the
     current tokens t = (rows, cols)."""
     current = last_block_outputs(parts, hidden, call, attention_mask, rows, cols, route)  # [L, n, D]
     L, _, D = current.shape
@@ -543,8 +543,11 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
         summary["inner_loss_kept"] = None
         return summary, series, kept
     final = m.losses[:, -1]
-    kept = final <= params.loss_filter if params.loss_filter is not None else np.ones(S, bool)
-    finite = np.isfinite(final)  # one overflowed fp16 loss must not make the headline NaN
+    # One overflowed fp16 loss must not make the headline or the series NaN: a trajectory with a
+    # non-finite loss at any layer is never kept (counted in inner_loss_nonfinite), even when
+    # loss_filter is null.
+    finite = np.isfinite(m.losses).all(1)
+    kept = finite & (final <= params.loss_filter if params.loss_filter is not None else True)
     summary.update(inner_loss_kept=int(kept.sum()), inner_loss_total=S, loss_filter=params.loss_filter,
                    inner_loss_final_mean=float(final[finite].mean()) if finite.any() else None,
                    inner_loss_nonfinite=int((~finite).sum()))
@@ -622,7 +625,9 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
         return "not requested (gram_condition=false)"
     gated = info.get("gated_ffn")
     if gated or not all(is_gpt2_block(b) for b in parts.blocks):
-        why = "a gated FFN (LLaMA family)" if gated else f"{type(parts.blocks[0]).__name__} blocks"
+        why = ("a gated FFN (LLaMA family)" if gated else
+               f"{type(parts.blocks[0]).__name__} blocks (only sequential GPT-2 blocks, x + MHSA then + FFN, "
+               "are linearised here; a parallel-residual block is I + W_FFN + W_MHSA, not the product)")
         return (f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
                 f"two-matrix FFN (W2·W1); {params.model} has {why}")
     if params.gram_samples == 0:

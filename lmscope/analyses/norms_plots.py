@@ -59,9 +59,9 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
     ax.set_xticks(x)
     ax.set_xlabel("layer l whose hidden state h_l goes through the last block")
     ax.set_ylabel("cross-entropy at the current token (nats)")
-    rule = "all samples" if loss_filter is None else f"final loss ≤ {loss_filter:g}"
+    rule = "all with a finite loss" if loss_filter is None else f"final loss ≤ {loss_filter:g}"
     if kept.any():
-        sub = f"kept {int(kept.sum())}/{S} samples ({rule})"
+        sub = f"kept {int(kept.sum())}/{S} trajectories ({rule})"
     else:
         sub = f"no sample meets {rule} (0/{S}); showing all {S}"
     ax.set_title(f"{title}: approximate inner loss (eq. 14)\n{sub}", fontsize=10)

@@ -11,6 +11,7 @@ block re-run on all positions (float64) for the job's cheaper current-token rout
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -100,18 +101,22 @@ def _unbatched_states(model, tokens):
 
 
 def one_block_copy(model):
-    """A 1-block model with the last block, final norm and LM head of `model`: logits of block(h_l)."""
+    """A 1-block model with the last block, final norm and LM head of `model`: logits of block(h_l).
+
+    Built from the state dict with the last block renamed to block 0, so it works for any
+    architecture whose blocks are `.h.<i>.` or `.layers.<i>.`."""
+    L = model.config.num_hidden_layers
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = 1
-    small = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    if hasattr(model, "transformer"):  # GPT-2: no position embeddings on top of inputs_embeds = h_l
-        small.transformer.h[0].load_state_dict(model.transformer.h[-1].state_dict())
-        small.transformer.ln_f.load_state_dict(model.transformer.ln_f.state_dict())
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[-1:]
+    small = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to(model.dtype)
+    state = model.state_dict()
+    last = re.compile(r"\.(h|layers)\.0\.")
+    small.load_state_dict({k: state[last.sub(lambda m: f".{m.group(1)}.{L - 1}.", k)].clone()
+                           for k in small.state_dict()})
+    if hasattr(small, "transformer"):  # GPT-2: no position embeddings on top of inputs_embeds = h_l
         small.transformer.wpe.weight.data.zero_()
-    else:
-        small.model.layers[0].load_state_dict(model.model.layers[-1].state_dict())
-        small.model.norm.load_state_dict(model.model.norm.state_dict())
-    small.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     return small
 
 
@@ -208,6 +213,23 @@ def test_inner_loss_is_the_last_block_rerun_on_each_layer(arch, request, documen
     np.testing.assert_allclose(series["inner_loss.std"].y, expected.std(0), rtol=1e-3, atol=1e-6)
 
 
+def test_a_non_finite_inner_loss_is_never_kept_nor_averaged():
+    """An fp16 overflow gives inf/NaN at some layer: that trajectory is counted in
+    inner_loss_nonfinite and left out of the kept set and of the series, with or without loss_filter."""
+    losses = np.array([[3.0, 2.0, 1.0], [4.0, np.inf, 0.5], [5.0, 3.0, np.nan], [2.0, 2.0, 2.0]])
+    m = norms.Measurements(norms=np.ones((4, 3)), losses=losses, pca_points=np.zeros((0, 3, 2)),
+                           pca=norms.RunningPCA(2, "cpu"))
+    samples = norms.Samples([[1, 2, 3]] * 4, np.arange(4), np.arange(4), np.ones(4, int), np.arange(5))
+    for loss_filter, kept_rows in ((None, [0, 3]), (1.5, [0])):
+        params = NormsParams(model="m", dataset="d", loss_filter=loss_filter)
+        summary, series, kept = norms.summarise(params, m, samples, layers=3)
+        assert kept.tolist() == [i in kept_rows for i in range(4)]
+        assert summary["inner_loss_nonfinite"] == 2 and summary["inner_loss_kept"] == len(kept_rows)
+        assert summary["inner_loss_final_mean"] == pytest.approx((1.0 + 2.0) / 2)  # rows 0 and 3
+        mean = {s.name: s for s in series}["inner_loss.mean"].y
+        np.testing.assert_allclose(mean, losses[kept_rows].mean(0))
+
+
 def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path, documents):
     lm, _, first = gpt2_run
     final = np.load(first.artifact_dir / "trajectories.npz")["inner_loss"][:, -1]
@@ -279,6 +301,34 @@ BLOCK_CONFIGS = {
     "gpt-neox": lambda: GPTNeoXConfig(num_hidden_layers=3, num_attention_heads=4, hidden_size=32,
                                       intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE),
 }
+
+
+@pytest.mark.parametrize("arch", list(BLOCK_CONFIGS))
+def test_last_block_outputs_equal_a_one_block_copy_fed_each_layer(arch):
+    """block_{L-1}(h_l) at the current tokens, for every l, against an independent model: a one-block
+    copy of the model fed inputs_embeds = h_l with the same padding mask (float64). This is the only
+    independent check of the generic route (GPT-NeoX re-runs the whole block)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(BLOCK_CONFIGS[arch](), attn_implementation="sdpa").eval().double()
+    parts = norms.model_parts(model)
+    lengths = torch.tensor([20, 13, 7, 16])
+    mask = (torch.arange(20)[None] < lengths[:, None]).long()
+    hidden, call = norms.hidden_states(parts, torch.randint(0, 256, (4, 20)), mask)
+    rows, cols = torch.tensor([0, 1, 2, 3, 3, 0]), torch.tensor([19, 12, 6, 15, 4, 9])
+    got = norms.last_block_outputs(parts, hidden, call, mask, rows, cols)
+    small = one_block_copy(model)
+    seen = []
+    hook = norms.model_parts(small).blocks[0].register_forward_hook(
+        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            for h in hidden:
+                small(inputs_embeds=h, attention_mask=mask)
+    finally:
+        hook.remove()
+    expected = torch.stack([y[rows, cols] for y in seen])
+    assert got.shape == expected.shape == (3, 6, 32)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("arch", list(BLOCK_CONFIGS))
