@@ -454,7 +454,7 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     if any(len(per_x) > 1 for per_x in best.values()):
         _plot_fig2(ctx.artifact_dir / "fig2_latent_dim.png", best)
         plots.append("fig2_latent_dim.png")
-    summary: dict[str, Any] = {"best": headline[:100], "plots": plots}
+    summary: dict[str, Any] = {"best": headline[:100], "best_lines": len(headline), "plots": plots}
     clamped = clamped_latent_dims(params)
     if clamped:  # the grid asked for more monomials than exist: those points ran with C(n+d,d)−1
         summary["latent_dim_clamped"] = clamped

@@ -56,8 +56,8 @@ def mlp(in_dim: int, hidden: int, depth: int, out_dim: int) -> nn.Sequential:
 def monomial_exponents(token_dim: int, max_degree: int) -> Iterator[tuple[int, ...]]:
     """Exponents α ∈ N^d with 1 ≤ |α| ≤ max_degree, in graded order (degree 1, then 2, …).
 
-    Within a degree the order is lexicographic, largest first: for d = 2, degree 2 gives
-    (2,0), (1,1), (0,2). There are C(max_degree + d, d) − 1 of them.
+    Within a degree the order is lexicographic, smallest first: for d = 2, degree 1 gives (0,1), (1,0)
+    and degree 2 gives (0,2), (1,1), (2,0). There are C(max_degree + d, d) − 1 of them.
     """
     for degree in range(1, max_degree + 1):
         # stars and bars: choose where the d − 1 bars go among degree + d − 1 slots

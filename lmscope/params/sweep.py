@@ -343,22 +343,23 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
         ]
 
     g = params.grid
-    # key → the grid's d′ values above the theory d′ that became this point (in grid order)
-    points: dict[tuple, list[int]] = {}
+    # Points are keyed by the d′ that will run, so that `null` (theory) beside an explicit d′ equal to
+    # it is one child, not two that the aggregation would count as two seeds.
+    # key → (the grid's d′ that the child keeps, the grid's d′ values above theory clamped into it)
+    points: dict[tuple, tuple[int | None, list[int]]] = {}
     for arch, target, n, d, latent, seed in itertools.product(
         params.architectures, params.targets, g.seq_len, g.token_dim, g.latent_dim, g.seed
     ):
         clamped = []
+        effective = effective_latent_dim(arch, latent, d, n)
         if arch == "poly_sumformer" and latent is not None:
             if latent > theory_latent_dim(d, n):
                 clamped = [latent]
-            latent = effective_latent_dim(arch, latent, d, n)
-            if latent == theory_latent_dim(d, n):
-                latent = None  # "all monomials": one child, whatever larger d' the grid asked for
+            latent = None if effective == theory_latent_dim(d, n) else effective  # None: all monomials
         for k in (g.features if arch in USES_FEATURES else [None]):
-            points.setdefault((arch, target, n, d, latent, k, seed), []).extend(clamped)
+            points.setdefault((arch, target, n, d, effective, k, seed), (latent, []))[1].extend(clamped)
     children: list[ChildSpec] = []
-    for (arch, target, n, d, latent, k, seed), clamped in points.items():
+    for (arch, target, n, d, _, k, seed), (latent, clamped) in points.items():
         child = SumformerFitParams(
             target=target, architecture=arch, latent_dim=latent, token_dim=d, seq_len=n, features=k,
             seed=seed, train=params.train, latent_dim_requested=clamped or None,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy import delete, exists, insert, select, update
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -41,6 +41,7 @@ from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, JobOutpu
 from lmscope.analyses.base import Series as SeriesData
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Series, utcnow
+from lmscope.db.progress import refresh_sweep_progress
 from lmscope.queue import Publisher, publish_jobs
 from lmscope.params import is_parent_kind
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
@@ -233,15 +234,9 @@ def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher,
     """A child became terminal: update the parent's progress (children finished / total), publish the parent."""
     if parent_id is None:
         return
-    child = aliased(Job)
-    finished = select(func.count()).select_from(child).where(child.parent_id == parent_id,
-                                                             child.status.in_(TERMINAL_STATES)).scalar_subquery()
-    total = select(func.count()).select_from(child).where(child.parent_id == parent_id).scalar_subquery()
     try:
         with session_factory() as session, session.begin():
-            session.execute(update(Job).where(Job.id == parent_id, Job.waiting_children.is_(True))
-                            .values(progress_done=finished, progress_total=total, progress_stage="children",
-                                    progress_at=utcnow()))
+            refresh_sweep_progress(session, parent_id)
     except Exception as e:  # cosmetic; the aggregation does not depend on it
         log.warning("could not update progress of sweep %s: %s", parent_id, e)
     publish_jobs(publisher, session_factory, [parent_id])

@@ -91,6 +91,27 @@ def test_poly_sumformer_represents_a_polynomial_target_exactly():
     assert lstsq_error(d) > 1e-2  # only p1 of each coordinate: p2 is missing
 
 
+def test_a_target_linear_in_the_power_sums_is_fitted_exactly_by_a_linear_psi():
+    """The spec's case: ψ linear in the power sums. y = 3·p_(1,2) − p_(3,0) + 0.5·p_(0,1) + 2 (every
+    coordinate; p_α = Σ_k x_k^α, computed here by hand) is an affine function of the Sumformer's pooled
+    φ, so least squares on (1, pooled φ) alone fits it to rounding error; without the degree-3 monomials
+    (d′ = 5 keeps degrees 1 and 2) it cannot."""
+    d, n = 2, 3
+    x = sample_inputs(300, n, d, seed=2, dtype=torch.float64)
+    p = {a: (x[..., 0] ** a[0] * x[..., 1] ** a[1]).sum(1, keepdim=True) for a in [(1, 2), (3, 0), (0, 1)]}
+    y = (3 * p[(1, 2)] - p[(3, 0)] + 0.5 * p[(0, 1)] + 2).unsqueeze(-1).expand(-1, n, d)
+
+    def fitted_error(latent_dim):
+        net = build_network("poly_sumformer", token_dim=d, seq_len=n, latent_dim=latent_dim, hidden=4, depth=1).double()
+        s = net.pooled(x)  # [B, n, d′]: the same for every token
+        a = torch.cat([torch.ones_like(s[..., :1]), s], -1).reshape(-1, latent_dim + 1)
+        coef = torch.linalg.lstsq(a, y.reshape(-1, d)).solution  # ψ(s) = [1, s] @ coef
+        return float((a @ coef - y.reshape(-1, d)).norm() / y.norm())
+
+    assert fitted_error(theory_latent_dim(d, n)) < 1e-10  # d′ = C(5,2) − 1 = 9
+    assert fitted_error(5) > 1e-2
+
+
 # ---------------------------------------------------------------- one attention layer = the mean
 
 @pytest.mark.parametrize("kind", ["transformer", "linformer", "performer"])

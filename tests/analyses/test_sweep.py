@@ -54,6 +54,18 @@ def test_expand_sweep_counts_grid_points_by_hand():
     assert KINDS["sweep"].expand is expand_sweep
 
 
+def test_null_and_an_explicit_theory_latent_dim_are_one_child_for_every_architecture():
+    """d = 1, n = 3: the theory d′ is C(4,1) − 1 = 3, so grid d′ [null, 3, 2] is two points per
+    architecture, not three (two identical children would count as two seeds in the aggregation)."""
+    p = SweepParams(architectures=["mlp_sumformer", "poly_sumformer", "transformer"],
+                    grid={"latent_dim": [None, 3, 2], "token_dim": [1], "seq_len": [3], "seed": [0]})
+    children = [SumformerFitParams.model_validate(c.params) for c in expand_sweep(p)]
+    per_arch = {}
+    for q in children:
+        per_arch.setdefault(q.architecture, []).append(q.latent_dim)
+    assert per_arch == {"mlp_sumformer": [None, 2], "poly_sumformer": [None, 2], "transformer": [None, 2]}
+
+
 def test_clamped_poly_latent_dims_are_said_in_the_children_and_the_parent(tmp_path):
     """d = 1, n = 3: C(4,1) − 1 = 3 monomials exist; the grid's d′ = 4 and 9 both become the d′ = 3 child."""
     from lmscope.params.sweep import clamped_latent_dims
@@ -379,6 +391,10 @@ def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
             values = [e for (dd, dp, _), e in errs.items() if dd == d and dp == x]
             assert y == pytest.approx(sum(values) / len(values)) and (lo, hi) == (min(values), max(values))
     assert by["best_val_error", 2].labels["seeds"] == [2, 1]  # the failed seed is missing, not zero
+    # the headline: one line per d with the d′ of lowest mean error (d = 1: 0.08 at 4; d = 2: 0.20 at 4)
+    assert out.summary["best_lines"] == 2
+    assert [(b["token_dim"], b["best_latent_dim"]) for b in out.summary["best"]] == [(1, 4), (2, 4)]
+    assert [b["best_val_error"] for b in out.summary["best"]] == pytest.approx([0.08, 0.20])
     theory = next(s for s in out.series if s.name == "theory_latent_dim")
     assert list(theory.x) == [1, 2] and list(theory.y) == [3, 9]
     curve = next(s for s in out.series if s.name == "val_error" and s.labels["token_dim"] == 1 and s.labels["latent_dim"] == 4)

@@ -143,6 +143,9 @@ def test_cancelling_a_child_publishes_its_parent(api):
     assert api.publisher.published == [parent]
     parent_doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()
     assert parent_doc["progress"]["done"] == 1 and parent_doc["progress"]["total"] == 2
+    # the stored column too (what SQL users and the metrics read), not only the rendered counts
+    row = api.job_row(parent)
+    assert (row.progress_done, row.progress_total, row.progress_stage) == (1, 2, "children")
 
 
 def test_an_unknown_kind_filter_is_refused_with_the_kinds(api):

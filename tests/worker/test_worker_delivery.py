@@ -167,6 +167,30 @@ def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, m
     assert sorted(p.name for p in checkpoints.iterdir()) == ["from-attempt-1.txt", "from-attempt-2.txt"]
 
 
+def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessions, make_job, job_row):
+    """A sweep's child whose worker process is SIGKILLed is retried; the parent then sees each child
+    once: progress 2/2, one aggregation over two results, and one set of the retried child's series."""
+    delivery.start()
+    parent = make_job(kind="fake_sweep", params={"steps": [300, 4]}, status="running", waiting_children=True,
+                      started_at=utcnow())
+    slow = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, parent_id=parent)
+    quick = make_job(params={"steps": 4, "plot": False}, parent_id=parent)
+    publish_jobs(delivery.publisher, sessions, [slow, quick])
+    wait_until(lambda: (job_row(slow).progress_done or 0) >= 20, timeout=60, what="the slow child's progress")
+    killed = int(job_row(slow).worker.rsplit(":", 1)[1])
+    os.kill(killed, signal.SIGKILL)
+
+    job = wait_for_status(job_row, parent, timeout=120)
+    assert job_row(slow).attempts == 2 and job_row(quick).attempts == 1
+    assert job.attempts == 1 and (job.progress_done, job.progress_total) == (2, 2)
+    assert job.summary["children"] == {"succeeded": 2, "failed": 0, "cancelled": 0}
+    assert job.summary["sum"] == sum(range(1, 301)) + sum(range(1, 5))
+    with sessions() as s:
+        totals = s.execute(select(Series).where(Series.job_id == parent, Series.name == "totals")).scalar_one()
+    assert sorted(totals.x) == sorted([slow, quick])  # each child once in the aggregation's input
+    assert series_names(sessions, slow) == ["nan", "square"]
+
+
 def test_a_message_never_sent_is_published_by_the_reaper(delivery, sessions, make_job, job_row):
     job_id = make_job(params={"steps": 3, "plot": False}, created_at=utcnow() - timedelta(seconds=5))
     delivery.start()  # its reaper thread finds the queued, never-published row

@@ -1,0 +1,23 @@
+"""A sweep parent's progress: children finished / total, recounted from the rows."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, aliased
+
+from lmscope.db.models import TERMINAL_STATES, Job, utcnow
+
+
+def refresh_sweep_progress(session: Session, parent_id: int) -> None:
+    """Set the parent's progress to its terminal children / all children, while it waits for them.
+
+    Recounted (not incremented) so that a child retried after a worker crash, or reached by two
+    paths (a worker finishing it and the API cancelling it), never counts twice.
+    """
+    child = aliased(Job)
+    finished = select(func.count()).select_from(child).where(child.parent_id == parent_id,
+                                                             child.status.in_(TERMINAL_STATES)).scalar_subquery()
+    total = select(func.count()).select_from(child).where(child.parent_id == parent_id).scalar_subquery()
+    session.execute(update(Job).where(Job.id == parent_id, Job.waiting_children.is_(True))
+                    .values(progress_done=finished, progress_total=total, progress_stage="children",
+                            progress_at=utcnow()))
