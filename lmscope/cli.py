@@ -286,20 +286,84 @@ def user():
     """Users and tokens (run on the server: talks to the database directly)."""
 
 
+class _Limit(click.ParamType):
+    """A per-user limit: a positive integer, or `default` for the server's (LMSCOPE_...) value."""
+
+    name = "N|default"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value is None:
+            return value
+        if value == "default":
+            return "default"
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is not a positive integer or 'default'", param, ctx)
+        return n
+
+
+_LIMIT_OPTIONS = (
+    ("max_active_jobs", "--max-active-jobs", "queued + running top-level jobs (default LMSCOPE_MAX_ACTIVE_JOBS)"),
+    ("max_sweep_points", "--max-sweep-points", "grid points per sweep (default LMSCOPE_MAX_SWEEP_POINTS)"),
+)
+
+
+def _limit_options(f):
+    for dest, flag, help_ in reversed(_LIMIT_OPTIONS):
+        f = click.option(flag, dest, type=_Limit(), default=None, help=help_)(f)
+    return f
+
+
+def _limits_text(u) -> str:
+    from lmscope.config import Settings
+
+    settings = Settings.from_env()
+    parts = []
+    for dest, _, _ in _LIMIT_OPTIONS:
+        own = getattr(u, dest)
+        parts.append(f"{dest}={own}" if own is not None else f"{dest}={getattr(settings, dest)} (server default)")
+    return ", ".join(parts)
+
+
 @user.command("create")
 @click.argument("name")
 @click.option("--admin", is_flag=True, help="may register models and see every job")
-def user_create(name, admin):
+@_limit_options
+def user_create(name, admin, max_active_jobs, max_sweep_points):
     """Make a user and print its first token (shown once)."""
     from lmscope.api.auth import create_user
 
+    limits = {k: (None if v == "default" else v) for k, v in
+              (("max_active_jobs", max_active_jobs), ("max_sweep_points", max_sweep_points))}
     with _sessions().begin() as session:
         try:
-            _, token = create_user(session, name, admin=admin)
+            _, token = create_user(session, name, admin=admin, **limits)
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     click.echo(f"created {'admin' if admin else 'user'} {name}; token (shown once, keep it secret):", err=True)
     click.echo(token)
+
+
+@user.command("limits")
+@click.argument("name")
+@_limit_options
+def user_limits(name, max_active_jobs, max_sweep_points):
+    """Show a user's limits, or set them (`default` goes back to the server's value)."""
+    from sqlalchemy import select
+
+    from lmscope.db.models import User
+
+    with _sessions().begin() as session:
+        u = session.scalar(select(User).where(User.name == name))
+        if u is None:
+            raise click.ClickException(f"no user {name!r} (list them: `lmscope user list`)")
+        for dest, value in (("max_active_jobs", max_active_jobs), ("max_sweep_points", max_sweep_points)):
+            if value is not None:
+                setattr(u, dest, None if value == "default" else value)
+        click.echo(f"{u.name}: {_limits_text(u)}")
 
 
 @user.command("token")
@@ -327,7 +391,7 @@ def user_list():
 
     with _sessions()() as session:
         for u in session.scalars(select(User).order_by(User.name)):
-            click.echo(f"{u.name}{'  (admin)' if u.is_admin else ''}")
+            click.echo(f"{u.name}{'  (admin)' if u.is_admin else ''}  {_limits_text(u)}")
 
 
 # ---------------------------------------------------------------- jobs
@@ -492,6 +556,15 @@ def kinds():
         if not k.get("submittable", True):
             note = f"  (child of {' / '.join(k.get('child_of') or ['another kind'])}; not submittable)"
         click.echo(f"{k['name']:{width}}  {k['description']}{note}")
+
+
+@main.command()
+def whoami():
+    """Who your token belongs to, your active jobs and your limits."""
+    me = client().me()
+    own = set(me.get("per_user_limits") or [])
+    limits = ", ".join(f"{k}={v}" + ("" if k in own else " (server default)") for k, v in me["limits"].items())
+    click.echo(f"{me['name']}{' (admin)' if me['is_admin'] else ''}: {me['active_jobs']} active job(s); {limits}")
 
 
 # ---------------------------------------------------------------- models and datasets

@@ -188,6 +188,10 @@ class Client:
     def kinds(self) -> list[dict[str, Any]]:
         return self._json("GET", "/v1/kinds")["items"]
 
+    def me(self) -> dict[str, Any]:
+        """Who the token belongs to: name, admin flag, active jobs and limits."""
+        return self._json("GET", "/v1/me")
+
 
 def _problem_of(response: requests.Response) -> dict[str, Any]:
     """The problem document of an error response, or one made up from a non-JSON body (e.g. a proxy's)."""

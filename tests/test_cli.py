@@ -80,9 +80,9 @@ def test_up_is_quiet_and_names_the_dashboard_and_docs(sqlite_url, settings_facto
 
 def test_server_commands_exist():
     assert {"up", "worker", "db", "user", "submit", "jobs", "show", "cancel", "results", "fetch", "models",
-            "datasets"} <= set(main.commands)
+            "datasets", "whoami"} <= set(main.commands)
     assert "upgrade" in main.commands["db"].commands
-    assert {"create", "token"} <= set(main.commands["user"].commands)
+    assert {"create", "token", "list", "limits"} <= set(main.commands["user"].commands)
 
 
 # ---------------------------------------------------------------- users (direct database access)
@@ -115,6 +115,40 @@ def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_pat
     latin1.write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
     bad = runner.invoke(main, ["datasets", "add", "latin", str(latin1)])
     assert bad.exit_code != 0 and "not UTF-8" in bad.output and "line 2" in bad.output
+
+
+def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
+    from sqlalchemy import select
+
+    from lmscope.db.engine import make_engine, make_sessionmaker
+    from lmscope.db.models import User
+
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("LMSCOPE_MAX_SWEEP_POINTS", "64")
+    runner = CliRunner()
+    assert runner.invoke(main, ["user", "create", "ann", "--max-sweep-points", "500"]).exit_code == 0
+    assert runner.invoke(main, ["user", "create", "bob"]).exit_code == 0
+
+    def limits(name):
+        with make_sessionmaker(make_engine(sqlite_url))() as s:
+            u = s.scalar(select(User).where(User.name == name))
+            return u.max_active_jobs, u.max_sweep_points
+
+    assert limits("ann") == (None, 500) and limits("bob") == (None, None)
+    shown = runner.invoke(main, ["user", "limits", "bob", "--max-active-jobs", "3"])
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.strip() == "bob: max_active_jobs=3, max_sweep_points=64 (server default)"
+    assert limits("bob") == (3, None)
+    assert runner.invoke(main, ["user", "limits", "ann", "--max-sweep-points", "default"]).exit_code == 0
+    assert limits("ann") == (None, None)
+    for bad in ("0", "-2", "many"):
+        r = runner.invoke(main, ["user", "limits", "bob", "--max-active-jobs", bad])
+        assert r.exit_code == 2 and "positive integer or 'default'" in r.output, bad
+    assert limits("bob") == (3, None)
+    missing = runner.invoke(main, ["user", "limits", "nobody"])
+    assert missing.exit_code == 1 and "no user 'nobody'" in missing.output
+    listed = runner.invoke(main, ["user", "list"]).output.splitlines()
+    assert listed[1].startswith("bob") and "max_active_jobs=3," in listed[1]
 
 
 def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.api.errors import Problem
+from lmscope.config import Settings
 from lmscope.db.models import ApiToken, User, utcnow
 
 TOKEN_PREFIX = "lms_"
@@ -33,9 +34,21 @@ class Caller:
     id: int
     name: str
     is_admin: bool
+    max_active_jobs: int | None = None  # None: the server's default (Settings)
+    max_sweep_points: int | None = None
 
     def can_see(self, owner_id: int) -> bool:
         return self.is_admin or owner_id == self.id
+
+    def active_jobs_limit(self, settings: Settings) -> int:
+        return settings.max_active_jobs if self.max_active_jobs is None else self.max_active_jobs
+
+    def sweep_points_limit(self, settings: Settings) -> int:
+        return settings.max_sweep_points if self.max_sweep_points is None else self.max_sweep_points
+
+    @classmethod
+    def of(cls, user: User) -> Caller:
+        return cls(user.id, user.name, user.is_admin, user.max_active_jobs, user.max_sweep_points)
 
 
 def new_token() -> str:
@@ -54,11 +67,12 @@ def issue_token(session: Session, user: User) -> str:
     return token
 
 
-def create_user(session: Session, name: str, *, admin: bool = False) -> tuple[User, str]:
+def create_user(session: Session, name: str, *, admin: bool = False, max_active_jobs: int | None = None,
+                max_sweep_points: int | None = None) -> tuple[User, str]:
     """Make a user and a first token; raises ValueError when the name is taken."""
     if session.scalar(select(User).where(User.name == name)) is not None:
         raise ValueError(f"user {name!r} exists; make another token with `lmscope user token {name}`")
-    user = User(name=name, is_admin=admin)
+    user = User(name=name, is_admin=admin, max_active_jobs=max_active_jobs, max_sweep_points=max_sweep_points)
     session.add(user)
     session.flush()
     return user, issue_token(session, user)
@@ -67,17 +81,17 @@ def create_user(session: Session, name: str, *, admin: bool = False) -> tuple[Us
 def user_for_token(sessions: sessionmaker, token: str) -> Caller | None:
     with sessions() as session, session.begin():
         row = session.execute(
-            select(User.id, User.name, User.is_admin, ApiToken.id, ApiToken.last_used_at)
+            select(User, ApiToken.id, ApiToken.last_used_at)
             .join(ApiToken, ApiToken.user_id == User.id)
             .where(ApiToken.token_hash == hash_token(token))
         ).first()
         if row is None:
             return None
-        user_id, name, is_admin, token_id, last_used = row
+        user, token_id, last_used = row
         now = utcnow()
         if last_used is None or last_used < now - _LAST_USED_RESOLUTION:
             session.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=now))
-        return Caller(user_id, name, is_admin)
+        return Caller.of(user)
 
 
 def local_user(sessions: sessionmaker) -> Caller:
@@ -90,7 +104,7 @@ def local_user(sessions: sessionmaker) -> Caller:
                     user = User(name=LOCAL_USER, is_admin=True)
                     session.add(user)
                     session.flush()
-                return Caller(user.id, user.name, user.is_admin)
+                return Caller.of(user)
         except IntegrityError:
             continue
     raise RuntimeError("could not create the local user")

@@ -13,8 +13,9 @@ from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
 from lmscope.api.render import job_json
 from lmscope.api.state import state
-from lmscope.api.submit import SubmitBody, create_job, find_replay, parse_body, request_hash
+from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
 from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
+from lmscope.db.progress import refresh_sweep_progress
 from lmscope.params import KINDS, is_parent_kind
 from lmscope.queue import publish_jobs
 
@@ -222,6 +223,8 @@ def cancel_job(job_id: int):
                                         .values(status="cancelled", cancel_requested=True, finished_at=now)).rowcount
             if cancelled:
                 notify_parent = job.parent_id
+                if job.parent_id is not None:
+                    refresh_sweep_progress(session, job.parent_id)
             elif not session.execute(update(Job).where(Job.id == job_id, Job.status == "running")
                                      .values(cancel_requested=True)).rowcount:
                 raise Problem(409, "job-finished", "Job already finished",
@@ -233,6 +236,20 @@ def cancel_job(job_id: int):
         return render_job(session, session.get(Job, job_id)), 202
 
 
+
+
+@bp.get("/me")
+def whoami():
+    """The caller: name, admin or not, active jobs and limits (the user's own, else the server's)."""
+    st, caller = state(), current_caller()
+    with st.sessions() as session:
+        active = active_jobs(session, caller.id)
+    return {
+        "name": caller.name, "is_admin": caller.is_admin, "active_jobs": active,
+        "limits": {"max_active_jobs": caller.active_jobs_limit(st.settings),
+                   "max_sweep_points": caller.sweep_points_limit(st.settings)},
+        "per_user_limits": [k for k in ("max_active_jobs", "max_sweep_points") if getattr(caller, k) is not None],
+    }
 
 
 @bp.get("/kinds")

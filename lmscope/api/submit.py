@@ -179,12 +179,12 @@ def check_quota(session: Session, caller: Caller, settings: Settings) -> None:
     # Lock the user's row so that two concurrent submissions cannot both take the last slot
     # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
     session.execute(select(User.id).where(User.id == caller.id).with_for_update())
-    active = active_jobs(session, caller.id)
-    if active >= settings.max_active_jobs:
+    active, limit = active_jobs(session, caller.id), caller.active_jobs_limit(settings)
+    if active >= limit:
         raise Problem(429, "quota-exceeded", "Too many active jobs",
-                      f"you have {active} queued or running jobs, the limit is {settings.max_active_jobs}; "
+                      f"you have {active} queued or running jobs, your limit is {limit}; "
                       "wait for some to finish or cancel some (POST /v1/jobs/{id}/cancel)",
-                      headers={"Retry-After": "30"}, active=active, limit=settings.max_active_jobs)
+                      headers={"Retry-After": "30"}, active=active, limit=limit)
 
 
 def create_job(session: Session, caller: Caller, settings: Settings, body: SubmitBody, *,
@@ -198,12 +198,15 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
         if not children:
             raise Problem(422, "validation-error", "Empty sweep", "the grid has no points; give at least one value per axis",
                           errors=[{"loc": ["params", "grid"], "msg": "no grid points", "type": "empty_sweep"}])
-        if len(children) > settings.max_sweep_points:
+        limit = caller.sweep_points_limit(settings)
+        if len(children) > limit:
+            where = ("LMSCOPE_MAX_SWEEP_POINTS" if caller.max_sweep_points is None
+                     else f"set for user {caller.name!r} with `lmscope user limits`")
             raise Problem(422, "sweep-too-large", "Sweep too large",
-                          f"the grid has {len(children)} points, the limit is {settings.max_sweep_points} "
-                          "(LMSCOPE_MAX_SWEEP_POINTS); use fewer values per axis or split the sweep",
-                          errors=[{"loc": ["params", "grid"], "msg": f"{len(children)} points > {settings.max_sweep_points}",
-                                   "type": "sweep_too_large"}], points=len(children))
+                          f"the grid has {len(children)} points, your limit is {limit} ({where}); "
+                          "use fewer values per axis or split the sweep",
+                          errors=[{"loc": ["params", "grid"], "msg": f"{len(children)} points > {limit}",
+                                   "type": "sweep_too_large"}], points=len(children), limit=limit)
         for i, child in enumerate(children):
             try:
                 child_params.append(validate_params(child.kind, child.params, internal=True))

@@ -45,6 +45,9 @@ class User(Base):
     name: Mapped[str] = mapped_column(String(64), unique=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Per-user limits; null = the server's LMSCOPE_MAX_ACTIVE_JOBS / LMSCOPE_MAX_SWEEP_POINTS.
+    max_active_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_sweep_points: Mapped[int | None] = mapped_column(Integer, default=None)
 
     tokens: Mapped[list[ApiToken]] = relationship(back_populates="user", cascade="all, delete-orphan")
 

@@ -26,6 +26,19 @@ def cli(api, live):
     return run
 
 
+def test_whoami_shows_the_limits_and_where_they_come_from(api, cli):
+    from sqlalchemy import update
+
+    from lmscope.db.models import User
+
+    with api.sessions.begin() as session:
+        session.execute(update(User).where(User.name == "ann").values(max_sweep_points=3))
+    api.submit(api.user("ann"))
+    r = cli("whoami")
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == "ann: 1 active job(s); max_active_jobs=5 (server default), max_sweep_points=3"
+
+
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
     """`-p model=123` used to send the number 123 ("Input should be a valid string")."""
     api.add_model("123")

@@ -159,6 +159,34 @@ def test_sweep_size_limit(api):
     assert api.jobs() == []
 
 
+def test_limits_are_per_user_with_the_server_default_otherwise(api):
+    """`lmscope user limits` sets a user's own sweep size and active-jobs limits, lower or higher
+    than the server's (8 points and 5 jobs here); others keep the server's. GET /v1/me shows them."""
+    from sqlalchemy import update
+
+    from lmscope.db.models import User
+
+    ann, bob, cat = api.user("ann"), api.user("bob"), api.user("cat")
+    with api.sessions.begin() as session:
+        session.execute(update(User).where(User.name == "bob").values(max_sweep_points=2, max_active_jobs=1))
+        session.execute(update(User).where(User.name == "cat").values(max_sweep_points=20))
+    assert api.submit(ann, kind="sweep", params=small_sweep(3)).status_code == 202
+    body = is_problem(api.submit(bob, kind="sweep", params=small_sweep(3)), 422, "sweep-too-large")
+    assert body["points"] == 3 and body["limit"] == 2 and "lmscope user limits" in body["detail"]
+    assert api.submit(bob, kind="sweep", params=small_sweep(2)).status_code == 202
+    assert is_problem(api.submit(bob), 429, "quota-exceeded")["limit"] == 1
+    assert api.submit(cat, kind="sweep", params=small_sweep(9)).status_code == 202  # above the server's 8
+    assert is_problem(api.submit(ann, kind="sweep", params=small_sweep(9)), 422, "sweep-too-large")["limit"] == 8
+
+    me = {who: api.client.get("/v1/me", headers=h).get_json() for who, h in (("ann", ann), ("bob", bob), ("cat", cat))}
+    assert me["bob"] == {"name": "bob", "is_admin": False, "active_jobs": 1,
+                         "limits": {"max_active_jobs": 1, "max_sweep_points": 2},
+                         "per_user_limits": ["max_active_jobs", "max_sweep_points"]}
+    assert me["ann"]["limits"] == {"max_active_jobs": 5, "max_sweep_points": 8} and me["ann"]["per_user_limits"] == []
+    assert me["cat"]["limits"]["max_sweep_points"] == 20 and me["cat"]["per_user_limits"] == ["max_sweep_points"]
+    assert api.client.get("/v1/me").status_code == 401
+
+
 def test_publish_failure_still_accepts_the_job_for_the_reaper(api):
     api.publisher.fail = True
     r = api.submit(api.user("ann"))
