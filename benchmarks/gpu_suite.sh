@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command (one device call): the kernel tests compiled for real
-# (no interpreter), the GPU-only code paths of the analyses, and the benchmarks whose tables go into
-# docs/benchmarks.md. Writes logs and JSON to ${OUT:-gpu-results}/.
+# Everything that needs a GPU, in as few device calls as fit in their 10-minute limit: the kernel
+# tests compiled for real (no interpreter), the GPU-only code paths of the analyses, the benchmarks
+# whose tables go into docs/benchmarks.md, and the Fig. 2 sweep's GPU time. Writes logs and JSON
+# to ${OUT:-gpu-results}/.
 #
-#   bash benchmarks/gpu_suite.sh            # on a CUDA machine with the worker extras installed
+#   bash benchmarks/gpu_suite.sh tests      # kernels / analyses / modeling tests on the GPU
+#   bash benchmarks/gpu_suite.sh bench      # attention, norms and entropy benchmarks
+#   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, 8 processes
+#   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
+#                                           # the device tool's 10-minute / 8-file limits)
+#
+# On the device tool, one call per part: each ends well inside 10 minutes and brings back ≤ 8 files.
+#
+# The GPU image lacks lmscope's light dependencies (pydantic, SQLAlchemy, Flask, Celery, ...):
+# `bash benchmarks/gpu_wheels.sh` here downloads them into .whl/; carry .whl and start the device
+# command with
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD &&
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
+PART="${1:-all}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+rc=0
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -17,14 +32,26 @@ unset TRITON_INTERPRET
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/device.txt"
 
-# Tests: kernels compiled on the device, analyses and training with CUDA present (bf16 autocast, cache on GPU).
-python -m pytest -q -x tests/kernels tests/analyses tests/modeling 2>&1 | tee "$OUT/tests.log" | tail -5
-rc=${PIPESTATUS[0]}  # the benchmarks still run after a test failure, but the suite exits with it
+if [[ "$PART" == tests || "$PART" == all ]]; then
+  # Kernels compiled on the device, analyses and training with CUDA present (bf16 autocast, cache on GPU).
+  python -m pytest -q -x tests/kernels tests/analyses tests/modeling 2>&1 | tee "$OUT/tests.log" | tail -5
+  rc=${PIPESTATUS[0]}  # what follows still runs after a test failure, but the suite exits with it
+fi
 
-python benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
-python benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
-  | tee "$OUT/norms.log" | tail -20
-python benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
-  --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
+if [[ "$PART" == bench || "$PART" == all ]]; then
+  python benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
+  python benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
+    | tee "$OUT/norms.log" | tail -20
+  python benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
+    --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
+fi
+
+if [[ "$PART" == sweep || "$PART" == all ]]; then
+  # The whole Fig. 2 grid if it fits the call; `--limit 40` gives an extrapolation in a quarter of the time.
+  # The children's own plots stay in /tmp: the device call brings back at most 8 files.
+  python benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
+    --out /tmp/lmscope-sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -8
+  cp /tmp/lmscope-sweep/fig*.png "$OUT/" 2>/dev/null
+fi
 
 exit "$rc"

@@ -1,0 +1,124 @@
+"""Benchmark: how long a Sumformer sweep (Fig. 1 / Fig. 2) takes on this device, grid point by grid point.
+
+Runs the sweep's children (`run_sumformer_fit`, exactly what a worker runs for each child) in
+`--processes` parallel processes on `--device`, then the parent's aggregation, and reports the wall
+time, the training time per child and — when `--limit` runs only some of the grid points, spread
+evenly over it — the extrapolated wall time of the whole grid. Without `--limit` the aggregated
+figures (`fig1_training.png` / `fig2_latent_dim.png`) are written to `--out`, as the service would.
+
+    python benchmarks/sweep.py --limit 8                                        # CPU, a sample of fig2_full
+    python benchmarks/sweep.py --device cuda --processes 8 --json sweep.json    # the full Fig. 2 on a GPU
+
+Several processes share one GPU well here: the networks are tiny, so a child's step is bound by kernel
+launches, not arithmetic. On a CPU each child trains on one thread, so use one process per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_child(index: int, params: dict, device: str, folder: str) -> dict:
+    """One grid point, in a worker process: what `run_sumformer_fit` reports, plus its wall time."""
+    from lmscope.analyses.local import LocalContext
+    from lmscope.analyses.sweep import run_sumformer_fit
+    from lmscope.params import validate_params
+
+    start = time.perf_counter()
+    out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True),
+                            LocalContext(Path(folder) / f"child{index}", device=device))
+    return {"index": index, "wall_seconds": time.perf_counter() - start, "summary": out.summary,
+            "series": [(s.name, list(s.x), list(s.y), dict(s.labels)) for s in out.series]}
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def pick_evenly(count: int, limit: int | None) -> list[int]:
+    """`limit` indices spread over range(count) (all of them when limit is None or ≥ count)."""
+    if limit is None or limit >= count:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / max(1, limit - 1)) for i in range(limit)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default=str(ROOT / "lmscope/examples/fig2_full.json"), help="a sweep's params (JSON)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--processes", type=int, default=1, help="children trained at the same time")
+    ap.add_argument("--limit", type=int, default=None, help="run only this many grid points, spread over the grid")
+    ap.add_argument("--out", default=None, help="folder for the children's and the parent's plots (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write the numbers here")
+    args = ap.parse_args()
+
+    import torch
+
+    from lmscope.analyses.base import ChildResult, Series
+    from lmscope.analyses.local import LocalContext
+    from lmscope.analyses.sweep import aggregate
+    from lmscope.params import validate_params
+    from lmscope.params.sweep import expand_sweep
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sweep = validate_params("sweep", json.loads(Path(args.params).read_text()))
+    children = expand_sweep(sweep)
+    chosen = pick_evenly(len(children), args.limit)
+    out = Path(args.out or tempfile.mkdtemp(prefix="lmscope-sweep-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"{Path(args.params).name}: {len(children)} grid points, running {len(chosen)} on {device} ({name}) "
+          f"in {args.processes} process(es)", flush=True)
+
+    results = []
+    start = time.perf_counter()
+    # spawn: a CUDA context does not survive fork
+    with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_child, i, children[i].params, device, str(out)) for i in chosen]
+        for done, future in enumerate(as_completed(futures), 1):
+            r = future.result()
+            results.append(r)
+            print(f"  [{done}/{len(chosen)}] {children[r['index']].name}: {r['summary']['train_seconds']:.1f} s "
+                  f"training, best val error {r['summary']['best_val_error']:.3g}", flush=True)
+    wall = time.perf_counter() - start
+
+    train = [r["summary"]["train_seconds"] for r in results]
+    report = {
+        "params": Path(args.params).name, "device": device, "device_name": name, "processes": args.processes,
+        "torch": torch.__version__, "grid_points": len(children), "ran": len(chosen), "wall_seconds": round(wall, 1),
+        "train_seconds_mean": round(statistics.mean(train), 2), "train_seconds_max": round(max(train), 2),
+        "extrapolated_grid_wall_seconds": round(wall * len(children) / len(chosen), 1),
+    }
+    if len(chosen) == len(children):
+        parent = aggregate(sweep, [ChildResult(r["index"], "sumformer_fit", children[r["index"]].params, "succeeded",
+                                               r["summary"], [Series(*s) for s in r["series"]]) for r in results],
+                           LocalContext(out))
+        report["plots"] = [str(out / p) for p in parent.summary["plots"]]
+
+    print()
+    print("| sweep | device | processes | grid points run | wall | training per child (mean / max) | whole grid |")
+    print("|---|---|---|---|---|---|---|")
+    whole = report["extrapolated_grid_wall_seconds"]
+    print(f"| {report['params']} | {name} | {args.processes} | {len(chosen)}/{len(children)} | {duration(wall)} | "
+          f"{report['train_seconds_mean']:.1f} s / {report['train_seconds_max']:.1f} s | "
+          f"{duration(whole)}{'' if len(chosen) == len(children) else ' (extrapolated)'} |")
+    for plot in report.get("plots", []):
+        print(f"plot: {plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
