@@ -221,7 +221,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
 
     now = utcnow()
     job = Job(user_id=caller.id, kind=body.kind, name=body.name, tags=list(body.tags),
-              params=params.model_dump(mode="json"), status="queued", max_attempts=settings.max_attempts,
+              params=params.stored(), status="queued", max_attempts=settings.max_attempts,
               created_at=now, idempotency_key=idempotency_key, request_hash=body_hash)
     if children is not None:
         # The parent does no work itself: it is "running" while its children run.
@@ -231,7 +231,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     if children is None:
         return job, [job.id]
     rows = [Job(user_id=caller.id, kind=c.kind, name=c.name, tags=list(dict.fromkeys([*body.tags, *c.tags])),
-                params=p.model_dump(mode="json"), status="queued", parent_id=job.id,
+                params=p.stored(), status="queued", parent_id=job.id,
                 max_attempts=settings.max_attempts, created_at=now)
             for c, p in zip(children, child_params)]
     session.add_all(rows)

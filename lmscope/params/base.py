@@ -27,6 +27,11 @@ class JobParams(BaseModel):
         """Other jobs this job reads (e.g. a `train` job's checkpoints), checked at submit."""
         return []
 
+    def stored(self) -> dict[str, Any]:
+        """The params as the job row keeps them (and `lmscope show` prints them): validated, defaults
+        filled in. Validating this dict again gives the same params."""
+        return self.model_dump(mode="json")
+
     def model_prefixes(self) -> list[str]:
         """Prefixes of the model names this job will register (e.g. "demo@step"); at submit, no
         existing model may start with one of them."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from math import comb
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -289,6 +289,11 @@ class SweepParams(JobParams):
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset] if self.dataset else []
+
+    def stored(self) -> dict[str, Any]:
+        """Only this study's fields: a sumformer sweep does not list the attention study's defaults."""
+        other = ATTENTION_FIELDS if self.study == "sumformer" else SUMFORMER_FIELDS
+        return self.model_dump(mode="json", exclude=set(other))
 
 
 def _sumformer_grid_size(p: SweepParams) -> int:

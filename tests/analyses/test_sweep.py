@@ -54,6 +54,17 @@ def test_expand_sweep_counts_grid_points_by_hand():
     assert KINDS["sweep"].expand is expand_sweep
 
 
+def test_stored_params_keep_only_their_study_and_validate_back_to_the_same():
+    sumformer = SweepParams(grid={"latent_dim": [2], "token_dim": [1], "seed": [0]})
+    attention = SweepParams(study="attention", model="m", dataset="d", features=[8, 16])
+    assert set(sumformer.stored()) == {"study", "target", "architectures", "grid", "train"}
+    assert set(attention.stored()) == {"study", "model", "dataset", "layers", "methods", "features", "seq_len",
+                                       "num_segments", "batch_size", "linformer_projection", "seeds"}
+    for p in (sumformer, attention):
+        assert SweepParams.model_validate(p.stored()) == p
+        assert SweepParams.model_validate(json.loads(json.dumps(p.stored()))) == p
+
+
 def test_null_and_an_explicit_theory_latent_dim_are_one_child_for_every_architecture():
     """d = 1, n = 3: the theory d′ is C(4,1) − 1 = 3, so grid d′ [null, 3, 2] is two points per
     architecture, not three (two identical children would count as two seeds in the aggregation)."""

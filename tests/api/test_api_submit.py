@@ -142,6 +142,9 @@ def test_sweep_inserts_parent_and_children_and_publishes_the_children(api):
     assert parent["progress"] == {"done": 0, "total": 4, "stage": "children", "fraction": 0.0, "updated_at": None}
     row = api.job_row(parent["id"])
     assert row.waiting_children and row.started_at is not None
+    # The parent keeps its study's fields only (a sumformer sweep lists no attention-study defaults).
+    assert set(row.params) == {"study", "target", "architectures", "grid", "train"}
+    assert KINDS["sweep"].params.model_validate(row.params) == KINDS["sweep"].params.model_validate(small_sweep(4))
     children = api.jobs(parent_id=parent["id"])
     # The children are the kind's grid points, in order, with their params validated (defaults filled in).
     expected = KINDS["sweep"].expand(KINDS["sweep"].params.model_validate(small_sweep(4)))
