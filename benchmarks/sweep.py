@@ -31,14 +31,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_child(index: int, params: dict, device: str, folder: str) -> dict:
-    """One grid point, in a worker process: what `run_sumformer_fit` reports, plus its wall time."""
+    """One grid point, in a worker process: what `run_sumformer_fit` reports, plus its wall time.
+    A child that fails (e.g. training diverged) is reported as failed, as the service would."""
     from lmscope.analyses.local import LocalContext
     from lmscope.analyses.sweep import run_sumformer_fit
     from lmscope.params import validate_params
 
     start = time.perf_counter()
-    out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True),
-                            LocalContext(Path(folder) / f"child{index}", device=device))
+    try:
+        out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True),
+                                LocalContext(Path(folder) / f"child{index}", device=device))
+    except Exception as e:  # noqa: BLE001  (one grid point must not stop the others)
+        return {"index": index, "wall_seconds": time.perf_counter() - start, "error": f"{type(e).__name__}: {e}"}
     return {"index": index, "wall_seconds": time.perf_counter() - start, "summary": out.summary,
             "series": [(s.name, list(s.x), list(s.y), dict(s.labels)) for s in out.series]}
 
@@ -63,6 +67,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for the children's and the parent's plots (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be at least 1")
+    if args.processes < 1:
+        ap.error("--processes must be at least 1")
 
     import torch
 
@@ -83,6 +91,23 @@ def main() -> None:
           f"in {args.processes} process(es)", flush=True)
 
     results = []
+
+    def summarise(wall: float) -> dict:
+        ok = [r for r in results if "error" not in r]
+        train = [r["summary"]["train_seconds"] for r in ok] or [float("nan")]
+        return {
+            "params": Path(args.params).name, "device": device, "device_name": name, "processes": args.processes,
+            "torch": torch.__version__, "grid_points": len(children), "planned": len(chosen), "ran": len(results),
+            "failed": [children[r["index"]].name + ": " + r["error"] for r in results if "error" in r],
+            "wall_seconds": round(wall, 1), "train_seconds_mean": round(statistics.mean(train), 2),
+            "train_seconds_max": round(max(train), 2),
+            "extrapolated_grid_wall_seconds": round(wall * len(children) / max(1, len(results)), 1),
+        }
+
+    def save(report: dict) -> None:
+        if args.json:  # after every child, so a run stopped by a time limit still leaves its numbers
+            Path(args.json).write_text(json.dumps(report, indent=2))
+
     start = time.perf_counter()
     # spawn: a CUDA context does not survive fork
     with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -90,21 +115,21 @@ def main() -> None:
         for done, future in enumerate(as_completed(futures), 1):
             r = future.result()
             results.append(r)
-            print(f"  [{done}/{len(chosen)}] {children[r['index']].name}: {r['summary']['train_seconds']:.1f} s "
-                  f"training, best val error {r['summary']['best_val_error']:.3g}", flush=True)
+            what = (f"FAILED: {r['error']}" if "error" in r else
+                    f"{r['summary']['train_seconds']:.1f} s training, best val error {r['summary']['best_val_error']:.3g}")
+            print(f"  [{done}/{len(chosen)}] {children[r['index']].name}: {what}", flush=True)
+            save(summarise(time.perf_counter() - start))
     wall = time.perf_counter() - start
 
-    train = [r["summary"]["train_seconds"] for r in results]
-    report = {
-        "params": Path(args.params).name, "device": device, "device_name": name, "processes": args.processes,
-        "torch": torch.__version__, "grid_points": len(children), "ran": len(chosen), "wall_seconds": round(wall, 1),
-        "train_seconds_mean": round(statistics.mean(train), 2), "train_seconds_max": round(max(train), 2),
-        "extrapolated_grid_wall_seconds": round(wall * len(children) / len(chosen), 1),
-    }
+    report = summarise(wall)
     if len(chosen) == len(children):
-        parent = aggregate(sweep, [ChildResult(r["index"], "sumformer_fit", children[r["index"]].params, "succeeded",
-                                               r["summary"], [Series(*s) for s in r["series"]]) for r in results],
-                           LocalContext(out))
+        child_results = [
+            ChildResult(r["index"], "sumformer_fit", children[r["index"]].params, "failed", None, [], error=r["error"])
+            if "error" in r else
+            ChildResult(r["index"], "sumformer_fit", children[r["index"]].params, "succeeded", r["summary"],
+                        [Series(*s) for s in r["series"]])
+            for r in results]
+        parent = aggregate(sweep, child_results, LocalContext(out))
         report["plots"] = [str(out / p) for p in parent.summary["plots"]]
 
     print()
@@ -114,10 +139,11 @@ def main() -> None:
     print(f"| {report['params']} | {name} | {args.processes} | {len(chosen)}/{len(children)} | {duration(wall)} | "
           f"{report['train_seconds_mean']:.1f} s / {report['train_seconds_max']:.1f} s | "
           f"{duration(whole)}{'' if len(chosen) == len(children) else ' (extrapolated)'} |")
+    for failure in report["failed"]:
+        print(f"failed: {failure}")
     for plot in report.get("plots", []):
         print(f"plot: {plot}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save(report)
 
 
 if __name__ == "__main__":

@@ -291,18 +291,17 @@ class _Limit(click.ParamType):
 
     name = "N|default"
 
+    MAX = 2**31 - 1  # the column is a 32-bit integer in PostgreSQL
+
     def convert(self, value, param, ctx):
         if isinstance(value, int) or value is None:
             return value
-        if value == "default":
+        text = value.strip()
+        if text.lower() == "default":
             return "default"
-        try:
-            n = int(value)
-        except ValueError:
-            n = 0
-        if n < 1:
-            self.fail(f"{value!r} is not a positive integer or 'default'", param, ctx)
-        return n
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= self.MAX:
+            self.fail(f"{value!r} is not a positive integer (at most {self.MAX}) or 'default'", param, ctx)
+        return int(text)
 
 
 _LIMIT_OPTIONS = (

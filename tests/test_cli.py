@@ -139,11 +139,11 @@ def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
     assert shown.exit_code == 0, shown.output
     assert shown.output.strip() == "bob: max_active_jobs=3, max_sweep_points=64 (server default)"
     assert limits("bob") == (3, None)
-    assert runner.invoke(main, ["user", "limits", "ann", "--max-sweep-points", "default"]).exit_code == 0
+    assert runner.invoke(main, ["user", "limits", "ann", "--max-sweep-points", "Default"]).exit_code == 0
     assert limits("ann") == (None, None)
-    for bad in ("0", "-2", "many"):
+    for bad in ("0", "-2", "many", "1_000", "2147483648"):
         r = runner.invoke(main, ["user", "limits", "bob", "--max-active-jobs", bad])
-        assert r.exit_code == 2 and "positive integer or 'default'" in r.output, bad
+        assert r.exit_code == 2 and "is not a positive integer" in r.output and "'default'" in r.output, bad
     assert limits("bob") == (3, None)
     missing = runner.invoke(main, ["user", "limits", "nobody"])
     assert missing.exit_code == 1 and "no user 'nobody'" in missing.output

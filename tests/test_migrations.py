@@ -36,3 +36,27 @@ def test_users_of_revision_0001_keep_their_rows_and_get_server_default_limits(em
         rows = conn.execute(text("SELECT name, max_active_jobs, max_sweep_points FROM users")).all()
     engine.dispose()
     assert [tuple(r) for r in rows] == [("ann", None, None)]
+
+
+def test_downgrading_the_limits_keeps_users_tokens_and_jobs(db_url):
+    """0002 → 0001 drops two columns in place: on SQLite a table copy would cascade the DROP TABLE to
+    the tokens (foreign keys are on) or fail on the jobs."""
+    from alembic import command
+
+    from lmscope.api.auth import create_user
+    from lmscope.db.engine import alembic_config, make_engine, make_sessionmaker
+    from lmscope.db.models import Job
+
+    engine = make_engine(db_url)
+    with make_sessionmaker(engine).begin() as session:
+        user, _ = create_user(session, "ann", max_sweep_points=9)
+        session.add(Job(user_id=user.id, kind="probe", params={}, status="queued"))
+    engine.dispose()
+    command.downgrade(alembic_config(db_url), "0001")
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        counts = [conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in ("users", "api_tokens", "jobs")]
+        columns = conn.execute(text("SELECT * FROM users")).keys()
+    engine.dispose()
+    assert counts == [1, 1, 1] and "max_sweep_points" not in columns
+    upgrade(db_url)

@@ -646,12 +646,13 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
                    device, points: int, info: dict, chosen: np.ndarray, progress: Progress) -> dict:
     """% of (trajectory, layer) pairs meeting Proposition 1's condition, for GPT-2-style blocks.
 
-    Layer l pairs x = h_l[t] with block l (the map h_l → h_{l+1}), for the steps of the trajectory.
+    Layer l pairs x = h_l[t] with block l + 1 (blocks numbered 1 … L: the map h_l → h_{l+1}), for
+    the steps of the trajectory.
     """
     reason = gram_not_applicable(params, parts, info)
     if reason:
         return {"gram_condition_pct": None, "gram_condition_reason": reason}
-    steps = points - 1  # blocks 0 … steps-1
+    steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
     linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
     per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * linear.dim ** 2))
     holds, ratio, pair_traj, pair_layer = [], [], [], []

@@ -40,12 +40,15 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
 
 
 def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filter: float | None, title: str) -> None:
-    """Mean ± std of the inner loss per layer on a log scale, over the kept samples (all if none kept)."""
+    """Mean ± std of the inner loss per layer on a log scale, over the kept trajectories (all finite ones
+    if none is kept)."""
     from matplotlib.ticker import LogFormatter
 
     S, L = losses.shape
     x = np.arange(L)
-    use = kept if kept.any() else np.ones(S, bool)
+    use = kept if kept.any() else np.isfinite(losses).all(1)
+    if not use.any():
+        use = np.ones(S, bool)  # nothing finite to draw: the plot shows that, rather than nothing
     mean, std = losses[use].mean(0), losses[use].std(0)
     floor = max(float(losses[use].min()), 1e-6) * 0.5  # a log axis cannot show mean - std ≤ 0
     plt = pyplot()

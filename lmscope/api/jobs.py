@@ -217,6 +217,7 @@ def cancel_job(job_id: int):
             session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "running")
                             .values(cancel_requested=True))
             session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+            refresh_sweep_progress(session, job_id)
             notify_parent = job_id
         else:
             cancelled = session.execute(update(Job).where(Job.id == job_id, Job.status == "queued")

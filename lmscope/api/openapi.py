@@ -57,6 +57,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "jobs.get_job"): {"responses": {"200": _json("Job")}},
     ("get", "jobs.list_kinds"): {"responses": {"200": _json("KindList")}},
+    ("get", "jobs.whoami"): {"responses": {"200": _json("Me")}},
     ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},
     ("get", "results.get_results"): {
         "parameters": [{**_query("series", {"type": "array", "items": {"type": "string"}},
@@ -213,6 +214,12 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "submittable": {"type": "boolean", "description": "false: a child kind, made only by its parent kind"},
         "child_of": {"type": ["array", "null"], "items": {"type": "string"}},
         "params_schema": {"type": "object"}}}}}},
+    "Me": {"type": "object", "properties": {
+        "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
+        "limits": {"type": "object", "properties": {"max_active_jobs": {"type": "integer"},
+                                                    "max_sweep_points": {"type": "integer"}}},
+        "per_user_limits": {"type": "array", "items": {"type": "string"},
+                            "description": "the limits set for this user (the others are the server's)"}}},
     "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "series": {"type": "array", "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},

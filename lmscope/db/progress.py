@@ -14,6 +14,9 @@ def refresh_sweep_progress(session: Session, parent_id: int) -> None:
     Recounted (not incremented) so that a child retried after a worker crash, or reached by two
     paths (a worker finishing it and the API cancelling it), never counts twice.
     """
+    # Lock the parent first: the count below then reads after any concurrent recount has committed
+    # (PostgreSQL, READ COMMITTED), so the later of two recounts never stores a stale count.
+    session.execute(select(Job.id).where(Job.id == parent_id).with_for_update())
     child = aliased(Job)
     finished = select(func.count()).select_from(child).where(child.parent_id == parent_id,
                                                              child.status.in_(TERMINAL_STATES)).scalar_subquery()

@@ -305,7 +305,7 @@ BLOCK_CONFIGS = {
 
 @pytest.mark.parametrize("arch", list(BLOCK_CONFIGS))
 def test_last_block_outputs_equal_a_one_block_copy_fed_each_layer(arch):
-    """block_{L-1}(h_l) at the current tokens, for every l, against an independent model: a one-block
+    """block_L(h_l) (the last block) at the current tokens, for every l, against an independent model: a one-block
     copy of the model fed inputs_embeds = h_l with the same padding mask (float64). This is the only
     independent check of the generic route (GPT-NeoX re-runs the whole block)."""
     torch.manual_seed(0)

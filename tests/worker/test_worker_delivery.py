@@ -169,7 +169,7 @@ def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, m
 
 def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessions, make_job, job_row):
     """A sweep's child whose worker process is SIGKILLed is retried; the parent then sees each child
-    once: progress 2/2, one aggregation over two results, and one set of the retried child's series."""
+    once: one aggregation whose input holds each child once, and one set of the retried child's series."""
     delivery.start()
     parent = make_job(kind="fake_sweep", params={"steps": [300, 4]}, status="running", waiting_children=True,
                       started_at=utcnow())
@@ -182,7 +182,7 @@ def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessio
 
     job = wait_for_status(job_row, parent, timeout=120)
     assert job_row(slow).attempts == 2 and job_row(quick).attempts == 1
-    assert job.attempts == 1 and (job.progress_done, job.progress_total) == (2, 2)
+    assert job.attempts == 1
     assert job.summary["children"] == {"succeeded": 2, "failed": 0, "cancelled": 0}
     assert job.summary["sum"] == sum(range(1, 301)) + sum(range(1, 5))
     with sessions() as s:
