@@ -85,6 +85,7 @@ class Samples:
     traj_sample: np.ndarray  # [S] which sample each trajectory belongs to (trajectories grouped by sample)
     traj_pos: np.ndarray  # [S] position of its current token (its label is the token at pos + 1)
     offsets: np.ndarray  # [N + 1] sample s owns trajectories offsets[s] … offsets[s+1]-1
+    too_short: int = 0  # documents with enough words but too few tokens, skipped before max_samples was reached
 
 
 def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tokens: int | None = None) -> Samples:
@@ -93,7 +94,7 @@ def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tok
     max_tokens = params.max_tokens if max_tokens is None else max_tokens
     min_tokens = 2 if params.position == "last" else params.min_position + 2  # current token + its label
     eligible = [i for i, d in enumerate(documents) if len(d.split()) >= params.min_words]
-    tokens, doc_ids = [], []
+    tokens, doc_ids, too_short = [], [], 0
     chunk = max(256, params.max_samples)
     for start in range(0, len(eligible), chunk):
         ids = eligible[start:start + chunk]
@@ -101,9 +102,13 @@ def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tok
         encoded = document_samples(tokenizer, [documents[i] for i in ids], min_words=0,
                                    max_tokens=max_tokens, max_samples=None)
         for doc_id, toks in zip(ids, encoded):
+            if len(tokens) >= params.max_samples:
+                break
             if len(toks) >= min_tokens:
                 tokens.append(toks)
                 doc_ids.append(doc_id)
+            else:
+                too_short += 1
         if len(tokens) >= params.max_samples:
             break
     tokens, doc_ids = tokens[: params.max_samples], doc_ids[: params.max_samples]
@@ -118,7 +123,7 @@ def select_samples(tokenizer, documents: list[str], params: NormsParams, max_tok
     traj_sample = np.repeat(np.arange(len(tokens)), counts)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     traj_pos = np.arange(offsets[-1]) - offsets[traj_sample] + first[traj_sample]
-    return Samples(tokens, np.asarray(doc_ids), traj_sample, traj_pos, offsets)
+    return Samples(tokens, np.asarray(doc_ids), traj_sample, traj_pos, offsets, too_short)
 
 
 def batches(samples: Samples, batch_size: int, subset: np.ndarray | None = None):
@@ -529,7 +534,7 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
     S, points = m.norms.shape
     sequence_pct, pair_pct = monotone_percentages(m.norms)
     summary = {
-        "samples": len(samples.tokens), "trajectories": S, "layers": layers, "trajectory_points": points,
+        "samples": len(samples.tokens), "documents_too_short": samples.too_short, "trajectories": S, "layers": layers, "trajectory_points": points,
         "position": params.position, "sequence_pct": sequence_pct, "pair_pct": pair_pct,
         "null_sequence_pct": 100.0 * 2.0 ** -(points - 1),
     }

@@ -247,7 +247,7 @@ def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path,
 
 def test_summary_series_artifacts_plots_and_progress(gpt2_run):
     lm, out, ctx = gpt2_run
-    for key in ("samples", "layers", "sequence_pct", "pair_pct", "null_sequence_pct", "inner_loss_kept",
+    for key in ("samples", "documents_too_short", "layers", "sequence_pct", "pair_pct", "null_sequence_pct", "inner_loss_kept",
                 "gram_condition_pct"):
         assert key in out.summary, key
     assert {s.name for s in out.series} >= {"norm.mean", "norm.std", "norm.median", "inner_loss.mean", "inner_loss.std"}
@@ -357,6 +357,19 @@ def test_last_block_at_current_tokens_equals_the_whole_block(arch):
         no_window = block_at(parts.blocks[-1], hidden[0][3:4], position, norms.visible_keys(position, mask[3:4], None),
                              tuple(r.expand(1, 20, -1) for r in rope))
         assert window == 6 and (no_window[0, 0] - whole[0, 0]).abs().max() > 1e-3
+
+
+def test_documents_too_short_for_a_current_token_are_counted():
+    """position="all", min_position=5: a sample needs 7 tokens (BOS + 6 bytes with the byte tokenizer).
+    Documents with enough words but fewer tokens are skipped and counted, up to max_samples."""
+    docs = ["ab cd", "abcdefgh ij", "x y", "hello world", "a b c d e f g h"]  # 5, 11, 3, 11, 15 bytes
+    tok = byte_tokenizer()
+    assert [len(tok(d)["input_ids"]) for d in docs] == [6, 12, 4, 12, 16]  # BOS + bytes
+    params = NormsParams(model="m", dataset="d", min_words=2, position="all", min_position=5)
+    samples = norms.select_samples(tok, docs, params)
+    assert samples.doc_ids.tolist() == [1, 3, 4] and samples.too_short == 2
+    first_only = norms.select_samples(tok, docs, params.model_copy(update={"max_samples": 1}))
+    assert first_only.doc_ids.tolist() == [1] and first_only.too_short == 1  # "x y" was never reached
 
 
 def test_inner_loss_routes_agree_in_float32(llama_run, documents):
