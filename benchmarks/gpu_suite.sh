@@ -21,6 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 PART="${1:-all}"
+PY="${PYTHON:-python3}"  # the GPU image has python3 (a venv), not necessarily `python`
 case "$PART" in
   tests|bench|sweep|all) ;;
   *) echo "unknown part '$PART': give tests, bench, sweep or all" >&2; exit 2 ;;
@@ -34,23 +35,23 @@ step_failed() { local status=$1; (( status != 0 )) && rc=$status; return 0; }
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+  "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/device.txt"
 
 if [[ "$PART" == tests || "$PART" == all ]]; then
   # Kernels compiled on the device, analyses and training with CUDA present (bf16 autocast, cache on GPU).
-  python -m pytest -q -x tests/kernels tests/analyses tests/modeling 2>&1 | tee "$OUT/tests.log" | tail -5
+  "$PY" -m pytest -q -x tests/kernels tests/analyses tests/modeling 2>&1 | tee "$OUT/tests.log" | tail -5
   step_failed "${PIPESTATUS[0]}"
 fi
 
 if [[ "$PART" == bench || "$PART" == all ]]; then
-  python benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
+  "$PY" benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
   step_failed "${PIPESTATUS[0]}"
-  python benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
+  "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
-  python benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
+  "$PY" benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
     --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
 fi
@@ -58,7 +59,7 @@ fi
 if [[ "$PART" == sweep || "$PART" == all ]]; then
   # The whole Fig. 2 grid if it fits the call; `--limit 40` gives an extrapolation in a quarter of the time.
   # The children's own plots stay in /tmp: the device call brings back at most 8 files.
-  python benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
+  "$PY" benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
     --out /tmp/lmscope-sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -8
   step_failed "${PIPESTATUS[0]}"
   cp /tmp/lmscope-sweep/fig*.png "$OUT/" 2>/dev/null
