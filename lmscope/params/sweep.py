@@ -330,9 +330,14 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
     features multiplies only linformer/performer. A polynomial Sumformer's d' above C(n+d,d)−1 is
     clamped to it, and grid points that become identical are created once; the child's
     `latent_dim_requested` keeps the grid's values (see also `clamped_latent_dims`).
-    Attention: methods × seeds; each child covers every layer and every k.
+    Attention: methods × seeds; each child covers every layer and every k. Linformer with `pooling`
+    projections draws nothing at random, so it is one child (the first seed) whatever `seeds` says.
     """
     if params.study == "attention":
+        def seeds_of(method: str) -> list[int]:
+            deterministic = method == "linformer" and params.linformer_projection == "pooling"
+            return params.seed_list[:1] if deterministic else params.seed_list
+
         return [
             ChildSpec(
                 "attention_approx",
@@ -344,7 +349,7 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
                 name=f"{method} seed={seed}",
             )
             for method in params.methods
-            for seed in params.seed_list
+            for seed in seeds_of(method)
         ]
 
     g = params.grid
