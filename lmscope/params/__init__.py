@@ -34,7 +34,8 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
     spec = KINDS.get(kind)
     if spec is None or (not spec.submittable and not internal):
         raise UnknownKind(kind)
-    return spec.params.model_validate(raw or {})
+    # context: a user's submission is checked strictly; stored rows (internal) may be older, fuller dumps
+    return spec.params.model_validate(raw or {}, context={"submitted": not internal})
 
 
 def is_parent_kind(kind: str) -> bool:

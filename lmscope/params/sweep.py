@@ -19,7 +19,7 @@ import itertools
 from math import comb
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lmscope.params.base import ChildSpec, JobParams
 
@@ -236,17 +236,22 @@ class SweepParams(JobParams):
         return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
 
     @model_validator(mode="after")
-    def _study_fields(self):
+    def _study_fields(self, info: ValidationInfo):
         own, other = ((SUMFORMER_FIELDS, ATTENTION_FIELDS) if self.study == "sumformer"
                       else (ATTENTION_FIELDS, SUMFORMER_FIELDS))
-        # A field of the other study may appear with its default value (a stored, fully dumped copy of
-        # these params is validated again by the worker); a different value is a mistake.
+        # A user who sets a field of the other study made a mistake, even at its default value (it
+        # would be ignored: `seeds` instead of `grid.seed`). A stored row may be an older, full dump
+        # that holds the other study's defaults: those pass when the worker validates it again.
+        submitted = bool(info.context and info.context.get("submitted"))
         fields = type(self).model_fields
         stray = [f for f in other if f in self.model_fields_set
-                 and getattr(self, f) != fields[f].get_default(call_default_factory=True)]
+                 and (submitted or getattr(self, f) != fields[f].get_default(call_default_factory=True))]
         if stray:
+            meant = {"seeds": "grid.seed", "batch_size": "train.batch_size", "features": "grid.features",
+                     "seq_len": "grid.seq_len"} if self.study == "sumformer" else {}
+            hints = [f"{f} → {meant[f]}" for f in stray if f in meant]
             raise ValueError(f"{', '.join(stray)} belong(s) to the other study; study={self.study!r} uses: "
-                             f"study, {', '.join(own)}")
+                             f"study, {', '.join(own)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
         if self.study == "sumformer":
             if not self.targets:
                 raise ValueError("target: give at least one target")
