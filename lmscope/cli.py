@@ -275,10 +275,45 @@ def db_upgrade():
 
 
 def _sessions():
+    """Sessions on the service's database, for the server-side commands (`user`, `datasets add`).
+
+    Refuses, in one line, a database that does not exist or has no lmscope tables: the usual cause is
+    a shell without the service's LMSCOPE_DATA_DIR / LMSCOPE_DATABASE_URL (and connecting to a SQLite
+    path that does not exist would leave an empty file behind)."""
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
     from lmscope.config import Settings
     from lmscope.db.engine import make_engine, make_sessionmaker
 
-    return make_sessionmaker(make_engine(Settings.from_env().database_url))
+    url = Settings.from_env().database_url
+    shown = make_url(url).render_as_string(hide_password=True)
+    fix = ("set LMSCOPE_DATA_DIR or LMSCOPE_DATABASE_URL to the service's (as `lmscope up` or the workers "
+           "have it), or create the schema with `lmscope db upgrade`")
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
+            and not Path(parsed.database).exists():
+        raise click.ClickException(f"no database at {shown}; {fix}")
+    engine = make_engine(url)
+    try:
+        ready = inspect(engine).has_table("users")
+    except SQLAlchemyError as e:
+        raise click.ClickException(f"cannot open the database {shown} ({type(e).__name__}); {fix}") from None
+    if not ready:
+        raise click.ClickException(f"the database {shown} has no lmscope tables; {fix}")
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from lmscope.db.engine import alembic_config
+
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    if current != head:
+        raise click.ClickException(f"the database {shown} has schema revision {current}, this lmscope needs "
+                                   f"{head}; run `lmscope db upgrade` (or start the service, which migrates)")
+    return make_sessionmaker(engine)
 
 
 @main.group()

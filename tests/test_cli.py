@@ -151,6 +151,26 @@ def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
     assert listed[1].startswith("bob") and "max_active_jobs=3," in listed[1]
 
 
+def test_server_commands_name_the_database_they_cannot_use(tmp_path, monkeypatch):
+    """`lmscope user create` in a shell without the service's LMSCOPE_DATA_DIR used to print a
+    60-line traceback ("no such table: users") and leave an empty lmscope.db behind."""
+    from lmscope.db.engine import upgrade
+
+    runner = CliRunner()
+    missing = tmp_path / "nowhere" / "lmscope.db"
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{missing}")
+    r = runner.invoke(main, ["user", "create", "dave"])
+    assert r.exit_code == 1 and f"no database at sqlite:///{missing}" in r.output and "LMSCOPE_DATA_DIR" in r.output
+    assert not missing.exists() and "Traceback" not in r.output
+    old = tmp_path / "old.db"
+    upgrade(f"sqlite:///{old}", "0001")
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{old}")
+    r = runner.invoke(main, ["user", "list"])
+    assert r.exit_code == 1 and "schema revision 0001" in r.output and "lmscope db upgrade" in r.output
+    assert runner.invoke(main, ["db", "upgrade"]).exit_code == 0
+    assert runner.invoke(main, ["user", "create", "dave"]).exit_code == 0
+
+
 def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):
     from lmscope.api import create_app
 
