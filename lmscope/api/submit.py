@@ -7,6 +7,7 @@ refers to, the sweep size, the quota; the parent and its children go in one tran
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from typing import Annotated, Any
@@ -71,6 +72,14 @@ def check_params(kind: str, params: dict[str, Any]):
         return validate_params(kind, params)
     except UnknownKind:
         kinds = submittable_kinds()
+        if kind in KINDS:  # a child kind: made only by its parent
+            parents = sorted(k for k, spec in KINDS.items() if spec.expand is not None)
+            raise Problem(422, "unknown-kind", "Not a submittable kind",
+                          f"kind {kind!r} is a grid point made by a {' / '.join(parents)} job, not submitted on "
+                          f"its own; submit kind {parents[0]!r} with a grid of one point instead "
+                          "(docs/analyses/sweep.md)",
+                          errors=[{"loc": ["kind"], "msg": f"{kind!r} is made by {', '.join(parents)}",
+                                   "type": "child_kind"}], kinds=kinds) from None
         raise Problem(422, "unknown-kind", "Unknown job kind",
                       f"kind {kind!r} does not exist; use one of: {', '.join(kinds)} (GET /v1/kinds describes them)",
                       errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
@@ -95,14 +104,17 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
     datasets = sorted({d for p in parsed for d in p.dataset_refs()})
     jobs = sorted({j for p in parsed for j in p.job_refs()})
     errors = []  # (loc, message)
-    if models:
-        known = set(session.scalars(select(Model.name).where(Model.name.in_(models))))
-        errors += [(_field_holding(parsed, n), f"model {n!r} is not registered "
-                    "(list models: GET /v1/models or `lmscope models`)") for n in models if n not in known]
-    if datasets:
-        known = set(session.scalars(select(Dataset.name).where(Dataset.name.in_(datasets))))
-        errors += [(_field_holding(parsed, n), f"dataset {n!r} is not registered "
-                    "(list datasets: GET /v1/datasets or `lmscope datasets`)") for n in datasets if n not in known]
+    for what, table, names in (("model", Model, models), ("dataset", Dataset, datasets)):
+        if not names:
+            continue
+        known = set(session.scalars(select(table.name).where(table.name.in_(names))))
+        missing = [n for n in names if n not in known]
+        everything = list(session.scalars(select(table.name))) if missing else []
+        for n in missing:
+            close = difflib.get_close_matches(n, everything, n=1, cutoff=0.6)
+            errors.append((_field_holding(parsed, n), f"{what} {n!r} is not registered"
+                           + (f"; did you mean {close[0]!r}?" if close else "")
+                           + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)"))
     for job_id in jobs:
         ref = session.get(Job, job_id)
         if ref is None or not caller.can_see(ref.user_id):

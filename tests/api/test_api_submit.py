@@ -44,7 +44,9 @@ def test_unknown_kind_lists_the_kinds(api):
     assert all(k in body["detail"] for k in submittable)
     # Child-only kinds exist but cannot be submitted directly.
     assert "sumformer_fit" not in body["kinds"]
-    is_problem(api.submit(api.user("ann"), kind="sumformer_fit", params={}), 422, "unknown-kind")
+    child = is_problem(api.submit(api.user("ann"), kind="sumformer_fit", params={}), 422, "unknown-kind")
+    assert "made by a sweep job" in child["detail"] and "submit kind 'sweep'" in child["detail"]
+    assert child["errors"][0]["type"] == "child_kind" and not api.jobs()
 
 
 def test_unknown_model_or_dataset_is_refused_at_submit(api):
@@ -52,6 +54,12 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
     body = is_problem(api.submit(h, kind="norms", params={"model": "ghost", "dataset": "nowhere"}), 422, "unknown-reference")
     assert "'ghost'" in body["detail"] and "'nowhere'" in body["detail"] and "GET /v1/models" in body["detail"]
     assert {tuple(e["loc"]) for e in body["errors"]} == {("params", "model"), ("params", "dataset")}
+    assert "did you mean" not in body["detail"]  # nothing close to 'ghost' or 'nowhere'
+    # the built-ins (registered at start-up) are the near misses
+    near = is_problem(api.submit(h, kind="norms", params={"model": "tiny-gpt", "dataset": "wikitext2"}), 422,
+                      "unknown-reference")
+    assert "model 'tiny-gpt' is not registered; did you mean 'tiny-gpt2'?" in near["detail"]
+    assert "dataset 'wikitext2' is not registered; did you mean 'wikitext-2'?" in near["detail"]
     # An entropy job over another user's train job: that job "does not exist" for this user.
     other = api.submit(api.user("bob"), kind="train", params={"dataset": "d"}).get_json()
     body = is_problem(api.submit(h, kind="entropy", params={"dataset": "d", "train_job": other["id"]}),
