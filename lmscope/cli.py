@@ -34,10 +34,13 @@ class ApiFailure(click.ClickException):
         self.error = error
 
     def show(self, file=None):
-        click.echo(f"Error: {self.error}", err=True)
+        headline = f"Error: {self.error}"
+        click.echo(headline, err=True)
         for e in self.error.errors:
             loc = ".".join(str(p) for p in e.get("loc", []))
-            click.echo(f"  {loc or '(body)'}: {e.get('msg')}", err=True)
+            line = f"{loc or '(body)'}: {e.get('msg')}"
+            if line not in headline and str(e.get("msg")) not in headline:  # the detail often lists them already
+                click.echo(f"  {line}", err=True)
 
 
 class LmscopeGroup(click.Group):

@@ -39,6 +39,13 @@ def test_whoami_shows_the_limits_and_where_they_come_from(api, cli):
     assert r.output.strip() == "ann: 1 active job(s); max_active_jobs=5 (server default), max_sweep_points=3"
 
 
+def test_a_refused_submit_names_each_bad_field_once(api, cli):
+    r = cli("submit", "norms", "-p", "model=m", "-p", "dataset=d", "-p", "max_sample=5")
+    assert r.exit_code == 1
+    assert r.output.count("max_sample") == 2  # the field and "did you mean 'max_samples'?", once each
+    assert "did you mean 'max_samples'?" in r.output
+
+
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
     """`-p model=123` used to send the number 123 ("Input should be a valid string")."""
     api.add_model("123")
