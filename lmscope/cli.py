@@ -34,13 +34,15 @@ class ApiFailure(click.ClickException):
         self.error = error
 
     def show(self, file=None):
-        headline = f"Error: {self.error}"
-        click.echo(headline, err=True)
-        for e in self.error.errors:
+        errors = self.error.errors
+        detail = self.error.problem.get("detail") or ""
+        # When the detail only joins the field errors, show the title and each field once, with its place.
+        only_fields = bool(errors) and all(str(e.get("msg")) in detail for e in errors)
+        title = self.error.problem.get("title") or f"HTTP {self.error.status}"
+        click.echo(f"Error: {title}" if only_fields else f"Error: {self.error}", err=True)
+        for e in errors:
             loc = ".".join(str(p) for p in e.get("loc", []))
-            line = f"{loc or '(body)'}: {e.get('msg')}"
-            if line not in headline and str(e.get("msg")) not in headline:  # the detail often lists them already
-                click.echo(f"  {line}", err=True)
+            click.echo(f"  {loc or '(body)'}: {e.get('msg')}", err=True)
 
 
 class LmscopeGroup(click.Group):
@@ -427,8 +429,10 @@ def user_list():
     from lmscope.db.models import User
 
     with _sessions()() as session:
-        for u in session.scalars(select(User).order_by(User.name)):
-            click.echo(f"{u.name}{'  (admin)' if u.is_admin else ''}  {_limits_text(u)}")
+        users = list(session.scalars(select(User).order_by(User.name)))
+        width = max((len(u.name) + (8 if u.is_admin else 0) for u in users), default=0)
+        for u in users:
+            click.echo(f"{(u.name + ('  (admin)' if u.is_admin else '')):{width}}  {_limits_text(u)}")
 
 
 # ---------------------------------------------------------------- jobs

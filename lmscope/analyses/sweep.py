@@ -451,14 +451,18 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
                                                  "seq_len": n, "features": k, "latent_dim": d_eff,
                                                  "seeds": len(curves[key])}))
 
-    plots = []
+    plots, plots_note = [], None
     if _plot_fig1(ctx.artifact_dir / "fig1_training.png", curves):
         plots.append("fig1_training.png")
     # Fig. 2 needs more than one d′ on a line (a Fig. 1 sweep has one each: nothing to draw)
     if any(len(per_x) > 1 for per_x in best.values()):
         _plot_fig2(ctx.artifact_dir / "fig2_latent_dim.png", best)
         plots.append("fig2_latent_dim.png")
+    else:
+        plots_note = "no fig2_latent_dim.png: every line has a single d′ (give grid.latent_dim two or more values)"
     summary: dict[str, Any] = {"best": headline[:100], "best_lines": len(headline), "plots": plots}
+    if plots_note:
+        summary["plots_note"] = plots_note
     clamped = clamped_latent_dims(params)
     if clamped:  # the grid asked for more monomials than exist: those points ran with C(n+d,d)−1
         summary["latent_dim_clamped"] = clamped

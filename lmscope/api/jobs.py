@@ -209,7 +209,7 @@ def cancel_job(job_id: int):
         job = load_visible_job(session, caller, job_id)
         if job.status in TERMINAL_STATES:
             raise Problem(409, "job-finished", "Job already finished",
-                          f"job {job_id} is {job.status}; only queued or running jobs can be cancelled")
+                          f"job {job_id} has already finished ({job.status}); only queued or running jobs can be cancelled")
         # Conditional updates: the worker's claim (`WHERE status='queued'`) and ours cannot both win.
         if is_parent_kind(job.kind):
             session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "queued")

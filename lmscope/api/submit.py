@@ -194,8 +194,9 @@ def check_quota(session: Session, caller: Caller, settings: Settings) -> None:
     active, limit = active_jobs(session, caller.id), caller.active_jobs_limit(settings)
     if active >= limit:
         raise Problem(429, "quota-exceeded", "Too many active jobs",
-                      f"you have {active} queued or running jobs, your limit is {limit}; "
-                      "wait for some to finish or cancel some (POST /v1/jobs/{id}/cancel)",
+                      f"you have {active} queued or running job{'' if active == 1 else 's'}, your limit is "
+                      f"{limit}; wait for some to finish or cancel some (`lmscope cancel ID`, "
+                      "POST /v1/jobs/{id}/cancel)",
                       headers={"Retry-After": "30"}, active=active, limit=limit)
 
 
@@ -213,7 +214,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
         limit = caller.sweep_points_limit(settings)
         if len(children) > limit:
             where = ("LMSCOPE_MAX_SWEEP_POINTS" if caller.max_sweep_points is None
-                     else f"set for user {caller.name!r} with `lmscope user limits`")
+                     else f"set for user {caller.name!r} by an admin")
             raise Problem(422, "sweep-too-large", "Sweep too large",
                           f"the grid has {len(children)} points, your limit is {limit} ({where}); "
                           "use fewer values per axis or split the sweep",

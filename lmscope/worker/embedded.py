@@ -156,6 +156,9 @@ def serve(settings: Settings) -> None:
     base = f"http://{settings.host}:{server.port}"
     print(f"lmscope up: dashboard {base}/  API docs {base}/docs  (data in {settings.data_dir}; "
           f"{len(recovered['requeued'])} interrupted job(s) re-queued)", flush=True)
+    if settings.auth:
+        print("lmscope up: bearer tokens required (LMSCOPE_AUTH=1); make one with "
+              f"`LMSCOPE_DATA_DIR={settings.data_dir} lmscope user create NAME`", flush=True)
     try:
         server.serve_forever()
     finally:

@@ -101,6 +101,8 @@ def test_clamped_poly_latent_dims_are_said_in_the_children_and_the_parent(tmp_pa
     child = ChildResult(1, "sumformer_fit", q.model_dump(mode="json"), "succeeded", out.summary, out.series)
     parent = aggregate(p, [child], LocalContext(tmp_path / "parent"))
     assert parent.summary["latent_dim_clamped"] == clamped_latent_dims(p)
+    # one d′ per line: no Fig. 2 to draw, and the summary says why
+    assert "fig2_latent_dim.png" not in parent.summary["plots"] and "grid.latent_dim" in parent.summary["plots_note"]
     # no clamping, no key
     plain = SweepParams(architectures=["poly_sumformer"], grid={"latent_dim": [2, 3], "token_dim": [1]})
     assert clamped_latent_dims(plain) == [] and "latent_dim_clamped" not in aggregate(
@@ -413,6 +415,7 @@ def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
     assert by["best_val_error", 2].labels["seeds"] == [2, 1]  # the failed seed is missing, not zero
     # the headline: one line per d with the d′ of lowest mean error (d = 1: 0.08 at 4; d = 2: 0.20 at 4)
     assert out.summary["best_lines"] == 2
+    assert "fig2_latent_dim.png" in out.summary["plots"] and "plots_note" not in out.summary
     assert [(b["token_dim"], b["best_latent_dim"]) for b in out.summary["best"]] == [(1, 4), (2, 4)]
     assert [b["best_val_error"] for b in out.summary["best"]] == pytest.approx([0.08, 0.20])
     theory = next(s for s in out.series if s.name == "theory_latent_dim")

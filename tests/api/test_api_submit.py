@@ -183,7 +183,7 @@ def test_limits_are_per_user_with_the_server_default_otherwise(api):
         session.execute(update(User).where(User.name == "cat").values(max_sweep_points=20))
     assert api.submit(ann, kind="sweep", params=small_sweep(3)).status_code == 202
     body = is_problem(api.submit(bob, kind="sweep", params=small_sweep(3)), 422, "sweep-too-large")
-    assert body["points"] == 3 and body["limit"] == 2 and "lmscope user limits" in body["detail"]
+    assert body["points"] == 3 and body["limit"] == 2 and "set for user 'bob' by an admin" in body["detail"]
     assert api.submit(bob, kind="sweep", params=small_sweep(2)).status_code == 202
     assert is_problem(api.submit(bob), 429, "quota-exceeded")["limit"] == 1
     assert api.submit(cat, kind="sweep", params=small_sweep(9)).status_code == 202  # above the server's 8
