@@ -588,15 +588,75 @@ def fetch(job_id, directory):
 
 
 @main.command()
-def kinds():
-    """The job kinds and what they do (child kinds are made by their parent, e.g. a sweep)."""
+@click.argument("kind", required=False)
+def kinds(kind):
+    """The job kinds and what they do; with KIND, its parameters (type, default, limits, meaning)."""
     items = client().kinds()
-    width = max((len(k["name"]) for k in items), default=0)
-    for k in items:
-        note = ""
-        if not k.get("submittable", True):
-            note = f"  (child of {' / '.join(k.get('child_of') or ['another kind'])}; not submittable)"
-        click.echo(f"{k['name']:{width}}  {k['description']}{note}")
+    if kind is None:
+        width = max((len(k["name"]) for k in items), default=0)
+        for k in items:
+            note = ""
+            if not k.get("submittable", True):
+                note = f"  (child of {' / '.join(k.get('child_of') or ['another kind'])}; not submittable)"
+            click.echo(f"{k['name']:{width}}  {k['description']}{note}")
+        click.echo("\n`lmscope kinds KIND` lists a kind's parameters.", err=True)
+        return
+    found = next((k for k in items if k["name"] == kind), None)
+    if found is None:
+        raise click.ClickException(f"no kind {kind!r}; the kinds are: {', '.join(k['name'] for k in items)}")
+    click.echo(f"{found['name']}: {found['description']}")
+    if not found.get("submittable", True):
+        click.echo(f"(made by {' / '.join(found.get('child_of') or [])}; not submitted on its own)")
+    rows = schema_rows(found["params_schema"], found.get("defaults") or {})
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    click.echo(f"\n{'PARAMETER':{widths[0]}}  {'TYPE':{widths[1]}}  {'DEFAULT':{widths[2]}}  LIMITS AND MEANING")
+    for name, type_, default, notes in rows:
+        click.echo(f"{name:{widths[0]}}  {type_:{widths[1]}}  {default:{widths[2]}}  {notes}".rstrip())
+    click.echo(f"\nSet them with `lmscope submit {kind} -p NAME=VALUE` (dotted names for nested ones) or --params FILE.",
+               err=True)
+
+
+def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | None = None) -> list[tuple[str, ...]]:
+    """(dotted name, type, default, limits and description) per parameter of a JSON schema; nested
+    models (e.g. a sweep's `grid`, `train`) are listed field by field."""
+    defs = schema.get("$defs", {}) if defs is None else defs
+    required = set(schema.get("required", []))
+    rows = []
+    for name, prop in schema.get("properties", {}).items():
+        ref = prop.get("$ref") or next((a["$ref"] for a in prop.get("allOf", []) if "$ref" in a), None)
+        if ref:
+            nested = defs.get(ref.rsplit("/", 1)[-1], {})
+            rows += schema_rows(nested, defaults.get(name) or {}, f"{prefix}{name}.", defs)
+            continue
+        if name in defaults:
+            default = json.dumps(defaults[name], ensure_ascii=False)
+        else:
+            default = "required" if name in required else ""
+        if len(default) > 40:
+            default = default[:37] + "..."
+        limits = [f"{sign} {prop[key]}" for key, sign in (("minimum", "≥"), ("exclusiveMinimum", ">"),
+                                                           ("maximum", "≤"), ("exclusiveMaximum", "<"))
+                  if key in prop]
+        limits += [f"{prop[key]} {what}" for key, what in (("minItems", "item(s) at least"),
+                                                           ("maxItems", "items at most")) if key in prop]
+        choices = prop.get("enum") or prop.get("items", {}).get("enum") or []
+        if len(choices) > 3:  # long lists of choices go with the notes, not in the type column
+            limits.insert(0, "one of " + ", ".join(map(str, choices)))
+        notes = "; ".join(limits + ([prop["description"]] if prop.get("description") else []))
+        rows.append((prefix + name, _schema_type(prop), default, notes))
+    return rows
+
+
+def _schema_type(prop: dict) -> str:
+    if "enum" in prop:
+        return "choice" if len(prop["enum"]) > 3 else " | ".join(json.dumps(v) for v in prop["enum"])
+    if "const" in prop:
+        return json.dumps(prop["const"])
+    if "anyOf" in prop:
+        return " | ".join(_schema_type(p) for p in prop["anyOf"])
+    if prop.get("type") == "array":
+        return f"list of {_schema_type(prop.get('items', {}))}"
+    return prop.get("type", "any")
 
 
 @main.command()

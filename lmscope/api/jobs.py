@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from flask import Blueprint, request
+from pydantic_core import to_jsonable_python
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError
@@ -263,5 +264,15 @@ def list_kinds():
     parents = sorted(k for k, spec in KINDS.items() if spec.expand is not None)
     return {"items": [{"name": kind, "description": spec.description, "sweep": spec.expand is not None,
                        "submittable": spec.submittable, "child_of": None if spec.submittable else parents,
-                       "params_schema": spec.params.model_json_schema()}
+                       "params_schema": spec.params.model_json_schema(), "defaults": param_defaults(spec.params)}
                       for kind, spec in sorted(KINDS.items())]}
+
+
+def param_defaults(model) -> dict:
+    """{field: default} for every field that has one, nested models as dicts (what the schema's
+    `default` keys miss for fields with a default factory)."""
+    out = {}
+    for name, field in model.model_fields.items():
+        if not field.is_required():
+            out[name] = to_jsonable_python(field.get_default(call_default_factory=True))
+    return out

@@ -213,7 +213,8 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "name": {"type": "string"}, "description": {"type": "string"}, "sweep": {"type": "boolean"},
         "submittable": {"type": "boolean", "description": "false: a child kind, made only by its parent kind"},
         "child_of": {"type": ["array", "null"], "items": {"type": "string"}},
-        "params_schema": {"type": "object"}}}}}},
+        "params_schema": {"type": "object"},
+        "defaults": {"type": "object", "description": "each parameter's default (nested models as objects)"}}}}}},
     "Me": {"type": "object", "properties": {
         "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
         "limits": {"type": "object", "properties": {"max_active_jobs": {"type": "integer"},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -44,6 +46,26 @@ def test_a_refused_submit_names_each_bad_field_once(api, cli):
     assert r.exit_code == 1
     assert r.output.count("max_sample") == 2  # the field and "did you mean 'max_samples'?", once each
     assert "did you mean 'max_samples'?" in r.output
+
+
+def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
+    from lmscope.params.norms import NormsParams
+
+    r = cli("kinds", "norms")
+    assert r.exit_code == 0, r.output
+    out = r.output.splitlines()
+    header = next(i for i, line in enumerate(out) if line.startswith("PARAMETER"))
+    start, end = out[header].index("DEFAULT"), out[header].index("LIMITS")
+    lines = {line.split()[0]: line for line in out[header + 1:] if line.strip() and not line.startswith("Set ")}
+    for name, field in NormsParams.model_fields.items():
+        assert name in lines, name
+        expected = "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True))
+        assert lines[name][start:end].strip() == expected, lines[name]
+    assert "≥ 1" in lines["max_samples"] and "documents" in lines["max_samples"]
+    sweep = cli("kinds", "sweep").output
+    assert "grid.latent_dim" in sweep and "train.epochs" in sweep and "one of poly_sumformer" in sweep
+    missing = cli("kinds", "nrms")
+    assert missing.exit_code == 1 and "no kind 'nrms'" in missing.output and "norms" in missing.output
 
 
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
