@@ -483,6 +483,11 @@ def _fmt_progress(job: dict[str, Any]) -> str:
     return f"{p['fraction'] * 100:.0f}%" if p.get("fraction") is not None else ""
 
 
+def _child_kinds(c: Client) -> set[str]:
+    """Kinds made only by a parent (a sweep's grid points): listing them means listing children."""
+    return {k["name"] for k in c.kinds() if not k.get("submittable", True)}
+
+
 def print_table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in [header, *rows]:
@@ -493,13 +498,16 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 @click.option("--kind")
 @click.option("--status", help="e.g. running or queued,running")
 @click.option("--tag")
-@click.option("--parent", help="a sweep's id (its children) or `none` (top-level jobs only)")
+@click.option("--parent", help="a sweep's id: its children")
+@click.option("--children", "with_children", is_flag=True, help="also list sweeps' children (hidden by default)")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="at most this many jobs")
 @click.option("--all", "all_", is_flag=True, help="every job, however many")
 @click.option("--json", "as_json", is_flag=True)
-def jobs(kind, status, tag, parent, limit, all_, as_json):
-    """List your jobs, newest first."""
+def jobs(kind, status, tag, parent, with_children, limit, all_, as_json):
+    """List your jobs, newest first (a sweep's children only with --children or --parent ID)."""
     c = client()
+    if parent is None and not with_children and (kind is None or kind not in _child_kinds(c)):
+        parent = "none"  # one row per sweep, not one per grid point
     filters = {"kind": kind, "status": status, "tag": tag, "parent": parent}
     if all_:
         items, more = list(c.list(page_size=500, **filters)), False
@@ -509,11 +517,15 @@ def jobs(kind, status, tag, parent, limit, all_, as_json):
     if as_json:
         click.echo(json.dumps(items, indent=2))
     else:
+        users = {j.get("user") for j in items}
+        extra = [("PARENT", lambda j: j.get("parent_id") or "")] if parent != "none" else []
+        extra += [("USER", lambda j: j.get("user") or "")] if len(users) > 1 else []  # an admin sees everyone's
         print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
-                      j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
-                    ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", "NAME", "TAGS"])
+                      *(f(j) for _, f in extra), j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
+                    ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
     if more:  # cut off by --limit: say so, and how to see the rest
-        again = " ".join(f"--{k} {v}" for k, v in filters.items() if v is not None)
+        again = " ".join(f"--{k} {v}" for k, v in filters.items() if v is not None and not (k == "parent" and v == "none"))
+        again += " --children" if with_children else ""
         click.echo(f"… more jobs: lmscope jobs {again + ' ' if again else ''}--limit {limit * 2} (or --all)", err=True)
 
 

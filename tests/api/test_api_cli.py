@@ -68,6 +68,27 @@ def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
     assert missing.exit_code == 1 and "no kind 'nrms'" in missing.output and "norms" in missing.output
 
 
+def test_jobs_lists_a_sweep_once_and_its_children_on_request(api, cli):
+    from .conftest import small_sweep
+
+    probe = api.submit(api.user("ann")).get_json()["id"]
+    sweep = api.submit(api.user("ann"), kind="sweep", params=small_sweep(3)).get_json()["id"]
+    kids = [j.id for j in api.jobs(parent_id=sweep)]
+
+    def ids(*args):
+        r = cli("jobs", *args)
+        assert r.exit_code == 0, r.output
+        lines = r.stdout.splitlines()
+        return lines[0].split(), [int(line.split()[0]) for line in lines[1:]]
+
+    header, listed = ids()
+    assert listed == [sweep, probe] and "PARENT" not in header
+    header, listed = ids("--children")
+    assert sorted(listed) == sorted([probe, sweep, *kids]) and "PARENT" in header
+    assert sorted(ids("--kind", "sumformer_fit")[1]) == sorted(kids)  # a child kind lists children
+    assert sorted(ids("--parent", str(sweep))[1]) == sorted(kids)
+
+
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
     """`-p model=123` used to send the number 123 ("Input should be a valid string")."""
     api.add_model("123")
