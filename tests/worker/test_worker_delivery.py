@@ -84,14 +84,22 @@ def delivery(db_url, redis_server, tmp_path, settings_factory):
         w.stop()
 
 
-def wait_for_status(job_row, job_id, status="succeeded", timeout=60.0):
+def wait_for_status(job_row, job_id, status="succeeded", timeout=60.0, worker_log: Path | None = None):
+    """Wait for the job's status; on a timeout, say where the job stands and what the worker logged."""
     def done():
         job = job_row(job_id)
         if job.status in ("failed", "cancelled") and status != job.status:
             raise AssertionError(f"job {job_id} {job.status}: {job.error_type}: {job.error_message}")
         return job.status == status
 
-    wait_until(done, timeout=timeout, interval=0.1, what=f"job {job_id} to be {status}")
+    try:
+        wait_until(done, timeout=timeout, interval=0.1, what=f"job {job_id} to be {status}")
+    except TimeoutError as e:
+        job = job_row(job_id)
+        state = {k: getattr(job, k) for k in ("status", "attempts", "worker", "heartbeat_at", "published_at",
+                                              "progress_done", "progress_total")}
+        log = worker_log.read_text()[-4000:] if worker_log is not None and worker_log.exists() else "(no log)"
+        raise AssertionError(f"{e}; the job: {state}\nworker log (tail):\n{log}") from None
     return job_row(job_id)
 
 
@@ -152,14 +160,14 @@ def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, s
 
 
 def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, make_job, job_row):
-    delivery.start()
+    worker = delivery.start()
     job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False})
     publish_jobs(delivery.publisher, sessions, [job_id])
     wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the first attempt's progress")
     killed = int(job_row(job_id).worker.rsplit(":", 1)[1])
     os.kill(killed, signal.SIGKILL)
 
-    job = wait_for_status(job_row, job_id, timeout=90)
+    job = wait_for_status(job_row, job_id, timeout=180, worker_log=worker.log_path)
     assert job.attempts == 2 and job.summary["attempt"] == 2 and job.environment["attempt"] == 2
     assert int(job.worker.rsplit(":", 1)[1]) != killed
     assert series_names(sessions, job_id) == ["nan", "square"]  # exactly one set
@@ -170,7 +178,7 @@ def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, m
 def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessions, make_job, job_row):
     """A sweep's child whose worker process is SIGKILLed is retried; the parent then sees each child
     once: one aggregation whose input holds each child once, and one set of the retried child's series."""
-    delivery.start()
+    worker = delivery.start()
     parent = make_job(kind="fake_sweep", params={"steps": [300, 4]}, status="running", waiting_children=True,
                       started_at=utcnow())
     slow = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, parent_id=parent)
@@ -180,7 +188,7 @@ def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessio
     killed = int(job_row(slow).worker.rsplit(":", 1)[1])
     os.kill(killed, signal.SIGKILL)
 
-    job = wait_for_status(job_row, parent, timeout=120)
+    job = wait_for_status(job_row, parent, timeout=180, worker_log=worker.log_path)
     assert job_row(slow).attempts == 2 and job_row(quick).attempts == 1
     assert job.attempts == 1
     assert job.summary["children"] == {"succeeded": 2, "failed": 0, "cancelled": 0}
