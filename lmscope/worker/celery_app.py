@@ -4,9 +4,10 @@ Settings come from the environment (``LMSCOPE_BROKER_URL``, ``LMSCOPE_DATABASE_U
 configuration is ``lmscope.queue.celery_config`` (JSON only, late acks, requeue on a lost child,
 prefetch 1, hard time limit below Redis' visibility timeout, no result backend).
 
-Processes: the main process consumes messages and runs the reaper thread (it never imports torch,
-so CUDA is initialised only in the prefork child that runs the job). The child runs
-``lmscope.run_job(job_id)`` → ``runner.execute``.
+Processes: the main process consumes messages and never opens the database or imports torch (so
+CUDA is initialised only in the prefork child that runs the job, and no SQLite state is copied into
+the children it forks). The child runs ``lmscope.run_job(job_id)`` → ``runner.execute``. The reaper
+runs in a process of its own (``python -m lmscope.worker.reaper``), started when the worker is ready.
 
 ``run_worker(concurrency=1)`` is what ``lmscope worker`` calls.
 """
@@ -14,11 +15,13 @@ so CUDA is initialised only in the prefork child that runs the job). The child r
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 from celery import signals
 
 from lmscope.config import Settings
-from lmscope.db.builtins import ensure_builtins
 from lmscope.queue import QUEUE_NAME, TASK_NAME, CeleryPublisher, make_celery
 from lmscope.worker import runner
 from lmscope.worker.startup import forget_inherited_engines, load_extra_kinds, session_factory_for
@@ -49,24 +52,22 @@ def _child_started(**_) -> None:
 
 @signals.worker_ready.connect
 def _start_reaper(**_) -> None:
-    """In the main process: upsert built-ins, then reap in a thread (every worker does; it is safe)."""
+    """Start this worker's reaper process (every worker runs one; it is safe). It also upserts the
+    built-ins. A process, not a thread: this process forks the pool's children and must never hold a
+    database connection when it does (see ``lmscope.worker.reaper.run_reaper_process``)."""
     global _reaper
-    from lmscope.worker.reaper import ReaperThread
-
-    sessions = session_factory_for(settings)
-    try:
-        ensure_builtins(settings, sessions)
-    except Exception:
-        log.exception("could not upsert built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
-    _reaper = ReaperThread(settings, sessions, CeleryPublisher(app=celery))
-    _reaper.start()
-    log.info("reaper running every %.1f s", _reaper.interval)
+    _reaper = subprocess.Popen([sys.executable, "-m", "lmscope.worker.reaper", "--parent", str(os.getpid())])
+    log.info("reaper process %s started", _reaper.pid)
 
 
 @signals.worker_shutting_down.connect
 def _stop_reaper(**_) -> None:
-    if _reaper is not None:
-        _reaper.stop()
+    if _reaper is not None and _reaper.poll() is None:
+        _reaper.terminate()
+        try:
+            _reaper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _reaper.kill()
 
 
 def worker_argv(concurrency: int = 1, loglevel: str = "info") -> list[str]:

@@ -155,22 +155,49 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
     return report
 
 
-class ReaperThread(threading.Thread):
-    """Runs ``reap`` every ``interval`` seconds until stopped (in a Celery worker's main process)."""
+def run_reaper_process(parent_pid: int) -> None:
+    """A Celery worker's reaper, in a process of its own (``python -m lmscope.worker.reaper``).
 
-    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
-                 interval: float | None = None):
-        super().__init__(name="lmscope-reaper", daemon=True)
-        self.settings, self.session_factory, self.publisher = settings, session_factory, publisher
-        self.interval = interval or reap_interval(settings)
-        self._stopping = threading.Event()
+    Not a thread of the worker's main process: that process forks the pool's children, and fork
+    copies SQLite's in-process lock bookkeeping. A child forked while a reaper thread was inside a
+    transaction found the database "locked" for ever (seen in CI-like runs). With the reaper here,
+    the main process never holds a database connection. It exits when the worker does (its parent
+    changes) or on SIGTERM.
+    """
+    import os
+    import signal
 
-    def run(self) -> None:
-        while not self._stopping.wait(self.interval):
-            try:
-                reap(self.settings, self.session_factory, self.publisher)
-            except Exception:  # the database may be briefly unreachable; try again next pass
-                log.exception("reaper pass failed")
+    from lmscope.db.builtins import ensure_builtins
+    from lmscope.queue import CeleryPublisher
+    from lmscope.worker.startup import load_extra_kinds, session_factory_for
 
-    def stop(self) -> None:
-        self._stopping.set()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/Reaper] %(message)s")
+    settings = Settings.from_env()
+    load_extra_kinds()  # give_back_values needs to know every kind (sweep parents)
+    sessions = session_factory_for(settings)
+    try:
+        ensure_builtins(settings, sessions)
+    except Exception:
+        log.exception("could not upsert built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
+    publisher = CeleryPublisher(settings=settings)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    interval = reap_interval(settings)
+    log.info("reaper running every %.1f s (pid %s, worker %s)", interval, os.getpid(), parent_pid)
+    while not stopping.wait(interval):
+        if os.getppid() != parent_pid:
+            log.info("the worker (pid %s) is gone; the reaper stops", parent_pid)
+            return
+        try:
+            reap(settings, sessions, publisher)
+        except Exception:  # the database may be briefly unreachable; try again next pass
+            log.exception("reaper pass failed")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The reaper of a Celery worker (started by the worker).")
+    parser.add_argument("--parent", type=int, required=True, help="the worker's pid: stop when it is gone")
+    run_reaper_process(parser.parse_args().parent)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from lmscope.db.models import Series, utcnow
 from lmscope.queue import CeleryPublisher, publish_jobs
@@ -103,6 +104,15 @@ def wait_for_status(job_row, job_id, status="succeeded", timeout=60.0, worker_lo
     return job_row(job_id)
 
 
+def _is_reaper_of(proc: Path, parent: int) -> bool:
+    try:
+        cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return b"lmscope.worker.reaper" in cmdline and ppid == parent
+
+
 def series_names(sessions, job_id):
     with sessions() as s:
         return sorted(s.execute(select(Series.name).where(Series.job_id == job_id)).scalars())
@@ -145,8 +155,16 @@ def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, s
     assert done["status"] == "succeeded", done["error"]
     assert done["attempts"] == 1 and done["summary"] == {"total": 15, "attempt": 1} and done["published_at"]
     assert int(done["worker"].rsplit(":", 1)[1]) != worker.proc.pid  # ran in the prefork child
-    # The main process consumes and reaps but never loads torch: CUDA is initialised only in the child.
+    # The main process consumes but never loads torch (CUDA is initialised only in the child) and never
+    # holds the database open: a SQLite connection's lock state copied into a forked child (the main
+    # process forks a new child after a crash) made the database "locked" for that child for ever.
     assert "libtorch" not in Path(f"/proc/{worker.proc.pid}/maps").read_text()
+    fds = Path(f"/proc/{worker.proc.pid}/fd")
+    open_files = [os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink()]
+    database = make_url(delivery.settings.database_url).database or ""
+    assert not [f for f in open_files if database and f.startswith(database)], open_files
+    reaper = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_reaper_of(p, worker.proc.pid)]
+    assert len(reaper) == 1, "the worker's reaper runs in a process of its own"
     env = done["environment"]
     assert env["lmscope"] and env["device"] == "cpu" and env["device_name"] and env["attempt"] == 1
     assert set(env["stages"]) >= {"count", "plot", "total"} and env["wall_seconds"] >= env["stages"]["total"]
