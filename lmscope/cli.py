@@ -282,7 +282,8 @@ def db_upgrade():
 def _sessions():
     """Sessions on the service's database, for the server-side commands (`user`, `datasets add`).
 
-    Refuses, in one line, a database that does not exist or has no lmscope tables: the usual cause is
+    Refuses, in one line, a database that does not exist, has no lmscope tables or is at an older
+    schema revision: the usual cause is
     a shell without the service's LMSCOPE_DATA_DIR / LMSCOPE_DATABASE_URL (and connecting to a SQLite
     path that does not exist would leave an empty file behind)."""
     from sqlalchemy import inspect
@@ -290,31 +291,23 @@ def _sessions():
     from sqlalchemy.exc import SQLAlchemyError
 
     from lmscope.config import Settings
-    from lmscope.db.engine import make_engine, make_sessionmaker
+    from lmscope.db.engine import make_engine, make_sessionmaker, schema_revisions
 
-    url = Settings.from_env().database_url
-    shown = make_url(url).render_as_string(hide_password=True)
+    url = make_url(Settings.from_env().database_url)
+    shown = url.render_as_string(hide_password=True)
     fix = ("set LMSCOPE_DATA_DIR or LMSCOPE_DATABASE_URL to the service's (as `lmscope up` or the workers "
            "have it), or create the schema with `lmscope db upgrade`")
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
-            and not Path(parsed.database).exists():
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
+            and not Path(url.database).exists():
         raise click.ClickException(f"no database at {shown}; {fix}")
-    engine = make_engine(url)
+    engine = make_engine(url.render_as_string(hide_password=False))
     try:
         ready = inspect(engine).has_table("users")
+        current, head = schema_revisions(engine) if ready else (None, None)
     except SQLAlchemyError as e:
         raise click.ClickException(f"cannot open the database {shown} ({type(e).__name__}); {fix}") from None
     if not ready:
         raise click.ClickException(f"the database {shown} has no lmscope tables; {fix}")
-    from alembic.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    from lmscope.db.engine import alembic_config
-
-    with engine.connect() as conn:
-        current = MigrationContext.configure(conn).get_current_revision()
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
     if current != head:
         raise click.ClickException(f"the database {shown} has schema revision {current}, this lmscope needs "
                                    f"{head}; run `lmscope db upgrade` (or start the service, which migrates)")

@@ -17,7 +17,7 @@ from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
 from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
 from lmscope.db.progress import refresh_sweep_progress
-from lmscope.params import KINDS, is_parent_kind
+from lmscope.params import KINDS, is_parent_kind, parent_kinds
 from lmscope.queue import publish_jobs
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
@@ -261,8 +261,8 @@ def list_kinds():
     Child kinds (a sweep's grid points) appear in job listings but are made only by their parent kind
     (`child_of`).
     """
-    parents = sorted(k for k, spec in KINDS.items() if spec.expand is not None)
-    return {"items": [{"name": kind, "description": spec.description, "sweep": spec.expand is not None,
+    parents = parent_kinds()
+    return {"items": [{"name": kind, "description": spec.description, "sweep": is_parent_kind(kind),
                        "submittable": spec.submittable, "child_of": None if spec.submittable else parents,
                        "params_schema": spec.params.model_json_schema(), "defaults": param_defaults(spec.params)}
                       for kind, spec in sorted(KINDS.items())]}

@@ -20,7 +20,7 @@ from lmscope.api.auth import Caller
 from lmscope.api.errors import Problem, describe_errors, pydantic_errors, validation_problem
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
-from lmscope.params import KINDS, JobParams, UnknownKind, validate_params
+from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params
 
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True)]
 
@@ -73,7 +73,7 @@ def check_params(kind: str, params: dict[str, Any]):
     except UnknownKind:
         kinds = submittable_kinds()
         if kind in KINDS:  # a child kind: made only by its parent
-            parents = sorted(k for k, spec in KINDS.items() if spec.expand is not None)
+            parents = parent_kinds()
             raise Problem(422, "unknown-kind", "Not a submittable kind",
                           f"kind {kind!r} is a grid point made by a {' / '.join(parents)} job, not submitted on "
                           f"its own; submit kind {parents[0]!r} with a grid of one point instead "

@@ -66,6 +66,17 @@ def alembic_config(url: str):
     return cfg
 
 
+def schema_revisions(engine: Engine) -> tuple[str | None, str]:
+    """(the database's Alembic revision, None for an empty one; the newest this code has)."""
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    scripts = ScriptDirectory.from_config(alembic_config(engine.url.render_as_string(hide_password=False)))
+    return current, scripts.get_current_head()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the schema up to date (`lmscope db upgrade`; also run by `lmscope up`)."""
     from alembic import command

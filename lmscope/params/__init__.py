@@ -44,4 +44,10 @@ def is_parent_kind(kind: str) -> bool:
     return spec is not None and spec.expand is not None
 
 
-__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "is_parent_kind", "validate_params"]
+def parent_kinds() -> list[str]:
+    """The kinds whose jobs make child jobs (sorted): what a child kind is made by."""
+    return sorted(k for k in KINDS if is_parent_kind(k))
+
+
+__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "is_parent_kind", "parent_kinds",
+           "validate_params"]
