@@ -66,6 +66,7 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         return None
 
     heads = first("num_attention_heads", "n_head")
+    positions = first("max_position_embeddings", "n_positions")
     return ModelFacts(
         architecture=config.get("model_type", "unknown"),
         num_layers=first("num_hidden_layers", "n_layer"),
@@ -75,7 +76,38 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         vocab_size=first("vocab_size"),
         num_parameters=None,
         dtype=first("torch_dtype", "dtype"),
+        # Kept so that a submit asking for more positions than the model reads is refused at once.
+        info={"max_positions": positions} if positions else {},
     )
+
+
+def builtin_parameter_count(config: dict[str, Any]) -> int:
+    """Parameters of a built-in GPT-2 or LLaMA config, counted from its shapes (the API has no torch).
+
+    Tied weights count once, as ``model.parameters()`` does: GPT-2 ties its LM head to the embedding.
+    """
+    V = config["vocab_size"]
+    if config["model_type"] == "gpt2":
+        E, L, P = config["n_embd"], config["n_layer"], config["n_positions"]
+        inner = config.get("n_inner") or 4 * E
+        block = (2 * E                    # ln_1
+                 + E * 3 * E + 3 * E      # c_attn (q, k, v)
+                 + E * E + E              # attn c_proj
+                 + 2 * E                  # ln_2
+                 + E * inner + inner      # mlp c_fc
+                 + inner * E + E)         # mlp c_proj
+        return V * E + P * E + L * block + 2 * E  # wte, wpe, blocks, ln_f
+    if config["model_type"] == "llama":
+        E, L, I = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+        H = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or H
+        hd = config.get("head_dim") or E // H
+        block = (E * H * hd + 2 * E * kv * hd + H * hd * E  # q, k, v, o (no biases)
+                 + 3 * E * I                                # gate, up, down
+                 + 2 * E)                                   # two RMSNorms
+        head = 0 if config.get("tie_word_embeddings") else V * E
+        return V * E + L * block + E + head  # embed, blocks, final norm, LM head
+    raise ValueError(f"no parameter count for model_type {config['model_type']!r}")
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

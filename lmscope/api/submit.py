@@ -128,6 +128,35 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])
 
 
+def check_context(session: Session, parsed: list) -> None:
+    """Windows longer than a model's context are refused now, not after a queue wait and a model load.
+
+    Models registered before their context length was recorded are checked by the worker instead.
+    """
+    errors = {}  # message -> loc; a sweep's parent and children ask the same question
+    for p in parsed:
+        asked = p.positions_read()
+        if asked is None:
+            continue
+        field, n = asked
+        limits = []  # (what, positions)
+        names = p.model_refs()
+        if names:
+            for name, info in session.execute(select(Model.name, Model.info).where(Model.name.in_(names))):
+                limits.append((f"model {name!r}", (info or {}).get("max_positions")))
+        for job_id in p.job_refs():
+            ref = session.get(Job, job_id)
+            if ref is not None and ref.kind == "train":
+                limits.append((f"train job {job_id}'s checkpoints", (ref.params or {}).get("context")))
+        for what, limit in limits:
+            if isinstance(limit, int) and n > limit:
+                errors[f"{field}={n} is longer than {what} reads ({limit} positions); "
+                       f"set {field} to at most {limit}"] = ["params", field]
+    if errors:
+        raise Problem(422, "sequence-too-long", "Sequence longer than the model's context", "; ".join(errors),
+                      errors=[{"loc": loc, "msg": m, "type": "sequence_too_long"} for m, loc in errors.items()])
+
+
 def check_model_names(session: Session, parsed: list) -> None:
     """The models a job will register (a train run's `<run_name>@step<N>`) must not clash with any model
     or with an active job that registers the same names: refused now, not at its first checkpoint."""
@@ -229,6 +258,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
                               f"grid point {i} ({child.name}) is invalid for {child.kind!r}: "
                               + describe_errors(pydantic_errors(e, model=KINDS[child.kind].params))) from None
     check_refs(session, caller, [params, *child_params])
+    check_context(session, [params, *child_params])
     check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)
 

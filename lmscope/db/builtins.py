@@ -12,7 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from lmscope.catalog import BUILTIN_MODELS, CatalogError, config_facts, parse_documents, sha256_bytes
+from lmscope.catalog import (BUILTIN_MODELS, CatalogError, builtin_parameter_count, config_facts, parse_documents,
+                             sha256_bytes)
 from lmscope.config import Settings
 from lmscope.db.models import Dataset, Model
 
@@ -43,7 +44,8 @@ def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) 
         _upsert(session_factory, Model, name, dict(
             source="builtin", path=None, architecture=facts.architecture, num_layers=facts.num_layers,
             num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size,
-            vocab_size=facts.vocab_size, dtype="float32", info={"config": dict(config), "tokenizer": "bytes"}))
+            vocab_size=facts.vocab_size, num_parameters=builtin_parameter_count(config), dtype="float32",
+            info={**facts.info, "config": dict(config), "tokenizer": "bytes"}))
     path = settings.wikitext2_path
     if path and Path(path).is_file():
         with session_factory() as session:

@@ -27,6 +27,11 @@ class JobParams(BaseModel):
         """Other jobs this job reads (e.g. a `train` job's checkpoints), checked at submit."""
         return []
 
+    def positions_read(self) -> tuple[str, int] | None:
+        """(field, value) when the job feeds its models windows of `value` positions; checked at
+        submit against each model's context length (and a `train` job's ``context``)."""
+        return None
+
     def stored(self) -> dict[str, Any]:
         """The params as the job row keeps them (and `lmscope show` prints them): validated, defaults
         filled in. Validating this dict again gives the same params."""

@@ -62,3 +62,6 @@ class EntropyParams(JobParams):
 
     def job_refs(self) -> list[int]:
         return [self.train_job] if self.train_job is not None else []
+
+    def positions_read(self) -> tuple[str, int] | None:
+        return ("seq_len", self.seq_len) if self.seq_len is not None else None

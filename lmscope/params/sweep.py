@@ -180,6 +180,9 @@ class AttentionApproxParams(JobParams):
     def dataset_refs(self) -> list[str]:
         return [self.dataset]
 
+    def positions_read(self) -> tuple[str, int] | None:
+        return ("seq_len", self.seq_len)
+
 
 class SumformerGrid(_Strict):
     """Lists whose product is the sweep (features only multiplies linformer / performer)."""
@@ -294,6 +297,9 @@ class SweepParams(JobParams):
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset] if self.dataset else []
+
+    def positions_read(self) -> tuple[str, int] | None:
+        return ("seq_len", self.seq_len) if self.study == "attention" else None
 
     def stored(self) -> dict[str, Any]:
         """Only this study's fields: a sumformer sweep does not list the attention study's defaults."""

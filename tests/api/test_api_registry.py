@@ -45,6 +45,7 @@ def test_admin_registers_a_model_directory(api, tmp_path):
     from lmscope.catalog import BUILTIN_MODELS
 
     assert {n for n, x in listed.items() if x["source"] == "builtin"} >= set(BUILTIN_MODELS)
+    assert all(listed[n]["params"] > 0 for n in BUILTIN_MODELS)  # counted at start-up, not only once loaded
     # Now jobs may name it.
     assert api.submit(api.user("ann"), params={"model": "gpt2-mini"}).status_code == 202
     is_problem(api.client.post("/v1/models", headers=admin, json={"name": "gpt2-mini", "path": str(model_dir)}),

@@ -69,6 +69,33 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
                       params={"dataset": "d", "train_job": other["id"]}).status_code == 202
 
 
+def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
+    h = api.user("ann")  # the fixture registers model "m" and dataset "d"
+    # tiny-gpt2 reads 1024 positions (n_positions in lmscope.catalog.BUILTIN_MODELS)
+    body = is_problem(api.submit(h, kind="entropy", params={"model": "tiny-gpt2", "dataset": "d", "seq_len": 1025}),
+                      422, "sequence-too-long")
+    assert "seq_len=1025 is longer than model 'tiny-gpt2' reads (1024 positions)" in body["detail"]
+    assert "at most 1024" in body["detail"] and body["errors"][0]["loc"] == ["params", "seq_len"]
+    assert api.submit(h, kind="entropy", params={"model": "tiny-gpt2", "dataset": "d", "seq_len": 1024}).status_code == 202
+    # several models: the one that is too short is named
+    body = is_problem(api.submit(h, kind="entropy", params={"models": ["tiny-gpt2", "tiny-llama"], "dataset": "d",
+                                                             "seq_len": 4096}), 422, "sequence-too-long")
+    assert "'tiny-gpt2'" in body["detail"] and "'tiny-llama'" in body["detail"]
+    # an attention study: one error, though the parent and every child read the model
+    body = is_problem(api.submit(h, kind="sweep", params={"study": "attention", "model": "tiny-llama", "dataset": "d",
+                                                           "seq_len": 2048, "seeds": 2}), 422, "sequence-too-long")
+    assert len(body["errors"]) == 1 and "(1024 positions)" in body["detail"]
+    # a train job's checkpoints read its `context`
+    train = api.submit(h, kind="train", params={"dataset": "d", "context": 64}).get_json()
+    body = is_problem(api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 65}),
+                      422, "sequence-too-long")
+    assert f"train job {train['id']}'s checkpoints reads (64 positions)" in body["detail"]
+    assert api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 64}).status_code == 202
+    # a model registered without a recorded context (the fixture's "m") is left to the worker's check
+    assert api.submit(h, kind="entropy", params={"model": "m", "dataset": "d", "seq_len": 100_000}).status_code == 202
+    assert all(j.status == "queued" for j in api.jobs(kind="entropy"))  # nothing refused was stored
+
+
 def test_not_json_is_400(api):
     r = api.client.post("/v1/jobs", headers=api.user("ann"), data="{nope", content_type="application/json")
     is_problem(r, 400, "invalid-json")

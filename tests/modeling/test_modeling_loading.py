@@ -69,6 +69,14 @@ def test_builtin_info_describes_the_model():
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_builtin_parameter_count_without_torch_matches_the_loaded_model(name):
+    # The API registers the built-ins without torch, so `lmscope models` lists a count from the shapes.
+    from lmscope.catalog import BUILTIN_MODELS, builtin_parameter_count
+
+    assert builtin_parameter_count(BUILTIN_MODELS[name]) == _unique_numel(load_model(name, "builtin", None).model)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_a_saved_directory_reloads_with_the_same_logits(name, tmp_path):
     original = load_model(name, "builtin", None)
     original.model.save_pretrained(tmp_path)
