@@ -372,18 +372,22 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
 # ============================================================================ aggregation
 
 
+MAX_LISTED_CHILDREN = 100  # children without results named in the summary; summary["children"] counts them all
+
+
 def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext) -> JobOutput:
     """Combine the children's results into the parent's series, summary and plots (runs once).
 
     The children's counts per status (summary["children"]) are the worker's (lmscope.worker.runner).
     """
     ok = [c for c in children if c.status == "succeeded"]
-    not_ok = [c for c in children if c.status != "succeeded"]
+    # failed before cancelled: a cancelled sweep can have hundreds of the latter, which say little
+    not_ok = sorted((c for c in children if c.status != "succeeded"), key=lambda c: c.status != "failed")
     summary: dict[str, Any] = {
         "study": params.study,
         "failed_children": [
             {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
-            for c in not_ok
+            for c in not_ok[:MAX_LISTED_CHILDREN]
         ],
     }
     if not ok:

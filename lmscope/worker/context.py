@@ -48,7 +48,7 @@ def model_cache():
 class WorkerContext:
     def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
                  *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
-                 deadline: float | None = None, shares_process: bool = False):
+                 deadline: float | None = None, shares_process: bool = False, cancellable: bool = True):
         self.job_id = attempt.job_id
         self.attempt = attempt.number
         self.artifact_dir = Path(artifact_dir)
@@ -67,6 +67,7 @@ class WorkerContext:
         self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
         self._written: tuple[int, int, str | None] | None = None
         self._cancel_requested = False
+        self._cancellable = cancellable  # False: the work is what a cancel leaves to do (a sweep's partial results)
         self._stages: list[str] = []
 
     # ------------------------------------------------------------ progress and cancel
@@ -110,7 +111,7 @@ class WorkerContext:
         if not self._cancel_requested and time.monotonic() - self._last_write >= self._interval:
             self._last_write = time.monotonic()
             self._read_cancel_flag()
-        if self._cancel_requested:
+        if self._cancel_requested and self._cancellable:
             raise JobCancelled()
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise JobFailed("the job ran past its time limit (LMSCOPE_TASK_TIME_LIMIT); use smaller parameters "

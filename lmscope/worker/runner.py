@@ -290,11 +290,13 @@ def record_start_environment(session_factory: sessionmaker[Session], attempt: At
 
 def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionmaker[Session],
                  compute, shutdown: threading.Event | None, *, shares_process: bool = False,
-                 final_values: dict[str, Any] | None = None) -> str | None:
+                 final_values: dict[str, Any] | None = None, after_cancel: bool = False) -> str | None:
     """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome.
 
     ``final_values``: written with the terminal status whatever it is (after the attempt's own progress);
-    a ``summary`` in it is merged into the job's summary."""
+    a ``summary`` in it is merged into the job's summary. ``after_cancel``: the job is already cancelled
+    and ``compute`` saves what it can; its results are stored, and the status is ``cancelled`` whatever
+    the outcome."""
     from lmscope.params import validate_params
 
     final = dict(final_values or {})
@@ -307,7 +309,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     record_start_environment(session_factory, attempt, device)
     deadline = time.monotonic() + settings.task_time_limit if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
-                        deadline=deadline, shares_process=shares_process)
+                        deadline=deadline, shares_process=shares_process, cancellable=not after_cancel)
     started = time.perf_counter()
     heartbeat.start()
     status, values, output = None, {}, None
@@ -339,6 +341,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
     finally:
         heartbeat.stop()
+    if after_cancel:
+        status = "cancelled"  # the results (if compute returned any) are stored with it
 
     if ctx.last_progress is not None:
         done, total, stage = ctx.last_progress
@@ -354,11 +358,11 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
         if isinstance(e, OperationalError):
             raise  # the database is unreachable: the row stays running and the reaper retries the job
-        if status != "succeeded":
+        if output is None:
             raise
         log.exception("job %s: storing results failed", attempt.job_id)
         error_type, message = _failure(e)
-        status = "failed"
+        status = "cancelled" if after_cancel else "failed"
         values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}",
                       summary=final_summary)
         stored = finish(session_factory, attempt, status, **values)
@@ -448,17 +452,25 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
         cancel = session.execute(select(Job.cancel_requested).where(Job.id == parent_id)).scalar_one()
     progress = dict(progress_done=len(children), progress_total=len(children), progress_stage="children")
 
+    def compute(params, ctx):
+        return registry.aggregator_for(attempt.kind)(params, children, ctx)
+
     if cancel:
-        status = "cancelled" if finish(session_factory, attempt, "cancelled", summary={"children": counts},
-                                       **progress) else None
+        # Progress says how far the sweep got: the children that ran to an end, of all of them.
+        progress["progress_done"] = counts["succeeded"] + counts["failed"]
+        if not counts["succeeded"] or attempt.number > attempt.max_attempts:
+            return "cancelled" if finish(session_factory, attempt, "cancelled", summary={"children": counts},
+                                         **progress) else None
+        # Cancelled part-way: the children that finished are aggregated, so their results are not lost.
+        status = _run_attempt(attempt, settings, session_factory, compute, shutdown, shares_process=shares_process,
+                              final_values=dict(summary={"children": counts, "partial": True}, **progress),
+                              after_cancel=True)
+        log.info("sweep %s cancelled; aggregated what finished: %s", parent_id, counts)
         return status
     if attempt.number > attempt.max_attempts:
         finish(session_factory, attempt, "failed", error_type="worker-lost", summary={"children": counts},
                error_message=f"the aggregation was attempted {attempt.number - 1} times without finishing", **progress)
         return "failed"
-
-    def compute(params, ctx):
-        return registry.aggregator_for(attempt.kind)(params, children, ctx)
 
     # Whatever the outcome, the parent's summary counts its children and its progress shows them all done.
     status = _run_attempt(attempt, settings, session_factory, compute, shutdown, shares_process=shares_process,

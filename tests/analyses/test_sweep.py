@@ -392,6 +392,21 @@ def _fit_child(job_id, d, latent, seed, best, status="succeeded"):
     return ChildResult(job_id, "sumformer_fit", params, status, summary, curve)
 
 
+def test_a_cancelled_sweeps_summary_names_the_failed_children_first_and_at_most_a_hundred(tmp_path):
+    from lmscope.analyses.sweep import MAX_LISTED_CHILDREN
+
+    children = [_fit_child(1, 1, 2, 0, 0.3)]
+    children += [_fit_child(100 + i, 1, 4, i, None, status="cancelled") for i in range(150)]
+    children.append(_fit_child(999, 1, 4, 0, None, status="failed"))
+    params = SweepParams(grid={"latent_dim": [2, 4], "token_dim": [1]}, train=tiny_train())  # the aggregator reads the children
+    out = aggregate(params, children, LocalContext(tmp_path))
+    listed = out.summary["failed_children"]
+    assert len(listed) == MAX_LISTED_CHILDREN == 100
+    assert listed[0]["job_id"] == 999 and {c["status"] for c in listed[1:]} == {"cancelled"}
+    [line] = [s for s in out.series if s.name == "best_val_error"]
+    assert (list(line.x), list(line.y)) == ([2], [0.3])  # the one child that finished
+
+
 def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
     errs = {(1, 2, 0): 0.30, (1, 2, 1): 0.20, (1, 4, 0): 0.10, (1, 4, 1): 0.06,
             (2, 2, 0): 0.50, (2, 2, 1): 0.40, (2, 4, 0): 0.20}

@@ -74,18 +74,51 @@ def test_parent_waits_for_its_last_child_and_shows_progress(settings, sessions, 
     assert job_row(parent).summary["sum"] == 3 + 6
 
 
-def test_a_cancelled_sweep_is_cancelled_without_aggregating(settings, sessions, sweep, job_row, publisher):
-    parent, kids = sweep([{"steps": 2}, {"steps": 3}], cancel=True)
-    runner.execute(kids[0], settings, sessions, publisher)
-    # The API cancels the queued child (cancel_requested): a delivery then ends it at once.
+def _cancel(sessions, *job_ids):
+    """What the API's cancel does to a running job: set the flag."""
     from sqlalchemy import update
 
     from lmscope.db.models import Job
 
     with sessions() as s, s.begin():
-        s.execute(update(Job).where(Job.id == kids[1]).values(cancel_requested=True))
+        s.execute(update(Job).where(Job.id.in_(job_ids)).values(cancel_requested=True))
+
+
+def test_a_cancelled_sweep_keeps_the_results_of_the_children_that_finished(settings, sessions, sweep, job_row,
+                                                                          publisher):
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}, {"steps": 4}], cancel=True)
+    runner.execute(kids[0], settings, sessions, publisher)
+    # The API cancels the queued children (cancel_requested): a delivery then ends each at once.
+    _cancel(sessions, kids[1], kids[2])
     assert runner.execute(kids[1], settings, sessions, publisher) == "cancelled"
+    assert runner.execute(kids[2], settings, sessions, publisher) == "cancelled"
+    before = fake_kinds.aggregate_calls
+    assert runner.execute(parent, settings, sessions, publisher) == "cancelled"
+    assert fake_kinds.aggregate_calls == before + 1  # aggregated once, over what finished
+    job = job_row(parent)
+    assert job.status == "cancelled" and not job.waiting_children
+    assert job.summary["children"] == {"succeeded": 1, "failed": 0, "cancelled": 2} and job.summary["partial"]
+    assert job.summary["sum"] == 1 + 2  # the finished child's total: 1 + 2 for steps=2
+    assert (job.progress_done, job.progress_total) == (1, 3)  # how far it got, not 100 %
+    from sqlalchemy import select
+
+    from lmscope.db.models import Series
+
+    with sessions() as s:
+        [totals] = s.scalars(select(Series).where(Series.job_id == parent)).all()
+    assert (totals.name, totals.x, totals.y) == ("totals", [kids[0]], [3])
+    assert runner.execute(parent, settings, sessions, publisher) is None  # and only once
+
+
+def test_a_cancelled_sweep_with_nothing_finished_is_cancelled_without_aggregating(settings, sessions, sweep,
+                                                                                 job_row, publisher):
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}], cancel=True)
+    _cancel(sessions, *kids)
+    for kid in kids:
+        assert runner.execute(kid, settings, sessions, publisher) == "cancelled"
     before = fake_kinds.aggregate_calls
     assert runner.execute(parent, settings, sessions, publisher) == "cancelled"
     assert fake_kinds.aggregate_calls == before
-    assert job_row(parent).summary == {"children": {"succeeded": 1, "failed": 0, "cancelled": 1}}
+    job = job_row(parent)
+    assert job.summary == {"children": {"succeeded": 0, "failed": 0, "cancelled": 2}}
+    assert (job.progress_done, job.progress_total) == (0, 2)
