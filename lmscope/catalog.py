@@ -43,6 +43,18 @@ class CatalogError(ValueError):
     """A model directory or dataset file that cannot be used; the message says what to change."""
 
 
+# Names of models and datasets: safe in URLs, file names and `@step<N>` suffixes.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:+/-]*$"
+NAME_MAX_LENGTH = 200
+
+
+def check_name(name: str) -> None:
+    """Raise CatalogError unless `name` may name a model or dataset."""
+    if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX_LENGTH:
+        raise CatalogError(f"{name!r} cannot be a name: use at most {NAME_MAX_LENGTH} letters, digits and . _ @ : + / -, "
+                           "starting with a letter or digit")
+
+
 @dataclass
 class ModelFacts:
     architecture: str

@@ -1,6 +1,6 @@
 """The `lmscope` command.
 
-Server side:  lmscope up | worker | db upgrade | user create NAME [--admin] | user token NAME
+Server side:  lmscope up | worker | db upgrade | user create NAME [--admin] | user token NAME | user revoke NAME
 Client side:  lmscope submit KIND --param k=v ... [--wait] | jobs | show | cancel | wait | results | fetch
               lmscope models [list | register NAME PATH] | datasets [list | upload NAME FILE] | kinds
 
@@ -414,6 +414,70 @@ def user_token(name):
         click.echo(issue_token(session, u))
 
 
+def _user_named(session, name: str):
+    from sqlalchemy import select
+
+    from lmscope.db.models import User
+
+    u = session.scalar(select(User).where(User.name == name))
+    if u is None:
+        raise click.ClickException(f"no user {name!r}; `lmscope user list` shows who exists")
+    return u
+
+
+@user.command("tokens")
+@click.argument("name")
+def user_tokens(name):
+    """A user's tokens: prefix, made, last used (the tokens themselves are not stored)."""
+    from sqlalchemy import select
+
+    from lmscope.db.models import ApiToken
+
+    with _sessions()() as session:
+        u = _user_named(session, name)
+        rows = session.scalars(select(ApiToken).where(ApiToken.user_id == u.id).order_by(ApiToken.id)).all()
+        if not rows:
+            click.echo(f"{name} has no tokens; make one with `lmscope user token {name}`", err=True)
+        for t in rows:
+            used = t.last_used_at.strftime("%Y-%m-%d %H:%M") if t.last_used_at else "never"
+            click.echo(f"{t.prefix}…  made {t.created_at:%Y-%m-%d %H:%M}  last used {used}")
+
+
+@user.command("revoke")
+@click.argument("name")
+@click.option("--token", "prefix", metavar="PREFIX", help="the token to revoke: its first characters, as "
+              "`lmscope user tokens NAME` shows them (or the whole token)")
+@click.option("--all", "revoke_all", is_flag=True, help="revoke every token of the user")
+def user_revoke(name, prefix, revoke_all):
+    """Revoke a user's token (or all of them): requests with it are refused from then on (401)."""
+    from sqlalchemy import delete, select
+
+    from lmscope.db.models import ApiToken
+
+    if bool(prefix) == revoke_all:
+        raise click.UsageError("give exactly one of --token PREFIX or --all")
+    with _sessions().begin() as session:
+        u = _user_named(session, name)
+        tokens = session.scalars(select(ApiToken).where(ApiToken.user_id == u.id)).all()
+        if prefix:
+            prefix = prefix.rstrip("…")
+            whole = _token_hash(prefix)  # a whole token pasted in is matched exactly
+            tokens = [t for t in tokens if t.token_hash == whole or t.prefix.startswith(prefix)]
+            if not tokens:
+                raise click.ClickException(f"{name} has no token starting {prefix!r}; "
+                                           f"`lmscope user tokens {name}` lists them")
+            if len(tokens) > 1:
+                raise click.ClickException(f"{len(tokens)} of {name}'s tokens start {prefix!r}; give more characters")
+        session.execute(delete(ApiToken).where(ApiToken.id.in_([t.id for t in tokens])))
+        click.echo(f"revoked {len(tokens)} token(s) of {name}", err=True)
+
+
+def _token_hash(token: str) -> str:
+    from lmscope.api.auth import hash_token
+
+    return hash_token(token)
+
+
 @user.command("list")
 def user_list():
     """List users."""
@@ -720,10 +784,14 @@ def datasets_add(name, path, fmt, description):
     database directly). For corpora larger than LMSCOPE_MAX_UPLOAD_BYTES, e.g. WikiText-103."""
     from sqlalchemy import select
 
-    from lmscope.catalog import CatalogError
+    from lmscope.catalog import CatalogError, check_name
     from lmscope.db.builtins import register_dataset_file
     from lmscope.db.models import Dataset
 
+    try:
+        check_name(name)  # the rule the API applies to uploads
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
     sessions = _sessions()
     with sessions() as session:
         if session.scalar(select(Dataset.id).where(Dataset.name == name)) is not None:

@@ -82,7 +82,7 @@ def test_server_commands_exist():
     assert {"up", "worker", "db", "user", "submit", "jobs", "show", "cancel", "results", "fetch", "models",
             "datasets", "whoami"} <= set(main.commands)
     assert "upgrade" in main.commands["db"].commands
-    assert {"create", "token", "list", "limits"} <= set(main.commands["user"].commands)
+    assert {"create", "token", "tokens", "revoke", "list", "limits"} <= set(main.commands["user"].commands)
 
 
 # ---------------------------------------------------------------- users (direct database access)
@@ -115,6 +115,11 @@ def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_pat
     latin1.write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
     bad = runner.invoke(main, ["datasets", "add", "latin", str(latin1)])
     assert bad.exit_code != 0 and "not UTF-8" in bad.output and "line 2" in bad.output
+    # the names the API accepts for uploads, and no others
+    spaced = runner.invoke(main, ["datasets", "add", "my corpus", str(corpus)])
+    assert spaced.exit_code != 0 and "cannot be a name" in spaced.output
+    with create_engine(sqlite_url).connect() as c:
+        assert c.execute(select(Dataset.name)).scalars().all() == ["wt103"]
 
 
 def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
@@ -196,6 +201,23 @@ def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkey
         r = client.get("/v1/jobs", headers={"Authorization": f"Bearer {t}"})
         assert r.status_code == 200, r.get_json()
     assert client.get("/v1/jobs", headers={"Authorization": "Bearer lms_forged"}).status_code == 401
+
+    # A leaked token is revoked by its prefix (or whole); the user's other tokens keep working.
+    listed = runner.invoke(main, ["user", "tokens", "ann"]).stdout.splitlines()
+    assert [line.split("…")[0] for line in listed] == [token[:12], another[:12]]
+    assert "never" not in listed[0] and all("last used" in line for line in listed)
+    assert runner.invoke(main, ["user", "revoke", "ann", "--token", "lms_"]).exit_code != 0  # matches both
+    assert runner.invoke(main, ["user", "revoke", "ann"]).exit_code != 0  # says which token
+    assert runner.invoke(main, ["user", "revoke", "ann", "--token", token[:12]]).exit_code == 0
+    assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+    assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {another}"}).status_code == 200
+    assert runner.invoke(main, ["user", "revoke", "ann", "--token", another]).exit_code == 0
+    assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {another}"}).status_code == 401
+    gone = runner.invoke(main, ["user", "revoke", "ann", "--token", another[:12]])
+    assert gone.exit_code != 0 and "no token starting" in gone.output
+    third = runner.invoke(main, ["user", "token", "ann"]).stdout.strip()
+    assert runner.invoke(main, ["user", "revoke", "ann", "--all"]).exit_code == 0
+    assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {third}"}).status_code == 401
 
 
 # ---------------------------------------------------------------- against a real `lmscope up`

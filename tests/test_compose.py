@@ -115,8 +115,13 @@ def test_gunicorn_target_imports_without_torch(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMSCOPE_")}
     env["LMSCOPE_DATA_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = str(ROOT)
+    env["LMSCOPE_BROKER_URL"] = "redis://127.0.0.1:9/0"  # never contacted at import
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    # Without a broker its jobs would never run (and tokens would be off): it refuses to start.
+    del env["LMSCOPE_BROKER_URL"]
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "needs LMSCOPE_BROKER_URL" in result.stderr
 
 
 def test_dockerfiles():

@@ -556,10 +556,17 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
     summary.update(inner_loss_kept=int(kept.sum()), inner_loss_total=S, loss_filter=params.loss_filter,
                    inner_loss_final_mean=float(final[finite].mean()) if finite.any() else None,
                    inner_loss_nonfinite=int((~finite).sum()))
-    if kept.any():
-        about = {"kept": int(kept.sum()), "total": S, "loss_filter": params.loss_filter}
-        series += [Series("inner_loss.mean", list(range(layers)), m.losses[kept].mean(0).tolist(), about),
-                   Series("inner_loss.std", list(range(layers)), m.losses[kept].std(0).tolist(), about)]
+    # No trajectory passes the filter (e.g. an untrained model, whose loss is about ln(vocab)): the
+    # curves are still drawn, over every finite trajectory, and say so (as inner_loss.png does).
+    use, over = (kept, "kept") if kept.any() else (finite, "all finite: none passed loss_filter")
+    if use.any():
+        about = {"kept": int(kept.sum()), "total": S, "loss_filter": params.loss_filter, "over": over,
+                 "trajectories": int(use.sum())}
+        series += [Series("inner_loss.mean", list(range(layers)), m.losses[use].mean(0).tolist(), about),
+                   Series("inner_loss.std", list(range(layers)), m.losses[use].std(0).tolist(), about)]
+        if not kept.any():
+            summary["inner_loss_note"] = (f"no trajectory has a final inner loss ≤ loss_filter={params.loss_filter}; "
+                                          "inner_loss.mean/std are over all finite trajectories")
     return summary, series, kept
 
 

@@ -231,7 +231,8 @@ def linformer_projections(kind: str, k: int, seq_len: int, seed: int, device=Non
         return pool, pool
     if kind == "shared":
         # one R [k, N] with i.i.d. N(0, 1/k) entries for keys and values: the Linformer paper's JL
-        # argument (E = δR, F = e^(−δ)R; δ = 1 here). R is the first matrix the kernels draw for the seed.
+        # argument (which scales them as E = δR, F = e^(−δ)R; not here). R is the first matrix the kernels
+        # draw for the seed.
         r = draw_linformer_projections(k, seq_len, seed, device)[0]
         return r, r
     if kind == "gaussian":

@@ -20,23 +20,23 @@ from lmscope.api.auth import current_caller, require_admin
 from lmscope.api.errors import Problem, validation_problem
 from lmscope.api.render import iso
 from lmscope.api.state import state
-from lmscope.catalog import DATASET_FORMATS, CatalogError, inspect_model_dir, parse_documents, sha256_bytes
+from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, CatalogError, inspect_model_dir,
+                             parse_documents, sha256_bytes)
 from lmscope.db.models import Dataset, Model
 
 bp = Blueprint("registry", __name__, url_prefix="/v1")
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:+/-]*$"
 
 
 class RegisterModelBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(max_length=200, pattern=NAME_PATTERN, description="the name jobs use, e.g. gpt2-small")
+    name: str = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN, description="the name jobs use, e.g. gpt2-small")
     path: str = Field(min_length=1, description="a Hugging Face directory under one of LMSCOPE_MODEL_DIRS")
 
 
 class UploadForm(BaseModel):
-    name: str = Field(max_length=200, pattern=NAME_PATTERN)
+    name: str = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
     format: str = Field("text", description="text | lines | jsonl")
     description: str | None = Field(None, max_length=2000)
 

@@ -30,7 +30,7 @@ ApproxMethod = Literal["performer", "linformer"]
 # - "pooling" (default): E = F = the mean over k contiguous blocks of positions (the paper's pooling
 #   variant): error falls with k and is exactly 0 at k ≥ N.
 # - "shared": E = F = R, one Gaussian R with i.i.d. N(0, 1/k) entries (the paper's JL argument uses one
-#   R, E = δR and F = e^(−δ)R; δ = 1 here).
+#   R, scaled as E = δR and F = e^(−δ)R; those two scalars are left out here).
 # - "gaussian": E and F drawn independently, N(0, 1/k) each (an ablation: the pairing of keys with
 #   values is lost).
 # Untrained random projections (shared or not) do not approximate softmax attention: their error

@@ -228,6 +228,16 @@ def test_a_non_finite_inner_loss_is_never_kept_nor_averaged():
         assert summary["inner_loss_final_mean"] == pytest.approx((1.0 + 2.0) / 2)  # rows 0 and 3
         mean = {s.name: s for s in series}["inner_loss.mean"].y
         np.testing.assert_allclose(mean, losses[kept_rows].mean(0))
+        assert "inner_loss_note" not in summary
+    # A filter nothing passes (an untrained model's loss is about ln(vocab)): the curves are still
+    # there, over the finite trajectories, and labelled so.
+    summary, series, kept = norms.summarise(NormsParams(model="m", dataset="d", loss_filter=0.1), m, samples, layers=3)
+    assert not kept.any() and summary["inner_loss_kept"] == 0 and "none" not in str(summary["inner_loss_kept"])
+    by = {s.name: s for s in series}
+    np.testing.assert_allclose(by["inner_loss.mean"].y, losses[[0, 3]].mean(0))
+    np.testing.assert_allclose(by["inner_loss.std"].y, losses[[0, 3]].std(0))
+    assert by["inner_loss.mean"].labels["kept"] == 0 and by["inner_loss.mean"].labels["trajectories"] == 2
+    assert "loss_filter=0.1" in summary["inner_loss_note"]
 
 
 def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path, documents):
