@@ -286,7 +286,9 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     causal_ref = params.method == "performer"  # every supported model is a causal LM
     backend = kernel_backend(device)
     ctx.record("kernel_backend", backend)
-    ctx.record("approximation_backend", "reference")  # FAVOR+ / Linformer are matmul-bound PyTorch code
+    # FAVOR+ / Linformer pick theirs like the exact kernel (no gradients here): causal FAVOR+'s prefix
+    # sums and Linformer's attention over the projected keys run in Triton on a GPU
+    ctx.record("approximation_backend", backend)
     ks = list(params.features)
     # Random features / projections, drawn once per (layer, k) and reused for every segment.
     draws: dict[tuple[int, int], Any] = {}

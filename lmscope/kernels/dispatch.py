@@ -3,7 +3,7 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``check_backend``, ``check_heads``) and ``repeat_kv`` for grouped-query heads.
+the kernels share (``forward_backend``, ``check_heads``) and ``repeat_kv`` for grouped-query heads.
 """
 
 from __future__ import annotations
@@ -90,15 +90,21 @@ def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:
     return t if hk == h else t.repeat_interleave(h // hk, dim=1)
 
 
-_NO_TRITON = (
-    "{name} has no Triton kernel: it is matmul-bound and runs through PyTorch (cuBLAS) on every "
-    "device; use backend=None or 'reference'"
-)
+def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor) -> str:
+    """``resolve_backend`` for kernels whose Triton path is forward-only (FAVOR+, Linformer).
 
-
-def check_backend(backend: str | None, name: str) -> None:
-    """FAVOR+ and Linformer only have the PyTorch implementation (which is what runs on GPUs too)."""
-    if backend not in (None, "reference"):
-        if backend == "triton":
-            raise NotImplementedError(_NO_TRITON.format(name=name))
-        raise ValueError(f"backend={backend!r}: expected None, 'triton' or 'reference'")
+    The automatic choice keeps autograd working: when a tensor needs gradients the reference runs,
+    on any device (training the sweep's networks). Asking for Triton then is an error, not a silent
+    loss of gradients; so are dtypes the Triton path does not take.
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    exotic = tensors[0].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    if backend is None and (needs_grad or exotic):
+        return "reference"
+    if backend == "triton" and needs_grad:
+        raise ValueError(f"{name}: the Triton path has no autograd; use backend=None or 'reference' "
+                         "for tensors that need gradients (or run under torch.no_grad())")
+    if backend == "triton" and exotic:
+        raise ValueError(f"{name}: the Triton path takes float32/float16/bfloat16, not {tensors[0].dtype}; "
+                         "use backend='reference'")
+    return resolve_backend(backend, *tensors)

@@ -1,4 +1,4 @@
-"""The compiled (GPU) path: both kernels must compile for sm_90 without a GPU.
+"""The compiled (GPU) path: the Triton kernels must compile for sm_90 without a GPU.
 
 The interpreter is lenient where the compiler is not (non-constexpr globals, loop-carried types,
 constexpr branches), so the interpreted tests alone would let a kernel that cannot compile pass.
@@ -44,6 +44,13 @@ c = dict(CAUSAL=True, INTERPRET=False, **cfg.kwargs)
 types = {"Q": "*bf16", "K": "*bf16", "KMAX": "*bf16", "KMIN": "*bf16", "Out": "*fp32", "qk_scale": "fp32"}
 triton.compile(ASTSource(fn=dk._dim_entropy_fwd, signature=sig(dk._dim_entropy_fwd, c, types), constexprs=c),
                target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+from lmscope.kernels.favor import triton_kernel as fk
+c = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_DV=64, INPUT_PRECISION="ieee", INTERPRET=False)
+types = {"PQ": "*fp32", "PK": "*fp32", "V": "*fp32", "Num": "*fp32", "Den": "*fp32"}
+k = triton.compile(ASTSource(fn=fk._favor_causal_fwd, signature=sig(fk._favor_causal_fwd, c, types), constexprs=c),
+                   target=target, options={"num_warps": 4, "num_stages": 2})
+assert k.metadata.shared <= 227 * 1024, k.metadata.shared  # fits an H100's shared memory
 print("compiled")
 """
 

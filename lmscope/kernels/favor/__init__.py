@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_backend, check_heads
+from ..dispatch import check_heads, forward_backend
 from .naive import draw_favor_projection, favor_attention_reference, favor_features
 
 
@@ -29,8 +29,10 @@ def favor_attention(
     ``num_features`` and ``seed`` (the projection is then drawn from the seed). k, v may have
     fewer heads (grouped-query). causal: query n averages over keys j <= n (prefix sums).
     scale defaults to 1/sqrt(D); ``eps`` is the positivity stabiliser added to every feature.
+    backend: None (Triton on CUDA, the reference elsewhere and whenever gradients are needed), "triton"
+    (forward only: the causal prefix sums run in the Triton kernel; the features, and the two matmuls
+    of the non-causal form, are PyTorch on both backends) or "reference".
     """
-    check_backend(backend, "favor_attention")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
     if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1] or k.shape[2] != q.shape[2]:
@@ -50,7 +52,15 @@ def favor_attention(
             raise ValueError(f"num_features={num_features} but projection has {projection.shape[0]} rows")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    return favor_attention_reference(q, k, v, projection.to(q.device), causal=causal, scale=scale, eps=eps)
+    projection = projection.to(q.device)
+    if forward_backend(backend, "favor_attention", q, k, v) == "triton" and causal:
+        from .triton_kernel import favor_causal_triton  # lazy: importing triton is optional
+
+        with torch.no_grad():
+            phi_q = favor_features(q.float(), projection, scale=scale, is_query=True, eps=eps)
+            phi_k = favor_features(k.float(), projection, scale=scale, is_query=False, eps=eps)
+            return favor_causal_triton(phi_q, phi_k, v).to(q.dtype)
+    return favor_attention_reference(q, k, v, projection, causal=causal, scale=scale, eps=eps)
 
 
 __all__ = ["draw_favor_projection", "favor_attention", "favor_attention_reference", "favor_features"]

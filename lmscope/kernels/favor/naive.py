@@ -1,4 +1,4 @@
-"""Performer FAVOR+ attention in plain PyTorch (differentiable; the only implementation).
+"""Performer FAVOR+ attention in plain PyTorch (differentiable; the oracle of ``triton_kernel.py``).
 
 Softmax attention softmax(q kᵀ·scale) v is approximated with positive random features
 (Choromanski et al., "Rethinking Attention with Performers", 2021):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_backend, check_heads
+from ..dispatch import check_heads, forward_backend, repeat_kv
 from .naive import draw_linformer_projections, linformer_attention_reference
 
 
@@ -25,8 +25,10 @@ def linformer_attention(
     q: [B, H, N, D]; k, v: [B, H_kv, N, D(v)]; E, F: [k, N] shared by all heads, or anything that
     broadcasts against [B, H, k, N] (e.g. per-head [H, k, N]). scale defaults to 1/sqrt(D).
     With E = F = I_N this is exact softmax attention.
+    backend: None (Triton on CUDA, the reference elsewhere and whenever gradients are needed), "triton"
+    (forward only: the projections are matmuls, the attention over the k projected keys runs in
+    :func:`attention_with_entropy`'s kernel, non-causal) or "reference".
     """
-    check_backend(backend, "linformer_attention")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
     if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1]:
@@ -41,7 +43,17 @@ def linformer_attention(
         raise ValueError(f"E and F must have the same number of rows; got {tuple(E.shape)} and {tuple(F.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return linformer_attention_reference(q, k, v, E.to(q.device), F.to(q.device), scale=scale)
+    E, F = E.to(q.device), F.to(q.device)
+    if forward_backend(backend, "linformer_attention", q, k, v) == "triton":
+        from ..attention_entropy import attention_with_entropy
+
+        with torch.no_grad():
+            if E.ndim > 2 or F.ndim > 2:  # per-head projections are indexed by query head
+                k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+            kp = torch.matmul(E.float(), k.float())  # [B, H_kv, k, D]: grouped-query heads stay grouped
+            vp = torch.matmul(F.float(), v.float())
+            return attention_with_entropy(q.float(), kp, vp, causal=False, scale=scale, backend="triton").out.to(q.dtype)
+    return linformer_attention_reference(q, k, v, E, F, scale=scale)
 
 
 __all__ = ["draw_linformer_projections", "linformer_attention", "linformer_attention_reference"]

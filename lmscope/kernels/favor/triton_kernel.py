@@ -1,0 +1,128 @@
+"""Causal FAVOR+ (linear attention over positive features) in Triton.
+
+Given the features φq = φ(q), φk = φ(k) [B, H, N, m] (``naive.favor_features``) and v, causal
+FAVOR+ is
+
+    out_n = φq_n · S_n / φq_n · z_n,   S_n = Σ_{j<=n} φk_j v_jᵀ [m, Dv],   z_n = Σ_{j<=n} φk_j [m].
+
+A program owns one (batch, head), one block of features and one block of value columns, and walks
+the sequence in chunks of BLOCK_N positions, carrying its slice of S and z in registers: per chunk
+the numerator is φq_c S + tril(φq_c φk_cᵀ) v_c and the denominator φq_c z + the row sums of the same
+masked matrix (the quadratic form inside the chunk, the prefix state across chunks). Both are sums
+over features, so each feature block writes its partial sums and the wrapper adds the blocks up
+(deterministic; no atomics) before dividing. The N x N matrix is never formed, nor the [N, m, Dv]
+prefix sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import interpreting
+
+
+@triton.jit
+def _favor_chunk(
+    state, zsum, start, pq_base, pk_base, v_base, num_base, den_base, offs_m, offs_d, rows,
+    stride_qn, stride_qm, stride_kn, stride_km, stride_vn, stride_vd, stride_nn, stride_nd, stride_dn,
+    N, M, DV, WRITE_DEN, INPUT_PRECISION: tl.constexpr,
+):
+    """One chunk of positions: write its partial numerator (and denominator), return the new state."""
+    offs_n = start + rows
+    in_n = offs_n < N
+    fmask = in_n[:, None] & (offs_m[None, :] < M)
+    # padded rows and features load as 0: they add nothing to any sum
+    pq = tl.load(pq_base + offs_n[:, None] * stride_qn + offs_m[None, :] * stride_qm, mask=fmask, other=0.0)
+    pk = tl.load(pk_base + offs_n[:, None] * stride_kn + offs_m[None, :] * stride_km, mask=fmask, other=0.0)
+    vmask = in_n[:, None] & (offs_d[None, :] < DV)
+    vc = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=vmask, other=0.0)
+    a = tl.dot(pq, tl.trans(pk), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_N]
+    a = tl.where(rows[:, None] >= rows[None, :], a, 0.0)  # key j <= query i inside the chunk
+    num = tl.dot(pq, state, input_precision=INPUT_PRECISION) + tl.dot(a, vc, input_precision=INPUT_PRECISION)
+    tl.store(num_base + offs_n[:, None] * stride_nn + offs_d[None, :] * stride_nd, num, mask=vmask)
+    # the denominator does not depend on the value columns: the first column block writes it
+    den = tl.sum(pq * zsum[None, :], 1) + tl.sum(a, 1)
+    tl.store(den_base + offs_n * stride_dn, den, mask=in_n & WRITE_DEN)
+    state += tl.dot(tl.trans(pk), vc, input_precision=INPUT_PRECISION)
+    zsum += tl.sum(pk, 0)
+    return state, zsum
+
+
+@triton.jit
+def _favor_causal_fwd(
+    PQ, PK, V, Num, Den,
+    stride_qb, stride_qh, stride_qn, stride_qm,
+    stride_kb, stride_kh, stride_kn, stride_km,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_nf, stride_nb, stride_nh, stride_nn, stride_nd,
+    stride_df, stride_db, stride_dh, stride_dn,
+    H, N, M, DV, GROUP,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_f = tl.program_id(0)  # feature block
+    pid_v = tl.program_id(1)  # value-column block
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP  # grouped-query: query head h reads key/value head h // (H / H_kv)
+
+    offs_m = pid_f * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    rows = tl.arange(0, BLOCK_N)
+    pq_base = PQ + b * stride_qb + h * stride_qh
+    pk_base = PK + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    num_base = Num + pid_f * stride_nf + b * stride_nb + h * stride_nh
+    den_base = Den + pid_f * stride_df + b * stride_db + h * stride_dh
+    write_den = pid_v == 0
+
+    state = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # this block's slice of S
+    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)  # and of z
+    if INTERPRET:
+        # the Triton 3.6 interpreter cannot take a tensor as a range() bound with numpy >= 2.4
+        # (triton-lang/triton#9171; see attention_entropy): a while loop there, the for loop compiled
+        start = 0
+        while start < N:
+            state, zsum = _favor_chunk(
+                state, zsum, start, pq_base, pk_base, v_base, num_base, den_base, offs_m, offs_d, rows,
+                stride_qn, stride_qm, stride_kn, stride_km, stride_vn, stride_vd, stride_nn, stride_nd, stride_dn,
+                N, M, DV, write_den, INPUT_PRECISION,
+            )
+            start += BLOCK_N
+    else:
+        for start in range(0, N, BLOCK_N):
+            state, zsum = _favor_chunk(
+                state, zsum, start, pq_base, pk_base, v_base, num_base, den_base, offs_m, offs_d, rows,
+                stride_qn, stride_qm, stride_kn, stride_km, stride_vn, stride_vd, stride_nn, stride_nd, stride_dn,
+                N, M, DV, write_den, INPUT_PRECISION,
+            )
+
+
+def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal FAVOR+ from features: phi_q [B, H, N, m], phi_k [B, H_kv, N, m], v [B, H_kv, N, Dv] → float32 out."""
+    B, H, N, M = phi_q.shape
+    Hk, DV = phi_k.shape[1], v.shape[-1]
+    if phi_k.shape != (B, Hk, N, M) or v.shape[:3] != (B, Hk, N):
+        raise ValueError(f"incompatible shapes phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}")
+    if H % Hk:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    phi_q, phi_k, v = (t.float() for t in (phi_q, phi_k, v))  # features are fp32 anyway; tl.dot wants one dtype
+    block_n = 16 if interpreting() else 64
+    block_m = 32 if interpreting() else 64
+    block_dv = max(16, min(64, triton.next_power_of_2(DV)))
+    n_f = triton.cdiv(M, block_m)
+    num = torch.empty(n_f, B, H, N, DV, device=v.device, dtype=torch.float32)
+    den = torch.empty(n_f, B, H, N, device=v.device, dtype=torch.float32)
+    grid = (n_f, triton.cdiv(DV, block_dv), B * H)
+    _favor_causal_fwd[grid](
+        phi_q, phi_k, v, num, den,
+        *phi_q.stride(), *phi_k.stride(), *v.stride(), *num.stride(), *den.stride(),
+        H, N, M, DV, H // Hk,
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_DV=block_dv,
+        INPUT_PRECISION="ieee",  # fp32 features: TF32 would cost ~3 digits the estimate does not need to lose
+        INTERPRET=interpreting(), num_warps=8, num_stages=2,
+    )
+    return num.sum(0) / den.sum(0).unsqueeze(-1)
