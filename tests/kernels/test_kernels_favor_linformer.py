@@ -170,11 +170,11 @@ def test_favor_float32_seed_and_validation():
 
 @pytest.mark.parametrize("n", [1, 7, 77, 130])
 @pytest.mark.parametrize("hk", [2, 1])
-def test_favor_triton_equals_the_explicit_kernel_matrix(triton_backend, n, hk):
+def test_favor_triton_equals_the_explicit_kernel_matrix(triton_backend, device, n, hk):
     # m = 40 features and Dv = 10 value columns: neither fills the kernel's blocks; v is a strided view
-    q, k, v = _qkv(2, 2, n, 16, hk=hk, spread=0.8, seed=n, dtype=torch.float32)
+    q, k, v = (t.to(device) for t in _qkv(2, 2, n, 16, hk=hk, spread=0.8, seed=n, dtype=torch.float32))
     v = v[..., 3:13]
-    w = draw_favor_projection(40, 16, seed=1)
+    w = draw_favor_projection(40, 16, seed=1, device=device)
     out = favor_attention(q, k, v, projection=w, causal=True, eps=0.0, backend=triton_backend)
     g = 2 // hk
     expected = _explicit_favor(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), w, causal=True)
@@ -184,9 +184,9 @@ def test_favor_triton_equals_the_explicit_kernel_matrix(triton_backend, n, hk):
     torch.testing.assert_close(out, reference, rtol=2e-4, atol=2e-5)
 
 
-def test_favor_triton_bf16_matches_the_reference_on_the_same_inputs(triton_backend):
-    q, k, v = _qkv(1, 4, 70, 32, hk=2, spread=0.6, seed=11, dtype=torch.bfloat16)
-    w = draw_favor_projection(96, 32, seed=2)
+def test_favor_triton_bf16_matches_the_reference_on_the_same_inputs(triton_backend, device):
+    q, k, v = (t.to(device) for t in _qkv(1, 4, 70, 32, hk=2, spread=0.6, seed=11, dtype=torch.bfloat16))
+    w = draw_favor_projection(96, 32, seed=2, device=device)
     out = favor_attention(q, k, v, projection=w, causal=True, backend=triton_backend)
     assert out.dtype == torch.bfloat16
     reference = favor_attention(q, k, v, projection=w, causal=True, backend="reference")
@@ -198,9 +198,9 @@ def test_favor_triton_bf16_matches_the_reference_on_the_same_inputs(triton_backe
 
 @pytest.mark.parametrize("n,rows", [(7, 3), (77, 16), (130, 33)])
 @pytest.mark.parametrize("hk", [2, 1])
-def test_linformer_triton_equals_explicit_softmax_over_projected_keys(triton_backend, oracle, n, rows, hk):
-    q, k, v = _qkv(2, 2, n, 16, hk=hk, spread=0.7, seed=n, dtype=torch.float32)
-    e, f = draw_linformer_projections(rows, n, seed=rows)
+def test_linformer_triton_equals_explicit_softmax_over_projected_keys(triton_backend, oracle, device, n, rows, hk):
+    q, k, v = (t.to(device) for t in _qkv(2, 2, n, 16, hk=hk, spread=0.7, seed=n, dtype=torch.float32))
+    e, f = draw_linformer_projections(rows, n, seed=rows, device=device)
     out = linformer_attention(q, k, v, e, f, backend=triton_backend)
     kp, vp = e.double() @ k.double(), f.double() @ v.double()  # [B, H_kv, rows, D]
     expected = oracle.softmax_attention(q.double(), kp, vp, causal=False)
@@ -211,17 +211,17 @@ def test_linformer_triton_equals_explicit_softmax_over_projected_keys(triton_bac
     torch.testing.assert_close(out2, linformer_attention(q, k, v, e2, f2, backend="reference"), rtol=1e-4, atol=1e-5)
 
 
-def test_linformer_triton_with_identity_projections_is_exact_attention(triton_backend, oracle):
-    q, k, v = _qkv(1, 2, 45, 32, spread=0.9, seed=12, dtype=torch.float32)
-    eye = torch.eye(45)
+def test_linformer_triton_with_identity_projections_is_exact_attention(triton_backend, oracle, device):
+    q, k, v = (t.to(device) for t in _qkv(1, 2, 45, 32, spread=0.9, seed=12, dtype=torch.float32))
+    eye = torch.eye(45, device=device)
     out = linformer_attention(q, k, v, eye, eye, backend=triton_backend)
     torch.testing.assert_close(out.double(), oracle.softmax_attention(q, k, v, causal=False), rtol=1e-4, atol=1e-5)
 
 
-def test_the_triton_paths_leave_gradients_to_the_reference(triton_backend, monkeypatch):
-    q, k, v = _qkv(1, 2, 9, 16, dtype=torch.float32)
-    w = draw_favor_projection(20, 16, seed=0)
-    e, f = draw_linformer_projections(4, 9, seed=0)
+def test_the_triton_paths_leave_gradients_to_the_reference(triton_backend, device, monkeypatch):
+    q, k, v = (t.to(device) for t in _qkv(1, 2, 9, 16, dtype=torch.float32))
+    w = draw_favor_projection(20, 16, seed=0, device=device)
+    e, f = draw_linformer_projections(4, 9, seed=0, device=device)
     grads = tuple(t.clone().requires_grad_() for t in (q, k, v))
     # asked for explicitly, Triton refuses tensors that need gradients rather than drop them
     with pytest.raises(ValueError, match="no autograd"):
