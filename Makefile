@@ -32,6 +32,7 @@ test-fast: install
 
 bench: install
 	$(PYTHON) benchmarks/attention.py
+	$(PYTHON) benchmarks/approximations.py
 	$(PYTHON) benchmarks/norms.py
 	$(PYTHON) benchmarks/entropy.py
 

@@ -5,7 +5,7 @@
 # to ${OUT:-gpu-results}/.
 #
 #   bash benchmarks/gpu_suite.sh tests      # kernels / analyses / modeling tests on the GPU
-#   bash benchmarks/gpu_suite.sh bench      # attention, norms and entropy benchmarks
+#   bash benchmarks/gpu_suite.sh bench      # attention, FAVOR+/Linformer, norms and entropy benchmarks
 #   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, 8 processes
 #   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
 #                                           # the device tool's 10-minute / 8-file limits)
@@ -47,6 +47,8 @@ fi
 
 if [[ "$PART" == bench || "$PART" == all ]]; then
   "$PY" benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
+  step_failed "${PIPESTATUS[0]}"
+  "$PY" benchmarks/approximations.py 2>&1 | tee "$OUT/approximations.md" | tail -12
   step_failed "${PIPESTATUS[0]}"
   "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
