@@ -384,14 +384,8 @@ def user_create(name, admin, max_active_jobs, max_sweep_points):
 @_limit_options
 def user_limits(name, max_active_jobs, max_sweep_points):
     """Show a user's limits, or set them (`default` goes back to the server's value)."""
-    from sqlalchemy import select
-
-    from lmscope.db.models import User
-
     with _sessions().begin() as session:
-        u = session.scalar(select(User).where(User.name == name))
-        if u is None:
-            raise click.ClickException(f"no user {name!r} (list them: `lmscope user list`)")
+        u = _user_named(session, name)
         for dest, value in (("max_active_jobs", max_active_jobs), ("max_sweep_points", max_sweep_points)):
             if value is not None:
                 setattr(u, dest, None if value == "default" else value)
@@ -402,16 +396,10 @@ def user_limits(name, max_active_jobs, max_sweep_points):
 @click.argument("name")
 def user_token(name):
     """Make another token for a user (shown once)."""
-    from sqlalchemy import select
-
     from lmscope.api.auth import issue_token
-    from lmscope.db.models import User
 
     with _sessions().begin() as session:
-        u = session.scalar(select(User).where(User.name == name))
-        if u is None:
-            raise click.ClickException(f"no user {name!r}; make one with `lmscope user create {name}`")
-        click.echo(issue_token(session, u))
+        click.echo(issue_token(session, _user_named(session, name)))
 
 
 def _user_named(session, name: str):
@@ -421,7 +409,8 @@ def _user_named(session, name: str):
 
     u = session.scalar(select(User).where(User.name == name))
     if u is None:
-        raise click.ClickException(f"no user {name!r}; `lmscope user list` shows who exists")
+        raise click.ClickException(f"no user {name!r}; `lmscope user list` shows who exists, "
+                                   f"`lmscope user create {name}` makes one")
     return u
 
 
@@ -452,6 +441,7 @@ def user_revoke(name, prefix, revoke_all):
     """Revoke a user's token (or all of them): requests with it are refused from then on (401)."""
     from sqlalchemy import delete, select
 
+    from lmscope.api.auth import hash_token
     from lmscope.db.models import ApiToken
 
     if bool(prefix) == revoke_all:
@@ -461,7 +451,7 @@ def user_revoke(name, prefix, revoke_all):
         tokens = session.scalars(select(ApiToken).where(ApiToken.user_id == u.id)).all()
         if prefix:
             prefix = prefix.rstrip("…")
-            whole = _token_hash(prefix)  # a whole token pasted in is matched exactly
+            whole = hash_token(prefix)  # a whole token pasted in is matched exactly
             tokens = [t for t in tokens if t.token_hash == whole or t.prefix.startswith(prefix)]
             if not tokens:
                 raise click.ClickException(f"{name} has no token starting {prefix!r}; "
@@ -470,12 +460,6 @@ def user_revoke(name, prefix, revoke_all):
                 raise click.ClickException(f"{len(tokens)} of {name}'s tokens start {prefix!r}; give more characters")
         session.execute(delete(ApiToken).where(ApiToken.id.in_([t.id for t in tokens])))
         click.echo(f"revoked {len(tokens)} token(s) of {name}", err=True)
-
-
-def _token_hash(token: str) -> str:
-    from lmscope.api.auth import hash_token
-
-    return hash_token(token)
 
 
 @user.command("list")

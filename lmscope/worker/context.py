@@ -161,7 +161,7 @@ class WorkerContext:
             raise JobFailed(f"model {name!r} cannot be loaded: {e}", error_type="model-load") from None
         self.environment.setdefault("models", {})[name] = {"source": row.source, "dtype": dtype}
         count = loaded.info.get("num_parameters")
-        if count:  # built-ins are registered without torch, so their count is only known once loaded
+        if count:  # a directory with only *.bin weights is registered without a count: known once loaded
             with self._sf() as session, session.begin():
                 session.execute(update(Model).where(Model.name == name, Model.num_parameters.is_(None))
                                 .values(num_parameters=int(count)))
