@@ -9,10 +9,14 @@ picked up again at the next start (``reaper.recover_interrupted``).
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
 import threading
 import time
+from pathlib import Path
+from typing import IO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -117,15 +121,31 @@ class EmbeddedWorker:
                 self.publisher.wakeup.wait(self.poll_seconds)
 
 
+def hold_data_dir(data_dir: Path) -> IO[str]:
+    """Lock the data directory for this process, or exit naming the process that holds it.
+
+    A second ``lmscope up`` on the same directory would otherwise take the first one's running jobs
+    for interrupted and re-queue them (costing them an attempt), even if it then failed to bind its port.
+    The lock goes with the process, also when it is killed.
+    """
+    lock = open(data_dir / "lmscope-up.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        raise SystemExit(f"{data_dir} is already served by `lmscope up`{f' (pid {holder})' if holder else ''}: "
+                         "stop that one, or give this one its own LMSCOPE_DATA_DIR") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def serve(settings: Settings) -> None:
     """``lmscope up``: migrate, upsert built-ins, recover interrupted jobs, serve the API + worker."""
-    from werkzeug.serving import make_server
-
-    from lmscope.api import create_app
-    from lmscope.db.builtins import ensure_builtins
-    from lmscope.db.engine import make_engine, make_sessionmaker, upgrade
-    from lmscope.worker.startup import load_extra_kinds
-
     if not settings.auth and settings.host not in LOOPBACK:
         raise SystemExit(f"refusing to listen on {settings.host} without tokens: set LMSCOPE_AUTH=1 (and create a "
                          "user with `lmscope user create NAME`) or keep LMSCOPE_HOST=127.0.0.1")
@@ -135,16 +155,33 @@ def serve(settings: Settings) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.artifact_dir.mkdir(parents=True, exist_ok=True)
+    with hold_data_dir(settings.data_dir):
+        _serve_holding_the_data_dir(settings)
+
+
+def _serve_holding_the_data_dir(settings: Settings) -> None:
+    from werkzeug.serving import make_server
+
+    from lmscope.api import create_app
+    from lmscope.db.builtins import ensure_builtins
+    from lmscope.db.engine import make_engine, make_sessionmaker, upgrade
+    from lmscope.worker.startup import load_extra_kinds
+
     upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     ensure_builtins(settings, sessions)
     load_extra_kinds()
-    recovered = recover_interrupted(settings, sessions)
 
     publisher = LocalPublisher()
     app = create_app(settings, publisher=publisher)
-    server = make_server(settings.host, settings.port, app, threaded=True)
+    # Bind before recovering: a start that cannot serve must leave the jobs as they are.
+    try:
+        server = make_server(settings.host, settings.port, app, threaded=True)
+    except (OSError, SystemExit):  # werkzeug prints why (e.g. the port is in use) and exits
+        raise SystemExit(f"cannot listen on {settings.host}:{settings.port}: give another port with --port or "
+                         "LMSCOPE_PORT; no job was touched") from None
+    recovered = recover_interrupted(settings, sessions)
     worker = EmbeddedWorker(settings, sessions, publisher).start()
 
     def _shutdown(signum, _frame):

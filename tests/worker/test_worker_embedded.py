@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,43 +141,16 @@ def _serve(data_dir: Path, port: int, log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _http(method: str, url: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def test_serve_keeps_jobs_across_a_restart(tmp_path):
-    pytest.importorskip("flask")
+@contextlib.contextmanager
+def _serving(data_dir: Path, log):
+    """`lmscope up` on data_dir in its own process; yields (process, base URL) once it listens."""
     from tests.conftest import free_port, wait_for_port
 
-    data, port, log = tmp_path / "data", free_port(), open(tmp_path / "serve.log", "w")
-    base = f"http://127.0.0.1:{port}"
-    proc = _serve(data, port, log)
+    port = free_port()
+    proc = _serve(data_dir, port, log)
     try:
         wait_for_port(port, timeout=60)
-        done = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4, "plot": False}})
-        wait_until(lambda: _http("GET", f"{base}/v1/jobs/{done['id']}")["status"] == "succeeded", timeout=30,
-                   what="the first job")
-        long = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4000, "sleep": 0.001,
-                                                                             "plot": False}})
-        wait_until(lambda: (_http("GET", f"{base}/v1/jobs/{long['id']}").get("progress") or {}).get("done"),
-                   timeout=30, what="the long job's progress")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        sessions = make_sessionmaker(make_engine(f"sqlite:///{data / 'lmscope.db'}"))
-        with sessions() as s:
-            assert s.get(Job, long["id"]).status == "queued"
-
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = _serve(data, port, log)
-        wait_for_port(port, timeout=60)
-        wait_until(lambda: _http("GET", f"{base}/v1/jobs/{long['id']}")["status"] == "succeeded", timeout=60,
-                   what="the interrupted job after the restart")
-        with sessions() as s:
-            assert s.get(Job, long["id"]).summary["total"] == sum(range(1, 4001))
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -184,7 +158,78 @@ def test_serve_keeps_jobs_across_a_restart(tmp_path):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        log.close()
+
+
+def _http(method: str, url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _start_long_job(base: str) -> int:
+    """A `count` job that runs for a few seconds; returns once it has reported progress."""
+    job = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4000, "sleep": 0.001, "plot": False}})
+    wait_until(lambda: (_http("GET", f"{base}/v1/jobs/{job['id']}").get("progress") or {}).get("done"),
+               timeout=30, what="the long job's progress")
+    return job["id"]
+
+
+def test_serve_keeps_jobs_across_a_restart(tmp_path):
+    pytest.importorskip("flask")
+    data = tmp_path / "data"
+    with open(tmp_path / "serve.log", "w") as log:
+        with _serving(data, log) as (proc, base):
+            done = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4, "plot": False}})
+            wait_until(lambda: _http("GET", f"{base}/v1/jobs/{done['id']}")["status"] == "succeeded", timeout=30,
+                       what="the first job")
+            long = _start_long_job(base)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        sessions = make_sessionmaker(make_engine(f"sqlite:///{data / 'lmscope.db'}"))
+        with sessions() as s:
+            assert s.get(Job, long).status == "queued"
+
+        with _serving(data, log) as (_, base):
+            wait_until(lambda: _http("GET", f"{base}/v1/jobs/{long}")["status"] == "succeeded", timeout=60,
+                       what="the interrupted job after the restart")
+        with sessions() as s:
+            assert s.get(Job, long).summary["total"] == sum(range(1, 4001))
+
+
+def test_a_second_up_that_cannot_serve_leaves_running_jobs_alone(tmp_path):
+    """A second `lmscope up` on a served data dir, or on a port in use, exits and re-queues nothing."""
+    pytest.importorskip("flask")
+    from lmscope.config import Settings
+    from lmscope.db.engine import upgrade
+    from lmscope.worker.embedded import serve
+    from tests.conftest import free_port
+
+    data = tmp_path / "data"
+    with open(tmp_path / "serve.log", "w") as log, _serving(data, log) as (proc, base):
+        long = _start_long_job(base)
+        with pytest.raises(SystemExit, match=rf"already served by `lmscope up` \(pid {proc.pid}\)"):
+            serve(Settings.from_env({"LMSCOPE_DATA_DIR": str(data)}, port=free_port()))
+
+        # another data dir whose previous run left a job `running`, started on the busy port
+        other = tmp_path / "other"
+        other.mkdir()
+        upgrade(f"sqlite:///{other / 'lmscope.db'}")
+        other_sessions = make_sessionmaker(make_engine(f"sqlite:///{other / 'lmscope.db'}"))
+        with other_sessions() as s, s.begin():
+            s.add(user := User(name="bob"))
+            s.flush()
+            s.add(Job(user_id=user.id, kind="count", params={"plot": False}, status="running", attempts=1,
+                      max_attempts=3, started_at=utcnow()))
+        busy = int(base.rsplit(":", 1)[1])
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{busy}.*--port or LMSCOPE_PORT"):
+            serve(Settings.from_env({"LMSCOPE_DATA_DIR": str(other)}, port=busy))
+        with other_sessions() as s:
+            assert tuple(s.execute(select(Job.status, Job.attempts)).one()) == ("running", 1)  # for its own `up`
+
+        wait_until(lambda: _http("GET", f"{base}/v1/jobs/{long}")["status"] == "succeeded", timeout=60,
+                   what="the first server's job")
+        assert _http("GET", f"{base}/v1/jobs/{long}")["attempts"] == 1  # never taken for interrupted
 
 
 def test_without_tokens_it_listens_on_loopback_only(settings_factory, tmp_path):
