@@ -8,6 +8,7 @@ the kernels share (``forward_backend``, ``check_heads``) and ``repeat_kv`` for g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -33,6 +34,12 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True when Triton kernels run through the interpreter (CPU tensors, no autotuning)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device_of(t: torch.Tensor):
+    """Launch on ``t``'s GPU: Triton launches on the current CUDA device, which need not be the
+    tensor's (a model spread over several GPUs), and fails there on the foreign pointers."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def forced_backend() -> str | None:

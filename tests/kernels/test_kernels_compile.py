@@ -46,11 +46,14 @@ triton.compile(ASTSource(fn=dk._dim_entropy_fwd, signature=sig(dk._dim_entropy_f
                target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 from lmscope.kernels.favor import triton_kernel as fk
-c = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_DV=64, INPUT_PRECISION="ieee", INTERPRET=False)
 types = {"PQ": "*fp32", "PK": "*fp32", "V": "*fp32", "Num": "*fp32", "Den": "*fp32"}
-k = triton.compile(ASTSource(fn=fk._favor_causal_fwd, signature=sig(fk._favor_causal_fwd, c, types), constexprs=c),
-                   target=target, options={"num_warps": 4, "num_stages": 2})
-assert k.metadata.shared <= 227 * 1024, k.metadata.shared  # fits an H100's shared memory
+for cfg in fk._kernel.configs:  # every autotune candidate, as the wrapper launches it
+    c = dict(BLOCK_M=fk.BLOCK_M, INPUT_PRECISION="tf32x3", INTERPRET=False, **cfg.kwargs)
+    k = triton.compile(ASTSource(fn=fk._favor_causal_fwd, signature=sig(fk._favor_causal_fwd, c, types),
+                                 constexprs=c), target=target,
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared  # fits an H100's shared memory
+    assert "mma" in k.asm["ptx"], "3xTF32 FAVOR+ should use tensor cores"
 print("compiled")
 """
 

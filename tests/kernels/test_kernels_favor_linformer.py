@@ -211,6 +211,19 @@ def test_linformer_triton_equals_explicit_softmax_over_projected_keys(triton_bac
     torch.testing.assert_close(out2, linformer_attention(q, k, v, e2, f2, backend="reference"), rtol=1e-4, atol=1e-5)
 
 
+def test_linformer_triton_bf16_attends_in_bf16_and_matches_the_reference(triton_backend, oracle, device):
+    q, k, v = (t.to(device) for t in _qkv(1, 4, 90, 32, hk=2, spread=0.6, seed=5, dtype=torch.bfloat16))
+    e, f = draw_linformer_projections(24, 90, seed=3, device=device)
+    out = linformer_attention(q, k, v, e, f, backend=triton_backend)
+    assert out.dtype == torch.bfloat16
+    # the Triton path rounds the projected keys and values to bf16 once before attending
+    kp, vp = (e.double() @ k.double()).bfloat16(), (f.double() @ v.double()).bfloat16()
+    expected = oracle.softmax_attention(q.double(), kp.double(), vp.double(), causal=False)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), linformer_attention(q, k, v, e, f, backend="reference").float(),
+                               rtol=3e-2, atol=3e-2)
+
+
 def test_linformer_triton_with_identity_projections_is_exact_attention(triton_backend, oracle, device):
     q, k, v = (t.to(device) for t in _qkv(1, 2, 45, 32, spread=0.9, seed=12, dtype=torch.float32))
     eye = torch.eye(45, device=device)

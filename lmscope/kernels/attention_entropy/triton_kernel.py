@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..dispatch import interpreting, on_device_of
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals must be constexpr
@@ -116,7 +116,7 @@ def _attn_entropy_inner(
     return acc, m_i, l_i, t_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET", "NQ_BUCKET"])
 def _attn_entropy_fwd(
     Q, K, V, KPM, Out, Ent, Lse,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -124,7 +124,7 @@ def _attn_entropy_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_kpm_b,
-    H, N_Q, N_K, GROUP, qk_scale, N_BUCKET,
+    H, N_Q, N_K, GROUP, qk_scale, N_BUCKET, NQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -227,8 +227,9 @@ else:
     _INTERPRET_BLOCKS = {}
     _kernel = triton.autotune(
         configs=_configs(),
-        # N_BUCKET (next power of two of N_K) instead of N: a model fed many lengths tunes once per octave
-        key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"],
+        # next powers of two of N_K and N_Q instead of the lengths: a model fed many lengths tunes once
+        # per octave, and a short query block (decoding) gets its own tile
+        key=["N_BUCKET", "NQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"],
         prune_configs_by={"early_config_prune": _prune},
     )(_attn_entropy_fwd)
 
@@ -270,14 +271,15 @@ def attention_with_entropy_triton(
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
 
-    _kernel[grid](
-        q, k, v, kpm, out, ent, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        stride_kpm_b,
-        h, nq, nk, h // hk, scale * LOG2E, triton.next_power_of_2(nk),
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, INPUT_PRECISION=precision,
-        INTERPRET=interpreting(),
-        **_INTERPRET_BLOCKS,
-    )
+    with on_device_of(q):
+        _kernel[grid](
+            q, k, v, kpm, out, ent, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            stride_kpm_b,
+            h, nq, nk, h // hk, scale * LOG2E, triton.next_power_of_2(nk), triton.next_power_of_2(nq),
+            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            CAUSAL=causal, HAS_KPM=key_padding_mask is not None, INPUT_PRECISION=precision,
+            INTERPRET=interpreting(),
+            **_INTERPRET_BLOCKS,
+        )
     return out.to(out_dtype), ent, lse

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..dispatch import interpreting, on_device_of
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals must be constexpr
@@ -43,14 +43,14 @@ def _fold_keys(
     return l_i, t_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET"])
 def _dim_entropy_fwd(
     Q, K, KMAX, KMIN, Out,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_xb, stride_xh, stride_xn, stride_xd,
     stride_ob, stride_oh, stride_od, stride_on,
-    H, N, D, GROUP, qk_scale,
+    H, N, D, GROUP, qk_scale, N_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -114,7 +114,8 @@ if interpreting():
     _kernel = _dim_entropy_fwd
 else:
     _BLOCKS = {}
-    _kernel = triton.autotune(configs=_configs(), key=["D", "CAUSAL"])(_dim_entropy_fwd)
+    # N_BUCKET (next power of two of N): the best tile depends on the length, tuned once per octave
+    _kernel = triton.autotune(configs=_configs(), key=["N_BUCKET", "D", "CAUSAL"])(_dim_entropy_fwd)
 
 
 def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
@@ -123,6 +124,8 @@ def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, 
         q, k = q.float(), k.float()  # numpy (the interpreter) has no bfloat16
     b, h, n, d = q.shape
     hk = k.shape[1]
+    if b * h > 65535:
+        raise ValueError(f"B*H = {b * h} exceeds the CUDA grid limit (65535); split the batch")
     if causal:
         # running extrema along the sequence: query n sees keys 0..n
         kmax = torch.cummax(k, dim=2).values
@@ -136,10 +139,11 @@ def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]), b * h, triton.cdiv(d, meta["BLOCK_D"]))
 
-    _kernel[grid](
-        q, k, kmax, kmin, out,
-        *q.stride(), *k.stride(), *kmax.stride(), *out.stride(),
-        h, n, d, h // hk, scale * LOG2E,
-        CAUSAL=causal, INTERPRET=interpreting(), **_BLOCKS,
-    )
+    with on_device_of(q):
+        _kernel[grid](
+            q, k, kmax, kmin, out,
+            *q.stride(), *k.stride(), *kmax.stride(), *out.stride(),
+            h, n, d, h // hk, scale * LOG2E, triton.next_power_of_2(n),
+            CAUSAL=causal, INTERPRET=interpreting(), **_BLOCKS,
+        )
     return out

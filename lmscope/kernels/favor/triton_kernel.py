@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..dispatch import interpreting, on_device_of
 
 
 @triton.jit
@@ -40,17 +40,17 @@ def _favor_chunk(
     vc = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=vmask, other=0.0)
     a = tl.dot(pq, tl.trans(pk), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_N]
     a = tl.where(rows[:, None] >= rows[None, :], a, 0.0)  # key j <= query i inside the chunk
-    num = tl.dot(pq, state, input_precision=INPUT_PRECISION) + tl.dot(a, vc, input_precision=INPUT_PRECISION)
+    num = tl.dot(a, vc, tl.dot(pq, state, input_precision=INPUT_PRECISION), input_precision=INPUT_PRECISION)
     tl.store(num_base + offs_n[:, None] * stride_nn + offs_d[None, :] * stride_nd, num, mask=vmask)
     # the denominator does not depend on the value columns: the first column block writes it
     den = tl.sum(pq * zsum[None, :], 1) + tl.sum(a, 1)
     tl.store(den_base + offs_n * stride_dn, den, mask=in_n & WRITE_DEN)
-    state += tl.dot(tl.trans(pk), vc, input_precision=INPUT_PRECISION)
+    state = tl.dot(tl.trans(pk), vc, state, input_precision=INPUT_PRECISION)
     zsum += tl.sum(pk, 0)
     return state, zsum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET"])
 def _favor_causal_fwd(
     PQ, PK, V, Num, Den,
     stride_qb, stride_qh, stride_qn, stride_qm,
@@ -58,16 +58,18 @@ def _favor_causal_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_nf, stride_nb, stride_nh, stride_nn, stride_nd,
     stride_df, stride_db, stride_dh, stride_dn,
-    H, N, M, DV, GROUP,
+    H, N, M, DV, GROUP, N_BUCKET,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_f = tl.program_id(0)  # feature block
     pid_v = tl.program_id(1)  # value-column block
     pid_bh = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
+    # int64: the partial-sum buffers hold n_f * B * H * N * Dv values, past int32 for long contexts
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP  # grouped-query: query head h reads key/value head h // (H / H_kv)
+    f = pid_f.to(tl.int64)
 
     offs_m = pid_f * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -75,8 +77,8 @@ def _favor_causal_fwd(
     pq_base = PQ + b * stride_qb + h * stride_qh
     pk_base = PK + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    num_base = Num + pid_f * stride_nf + b * stride_nb + h * stride_nh
-    den_base = Den + pid_f * stride_df + b * stride_db + h * stride_dh
+    num_base = Num + f * stride_nf + b * stride_nb + h * stride_nh
+    den_base = Den + f * stride_df + b * stride_db + h * stride_dh
     write_den = pid_v == 0
 
     state = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # this block's slice of S
@@ -101,6 +103,32 @@ def _favor_causal_fwd(
             )
 
 
+# One feature block per program (BLOCK_M) for every config: the partial-sum buffers are sized by it.
+BLOCK_M = 64
+# (BLOCK_N, BLOCK_DV, num_warps, num_stages) candidates; with 3xTF32 dots (tensor cores) these compile
+# for sm_90 with < 1 KB of register spills, where exact fp32 (FMA) dots spilled 5 KB.
+_TILES = [(64, 64, 8, 1), (32, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1)]
+
+
+def _prune(configs, named_args, **kwargs):
+    widest = max(16, triton.next_power_of_2(named_args["DV"]))  # no value block wider than the values
+    kept = [c for c in configs if c.kwargs["BLOCK_DV"] <= widest]
+    return kept or configs[-1:]
+
+
+if interpreting():
+    _BLOCKS = {"BLOCK_N": 16, "BLOCK_DV": 16}
+    _kernel = _favor_causal_fwd
+else:
+    _BLOCKS = {}
+    _kernel = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_DV": bdv}, num_warps=w, num_stages=st)
+                 for bn, bdv, w, st in _TILES],
+        key=["N_BUCKET", "M", "DV"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_favor_causal_fwd)
+
+
 def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal FAVOR+ from features: phi_q [B, H, N, m], phi_k [B, H_kv, N, m], v [B, H_kv, N, Dv] → float32 out."""
     B, H, N, M = phi_q.shape
@@ -109,20 +137,26 @@ def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
         raise ValueError(f"incompatible shapes phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}")
     if H % Hk:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if B * H > 65535:
+        raise ValueError(f"B*H = {B * H} exceeds the CUDA grid limit (65535); split the batch")
     phi_q, phi_k, v = (t.float() for t in (phi_q, phi_k, v))  # features are fp32 anyway; tl.dot wants one dtype
-    block_n = 16 if interpreting() else 64
-    block_m = 32 if interpreting() else 64
-    block_dv = max(16, min(64, triton.next_power_of_2(DV)))
+    block_m = 32 if interpreting() else BLOCK_M
     n_f = triton.cdiv(M, block_m)
     num = torch.empty(n_f, B, H, N, DV, device=v.device, dtype=torch.float32)
     den = torch.empty(n_f, B, H, N, device=v.device, dtype=torch.float32)
-    grid = (n_f, triton.cdiv(DV, block_dv), B * H)
-    _favor_causal_fwd[grid](
-        phi_q, phi_k, v, num, den,
-        *phi_q.stride(), *phi_k.stride(), *v.stride(), *num.stride(), *den.stride(),
-        H, N, M, DV, H // Hk,
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_DV=block_dv,
-        INPUT_PRECISION="ieee",  # fp32 features: TF32 would cost ~3 digits the estimate does not need to lose
-        INTERPRET=interpreting(), num_warps=8, num_stages=2,
-    )
+
+    def grid(meta):
+        return (n_f, triton.cdiv(DV, meta["BLOCK_DV"]), B * H)
+
+    with on_device_of(v):
+        _kernel[grid](
+            phi_q, phi_k, v, num, den,
+            *phi_q.stride(), *phi_k.stride(), *v.stride(), *num.stride(), *den.stride(),
+            H, N, M, DV, H // Hk, triton.next_power_of_2(N),
+            BLOCK_M=block_m,
+            # fp32 features: 3xTF32 keeps fp32 accuracy on tensor cores (plain TF32 would cost ~3 digits
+            # the estimate does not need to lose); the interpreter computes in exact fp32 anyway
+            INPUT_PRECISION="ieee" if interpreting() else "tf32x3",
+            INTERPRET=interpreting(), **_BLOCKS,
+        )
     return num.sum(0) / den.sum(0).unsqueeze(-1)

@@ -50,9 +50,10 @@ def linformer_attention(
         with torch.no_grad():
             if E.ndim > 2 or F.ndim > 2:  # per-head projections are indexed by query head
                 k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-            kp = torch.matmul(E.float(), k.float())  # [B, H_kv, k, D]: grouped-query heads stay grouped
-            vp = torch.matmul(F.float(), v.float())
-            return attention_with_entropy(q.float(), kp, vp, causal=False, scale=scale, backend="triton").out.to(q.dtype)
+            # projections summed in fp32, then back to the input dtype: a bf16 attention runs on tensor cores
+            kp = torch.matmul(E.float(), k.float()).to(q.dtype)  # [B, H_kv, k, D]: grouped-query heads stay grouped
+            vp = torch.matmul(F.float(), v.float()).to(q.dtype)
+            return attention_with_entropy(q, kp, vp, causal=False, scale=scale, backend="triton").out
     return linformer_attention_reference(q, k, v, E, F, scale=scale)
 
 
