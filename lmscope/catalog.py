@@ -48,11 +48,13 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:+/-]*$"
 NAME_MAX_LENGTH = 200
 
 
+NAME_RULE = f"use at most {NAME_MAX_LENGTH} letters, digits and . _ @ : + / -, starting with a letter or digit"
+
+
 def check_name(name: str) -> None:
     """Raise CatalogError unless `name` may name a model or dataset."""
     if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX_LENGTH:
-        raise CatalogError(f"{name!r} cannot be a name: use at most {NAME_MAX_LENGTH} letters, digits and . _ @ : + / -, "
-                           "starting with a letter or digit")
+        raise CatalogError(f"{name!r} cannot be a name: {NAME_RULE}")
 
 
 @dataclass

@@ -453,6 +453,8 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                 ax.legend(fontsize=6)
         for extra in range(layers, rows * cols):
             axes[extra // cols][extra % cols].axis("off")
+            # the panel above an empty slot is the bottom of its column: it shows the steps
+            axes[extra // cols - 1][extra % cols].tick_params(axis="x", labelbottom=True)
         fig.suptitle("attention entropy over training")
         save(fig, out / "entropy_over_training.png")
 

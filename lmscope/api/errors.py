@@ -16,6 +16,8 @@ from flask import Flask, Response, json, request
 from pydantic import BaseModel
 from werkzeug.exceptions import HTTPException
 
+from lmscope.catalog import NAME_PATTERN, NAME_RULE
+
 PROBLEM_BASE = "https://lmscope.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
@@ -119,6 +121,8 @@ def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = Non
             msg = msg.removeprefix(noise)
         if e["type"] == "extra_forbidden":
             msg = unknown_field_message(model, tuple(e["loc"]))
+        elif e["type"] == "string_pattern_mismatch" and (e.get("ctx") or {}).get("pattern") == NAME_PATTERN:
+            msg = NAME_RULE  # the rule in words, not the regular expression
         out.append({"loc": [*prefix, *e["loc"]], "msg": msg, "type": e["type"]})
     return out
 

@@ -44,7 +44,8 @@ class UploadForm(BaseModel):
 def model_json(m: Model) -> dict:
     return {"name": m.name, "source": m.source, "path": m.path, "architecture": m.architecture,
             "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "hidden": m.hidden_size,
-            "vocab_size": m.vocab_size, "params": m.num_parameters, "dtype": m.dtype, "step": m.step,
+            "vocab_size": m.vocab_size, "context": (m.info or {}).get("max_positions"), "params": m.num_parameters,
+            "dtype": m.dtype, "step": m.step,
             "job_id": m.job_id, "created_at": iso(m.created_at)}
 
 

@@ -21,10 +21,12 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 
 def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str, Any] | None:
-    """{done, total, stage, fraction}; a parent's progress is its children finished / total."""
+    """{done, total, stage, fraction}; a parent's progress is its children finished / total (a cancelled
+    parent's: the children that ran to an end, which says how far it got)."""
     if children is not None:
         total = children["total"]
-        done = sum(children[s] for s in TERMINAL_STATES)
+        ended = ("succeeded", "failed") if job.status == "cancelled" else TERMINAL_STATES
+        done = sum(children[s] for s in ended)
         return {"done": done, "total": total, "stage": "children",
                 "fraction": done / total if total else None, "updated_at": None}
     if job.progress_total is None and job.progress_done is None and job.progress_stage is None:

@@ -150,7 +150,7 @@ def check_context(session: Session, parsed: list) -> None:
                 limits.append((f"train job {job_id}'s checkpoints", (ref.params or {}).get("context")))
         for what, limit in limits:
             if isinstance(limit, int) and n > limit:
-                errors[f"{field}={n} is longer than {what} reads ({limit} positions); "
+                errors[f"{field}={n} is longer than the {limit} positions {what} can read; "
                        f"set {field} to at most {limit}"] = ["params", field]
     if errors:
         raise Problem(422, "sequence-too-long", "Sequence longer than the model's context", "; ".join(errors),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lmscope.params.base import ChildSpec, JobParams, KindSpec
@@ -34,8 +35,11 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
     spec = KINDS.get(kind)
     if spec is None or (not spec.submittable and not internal):
         raise UnknownKind(kind)
-    # context: a user's submission is checked strictly; stored rows (internal) may be older, fuller dumps
-    return spec.params.model_validate(raw or {}, context={"submitted": not internal})
+    if internal:  # stored rows may be older, fuller dumps
+        return spec.params.model_validate(raw or {}, context={"submitted": False})
+    # A submission is JSON and is read as JSON, strictly: true is not 1 and "5" is not 5 (lax parsing
+    # would run a job on a value nobody meant); arrays still fill tuples and objects nested models.
+    return spec.params.model_validate_json(json.dumps(raw or {}), strict=True, context={"submitted": True})
 
 
 def is_parent_kind(kind: str) -> bool:

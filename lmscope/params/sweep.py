@@ -59,6 +59,12 @@ ATTENTION_FIELDS = ("model", "dataset", "layers", "methods", "features", "seq_le
                     "batch_size", "linformer_projection", "seeds")
 
 
+def _mark_studies(schema: dict) -> None:
+    for study, fields in (("sumformer", SUMFORMER_FIELDS), ("attention", ATTENTION_FIELDS)):
+        for name in fields:
+            schema["properties"][name]["x-study"] = study
+
+
 def theory_latent_dim(token_dim: int, seq_len: int) -> int:
     """d' = C(n+d, d) − 1: the number of monomials x^α with 1 ≤ |α| ≤ n in d variables.
 
@@ -209,10 +215,16 @@ class SweepParams(JobParams):
     d = 1..10, d' = 1, 2, 4, ..., 512, 200 epochs on 2,000 sequences.
     """
 
-    study: Literal["sumformer", "attention"] = "sumformer"
+    # The JSON schema marks each field with the study it belongs to ("x-study"; `lmscope kinds sweep`).
+    model_config = ConfigDict(json_schema_extra=lambda schema: _mark_studies(schema))
+
+    study: Literal["sumformer", "attention"] = Field(
+        "sumformer", description="sumformer: train a grid of networks on a target function; attention: compare "
+                                 "Performer/Linformer with a model's softmax attention")
 
     # study = "sumformer"
-    target: str | list[str] = "fig2_poly"
+    target: str | list[str] = Field("fig2_poly", description="a target or a list of them: "
+                                                              + ", ".join(TARGET_FORMULAS))
     architectures: list[Architecture] = Field(default_factory=lambda: ["mlp_sumformer"], min_length=1)
     grid: SumformerGrid = Field(default_factory=SumformerGrid)
     train: TrainSettings = Field(default_factory=TrainSettings)

@@ -354,3 +354,21 @@ def test_bos_per_window(tmp_path, documents):
     no_bos.tokenizer.bos_token = None
     with pytest.raises(JobFailed, match="no BOS token.*bos_per_window=false"):
         run_job(tmp_path, {"m": no_bos}, documents, bos_per_window=True)
+
+
+def test_over_training_panels_at_the_bottom_of_each_column_show_the_steps(tmp_path, monkeypatch):
+    """4 layers in a 2 x 3 grid: layers 1 and 2 sit above empty slots, so they carry the step axis."""
+    import types
+
+    saved = {}
+    monkeypatch.setattr(entropy, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    layers, heads, n = 4, 2, 8
+    results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n))}
+               for step in (1, 2)]
+    ctx = types.SimpleNamespace(artifact_dir=tmp_path)
+    entropy._plots(ctx, types.SimpleNamespace(seq_len=n), [100, 200], ["r@step100", "r@step200"], results, [None, None])
+    fig = saved["entropy_over_training.png"]
+    fig.canvas.draw()
+    shown = {ax.get_title(): any(t.get_visible() and t.get_text() for t in ax.get_xticklabels())
+             for ax in fig.axes if ax.get_title()}
+    assert shown == {"layer 0": False, "layer 1": True, "layer 2": True, "layer 3": True}

@@ -132,6 +132,10 @@ def test_cancel_a_sweep(api):
            [("succeeded", False), ("running", True), ("cancelled", True)]
     # The parent is published so that the aggregation runs once the running child stops.
     assert api.publisher.published == [parent]
+    api.set_job(second, status="cancelled", finished_at=utcnow())
+    api.set_job(parent, status="cancelled", finished_at=utcnow())
+    progress = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()["progress"]
+    assert (progress["done"], progress["total"]) == (1, 3)  # how far it got: one child ran, not 3/3
 
 
 def test_cancelling_a_child_publishes_its_parent(api):

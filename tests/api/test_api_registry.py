@@ -46,6 +46,9 @@ def test_admin_registers_a_model_directory(api, tmp_path):
 
     assert {n for n, x in listed.items() if x["source"] == "builtin"} >= set(BUILTIN_MODELS)
     assert all(listed[n]["params"] > 0 for n in BUILTIN_MODELS)  # counted at start-up, not only once loaded
+    # the context length, which bounds an entropy job's seq_len
+    assert listed["tiny-gpt2"]["context"] == BUILTIN_MODELS["tiny-gpt2"]["n_positions"]
+    assert listed["tiny-llama"]["context"] == BUILTIN_MODELS["tiny-llama"]["max_position_embeddings"]
     # Now jobs may name it.
     assert api.submit(api.user("ann"), params={"model": "gpt2-mini"}).status_code == 202
     is_problem(api.client.post("/v1/models", headers=admin, json={"name": "gpt2-mini", "path": str(model_dir)}),
@@ -74,6 +77,7 @@ def test_model_paths_must_stay_under_the_roots(api, tmp_path):
     body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "bad name!", "path": "x"}),
                       422, "validation-error")
     assert body["errors"][0]["loc"] == ["name"]
+    assert "letters, digits and . _ @ : + / -" in body["detail"] and "pattern" not in body["detail"]  # words, no regex
     assert "sneaky" not in [m["name"] for m in api.client.get("/v1/models", headers=admin).get_json()["items"]]
 
 

@@ -37,6 +37,21 @@ def test_field_errors_are_422_problems_naming_each_field(api):
     assert api.jobs() == [] and api.publisher.published == []
 
 
+def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
+    """true is not 1 and "5" is not 5 (lax parsing ran jobs on values nobody meant); 2 is a fine float."""
+    h = api.user("ann")
+    params = {"model": "m", "dataset": "d", "max_samples": True, "max_tokens": "64", "loss_filter": 2}
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": params}),
+                      422, "validation-error")
+    assert {tuple(e["loc"]) for e in body["errors"]} == {("params", "max_samples"), ("params", "max_tokens")}
+    nested = {"study": "sumformer", "train": {"epochs": "5"}}
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "sweep", "params": nested}),
+                      422, "validation-error")
+    assert [e["loc"] for e in body["errors"]] == [["params", "train", "epochs"]]
+    assert "valid integer" in body["errors"][0]["msg"]
+    assert api.jobs() == [] and api.publisher.published == []
+
+
 def test_unknown_kind_lists_the_kinds(api):
     body = is_problem(api.submit(api.user("ann"), kind="nope"), 422, "unknown-kind")
     submittable = sorted(k for k, s in KINDS.items() if s.submittable)
@@ -74,7 +89,7 @@ def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
     # tiny-gpt2 reads 1024 positions (n_positions in lmscope.catalog.BUILTIN_MODELS)
     body = is_problem(api.submit(h, kind="entropy", params={"model": "tiny-gpt2", "dataset": "d", "seq_len": 1025}),
                       422, "sequence-too-long")
-    assert "seq_len=1025 is longer than model 'tiny-gpt2' reads (1024 positions)" in body["detail"]
+    assert "seq_len=1025 is longer than the 1024 positions model 'tiny-gpt2' can read" in body["detail"]
     assert "at most 1024" in body["detail"] and body["errors"][0]["loc"] == ["params", "seq_len"]
     assert api.submit(h, kind="entropy", params={"model": "tiny-gpt2", "dataset": "d", "seq_len": 1024}).status_code == 202
     # several models: the one that is too short is named
@@ -84,12 +99,12 @@ def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
     # an attention study: one error, though the parent and every child read the model
     body = is_problem(api.submit(h, kind="sweep", params={"study": "attention", "model": "tiny-llama", "dataset": "d",
                                                            "seq_len": 2048, "seeds": 2}), 422, "sequence-too-long")
-    assert len(body["errors"]) == 1 and "(1024 positions)" in body["detail"]
+    assert len(body["errors"]) == 1 and "the 1024 positions" in body["detail"]
     # a train job's checkpoints read its `context`
     train = api.submit(h, kind="train", params={"dataset": "d", "context": 64}).get_json()
     body = is_problem(api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 65}),
                       422, "sequence-too-long")
-    assert f"train job {train['id']}'s checkpoints reads (64 positions)" in body["detail"]
+    assert f"the 64 positions train job {train['id']}'s checkpoints can read" in body["detail"]
     assert api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 64}).status_code == 202
     # a model registered without a recorded context (the fixture's "m") is left to the worker's check
     assert api.submit(h, kind="entropy", params={"model": "m", "dataset": "d", "seq_len": 100_000}).status_code == 202
