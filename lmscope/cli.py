@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,12 @@ class ApiFailure(click.ClickException):
     def show(self, file=None):
         errors = self.error.errors
         detail = self.error.problem.get("detail") or ""
-        # When the detail only joins the field errors, show the title and each field once, with its place.
-        only_fields = bool(errors) and all(str(e.get("msg")) in detail for e in errors)
+        # When the detail only joins the field errors ("fix these fields: loc: msg; ..."), show the title
+        # and each field once, with its place; a detail that says more is shown whole.
+        residue = re.sub(r"^fix these fields:|\(and \d+ more\)$", "", detail)
+        for e in errors:
+            residue = residue.replace(f"{'.'.join(str(p) for p in e.get('loc', [])) or '(body)'}: {e.get('msg')}", "")
+        only_fields = bool(errors) and not residue.strip(" ;")
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
         click.echo(f"Error: {title}" if only_fields else f"Error: {self.error}", err=True)
         for e in errors:
@@ -162,10 +167,10 @@ class ProgressLine:
         self.tty = self.stream.isatty()
         self.last_text = None
 
-    def render(self, job: dict[str, Any]) -> str:
+    def render(self, job: dict[str, Any], *, head: bool = True) -> str:
         p = job.get("progress") or {}
         fraction = p.get("fraction")
-        text = f"job {self.job_id} {job['status']}"
+        text = f"job {self.job_id} {job['status']}" if head else ""
         if job.get("cancel_requested") and job["status"] == "running":
             text += " (cancelling)"
         if fraction is not None:
@@ -175,7 +180,7 @@ class ProgressLine:
             text += f" {p.get('done') or 0}/{p['total']}"
         if p.get("stage") and job["status"] not in TERMINAL_STATES:  # a finished job's stage (and ETA) is stale
             text += f" {p['stage']}"
-        return text
+        return text.strip()
 
     def __call__(self, job: dict[str, Any]) -> None:
         text = self.render(job)
@@ -195,6 +200,19 @@ class ProgressLine:
             self.stream.flush()
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def summary_value(value: Any) -> str:
+    """A summary value as JSON (null, true), floats to 6 significant digits, strings bare."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return json.dumps(value)
+
+
 def report_final(c: Client, job: dict[str, Any]) -> None:
     """Status, summary, error and where the plots are."""
     click.echo(f"job {job['id']} ({job['kind']}) {job['status']}")
@@ -204,12 +222,13 @@ def report_final(c: Client, job: dict[str, Any]) -> None:
         counts = job["children"]
         click.echo("children: " + ", ".join(f"{counts[s]} {s}" for s in ("succeeded", "failed", "cancelled") if counts.get(s)))
     for key, value in (job.get("summary") or {}).items():
-        click.echo(f"  {key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+        click.echo(f"  {key}: {summary_value(value)}")
     if job["status"] == "succeeded" or job.get("summary"):
         artifacts = c.artifacts(job["id"])
         plots = [a for a in artifacts if a["media_type"] == "image/png"]
         if artifacts:
-            click.echo(f"{len(artifacts)} artifacts ({len(plots)} plots): lmscope fetch {job['id']} DIR")
+            click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}): "
+                       f"lmscope fetch {job['id']} DIR")
             for a in plots:
                 click.echo(f"  {c.url}{a['url']}")
 
@@ -496,7 +515,11 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
     job = c.submit(kind, build_params(pairs, params_file, schema), name=name, tags=list(tags),
                    idempotency_key=idempotency_key)
     children = f" with {job['children']['total']} children" if job.get("children") else ""
-    click.echo(f"submitted job {job['id']} ({job['kind']}){children}", err=True)
+    if job.get("replayed"):
+        click.echo(f"already submitted with this idempotency key: job {job['id']} ({job['kind']}, {job['status']})",
+                   err=True)
+    else:
+        click.echo(f"submitted job {job['id']} ({job['kind']}){children}", err=True)
     if not wait_:
         click.echo(job["id"])
         return
@@ -565,9 +588,13 @@ def jobs(kind, status, tag, parent, with_children, limit, all_, as_json):
                       *(f(j) for _, f in extra), j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
                     ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
     if more:  # cut off by --limit: say so, and how to see the rest
-        again = " ".join(f"--{k} {v}" for k, v in filters.items() if v is not None and not (k == "parent" and v == "none"))
-        again += " --children" if with_children else ""
-        click.echo(f"… more jobs: lmscope jobs {again + ' ' if again else ''}--limit {limit * 2} (or --all)", err=True)
+        again = [f"--{k} {v}" for k, v in filters.items() if v is not None and not (k == "parent" and v == "none")]
+        again += ["--children"] * with_children + ["--json"] * as_json + [f"--limit {limit * 2}"]
+        click.echo(f"… more jobs: lmscope jobs {' '.join(again)} (or --all)", err=True)
+    elif not items and parent not in (None, "none") and parent.isdigit():
+        job = c.get(int(parent))  # a missing job is a 404 that names it
+        if not job.get("children"):
+            click.echo(f"job {parent} is a {job['kind']} job, not a sweep: it has no children", err=True)
 
 
 @main.command()
@@ -584,7 +611,7 @@ def show(job_id, as_json):
             click.echo(f"{key:12} {job[key]}")
     if job.get("progress"):
         label = "last progress" if job["status"] in TERMINAL_STATES else "progress"
-        click.echo(f"{label:12} {ProgressLine(job_id).render(job)}")
+        click.echo(f"{label:12} {ProgressLine(job_id).render(job, head=False)}")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):
@@ -615,6 +642,12 @@ def results(job_id, fmt, series):
                    + (f"job {job_id} has: {shown}" if names else f"job {job_id} has no series"), err=True)
         if not data["series"]:
             raise SystemExit(1)
+    if not data["series"] and not series:
+        job = client().get(job_id)
+        why = {"queued": "it has not started", "running": "it writes its series when it finishes",
+               "failed": f"it failed ({(job.get('error') or {}).get('type')}); `lmscope show {job_id}`",
+               "cancelled": "it was cancelled before it finished"}.get(job["status"], "it recorded none")
+        click.echo(f"job {job_id} ({job['status']}) has no series: {why}", err=True)
     if fmt == "json":
         click.echo(json.dumps(data, indent=2))
         return
@@ -624,6 +657,64 @@ def results(job_id, fmt, series):
         labels = json.dumps(s["labels"], sort_keys=True)
         for x, y in zip(s["x"], s["y"]):
             out.writerow([s["name"], labels, x, y])
+
+
+@main.command()
+@click.argument("job_ids", nargs=-1, type=int, required=True)
+@click.option("--series", multiple=True, help="curves to compare (repeatable; `prefix*` matches a prefix)")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the curves into this PNG")
+@click.option("--logy", is_flag=True, help="with --plot: a log y axis")
+def compare(job_ids, series, fmt, plot_path, logy):
+    """Jobs side by side: the parameters that differ, the summaries, and (--series) the curves."""
+    if len(set(job_ids)) < 2:
+        raise click.UsageError("give at least two different job ids, e.g. `lmscope compare 3 5`")
+    if plot_path and not series:
+        raise click.UsageError("--plot draws the curves --series names, e.g. --series 'norm.mean'")
+    from lmscope.compare import plot_comparison
+
+    c = client().compare(list(job_ids), list(series))
+    if c.missing:
+        click.echo(f"no job has series {', '.join(map(repr, c.missing))}", err=True)
+    if fmt == "json":
+        click.echo(json.dumps(c.to_json(), indent=2))
+    elif fmt == "csv":
+        out = csv.writer(sys.stdout)
+        out.writerow(["series", "labels", "x", *(f"job {i}" for i in c.ids)])
+        for curve in c.curves:
+            labels = json.dumps(curve.labels, sort_keys=True)
+            for x, ys in curve.aligned(c.ids):
+                out.writerow([curve.name, labels, x, *("" if y is None else y for y in ys)])
+    else:
+        _print_comparison(c, bool(series))
+    if plot_path:
+        try:
+            click.echo(f"plot: {plot_comparison(c, plot_path, logy=logy)}", err=True)
+        except (RuntimeError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+
+
+def _print_comparison(c, with_curves: bool) -> None:
+    def cell(v):
+        return "-" if v is None else summary_value(v)
+
+    head = [[f"job {j['id']}" for j in c.jobs]]
+    rows = [["kind", *(j["kind"] for j in c.jobs)], ["status", *(j["status"] for j in c.jobs)]]
+    rows += [["name", *(j.get("name") or "" for j in c.jobs)]] if any(j.get("name") for j in c.jobs) else []
+    rows += [[f"params.{k}", *(cell(v.get(i)) for i in c.ids)] for k, v in c.params.items()]
+    rows += [[k, *(cell(v.get(i)) for i in c.ids)] for k, v in c.summary.items()]
+    print_table(rows, ["", *head[0]])
+    if not with_curves:
+        shared = sorted({curve.name for curve in c.curves if len(curve.by_job) == len(c.ids)})
+        if shared:
+            click.echo(f"\ncurves all of them have: {', '.join(shared[:20])}{' …' if len(shared) > 20 else ''}"
+                       "\n(compare them with --series NAME, draw them with --plot FILE)", err=True)
+        return
+    for curve in c.curves:
+        tag = ", ".join(f"{k}={v}" for k, v in sorted(curve.labels.items()))
+        click.echo(f"\n{curve.name}" + (f" [{tag}]" if tag else ""))
+        print_table([[summary_value(x), *(cell(y) for y in ys)] for x, ys in curve.aligned(c.ids)],
+                    ["x", *head[0]])
 
 
 @main.command()
@@ -669,17 +760,20 @@ def kinds(kind):
                err=True)
 
 
-def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | None = None) -> list[tuple[str, ...]]:
+def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | None = None,
+                study: str | None = None) -> list[tuple[str, ...]]:
     """(dotted name, type, default, limits and description) per parameter of a JSON schema; nested
-    models (e.g. a sweep's `grid`, `train`) are listed field by field."""
+    models (e.g. a sweep's `grid`, `train`) are listed field by field, and a field that belongs to one
+    study of a sweep (`x-study`) says which."""
     defs = schema.get("$defs", {}) if defs is None else defs
     required = set(schema.get("required", []))
     rows = []
     for name, prop in schema.get("properties", {}).items():
+        own_study = prop.get("x-study") or study
         ref = prop.get("$ref") or next((a["$ref"] for a in prop.get("allOf", []) if "$ref" in a), None)
         if ref:
             nested = defs.get(ref.rsplit("/", 1)[-1], {})
-            rows += schema_rows(nested, defaults.get(name) or {}, f"{prefix}{name}.", defs)
+            rows += schema_rows(nested, defaults.get(name) or {}, f"{prefix}{name}.", defs, own_study)
             continue
         if name in defaults:
             default = json.dumps(defaults[name], ensure_ascii=False)
@@ -696,6 +790,7 @@ def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | Non
         if len(choices) > 3:  # long lists of choices go with the notes, not in the type column
             limits.insert(0, "one of " + ", ".join(map(str, choices)))
         notes = "; ".join(limits + ([prop["description"]] if prop.get("description") else []))
+        notes = f"[study={own_study}] {notes}".rstrip() if own_study else notes
         rows.append((prefix + name, _schema_type(prop), default, notes))
     return rows
 
@@ -736,8 +831,8 @@ def models_list():
     """List registered models."""
     items = client().models()
     print_table([[m["name"], m["source"], m.get("architecture") or "", m.get("layers") or "", m.get("heads") or "",
-                  m.get("hidden") or "", m.get("params") or ""] for m in items],
-                ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "HIDDEN", "PARAMS"])
+                  m.get("hidden") or "", m.get("context") or "", m.get("params") or ""] for m in items],
+                ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "HIDDEN", "CONTEXT", "PARAMS"])
 
 
 @models.command("register")

@@ -15,13 +15,22 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import quote
 
 import requests
 
+if TYPE_CHECKING:
+    from lmscope.compare import Comparison
+
 DEFAULT_URL = "http://127.0.0.1:8765"
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+def default_url() -> str:
+    """Without LMSCOPE_URL: the local `lmscope up`, on LMSCOPE_PORT when that is set."""
+    port = os.environ.get("LMSCOPE_PORT", "").strip()
+    return f"http://127.0.0.1:{port}" if port else DEFAULT_URL
 
 
 class LmscopeError(Exception):
@@ -45,7 +54,7 @@ class LmscopeError(Exception):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 60.0,
                  session: requests.Session | None = None):
-        self.url = (url or os.environ.get("LMSCOPE_URL") or DEFAULT_URL).rstrip("/")
+        self.url = (url or os.environ.get("LMSCOPE_URL") or default_url()).rstrip("/")
         self.token = token if token is not None else os.environ.get("LMSCOPE_TOKEN")
         self.timeout = timeout
         self.http = session or requests.Session()
@@ -82,7 +91,11 @@ class Client:
         if tags:
             body["tags"] = list(tags)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._json("POST", "/v1/jobs", json=body, headers=headers)
+        r = self.request("POST", "/v1/jobs", json=body, headers=headers)
+        job = r.json()
+        if r.headers.get("Idempotent-Replayed") == "true":
+            job["replayed"] = True  # an earlier submission with this key made the job: nothing new was queued
+        return job
 
     def get(self, job_id: int) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{int(job_id)}")
@@ -135,6 +148,16 @@ class Client:
         """
         names = [series] if isinstance(series, str) else list(series or [])
         return self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=[("series", n) for n in names])
+
+    def compare(self, job_ids: list[int], series: str | list[str] | None = None) -> Comparison:
+        """Jobs side by side (lmscope.compare): the parameters that differ, their scalar summaries, and
+        their curves matched by series name and labels (`series` picks names as in `results`)."""
+        from lmscope.compare import compare
+
+        ids = list(dict.fromkeys(int(i) for i in job_ids))
+        if len(ids) < 2:
+            raise ValueError("compare needs at least two different jobs")
+        return compare([self.get(i) for i in ids], [self.results(i, series) for i in ids])
 
     def artifacts(self, job_id: int) -> list[dict[str, Any]]:
         return self._json("GET", f"/v1/jobs/{int(job_id)}/artifacts")["items"]

@@ -34,7 +34,7 @@ ENV_VARS = {
     "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
     "LMSCOPE_HOST": "address `lmscope up` binds (default 127.0.0.1; gunicorn takes its own --bind)",
     "LMSCOPE_PORT": "port `lmscope up` listens on (default 8765)",
-    "LMSCOPE_URL": "where the client and CLI find the API (default http://127.0.0.1:8765)",
+    "LMSCOPE_URL": "where the client and CLI find the API (default http://127.0.0.1:$LMSCOPE_PORT, or :8765)",
     "LMSCOPE_TOKEN": "bearer token the client and CLI send",
     "LMSCOPE_EXTRA_KINDS": "test hook: a module each worker imports and calls register() on (extra job kinds)",
 }

@@ -64,6 +64,14 @@ def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
     assert "≥ 1" in lines["max_samples"] and "documents" in lines["max_samples"]
     sweep = cli("kinds", "sweep").output
     assert "grid.latent_dim" in sweep and "train.epochs" in sweep and "one of poly_sumformer" in sweep
+    rows = {line.split()[0]: line for line in sweep.splitlines()[2:] if line.strip()}
+    from lmscope.params.sweep import ATTENTION_FIELDS, SUMFORMER_FIELDS
+
+    for name, line in rows.items():  # every field says which study reads it; `study` chooses
+        top = name.split(".")[0]
+        expected = "sumformer" if top in SUMFORMER_FIELDS else "attention" if top in ATTENTION_FIELDS else None
+        assert (f"[study={expected}]" in line) if expected else ("[study=" not in line), line
+    assert "fig2_poly" in rows["target"] and "attention:" in rows["study"]
     missing = cli("kinds", "nrms")
     assert missing.exit_code == 1 and "no kind 'nrms'" in missing.output and "norms" in missing.output
 
@@ -158,3 +166,117 @@ def test_kinds_lists_child_kinds_as_not_submittable(cli):
     assert "(child of sweep; not submittable)" in by_name["sumformer_fit"]
     assert "(child of sweep; not submittable)" in by_name["attention_approx"]
     assert "not submittable" not in by_name["probe"] and "norms" in by_name
+
+
+def test_a_filter_error_keeps_the_apis_advice(cli):
+    r = cli("jobs", "--status", "bogus")
+    assert r.exit_code == 1
+    assert "unknown status 'bogus'; use one of queued, running" in r.stderr  # not only "query.status: unknown status"
+
+
+def test_resubmitting_with_an_idempotency_key_says_nothing_new_was_queued(api, cli):
+    first = cli("submit", "probe", "-p", "model=m", "--idempotency-key", "k1")
+    again = cli("submit", "probe", "-p", "model=m", "--idempotency-key", "k1")
+    assert first.exit_code == again.exit_code == 0, again.output
+    job_id = int(first.stdout)
+    assert f"submitted job {job_id} (probe)" in first.stderr
+    assert f"already submitted with this idempotency key: job {job_id} (probe, queued)" in again.stderr
+    assert int(again.stdout) == job_id and len(api.jobs()) == 1
+
+
+def test_results_of_a_job_without_series_say_why(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="out-of-memory", error_message="CUDA OOM")
+    r = cli("results", str(job_id))
+    assert r.exit_code == 0 and json.loads(r.stdout)["series"] == []
+    assert f"job {job_id} (failed) has no series: it failed (out-of-memory); `lmscope show {job_id}`" in r.stderr
+
+
+def test_jobs_parent_of_a_job_that_is_not_a_sweep(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    r = cli("jobs", "--parent", str(job_id))
+    assert r.exit_code == 0 and f"job {job_id} is a probe job, not a sweep: it has no children" in r.stderr
+    assert cli("jobs", "--parent", "4242").exit_code == 1  # no such job: the API's 404
+
+
+def test_more_jobs_hint_keeps_every_option(api, cli):
+    for _ in range(3):
+        api.submit(api.user("ann"))
+    r = cli("jobs", "--limit", "2", "--json", "--children")
+    assert "… more jobs: lmscope jobs --children --json --limit 4 (or --all)" in r.stderr
+
+
+def test_wait_prints_the_summary_as_json_values(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    api.set_job(job_id, status="succeeded", finished_at=utcnow(),
+                summary={"loss_filter": None, "sequence_pct": 46.400000000000006, "position": "last", "ok": True})
+    out = cli("wait", str(job_id)).stdout
+    assert "loss_filter: null" in out and "sequence_pct: 46.4\n" in out and "position: last" in out
+    assert "ok: true" in out
+
+
+def test_the_cli_finds_a_local_server_on_lmscope_port(monkeypatch):
+    from lmscope.client import Client
+
+    monkeypatch.delenv("LMSCOPE_URL", raising=False)
+    monkeypatch.setenv("LMSCOPE_PORT", "8799")
+    assert Client().url == "http://127.0.0.1:8799"
+    monkeypatch.setenv("LMSCOPE_URL", "http://gpu-box:9000/")
+    assert Client().url == "http://gpu-box:9000"  # an explicit URL wins
+
+
+def _two_norms_like_jobs(api):
+    """Two finished jobs on different models, with summaries and curves (layer 3 only in the second)."""
+    api.add_model("m2")
+    h = api.user("ann")
+    a = api.submit(h, params={"model": "m"}, name="small").get_json()["id"]
+    b = api.submit(h, params={"model": "m2"}).get_json()["id"]
+    api.set_job(a, status="succeeded", finished_at=utcnow(), summary={"sequence_pct": 40.0, "samples": 10, "x": [1]})
+    api.set_job(b, status="succeeded", finished_at=utcnow(), summary={"sequence_pct": 55.5, "samples": 10})
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=a, name="norm.mean", labels={}, x=[0, 1, 2], y=[1.0, 2.0, 3.0]))
+        session.add(Series(job_id=b, name="norm.mean", labels={}, x=[0, 1, 2, 3], y=[1.5, 2.5, 3.5, 4.5]))
+        session.add(Series(job_id=a, name="entropy.mean", labels={"layer": 0}, x=[0], y=[0.7]))
+        session.add(Series(job_id=b, name="entropy.mean", labels={"layer": 0}, x=[0], y=[0.9]))
+        session.add(Series(job_id=b, name="entropy.mean", labels={"layer": 1}, x=[0], y=[0.8]))
+    return a, b
+
+
+def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_path):
+    a, b = _two_norms_like_jobs(api)
+    table = cli("compare", str(a), str(b))
+    assert table.exit_code == 0, table.output
+    rows = {line.split()[0]: line.split()[1:] for line in table.stdout.splitlines()[1:]}
+    assert rows["params.model"] == ["m", "m2"]  # only the parameters that differ
+    assert "params.prompt" not in rows and "params.dtype" not in rows
+    assert rows["sequence_pct"] == ["40", "55.5"] and rows["samples"] == ["10", "10"]
+    assert "x" not in rows  # a list is not a headline number
+    assert "curves all of them have: entropy.mean, norm.mean" in table.stderr
+
+    curves = cli("compare", str(a), str(b), "--series", "norm.mean", "--format", "csv").stdout.splitlines()
+    assert curves[0] == f"series,labels,x,job {a},job {b}"
+    assert curves[1:] == ["norm.mean,{},0,1.0,1.5", "norm.mean,{},1,2.0,2.5", "norm.mean,{},2,3.0,3.5",
+                          "norm.mean,{},3,,4.5"]  # x aligned by value; the first job has no layer 3
+
+    doc = json.loads(cli("compare", str(a), str(b), "--series", "entropy.*", "--format", "json").stdout)
+    by_layer = {s["labels"]["layer"]: s["jobs"] for s in doc["series"]}
+    assert by_layer[0] == {str(a): {"x": [0], "y": [0.7]}, str(b): {"x": [0], "y": [0.9]}}
+    assert by_layer[1] == {str(b): {"x": [0], "y": [0.8]}}  # matched by labels, not by position
+
+    plot = cli("compare", str(a), str(b), "--series", "norm.mean", "--series", "entropy.mean",
+               "--plot", str(tmp_path / "cmp.png"))
+    assert plot.exit_code == 0, plot.output
+    from PIL import Image
+
+    with Image.open(tmp_path / "cmp.png") as im:
+        assert im.size[0] > im.size[1] > 200  # two panels side by side
+
+
+def test_compare_refuses_what_it_cannot_do(api, cli):
+    a, b = _two_norms_like_jobs(api)
+    one = cli("compare", str(a))
+    assert one.exit_code == 2 and "at least two different job ids" in one.stderr
+    assert "--series" in cli("compare", str(a), str(b), "--plot", "x.png").stderr
+    assert cli("compare", str(a), "4242").exit_code == 1  # the API's 404 names the job
+    nothing = cli("compare", str(a), str(b), "--series", "nope")
+    assert "no job has series 'nope'" in nothing.stderr

@@ -1,0 +1,141 @@
+"""Several jobs side by side: the parameters that differ, the headline numbers, the curves.
+
+A join on the client of what the API already serves per job (`GET /v1/jobs/{id}` and its
+`/results`), so it works against any lmscope server: `Client.compare(ids, series)` and
+`lmscope compare`. Curves are matched by series name and labels (e.g. `norm.mean` of two models, or
+`entropy.mean` with `{layer: 2, head: 1}` of two checkpoints); x values are aligned by value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Scalar = (int, float, str, bool, type(None))
+
+
+@dataclass
+class Curve:
+    """One series name + labels, with each job's (x, y) where that job has it."""
+
+    name: str
+    labels: dict[str, Any]
+    by_job: dict[int, tuple[list, list]] = field(default_factory=dict)
+
+    def aligned(self, job_ids: list[int]) -> list[tuple[Any, list[Any]]]:
+        """[(x, [y of each job or None])] over the union of x values, in order of first appearance."""
+        xs: dict[Any, None] = {}
+        lookup = {}
+        for job_id in job_ids:
+            x, y = self.by_job.get(job_id, ([], []))
+            lookup[job_id] = {}
+            for xi, yi in zip(x, y):
+                key = json.dumps(xi)
+                xs.setdefault(key, None)
+                lookup[job_id].setdefault(key, yi)
+        return [(json.loads(k), [lookup[j].get(k) for j in job_ids]) for k in xs]
+
+
+@dataclass
+class Comparison:
+    jobs: list[dict[str, Any]]  # id, kind, name, status of each job, in the order asked
+    params: dict[str, dict[int, Any]]  # parameters whose values differ between the jobs
+    summary: dict[str, dict[int, Any]]  # every scalar summary value, by key then job
+    curves: list[Curve]
+    missing: list[str] = field(default_factory=list)  # --series names no job has
+
+    @property
+    def ids(self) -> list[int]:
+        return [j["id"] for j in self.jobs]
+
+    def to_json(self) -> dict[str, Any]:
+        def by_id(values: dict[int, Any]) -> dict[str, Any]:
+            return {str(k): v for k, v in values.items()}
+
+        return {"jobs": self.jobs, "params": {k: by_id(v) for k, v in self.params.items()},
+                "summary": {k: by_id(v) for k, v in self.summary.items()},
+                "series": [{"name": c.name, "labels": c.labels,
+                            "jobs": {str(j): {"x": x, "y": y} for j, (x, y) in c.by_job.items()}} for c in self.curves],
+                "missing": self.missing}
+
+
+def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Comparison:
+    """Join job documents (GET /v1/jobs/{id}) with their results (GET …/results), in the same order."""
+    ids = [j["id"] for j in jobs]
+    params: dict[str, dict[int, Any]] = {}
+    for key in dict.fromkeys(k for j in jobs for k in (j.get("params") or {})):
+        values = {j["id"]: (j.get("params") or {}).get(key) for j in jobs}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            params[key] = values
+    summary: dict[str, dict[int, Any]] = {}
+    for key in dict.fromkeys(k for j in jobs for k in (j.get("summary") or {})):
+        values = {j["id"]: (j.get("summary") or {}).get(key) for j in jobs}
+        if all(isinstance(v, Scalar) for v in values.values()):
+            summary[key] = values
+    curves: dict[tuple[str, str], Curve] = {}
+    for job_id, result in zip(ids, results):
+        for s in result.get("series") or []:
+            key = (s["name"], json.dumps(s.get("labels") or {}, sort_keys=True))
+            curve = curves.setdefault(key, Curve(s["name"], s.get("labels") or {}))
+            curve.by_job[job_id] = (s["x"], s["y"])
+    # a name a job lacks is only "missing" when no job has it
+    missing = sorted(set.intersection(*(set(r.get("missing") or []) for r in results))) if results else []
+    return Comparison(jobs=[{k: j.get(k) for k in ("id", "kind", "name", "status")} for j in jobs],
+                      params=params, summary=summary, curves=list(curves.values()), missing=missing)
+
+
+MAX_PANELS = 12
+
+
+def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> Path:
+    """One panel per series name; one colour per job, one line style per labels set."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib (pip install matplotlib, or lmscope[worker]); "
+                           "--format csv gives the numbers") from None
+    names = list(dict.fromkeys(curve.name for curve in c.curves))
+    if not names:
+        raise ValueError("no curves to plot: name them with --series (e.g. --series 'norm.*')")
+    if len(names) > MAX_PANELS:
+        raise ValueError(f"{len(names)} series names match; plot at most {MAX_PANELS} (narrow --series)")
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    colours = plt.get_cmap("tab10")
+    styles = ["-", "--", ":", "-."]
+    for ax, name in zip(axes.flat, names):
+        curves = [curve for curve in c.curves if curve.name == name]
+        labelled: set[int] = set()
+        for li, curve in enumerate(curves):
+            tag = ", ".join(f"{k}={v}" for k, v in sorted(curve.labels.items()))
+            for ji, job in enumerate(c.jobs):
+                if job["id"] not in curve.by_job:
+                    continue
+                x, y = curve.by_job[job["id"]]
+                # each job in the legend once; with several label sets, the line styles tell them apart
+                label = None if job["id"] in labelled else f"job {job['id']}" + (f" {job['name']}" if job.get("name") else "")
+                labelled.add(job["id"])
+                ax.plot(x, y, styles[li % len(styles)], color=colours(ji % 10), marker="." if len(x) < 30 else None,
+                        label=label, alpha=0.9 if len(curves) < 8 else 0.5)
+            if len(curves) <= len(styles) and tag:
+                ax.plot([], [], styles[li % len(styles)], color="grey", label=tag)
+        ax.set_title(name)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    fig.suptitle("compared: " + ", ".join(f"job {j['id']} ({j['kind']})" for j in c.jobs))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
