@@ -39,7 +39,7 @@ from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
 from lmscope.kernels import kernel_backend
-from lmscope.modeling.loading import DTYPES
+from lmscope.modeling.loading import DTYPES, cast_model
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
@@ -59,7 +59,7 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
                              bos_token_id=256, eos_token_id=257, pad_token_id=258)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        model = cast_model(model, device=device, dtype=DTYPES[dtype]).eval()
         return LoadedModel("bench-llama", model, byte_tokenizer())
     return load_spec(spec, dtype, device)
 

@@ -37,7 +37,7 @@ from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import read_documents
 from lmscope.config import Settings
-from lmscope.modeling.loading import DTYPES, model_info
+from lmscope.modeling.loading import DTYPES, cast_model, model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params.norms import NormsParams
 
@@ -58,7 +58,7 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
             intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")  # byte ids < 259 fit
-        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        model = cast_model(model, device=device, dtype=DTYPES[dtype]).eval()
         return LoadedModel(spec, model, byte_tokenizer(), model_info(model))
     return load_spec(spec, dtype, device)
 

@@ -37,6 +37,11 @@ def run_child(index: int, params: dict, device: str, folder: str) -> dict:
     from lmscope.analyses.sweep import run_sumformer_fit
     from lmscope.params import validate_params
 
+    import torch
+
+    # one CPU thread per process: 8 processes with torch's default thread pool each would oversubscribe
+    # the cores, and on a GPU these small models are bound by Python's kernel launches anyway
+    torch.set_num_threads(1)
     start = time.perf_counter()
     try:
         out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True),

@@ -107,6 +107,8 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
     with ctx.stage("forward"), torch.no_grad():
         start = time.perf_counter()
         logits = model(input_ids=ids).logits.float()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the launches return before the GPU has finished
         forward_ms = 1000 * (time.perf_counter() - start)
     # Mean next-token cross-entropy: position t predicts token t+1.
     loss = F.cross_entropy(logits[0, :-1], ids[0, 1:]).item()

@@ -129,6 +129,9 @@ def lmscope_attention_forward(
     collectors = [c for c in _ACTIVE.get() if c._owns(module)]
     backend = collectors[-1].backend if collectors else None
 
+    if not (query.dtype == key.dtype == value.dtype):
+        # under autocast, RoPE can hand over fp32 q, k with a bf16 v: attend in the value's dtype, as sdpa would
+        query, key = query.to(value.dtype), key.to(value.dtype)
     b, _, nq, _ = query.shape
     nk = key.shape[2]
     is_causal = kwargs.get("is_causal")

@@ -137,6 +137,21 @@ def model_info(model) -> dict[str, Any]:
     }
 
 
+# Buffers that stay float32 whatever the model's dtype: RoPE's inverse frequencies. from_pretrained(dtype=…)
+# leaves them float32; a plain .to(bfloat16) would round them, turning position 4096 up to ~2 rad off.
+FLOAT32_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_model(model: torch.nn.Module, *, device: str | torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(device, dtype)`` that keeps the float32 buffers (``FLOAT32_BUFFERS``) float32."""
+    keep = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in FLOAT32_BUFFERS and b.dtype == torch.float32}
+    model = model.to(device=device, dtype=dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf.to(device))
+    return model
+
+
 def load_model(name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu",
                attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
     """Load a registered model: ``source`` is ``builtin``, ``directory`` or ``checkpoint``."""
@@ -149,7 +164,7 @@ def load_model(name: str, source: str, path: str | None, *, dtype: str = "float3
     else:
         raise ModelLoadError(f"unknown model source {source!r}; use builtin, directory or checkpoint")
     if not sharded:
-        model = model.to(device=device, dtype=torch_dtype)
+        model = cast_model(model, device=device, dtype=torch_dtype)
     model.eval()
     info = model_info(model)
     info["source"] = source

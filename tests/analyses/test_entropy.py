@@ -48,9 +48,10 @@ def tiny_model(arch: str, seed: int = 0):
     return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
 
 
-def run_job(tmp_path, loaded_models: dict, documents, checkpoints=None, **params):
+def run_job(tmp_path, loaded_models: dict, documents, checkpoints=None, device="cpu", **params):
     """Run the job in-process on `loaded_models` (name -> LoadedModel); `model="m"` unless told otherwise."""
-    ctx = LocalContext(tmp_path, models=loaded_models, datasets={"wiki": documents}, checkpoints=checkpoints)
+    ctx = LocalContext(tmp_path, models=loaded_models, datasets={"wiki": documents}, checkpoints=checkpoints,
+                       device=device)
     if not {"model", "models", "train_job"} & params.keys():
         params["model"] = "m"
     params = EntropyParams(dataset="wiki", **{"seq_len": SEQ_LEN, "num_segments": 5, "batch_size": 2, **params})
@@ -62,10 +63,10 @@ def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:
     model = copy.deepcopy(loaded.model)
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        attentions = model(input_ids=windows, output_attentions=True, use_cache=False).attentions
+        attentions = model(input_ids=windows.to(model.device), output_attentions=True, use_cache=False).attentions
     out = []
     for p in attentions:  # [W, H, N, N]
-        p = p.double()
+        p = p.double().cpu()
         plogp = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))
         out.append((-plogp.sum(-1)).numpy())
     return np.stack(out)
@@ -127,12 +128,15 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch):
     assert ctx.progress_log == [(1, 3, "m"), (2, 3, "m"), (3, 3, "m")]
 
 
-def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch):
-    """The GPU route: the job through the Triton kernel (the interpreter on CPU), GQA LLaMA."""
+@pytest.mark.gpu
+def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch, device):
+    """The GPU route: the job through the Triton kernel (compiled on a GPU, the interpreter on CPU), GQA LLaMA."""
     pytest.importorskip("triton")
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
     loaded = tiny_model("llama")
-    out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1)
+    loaded.model.to(device)
+    out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1,
+                       device=device)
     assert ctx.environment["kernel_backend"] == out.summary["kernel_backend"] == "triton"
     ref = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, SEQ_LEN, 2))
     np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["by_position"][0], ref.mean(1), atol=2e-5)

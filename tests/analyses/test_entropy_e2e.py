@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 
 from lmscope.catalog import read_documents
@@ -27,6 +28,7 @@ def finished(client, worker, job_id):
     return job
 
 
+@pytest.mark.gpu
 def test_entropy_over_a_train_jobs_checkpoints(service):
     client, worker, settings = service
     # A slice of WikiText-2 uploaded as its own dataset keeps tokenizer training short.

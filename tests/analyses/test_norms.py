@@ -382,6 +382,27 @@ def test_documents_too_short_for_a_current_token_are_counted():
     assert first_only.doc_ids.tolist() == [1] and first_only.too_short == 1  # "x y" was never reached
 
 
+@pytest.mark.gpu
+def test_the_kernel_route_on_the_device_matches_the_reference(llama_run, tmp_path, documents, device, monkeypatch):
+    """What a GPU worker runs: the forward pass through lmscope's Triton kernel on the device (the
+    interpreter on a CPU), GQA LLaMA, against the reference route's run of the same job."""
+    pytest.importorskip("triton")
+    lm, ref_out, ref_ctx = llama_run
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
+    on_device = LoadedModel(lm.name, copy.deepcopy(lm.model).to(device), lm.tokenizer, lm.info)
+    ctx = LocalContext(tmp_path, models={"m": on_device}, datasets={"wiki": documents}, device=device)
+    params = NormsParams(model="m", dataset="wiki", max_tokens=MAX_TOKENS, min_words=MIN_WORDS, batch_size=4,
+                         max_samples=20, loss_filter=None, include_last_layer=True, pca_samples=10)
+    out = norms.run(params, ctx)
+    assert ctx.environment["kernel_backend"] == "triton"
+    got, ref = (np.load(c.artifact_dir / "trajectories.npz") for c in (ctx, ref_ctx))
+    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=1e-4)
+    for key in ("sequence_pct", "pair_pct", "inner_loss_kept"):
+        assert out.summary[key] == ref_out.summary[key], key
+    (loss,), (ref_loss,) = ([s for s in o.series if s.name == "inner_loss.mean"] for o in (out, ref_out))
+    np.testing.assert_allclose(loss.y, ref_loss.y, rtol=1e-4)
+
+
 def test_inner_loss_routes_agree_in_float32(llama_run, documents):
     """The job's dtype: the cheap route's losses match the whole-block route's to float32 rounding."""
     lm = llama_run[0]

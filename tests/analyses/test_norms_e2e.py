@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 
+@pytest.mark.gpu
 def test_norms_job_through_the_api(service):
     client, worker, _ = service
     params = {"model": "tiny-gpt2", "dataset": "wikitext-2", "max_samples": 12, "max_tokens": 48,

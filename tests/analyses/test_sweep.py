@@ -259,7 +259,7 @@ def _gpt2_qkv_by_hand(model, ids):
         x = block.attn.c_attn(block.ln_1(out.hidden_states[layer]))
         b, n, _ = x.shape
         heads = model.config.n_head
-        qkv[layer] = [t.view(b, n, heads, -1).transpose(1, 2).double() for t in x.split(model.config.n_embd, dim=2)]
+        qkv[layer] = [t.view(b, n, heads, -1).transpose(1, 2).double().cpu() for t in x.split(model.config.n_embd, dim=2)]
     return qkv
 
 
@@ -305,30 +305,36 @@ def _independent_approximation(method, projection, q, k, v, feats, seed, scale):
     return linformer_attention(qf, kf, vf, e, f, scale=scale)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("method,projection,scaled", [
     ("performer", "gaussian", False), ("linformer", "gaussian", False), ("linformer", "shared", False),
     ("linformer", "pooling", False), ("performer", "gaussian", True), ("linformer", "shared", True)])
-def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled):
-    """`scaled`: a GPT-2 with scale_attn_by_inverse_layer_idx, whose own attention is softmax(q kᵀ/(√D·(l+1)))."""
+def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled, device):
+    """`scaled`: a GPT-2 with scale_attn_by_inverse_layer_idx, whose own attention is softmax(q kᵀ/(√D·(l+1))).
+    On a GPU the study runs the Triton paths; the independent computation stays on the CPU."""
     from lmscope.analyses.sweep import _projection_seed
     from lmscope.catalog import read_documents
     from lmscope.modeling.windows import token_windows
 
     docs = read_documents(WIKITEXT, "lines")[:60]
     name = "scaled-gpt2" if scaled else "tiny-gpt2"
-    ctx = LocalContext(tmp_path, datasets={"w": docs},
-                       models={"scaled-gpt2": _gpt2_with_inverse_layer_scaling()} if scaled else None)
+    if scaled:
+        scaled_model = _gpt2_with_inverse_layer_scaling()
+        scaled_model.model.to(device)
+    ctx = LocalContext(tmp_path, datasets={"w": docs}, device=device,
+                       models={"scaled-gpt2": scaled_model} if scaled else None)
     params = validate_params("attention_approx", {
         "model": name, "dataset": "w", "method": method, "features": [4, 256], "layers": [0, 2],
         "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1, "linformer_projection": projection,
     }, internal=True)
     out = run_attention_approx(params, ctx)
+    assert ctx.environment["approximation_backend"] == ("triton" if device == "cuda" else "reference")
     got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
 
     lm = ctx.load_model(name)
     ids = token_windows(lm.tokenizer, docs, 32, 2)
     with torch.no_grad():
-        qkv = _gpt2_qkv_by_hand(lm.model, ids)
+        qkv = _gpt2_qkv_by_hand(lm.model, ids.to(lm.model.device))
     head_dim = qkv[0][0].shape[-1]
     for layer in (0, 2):
         q, k, v = qkv[layer]
@@ -467,6 +473,7 @@ def test_aggregation_fails_clearly_when_no_child_succeeded(tmp_path):
 
 # ---------------------------------------------------------------- through the service (API + embedded worker)
 
+@pytest.mark.gpu
 def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_url):
     """Submit over HTTP, cancel one child while queued, let the real worker run the rest and aggregate once."""
     import time

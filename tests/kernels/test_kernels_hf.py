@@ -204,3 +204,19 @@ def test_training_mode_dropout_is_refused(device):
     ids, _ = _batch(seed=7, device=device)
     with EntropyCollector(model), pytest.raises(ValueError, match="eval"):
         model(ids)
+
+
+def test_mixed_qkv_dtypes_attend_in_the_value_dtype_like_sdpa(backend, device):
+    """Under GPU autocast RoPE hands over float32 q, k with a bf16 v; sdpa would attend in bf16, so must we."""
+    from lmscope.kernels.hf import lmscope_attention_forward
+
+    module = _llama().to(device).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, n_heads, 9, 16, generator=g).to(device) for n_heads in (4, 2))
+    v = torch.randn(2, 2, 9, 16, generator=g).to(device=device, dtype=torch.bfloat16)
+    with EntropyCollector(module, backend=backend) as col:
+        out, _ = lmscope_attention_forward(module, q, k, v, None, scaling=0.25)
+    assert out.dtype == torch.bfloat16 and col.backends == {backend}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.bfloat16(), k.bfloat16().repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.25)
+    torch.testing.assert_close(out.float(), want.transpose(1, 2).float(), atol=2e-2, rtol=2e-2)

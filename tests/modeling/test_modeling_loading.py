@@ -91,6 +91,23 @@ def test_a_saved_directory_reloads_with_the_same_logits(name, tmp_path):
     torch.testing.assert_close(_logits(half).float(), _logits(original), atol=0.1, rtol=0.05)
 
 
+def test_a_bf16_model_keeps_rope_frequencies_in_float32(tmp_path):
+    """Position p rotates by p * inv_freq: rounded to bf16, inv_freq puts position 4096 radians off."""
+    full = load_model("tiny-llama", "builtin", None)
+    full.model.save_pretrained(tmp_path)
+    full.tokenizer.save_pretrained(tmp_path)
+    head_dim = full.model.config.hidden_size // full.model.config.num_attention_heads
+    # the textbook frequencies, theta = 10000 (LLaMA's default), in float64
+    expected = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    for half in (load_model("tiny-llama", "builtin", None, dtype="bfloat16"),
+                 load_model("copy", "directory", str(tmp_path), dtype="bfloat16")):
+        assert next(half.model.parameters()).dtype == torch.bfloat16
+        freqs = [b for n, b in half.model.named_buffers() if n.endswith("inv_freq")]
+        assert freqs and all(b.dtype == torch.float32 for b in freqs)
+        for b in freqs:
+            torch.testing.assert_close((4096 * b).double(), 4096 * expected, rtol=1e-6, atol=1e-5)
+
+
 def test_directory_without_tokenizer(tmp_path):
     lm = load_model("tiny-gpt2", "builtin", None)
     lm.model.save_pretrained(tmp_path / "bytes")  # vocabulary 259: the byte tokenizer is implied
