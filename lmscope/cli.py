@@ -705,7 +705,7 @@ def _print_comparison(c, with_curves: bool) -> None:
     rows += [[k, *(cell(v.get(i)) for i in c.ids)] for k, v in c.summary.items()]
     print_table(rows, ["", *head[0]])
     if not with_curves:
-        shared = sorted({curve.name for curve in c.curves if len(curve.by_job) == len(c.ids)})
+        shared = c.shared_series
         if shared:
             click.echo(f"\ncurves all of them have: {', '.join(shared[:20])}{' …' if len(shared) > 20 else ''}"
                        "\n(compare them with --series NAME, draw them with --plot FILE)", err=True)

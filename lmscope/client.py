@@ -150,14 +150,14 @@ class Client:
         return self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=[("series", n) for n in names])
 
     def compare(self, job_ids: list[int], series: str | list[str] | None = None) -> Comparison:
-        """Jobs side by side (lmscope.compare): the parameters that differ, their scalar summaries, and
-        their curves matched by series name and labels (`series` picks names as in `results`)."""
-        from lmscope.compare import compare
+        """Jobs side by side (GET /v1/compare → lmscope.compare.Comparison): the parameters that differ,
+        their scalar summaries, the names of the curves all of them have, and the curves `series` picks
+        (as in `results`), matched by series name and labels."""
+        from lmscope.compare import Comparison
 
-        ids = list(dict.fromkeys(int(i) for i in job_ids))
-        if len(ids) < 2:
-            raise ValueError("compare needs at least two different jobs")
-        return compare([self.get(i) for i in ids], [self.results(i, series) for i in ids])
+        names = [series] if isinstance(series, str) else list(series or [])
+        params = [("jobs", ",".join(str(int(i)) for i in job_ids))] + [("series", n) for n in names]
+        return Comparison.from_json(self._json("GET", "/v1/compare", params=params))
 
     def artifacts(self, job_id: int) -> list[dict[str, Any]]:
         return self._json("GET", f"/v1/jobs/{int(job_id)}/artifacts")["items"]

@@ -1,9 +1,9 @@
 """Several jobs side by side: the parameters that differ, the headline numbers, the curves.
 
-A join on the client of what the API already serves per job (`GET /v1/jobs/{id}` and its
-`/results`), so it works against any lmscope server: `Client.compare(ids, series)` and
-`lmscope compare`. Curves are matched by series name and labels (e.g. `norm.mean` of two models, or
-`entropy.mean` with `{layer: 2, head: 1}` of two checkpoints); x values are aligned by value.
+A join of what the API serves per job (its document and its series), done by `GET /v1/compare`
+(which `Client.compare`, `lmscope compare` and the dashboard use). Curves are matched by series name
+and labels (e.g. `norm.mean` of two models, or `entropy.mean` with `{layer: 2, head: 1}` of two
+checkpoints); x values are aligned by value.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Comparison:
     summary: dict[str, dict[int, Any]]  # every scalar summary value, by key then job
     curves: list[Curve]
     missing: list[str] = field(default_factory=list)  # --series names no job has
+    shared_series: list[str] = field(default_factory=list)  # series names every job has
 
     @property
     def ids(self) -> list[int]:
@@ -58,7 +59,18 @@ class Comparison:
                 "summary": {k: by_id(v) for k, v in self.summary.items()},
                 "series": [{"name": c.name, "labels": c.labels,
                             "jobs": {str(j): {"x": x, "y": y} for j, (x, y) in c.by_job.items()}} for c in self.curves],
-                "missing": self.missing}
+                "missing": self.missing, "shared_series": self.shared_series}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "Comparison":
+        def by_int(values: dict[str, Any]) -> dict[int, Any]:
+            return {int(k): v for k, v in values.items()}
+
+        curves = [Curve(s["name"], s["labels"], {int(j): (xy["x"], xy["y"]) for j, xy in s["jobs"].items()})
+                  for s in doc.get("series") or []]
+        return cls(jobs=doc["jobs"], params={k: by_int(v) for k, v in doc["params"].items()},
+                   summary={k: by_int(v) for k, v in doc["summary"].items()}, curves=curves,
+                   missing=doc.get("missing") or [], shared_series=doc.get("shared_series") or [])
 
 
 def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Comparison:

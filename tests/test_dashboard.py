@@ -56,3 +56,28 @@ def test_dashboard_shows_jobs_progress_summary_and_plots(lmscope_up, tmp_path):
     shot = tmp_path / "dashboard.png"
     browse(f"{url}/#job={job['id']}", f"--screenshot={shot}", "--window-size=1400,1000")
     assert shot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_dashboard_compares_jobs_side_by_side(lmscope_up, tmp_path):
+    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    url = lmscope_up["LMSCOPE_URL"]
+    client = Client(url)
+    ids = [client.submit("probe", {"model": model})["id"] for model in ("tiny-gpt2", "tiny-llama")]
+    for job_id in ids:
+        assert client.wait(job_id, timeout=120)["status"] == "succeeded"
+    expected = client.compare(ids, "parameters.by_layer")
+    assert expected.params["model"] == {ids[0]: "tiny-gpt2", ids[1]: "tiny-llama"}
+
+    a, b = ids
+    dom = browse(f"{url}/#compare={a},{b}&series=parameters.by_layer", "--dump-dom")
+    assert 'id="compare-table"' in dom and f"job {a}</th>" in dom and f"job {b}</th>" in dom
+    assert "params.model" in dom and "tiny-llama" in dom  # the parameter that differs, side by side
+    assert 'data-series="parameters.by_layer"' in dom
+    lines = dom.count("<polyline")
+    assert lines == sum(len(c.by_job) for c in expected.curves) >= 2  # a line per job and label set
+    assert '<option value="parameters.by_layer">' in dom  # the curves both jobs have, to pick from
+
+    shot = tmp_path / "compare.png"
+    browse(f"{url}/#compare={a},{b}&series=parameters.by_layer", f"--screenshot={shot}", "--window-size=1400,1000")
+    assert shot.read_bytes().startswith(b"\x89PNG")

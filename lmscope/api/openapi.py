@@ -64,6 +64,13 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
                                  "series names to return (repeat; `prefix*` matches a prefix)"), "explode": True}],
         "responses": {"200": _json("Results")},
     },
+    ("get", "results.compare_jobs"): {
+        "parameters": [
+            {**_query("jobs", {"type": "string"}, "2 to 20 job ids, comma-separated (or repeated)"), "required": True},
+            {**_query("series", {"type": "array", "items": {"type": "string"}},
+                      "curves to compare (repeat; `prefix*` matches a prefix)"), "explode": True}],
+        "responses": {"200": _json("Comparison"), "404": PROBLEM, "422": PROBLEM},
+    },
     ("get", "results.download_artifact"): {
         "responses": {"200": {"description": "the file", "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}},
     ("get", "events.job_events"): {
@@ -221,6 +228,15 @@ STATIC_SCHEMAS: dict[str, Any] = {
                                                     "max_sweep_points": {"type": "integer"}}},
         "per_user_limits": {"type": "array", "items": {"type": "string"},
                             "description": "the limits set for this user (the others are the server's)"}}},
+    "Comparison": {"type": "object", "properties": {
+        "jobs": {"type": "array", "items": {"type": "object", "description": "id, kind, name, status"}},
+        "params": {"type": "object", "description": "parameter → {job id: value}, only those that differ"},
+        "summary": {"type": "object", "description": "scalar summary key → {job id: value}"},
+        "series": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "labels": {"type": "object"},
+            "jobs": {"type": "object", "description": "job id → {x, y}"}}}},
+        "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names no job has"},
+        "shared_series": {"type": "array", "items": {"type": "string"}, "description": "names every job has"}}},
     "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "series": {"type": "array", "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},

@@ -10,9 +10,10 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.jobs import load_visible_job
+from lmscope.api.jobs import load_visible_job, render_job
 from lmscope.api.render import artifact_url, iso
 from lmscope.api.state import state
+from lmscope.compare import compare
 from lmscope.db.models import Artifact, Series
 
 bp = Blueprint("results", __name__, url_prefix="/v1")
@@ -20,6 +21,28 @@ bp = Blueprint("results", __name__, url_prefix="/v1")
 
 def job_dir(job_id: int) -> Path:
     return state().settings.artifact_dir / "jobs" / str(job_id)
+
+
+def pick_series(session, job_id: int, wanted: list[str]) -> tuple[list[Series], list[str]]:
+    """The job's series whose names are in `wanted` (a name ending in `*` matches a prefix; none: all),
+    and the wanted names that matched nothing."""
+    q = select(Series).where(Series.job_id == job_id).order_by(Series.id)
+    if wanted:
+        exact = [w for w in wanted if not w.endswith("*")]
+        prefixes = [w[:-1] for w in wanted if w.endswith("*")]
+        q = q.where(or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes)))
+    rows = session.scalars(q).all()
+    found = {r.name for r in rows}
+    missing = [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
+    return rows, missing
+
+
+def series_names(session, job_id: int) -> list[str]:
+    return sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
+
+
+def series_json(rows: list[Series]) -> list[dict]:
+    return [{"name": r.name, "labels": r.labels, "x": r.x, "y": r.y} for r in rows]
 
 
 @bp.get("/jobs/<int:job_id>/results")
@@ -32,20 +55,38 @@ def get_results(job_id: int):
     wanted = request.args.getlist("series")
     with state().sessions() as session:
         load_visible_job(session, current_caller(), job_id)
-        q = select(Series).where(Series.job_id == job_id).order_by(Series.id)
-        if wanted:
-            exact = [w for w in wanted if not w.endswith("*")]
-            prefixes = [w[:-1] for w in wanted if w.endswith("*")]
-            q = q.where(or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes)))
-        rows = session.scalars(q).all()
-        found = {r.name for r in rows}
+        rows, missing = pick_series(session, job_id, wanted)
         # A requested name (or prefix*) that matched nothing: say so, and which names exist.
-        missing = [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
-        available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
-                     if missing else None)
-    body = {"job_id": job_id, "series": [{"name": r.name, "labels": r.labels, "x": r.x, "y": r.y} for r in rows]}
+        available = series_names(session, job_id) if missing else None
+    body = {"job_id": job_id, "series": series_json(rows)}
     if missing:
         body.update(missing=missing, available=available)
+    return body
+
+
+MAX_COMPARED = 20
+
+
+@bp.get("/compare")
+def compare_jobs():
+    """Jobs side by side: the parameters that differ, scalar summaries, and (`series=`) their curves
+    matched by name and labels; `shared_series` names the curves every one of them has."""
+    raw = [part.strip() for arg in request.args.getlist("jobs") for part in arg.split(",") if part.strip()]
+    if not all(part.isdigit() for part in raw) or not 2 <= len(ids := list(dict.fromkeys(map(int, raw)))) <= MAX_COMPARED:
+        msg = f"give 2 to {MAX_COMPARED} different job ids separated by commas, e.g. jobs=3,5"
+        raise Problem(422, "validation-error", "Invalid query", f"jobs: {msg}",
+                      errors=[{"loc": ["query", "jobs"], "msg": msg, "type": "value_error"}])
+    wanted = request.args.getlist("series")
+    caller = current_caller()
+    with state().sessions() as session:
+        jobs = [render_job(session, load_visible_job(session, caller, i)) for i in ids]
+        results, names = [], []
+        for i in ids:
+            rows, missing = pick_series(session, i, wanted) if wanted else ([], [])
+            results.append({"series": series_json(rows), "missing": missing})
+            names.append(set(series_names(session, i)))
+    body = compare(jobs, results).to_json()
+    body["shared_series"] = sorted(set.intersection(*names))
     return body
 
 

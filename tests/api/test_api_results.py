@@ -136,3 +136,39 @@ def test_a_series_name_that_matches_nothing_lists_the_names_that_exist(api):
     assert r["available"] == ["entropy.head", "norm.mean", "norm.std"]
     # Everything found: no such fields.
     assert "missing" not in api.client.get(f"/v1/jobs/{job_id}/results?series=norm.*", headers=h).get_json()
+
+
+def test_compare_joins_jobs_on_both_databases(api):
+    h = api.user("ann")
+    api.add_model("m2")
+    a = api.submit(h, params={"model": "m"}).get_json()["id"]
+    b = api.submit(h, params={"model": "m2"}).get_json()["id"]
+    add_results(api, a, {})
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=b, name="norm.mean", labels={"layer": None}, x=[0, 1], y=[2.0, 3.0]))
+    api.set_job(a, status="succeeded", summary={"pair_pct": 75.0, "layers": 3})
+    api.set_job(b, status="succeeded", summary={"pair_pct": 80.0, "layers": 3})
+    doc = api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).get_json()
+    assert [j["id"] for j in doc["jobs"]] == [a, b]
+    assert doc["params"] == {"model": {str(a): "m", str(b): "m2"}}  # only what differs
+    assert doc["summary"] == {"pair_pct": {str(a): 75.0, str(b): 80.0}, "layers": {str(a): 3, str(b): 3}}
+    assert doc["shared_series"] == ["norm.mean"]
+    mean = next(s for s in doc["series"] if s["name"] == "norm.mean")
+    assert mean["jobs"] == {str(a): {"x": [0, 1, 2], "y": [1.0, 1.5, 2.25]}, str(b): {"x": [0, 1], "y": [2.0, 3.0]}}
+    std = next(s for s in doc["series"] if s["name"] == "norm.std")
+    assert list(std["jobs"]) == [str(a)]
+    # repeated `jobs`, and a series nobody has
+    again = api.client.get(f"/v1/compare?jobs={a}&jobs={b}&series=nope", headers=h).get_json()
+    assert again["series"] == [] and again["missing"] == ["nope"]
+
+
+def test_compare_refuses_bad_job_lists_and_other_users_jobs(api):
+    h = api.user("ann")
+    a = api.submit(h).get_json()["id"]
+    b = api.submit(h).get_json()["id"]
+    for query in (f"jobs={a}", f"jobs={a},{a}", "jobs=x,y", "", "jobs=" + ",".join(map(str, range(1, 23)))):
+        body = is_problem(api.client.get(f"/v1/compare?{query}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", "jobs"] and "jobs=3,5" in body["detail"]
+    theirs = api.submit(api.user("bob")).get_json()["id"]
+    is_problem(api.client.get(f"/v1/compare?jobs={a},{theirs}", headers=h), 404, "not-found")
+    assert api.client.get(f"/v1/compare?jobs={a},{b}", headers=h).status_code == 200
