@@ -396,6 +396,8 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     n = params.seq_len
 
     uniform_mean = float(np.log(np.arange(n) + 1.0).mean())  # what a fully mean-pooling head scores
+    source = (f"{last_name} on {params.dataset}" if len(names) == 1
+              else f"{names[0]} … {last_name} on {params.dataset}")
 
     # Layer × head heatmap of the mean entropy, annotated with the values.
     fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.7 * heads), max(3.5, 1.5 + 0.45 * layers)))
@@ -405,7 +407,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
                     color="black" if v > 0.6 * uniform_mean else "white")
     ax.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers))
-    ax.set_title(f"mean attention entropy (nats), {last_name}\n"
+    ax.set_title(f"mean attention entropy (nats), {last_name} on {params.dataset}\n"
                  f"scale top = uniform {uniform_mean:.2f} (mean of ln(t+1))", fontsize=10)
     fig.colorbar(im, ax=ax, label="nats")
     save(fig, out / "entropy_heatmap.png")
@@ -423,7 +425,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
                             color=color, alpha=0.2, label="± std over heads")
     ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
-    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title="attention entropy by layer", xticks=range(layers))
+    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}", xticks=range(layers))
     ax.legend(fontsize=7)
     save(fig, out / "entropy_by_layer.png")
 
@@ -435,7 +437,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                 label=f"layer {layer}")
     ax.plot(positions, np.log(positions + 1.0), "k--", label="uniform bound ln(t+1)")
     ax.set(xlabel="query position t", ylabel="mean entropy (nats)",
-           title=f"attention entropy by position, {last_name}")
+           title=f"attention entropy by position, {last_name} on {params.dataset}")
     ax.legend(fontsize=7, ncol=2)
     save(fig, out / "entropy_by_position.png")
 
@@ -455,25 +457,37 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             axes[extra // cols][extra % cols].axis("off")
             # the panel above an empty slot is the bottom of its column: it shows the steps
             axes[extra // cols - 1][extra % cols].tick_params(axis="x", labelbottom=True)
-        fig.suptitle("attention entropy over training")
+        fig.suptitle(f"attention entropy over training, {source}")
         save(fig, out / "entropy_over_training.png")
 
     if dim_results[-1] is not None:
+        # Left: the histograms, on a log density axis (most rows sit in the last bins, next to the
+        # bound; a linear axis showed one spike). Right: the near-uniform share per layer × head.
         d = dim_results[-1]
         edges = np.linspace(0.0, math.log(n), params.histogram_bins + 1)
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        fig, (ax, hm) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
         for layer in range(layers):
             ax.stairs(d["hist_density"][layer], edges, color=cmap(layer / max(1, layers - 1)),
                       label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
+        ax.set_yscale("log")
         if params.dimension_causal:
             ax.axvline(math.log(n), color="k", ls="--", label=f"ln({n}) (bound of the last row)")
         else:
             ax.axvline(math.log(n), color="k", ls="--", label=f"uniform ln({n}) = {math.log(n):.2f}")
             ax.axvline(math.log(n) - params.near_uniform_margin, color="r", ls=":",
                        label=f"near-uniform threshold (−{params.near_uniform_margin} nats)")
-        ax.set(xlabel="entropy of softmax(q_i k_iᵀ/√d) (nats)", ylabel="density",
-               title=f"dimension-wise attention entropy, {last_name}\n"
+        ax.set(xlabel="entropy of softmax(q_i k_iᵀ/√d) (nats)", ylabel="density (log scale)",
+               title=f"dimension-wise attention entropy, {last_name} on {params.dataset}\n"
                      f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
                      f"({'causal' if params.dimension_causal else 'bidirectional'})")
         ax.legend(fontsize=7)
+        share = d["near_uniform_pct"]
+        im = hm.imshow(share, cmap="magma", aspect="auto", vmin=0, vmax=100)
+        if layers * heads <= 400:
+            for (layer, head), v in np.ndenumerate(share):
+                hm.text(head, layer, f"{v:.1f}", ha="center", va="center", fontsize=7,
+                        color="black" if v > 60 else "white")
+        hm.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers),
+               title=f"% of (dimension, query) rows within {params.near_uniform_margin} nats of uniform")
+        fig.colorbar(im, ax=hm, label="%")
         save(fig, out / "dimension_entropy.png")

@@ -33,7 +33,7 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
     ax.set_xlabel("hidden state (h0 = embedding output, hl = output of block l)")
     ax.set_ylabel("L2 norm of the current token's hidden state")
     ax.set_title(f"{title}: {S} trajectories\nnon-decreasing: {sequence_pct:.1f} % of sequences, "
-                 f"{pair_pct:.1f} % of pairs (null {100 * 2.0 ** -(points - 1):.2g} %)", fontsize=10)
+                 f"{pair_pct:.1f} % of pairs (null {100 * 2.0 ** -(points - 1):.3g} %)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     save(fig, path)

@@ -367,8 +367,10 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     _plot_attention(ctx.artifact_dir / "attention_approx.png",
                     {(params.method, layer): (ks, curve[layer], None, None) for layer in layers},
                     {params.method: (ks, ratios)},
-                    title=f"{params.model}: {params.method} (seed {params.seed}) vs exact softmax attention",
-                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]})
+                    title=f"{params.model} on {params.dataset}: {params.method} (seed {params.seed}) vs exact "
+                          "softmax attention",
+                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
+                    timing=_timing_note({backend}))
     return JobOutput(summary, series)
 
 
@@ -524,10 +526,14 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         **({"linformer_projection": params.linformer_projection} if "linformer" in references else {}),
         "plots": ["attention_approx.png"],
     }
+    seeds = len(params.seed_list)
     _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
-                    title=f"{params.model}: approximations vs exact softmax attention "
-                          f"({params.num_segments} windows of {params.seq_len} tokens)",
-                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]})
+                    title=f"{params.model} on {params.dataset}: approximations vs exact softmax attention "
+                          f"({params.num_segments} windows of {params.seq_len} tokens; "
+                          + ("1 seed: one random draw per k" if seeds == 1 else f"mean over {seeds} seeds, band = min–max")
+                          + ")",
+                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
+                    timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}))
     return JobOutput(summary, series)
 
 
@@ -609,6 +615,13 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
     return True
 
 
+def _timing_note(backends: set[str]) -> str:
+    """What the time ratios were measured on: the exact side is attention_with_entropy (entropy included)."""
+    where = "/".join(sorted(backends))
+    cpu = " (on a CPU the exact reference builds the N × N matrix)" if "reference" in backends else ""
+    return f"{where} kernels; exact = attention with entropy{cpu}"
+
+
 def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     """Best val error vs d′ (log–log), one line per token dim d, theory d′ = C(n+d,d)−1 marked."""
     plt = _pyplot()
@@ -627,7 +640,10 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
             ax.plot(xs, [m for m, _, _ in stats], marker="o", ms=3, color=color, label=f"d={d}")
             if any(len(per_x[x]) > 1 for x in xs):
                 ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=color, alpha=0.15)
-            ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1)
+            ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1.6, alpha=0.9)
+        xs_all = [x for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k) for x in best[key]]
+        theory = [theory_latent_dim(d, n) for d in ds]
+        ax.set_xlim(min(xs_all + theory) / 1.5, max(xs_all + theory) * 1.5)  # every theory d′ inside the frame
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         title = f"{arch} on {target}, n={n}" + (f", k={k}" if k else "")
@@ -640,9 +656,14 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     plt.close(fig)
 
 
+ERROR_FLOOR = 1e-4  # relative errors below it are exact up to rounding: drawn at the floor, as ▼
+
+
 def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dict[str, tuple], *, title: str,
-                    notes: dict[str, str] | None = None) -> None:
-    """Relative error vs k (log–log, one line per layer), a panel per method, and the time ratio."""
+                    notes: dict[str, str] | None = None, seq_len: int | None = None,
+                    timing: str | None = None) -> None:
+    """Relative error vs k (log–log, one line per layer), a panel per method, and the time ratio.
+    ``seq_len`` marks k = N on the Linformer panel; ``timing`` says what the times were measured on."""
     plt = _pyplot()
     methods = sorted({m for m, _ in panels})
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
@@ -653,9 +674,18 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
         for i, layer in enumerate(layers):
             xs, ys, los, his = panels[method, layer]
             color = cmap(i / max(len(layers), 1))
-            ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"layer {layer}")
+            # float rounding (~1e-7) would stretch the log axis over decades that mean nothing
+            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, label=f"layer {layer}")
+            exact = [(x, ERROR_FLOOR) for x, y in zip(xs, ys) if y < ERROR_FLOOR]
+            if exact:
+                ax.plot(*zip(*exact), "v", ms=7, color=color)
             if los is not None:
-                ax.fill_between(xs, los, his, color=color, alpha=0.15)
+                ax.fill_between(xs, [max(v, ERROR_FLOOR) for v in los], [max(v, ERROR_FLOOR) for v in his],
+                                color=color, alpha=0.15)
+        if any(y < ERROR_FLOOR for layer in layers for y in panels[method, layer][1]):
+            ax.plot([], [], "v", color="gray", label=f"< {ERROR_FLOOR:g}: exact up to rounding")
+        if method == "linformer" and seq_len and max(panels[method, layers[0]][0]) >= seq_len:
+            ax.axvline(seq_len, color="gray", ls="--", lw=1, label=f"k = N = {seq_len}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ref = "causal" if method == "performer" else "bidirectional"
@@ -670,7 +700,8 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set(xlabel="k", ylabel="approximation time / exact kernel time", title="time ratio")
+    ax.set(xlabel="k", ylabel="approximation time / exact kernel time",
+           title="time ratio" + (f"\n({timing})" if timing else ""))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -370,7 +370,7 @@ def test_over_training_panels_at_the_bottom_of_each_column_show_the_steps(tmp_pa
     results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n))}
                for step in (1, 2)]
     ctx = types.SimpleNamespace(artifact_dir=tmp_path)
-    entropy._plots(ctx, types.SimpleNamespace(seq_len=n), [100, 200], ["r@step100", "r@step200"], results, [None, None])
+    entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki"), [100, 200], ["r@step100", "r@step200"], results, [None, None])
     fig = saved["entropy_over_training.png"]
     fig.canvas.draw()
     shown = {ax.get_title(): any(t.get_visible() and t.get_text() for t in ax.get_xticklabels())
