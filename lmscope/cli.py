@@ -294,8 +294,12 @@ def db_upgrade():
     from lmscope.db.engine import upgrade
 
     settings = Settings.from_env()
-    upgrade(settings.database_url)
-    click.echo("database is up to date")
+    before, after = upgrade(settings.database_url)
+    if before == after:
+        click.echo(f"database is up to date (revision {after})")
+    else:
+        click.echo(f"database {'created' if before is None else f'migrated from revision {before}'}: "
+                   f"now at revision {after}")
 
 
 def _sessions():

@@ -70,7 +70,8 @@ class Client:
         except requests.ConnectionError as e:
             raise LmscopeError(0, {"title": "Cannot reach the lmscope API",
                                    "detail": f"{self.url}: {e.__class__.__name__}. Is the server running "
-                                             "(`lmscope up`)? Set LMSCOPE_URL to its address."}) from None
+                                             "(`lmscope up`, or your team's API)? Set LMSCOPE_URL to its "
+                                             "address."}) from None
         except requests.Timeout:
             raise LmscopeError(0, {"title": "The lmscope API did not answer",
                                    "detail": f"{method} {path} took longer than {kwargs['timeout']} s"}) from None
@@ -122,15 +123,30 @@ class Client:
         return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel")
 
     def wait(self, job_id: int, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
-             timeout: float | None = None, poll: float = 0.5) -> dict[str, Any]:
+             timeout: float | None = None, poll: float = 0.5, outage: float = 120.0) -> dict[str, Any]:
         """Poll until the job is terminal; `on_progress(job)` is called whenever status or progress changes.
 
-        Raises TimeoutError after `timeout` seconds (the job keeps running).
+        Raises TimeoutError after `timeout` seconds (the job keeps running). An API that cannot be
+        reached (a restart, a rollout: no answer, 502, 503, 504) is polled again for up to `outage`
+        seconds before the error is raised, saying that the job keeps running.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         last = None
+        down_since = None
         while True:
-            job = self.get(job_id)
+            try:
+                job = self.get(job_id)
+            except LmscopeError as e:
+                if e.status not in (0, 502, 503, 504):
+                    raise
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since >= outage or (deadline is not None and time.monotonic() >= deadline):
+                    raise LmscopeError(e.status, {**e.problem, "detail": f"{e.problem.get('detail')} (for "
+                                                  f"{time.monotonic() - down_since:.0f} s); job {job_id} keeps running "
+                                                  f"on the server: `lmscope wait {job_id}` once it answers"}) from None
+                time.sleep(min(5.0, max(poll, 1.0)))
+                continue
+            down_since = None
             seen = (job["status"], job.get("progress"), job.get("cancel_requested"))
             if on_progress and seen != last:
                 on_progress(job)

@@ -85,6 +85,20 @@ def test_server_commands_exist():
     assert {"create", "token", "tokens", "revoke", "list", "limits"} <= set(main.commands["user"].commands)
 
 
+def test_db_upgrade_says_what_it_did(tmp_path, monkeypatch):
+    """An empty database is created (it used to say "up to date" for that too); a second run changes nothing."""
+    from alembic.script import ScriptDirectory
+
+    from lmscope.db.engine import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{tmp_path / 'fresh.db'}")
+    first = CliRunner().invoke(main, ["db", "upgrade"])
+    assert first.exit_code == 0 and first.output.strip() == f"database created: now at revision {head}"
+    again = CliRunner().invoke(main, ["db", "upgrade"])
+    assert again.output.strip() == f"database is up to date (revision {head})"
+
+
 # ---------------------------------------------------------------- users (direct database access)
 
 def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_path, monkeypatch):

@@ -618,8 +618,8 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
 def _timing_note(backends: set[str]) -> str:
     """What the time ratios were measured on: the exact side is attention_with_entropy (entropy included)."""
     where = "/".join(sorted(backends))
-    cpu = " (on a CPU the exact reference builds the N × N matrix)" if "reference" in backends else ""
-    return f"{where} kernels; exact = attention with entropy{cpu}"
+    cpu = "\nthe CPU reference builds the N × N matrix" if "reference" in backends else ""
+    return f"{where} kernels, exact incl. entropy{cpu}"
 
 
 def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:

@@ -6,6 +6,7 @@ Light on purpose (SQLAlchemy + ``lmscope.catalog``, no torch): the API image shi
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from sqlalchemy import select
@@ -18,6 +19,7 @@ from lmscope.config import Settings
 from lmscope.db.models import Dataset, Model
 
 WIKITEXT2 = "wikitext-2"
+log = logging.getLogger("lmscope.builtins")
 
 
 def _upsert(session_factory: sessionmaker[Session], model, name: str, values: dict) -> None:
@@ -47,7 +49,11 @@ def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) 
             vocab_size=facts.vocab_size, num_parameters=builtin_parameter_count(config), dtype="float32",
             info={**facts.info, "config": dict(config), "tokenizer": "bytes"}))
     path = settings.wikitext2_path
-    if path and Path(path).is_file():
+    if path and not Path(path).is_file():
+        # a wrong mount (CORPORA_DIR) would otherwise show up only as "dataset 'wikitext-2' is not registered"
+        log.warning("LMSCOPE_WIKITEXT2_PATH=%s is not a file: the built-in dataset %r is not registered (check the "
+                    "mount, e.g. CORPORA_DIR in docker-compose)", path, WIKITEXT2)
+    elif path:
         with session_factory() as session:
             row = session.execute(select(Dataset.sha256, Dataset.path).where(Dataset.name == WIKITEXT2)).one_or_none()
         if row is None or row.path != str(Path(path).resolve()) or row.sha256 != sha256_bytes(Path(path).read_bytes()):

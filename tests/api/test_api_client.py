@@ -123,3 +123,33 @@ def test_datasets_and_models(api, ann, tmp_path):
     with pytest.raises(LmscopeError) as e:
         ann.register_model("x", tmp_path)
     assert e.value.status == 403
+
+
+def test_wait_rides_out_an_api_restart(api, live):
+    """A rollout or restart of the API must not fail every user's `--wait`; a long outage says the job runs on."""
+    from werkzeug.serving import make_server
+
+    api.user("ann")
+    c = Client(live.url, api.tokens["ann"])
+    job_id, other = (c.submit("probe", {"model": "m"})["id"] for _ in range(2))
+    port = live.server.server_port
+    outcome = {}
+    waiter = threading.Thread(target=lambda: outcome.update(job=c.wait(job_id, poll=0.1)))
+    waiter.start()
+    time.sleep(0.5)
+    live.stop()
+    live.server.server_close()  # the API is gone: connections are refused
+    api.set_job(job_id, status="succeeded", finished_at=utcnow())
+    time.sleep(2.0)
+    assert waiter.is_alive()  # still waiting through the outage
+    again = make_server("127.0.0.1", port, api.app, threaded=True)
+    threading.Thread(target=again.serve_forever, daemon=True).start()
+    try:
+        waiter.join(20)
+        assert outcome["job"]["status"] == "succeeded"
+    finally:
+        again.shutdown()
+        again.server_close()
+    with pytest.raises(LmscopeError) as e:
+        c.wait(other, outage=1.0)
+    assert e.value.status == 0 and f"job {other} keeps running on the server: `lmscope wait {other}`" in str(e.value)

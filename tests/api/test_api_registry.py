@@ -139,3 +139,17 @@ def test_bad_files_are_422_saying_where(api):
     is_problem(api.client.post("/v1/datasets?name=blank", headers=h, data=b"\n\n \n", content_type="text/plain"),
                422, "invalid-dataset")
     assert stored_files(api) == []
+
+
+def test_a_missing_builtin_corpus_is_logged_not_silent(settings_factory, sqlite_url, tmp_path, caplog):
+    """A wrong corpora mount used to surface only as "dataset 'wikitext-2' is not registered" at submit."""
+    from lmscope.db.builtins import WIKITEXT2, ensure_builtins
+    from lmscope.db.engine import make_engine, make_sessionmaker
+
+    sessions = make_sessionmaker(make_engine(sqlite_url))
+    missing = tmp_path / "corpora" / "wiki.test.raw"
+    with caplog.at_level("WARNING", logger="lmscope.builtins"):
+        ensure_builtins(settings_factory(database_url=sqlite_url, wikitext2_path=missing), sessions)
+    assert f"LMSCOPE_WIKITEXT2_PATH={missing} is not a file" in caplog.text and "CORPORA_DIR" in caplog.text
+    with sessions() as session:
+        assert session.scalar(select(Dataset).where(Dataset.name == WIKITEXT2)) is None
