@@ -691,7 +691,7 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
         ref = "causal" if method == "performer" else "bidirectional"
         extra = f" ({notes[method]})" if notes and method in notes else ""
         ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
-               title=f"{method}{extra} vs exact {ref} softmax")
+               title=f"{method}{extra}\nvs exact {ref} softmax")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     ax = axes[-1]
