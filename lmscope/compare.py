@@ -3,7 +3,9 @@
 A join of what the API serves per job (its document and its series), done by `GET /v1/compare`
 (which `Client.compare`, `lmscope compare` and the dashboard use). Curves are matched by series name
 and labels (e.g. `norm.mean` of two models, or `entropy.mean` with `{layer: 2, head: 1}` of two
-checkpoints); x values are aligned by value.
+checkpoints), leaving out the labels that only say which run a curve came from (`RUN_LABELS`: the
+job itself says that) unless a job needs them to tell its own curves apart; x values are aligned by
+value, in ascending order when they are numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ from pathlib import Path
 from typing import Any
 
 Scalar = (int, float, str, bool, type(None))
+# Labels naming the run rather than the quantity: two entropy jobs label their layer means with
+# their own model and step, two sweep children with their own seed.
+RUN_LABELS = ("model", "step", "seed", "seeds")
+
+
+def _x_key(x: Any) -> Any:
+    """Equal numbers are one x (1 and 1.0); anything else by its JSON text."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return json.dumps(x, sort_keys=True)
 
 
 @dataclass
@@ -25,17 +37,21 @@ class Curve:
     by_job: dict[int, tuple[list, list]] = field(default_factory=dict)
 
     def aligned(self, job_ids: list[int]) -> list[tuple[Any, list[Any]]]:
-        """[(x, [y of each job or None])] over the union of x values, in order of first appearance."""
-        xs: dict[Any, None] = {}
+        """[(x, [y of each job or None])] over the union of x values: ascending when they are all
+        numbers, else in order of first appearance."""
+        xs: dict[Any, Any] = {}
         lookup = {}
         for job_id in job_ids:
             x, y = self.by_job.get(job_id, ([], []))
             lookup[job_id] = {}
             for xi, yi in zip(x, y):
-                key = json.dumps(xi)
-                xs.setdefault(key, None)
+                key = _x_key(xi)
+                xs.setdefault(key, xi)
                 lookup[job_id].setdefault(key, yi)
-        return [(json.loads(k), [lookup[j].get(k) for j in job_ids]) for k in xs]
+        keys = list(xs)
+        if all(isinstance(k, float) for k in keys):
+            keys.sort()
+        return [(xs[k], [lookup[j].get(k) for j in job_ids]) for k in keys]
 
 
 @dataclass
@@ -86,11 +102,20 @@ def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Compar
         values = {j["id"]: (j.get("summary") or {}).get(key) for j in jobs}
         if all(isinstance(v, Scalar) for v in values.values()):
             summary[key] = values
-    curves: dict[tuple[str, str], Curve] = {}
+    curves: dict[tuple, Curve] = {}
     for job_id, result in zip(ids, results):
-        for s in result.get("series") or []:
-            key = (s["name"], json.dumps(s.get("labels") or {}, sort_keys=True))
-            curve = curves.setdefault(key, Curve(s["name"], s.get("labels") or {}))
+        series = result.get("series") or []
+        matched = [{k: v for k, v in (s.get("labels") or {}).items() if k not in RUN_LABELS} for s in series]
+        keys = [(s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, matched)]
+        seen: dict[tuple, int] = {}
+        for s, m, key in zip(series, matched, keys):
+            labels = m
+            if keys.count(key) > 1:  # the run labels tell this job's curves apart (several checkpoints)
+                labels = s.get("labels") or {}
+                key = (s["name"], json.dumps(labels, sort_keys=True))
+            seen[key] = seen.get(key, 0) + 1
+            # a job with the very same name and labels twice keeps both curves
+            curve = curves.setdefault((*key, seen[key]), Curve(s["name"], labels))
             curve.by_job[job_id] = (s["x"], s["y"])
     # a name a job lacks is only "missing" when no job has it
     missing = sorted(set.intersection(*(set(r.get("missing") or []) for r in results))) if results else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from flask import Blueprint, request, send_file
@@ -65,6 +66,7 @@ def get_results(job_id: int):
 
 
 MAX_COMPARED = 20
+MAX_COMPARED_SERIES = 5000  # curves in one answer, over all the jobs
 
 
 @bp.get("/compare")
@@ -72,7 +74,8 @@ def compare_jobs():
     """Jobs side by side: the parameters that differ, scalar summaries, and (`series=`) their curves
     matched by name and labels; `shared_series` names the curves every one of them has."""
     raw = [part.strip() for arg in request.args.getlist("jobs") for part in arg.split(",") if part.strip()]
-    if not all(part.isdigit() for part in raw) or not 2 <= len(ids := list(dict.fromkeys(map(int, raw)))) <= MAX_COMPARED:
+    if not all(re.fullmatch(r"[0-9]{1,18}", part) for part in raw) \
+            or not 2 <= len(ids := list(dict.fromkeys(map(int, raw)))) <= MAX_COMPARED:
         msg = f"give 2 to {MAX_COMPARED} different job ids separated by commas, e.g. jobs=3,5"
         raise Problem(422, "validation-error", "Invalid query", f"jobs: {msg}",
                       errors=[{"loc": ["query", "jobs"], "msg": msg, "type": "value_error"}])
@@ -80,9 +83,14 @@ def compare_jobs():
     caller = current_caller()
     with state().sessions() as session:
         jobs = [render_job(session, load_visible_job(session, caller, i)) for i in ids]
-        results, names = [], []
+        results, names, count = [], [], 0
         for i in ids:
             rows, missing = pick_series(session, i, wanted) if wanted else ([], [])
+            count += len(rows)
+            if count > MAX_COMPARED_SERIES:
+                raise Problem(422, "too-many-series", "Too many curves to compare",
+                              f"series={','.join(wanted)} matches more than {MAX_COMPARED_SERIES} curves over these "
+                              "jobs; name fewer series (e.g. entropy.layer_mean rather than entropy.*)")
             results.append({"series": series_json(rows), "missing": missing})
             names.append(set(series_names(session, i)))
     body = compare(jobs, results).to_json()

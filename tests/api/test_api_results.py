@@ -166,9 +166,23 @@ def test_compare_refuses_bad_job_lists_and_other_users_jobs(api):
     h = api.user("ann")
     a = api.submit(h).get_json()["id"]
     b = api.submit(h).get_json()["id"]
-    for query in (f"jobs={a}", f"jobs={a},{a}", "jobs=x,y", "", "jobs=" + ",".join(map(str, range(1, 23)))):
+    for query in (f"jobs={a}", f"jobs={a},{a}", "jobs=x,y", "", "jobs=" + ",".join(map(str, range(1, 23))),
+                  f"jobs=²,{a}", f"jobs={a},{'9' * 25}"):
         body = is_problem(api.client.get(f"/v1/compare?{query}", headers=h), 422, "validation-error")
         assert body["errors"][0]["loc"] == ["query", "jobs"] and "jobs=3,5" in body["detail"]
     theirs = api.submit(api.user("bob")).get_json()["id"]
     is_problem(api.client.get(f"/v1/compare?jobs={a},{theirs}", headers=h), 404, "not-found")
     assert api.client.get(f"/v1/compare?jobs={a},{b}", headers=h).status_code == 200
+
+
+def test_compare_refuses_an_answer_too_large_to_use(api, monkeypatch):
+    from lmscope.api import results
+
+    h = api.user("ann")
+    a, b = (api.submit(h).get_json()["id"] for _ in range(2))
+    for job_id in (a, b):
+        add_results(api, job_id, {})  # three curves each
+    monkeypatch.setattr(results, "MAX_COMPARED_SERIES", 5)
+    body = is_problem(api.client.get(f"/v1/compare?jobs={a},{b}&series=*", headers=h), 422, "too-many-series")
+    assert "more than 5 curves" in body["detail"] and "name fewer series" in body["detail"]
+    assert api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).status_code == 200
