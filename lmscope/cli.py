@@ -198,6 +198,7 @@ class ProgressLine:
         if self.tty and self.last_text:
             self.stream.write("\n")
             self.stream.flush()
+            self.last_text = None  # a later update starts a fresh line
 
 
 def plural(n: int, noun: str) -> str:
@@ -235,8 +236,16 @@ def report_final(c: Client, job: dict[str, Any]) -> None:
 
 def wait_and_report(c: Client, job_id: int, timeout: float | None) -> None:
     line = ProgressLine(job_id)
+
+    def outage(e: LmscopeError) -> None:
+        line.close()
+        click.echo(f"the API stopped answering ({e}); still waiting for job {job_id}…", err=True)
+
     try:
-        job = c.wait(job_id, on_progress=line, timeout=timeout)
+        job = c.wait(job_id, on_progress=line, timeout=timeout, on_outage=outage)
+    except LmscopeError:
+        line.close()
+        raise
     except TimeoutError as e:
         line.close()
         raise click.ClickException(f"{e}; it keeps running: `lmscope wait {job_id}` or `lmscope show {job_id}`")
@@ -692,6 +701,10 @@ def compare(job_ids, series, fmt, plot_path, logy):
     else:
         _print_comparison(c, bool(series))
     if plot_path:
+        if not c.curves:
+            shared = ", ".join(c.shared_series[:20]) or "none"
+            raise click.ClickException(f"nothing to plot: these jobs have no series {', '.join(map(repr, series))} "
+                                       f"(series all of them have: {shared})")
         try:
             click.echo(f"plot: {plot_comparison(c, plot_path, logy=logy)}", err=True)
         except (RuntimeError, ValueError) as e:

@@ -123,27 +123,40 @@ class Client:
         return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel")
 
     def wait(self, job_id: int, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
-             timeout: float | None = None, poll: float = 0.5, outage: float = 120.0) -> dict[str, Any]:
+             timeout: float | None = None, poll: float = 0.5, outage: float = 120.0,
+             on_outage: Callable[[LmscopeError], None] | None = None) -> dict[str, Any]:
         """Poll until the job is terminal; `on_progress(job)` is called whenever status or progress changes.
 
-        Raises TimeoutError after `timeout` seconds (the job keeps running). An API that cannot be
-        reached (a restart, a rollout: no answer, 502, 503, 504) is polled again for up to `outage`
-        seconds before the error is raised, saying that the job keeps running.
+        Raises TimeoutError after `timeout` seconds (the job keeps running). Once the job has been
+        seen, an API that stops answering (a restart, a rollout: no answer, 502, 503, 504) is polled
+        again for up to `outage` seconds (`on_outage(error)` is called when that starts) before the
+        error is raised, saying that the job keeps running. A server never reached fails at once.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         last = None
         down_since = None
         while True:
             try:
-                job = self.get(job_id)
+                if down_since is None:
+                    job = self.get(job_id)
+                else:  # while it is down, no single request may outlast the outage allowance
+                    left = max(1.0, outage - (time.monotonic() - down_since))
+                    job = self._json("GET", f"/v1/jobs/{int(job_id)}", timeout=min(self.timeout, left))
             except LmscopeError as e:
-                if e.status not in (0, 502, 503, 504):
+                if e.status not in (0, 502, 503, 504) or last is None:
                     raise
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since >= outage or (deadline is not None and time.monotonic() >= deadline):
-                    raise LmscopeError(e.status, {**e.problem, "detail": f"{e.problem.get('detail')} (for "
-                                                  f"{time.monotonic() - down_since:.0f} s); job {job_id} keeps running "
-                                                  f"on the server: `lmscope wait {job_id}` once it answers"}) from None
+                if down_since is None:
+                    down_since = time.monotonic()
+                    if on_outage:
+                        on_outage(e)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"job {job_id} was still {last[0]} when the API stopped answering; "
+                                       f"{timeout} s have passed") from None
+                if now - down_since >= outage:
+                    raise LmscopeError(e.status, {**e.problem, "detail": f"{e.problem.get('detail') or e} (for "
+                                                  f"{now - down_since:.0f} s); job {job_id} keeps running on the "
+                                                  f"server: `lmscope wait {job_id}` once it answers"}) from None
                 time.sleep(min(5.0, max(poll, 1.0)))
                 continue
             down_since = None

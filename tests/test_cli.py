@@ -122,6 +122,10 @@ def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_pat
         row = c.execute(select(Dataset).where(Dataset.name == "wt103")).one()
     assert (row.num_documents, row.num_bytes, row.format) == (3, len(body.encode()), "lines")
     assert row.sha256 == hashlib.sha256(body.encode()).hexdigest() and row.path == str(corpus.resolve())
+    empty = tmp_path / "empty.raw"
+    empty.write_text(" = Only a heading = \n\n")
+    refused = runner.invoke(main, ["datasets", "add", "nothing", str(empty), "--format", "lines"])
+    assert refused.exit_code != 0 and "has no documents in format 'lines'" in refused.output  # as an upload
 
     again = runner.invoke(main, ["datasets", "add", "wt103", str(corpus)])
     assert again.exit_code != 0 and "exists" in again.output

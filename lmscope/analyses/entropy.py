@@ -471,8 +471,10 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                       label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
         ax.set_yscale("log")
         filled = np.flatnonzero(d["hist_density"].sum(0) > 0)
-        if filled.size:  # zoom on the occupied bins (often a few next to the bound)
-            ax.set_xlim(edges[max(filled[0] - 1, 0)], edges[-1] + (edges[1] - edges[0]) / 2)
+        if filled.size:  # zoom on the occupied bins (often a few next to the bound), threshold in view
+            width = edges[1] - edges[0]
+            left = min(edges[max(filled[0] - 1, 0)], math.log(n) - params.near_uniform_margin - width)
+            ax.set_xlim(max(left, 0.0), edges[-1] + width / 2)
         if params.dimension_causal:
             ax.axvline(math.log(n), color="k", ls="--", label=f"ln({n}) (bound of the last row)")
         else:

@@ -496,10 +496,12 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         for s in c.series:
             if s.name == "rel_error":
                 for x, y in zip(s.x, s.y):
-                    err[method, int(s.labels["layer"])][int(x)].append(float(y))
+                    if y is not None:  # a NaN error is stored as null: that seed has no value at this k
+                        err[method, int(s.labels["layer"])][int(x)].append(float(y))
             elif s.name == "time_ratio":
                 for x, y in zip(s.x, s.y):
-                    ratio[method][int(x)].append(float(y))
+                    if y is not None:
+                        ratio[method][int(x)].append(float(y))
     series: list[Series] = []
     panels: dict[tuple[str, int], tuple] = {}
     for (method, layer) in sorted(err):

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from lmscope.catalog import (BUILTIN_MODELS, CatalogError, builtin_parameter_count, config_facts, parse_documents,
+from lmscope.catalog import (BUILTIN_MODELS, DATASET_FORMATS, CatalogError, builtin_parameter_count, config_facts, parse_documents,
                              sha256_bytes)
 from lmscope.config import Settings
 from lmscope.db.models import Dataset, Model
@@ -74,6 +74,8 @@ def register_dataset_file(session_factory: sessionmaker[Session], name: str, pat
         raise CatalogError(f"{path} is not a file")
     data = path.read_bytes()
     docs = parse_documents(data, fmt)
+    if not docs:  # as an upload would be refused
+        raise CatalogError(f"{path} has no documents in format {fmt!r} ({DATASET_FORMATS[fmt]})")
     values = dict(source=source, path=str(path), format=fmt, num_documents=len(docs), num_bytes=len(data),
                   sha256=sha256_bytes(data), description=description)
     _upsert(session_factory, Dataset, name, values)

@@ -39,7 +39,20 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
         return spec.params.model_validate(raw or {}, context={"submitted": False})
     # A submission is JSON and is read as JSON, strictly: true is not 1 and "5" is not 5 (lax parsing
     # would run a job on a value nobody meant); arrays still fill tuples and objects nested models.
-    return spec.params.model_validate_json(json.dumps(raw or {}), strict=True, context={"submitted": True})
+    # A whole-number float is that integer (1e4 from a command line, 5.0 from Python); a float field
+    # takes it back as a float.
+    return spec.params.model_validate_json(json.dumps(_whole_floats_as_ints(raw or {})), strict=True,
+                                           context={"submitted": True})
+
+
+def _whole_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_whole_floats_as_ints(v) for v in value]
+    return value
 
 
 def is_parent_kind(kind: str) -> bool:

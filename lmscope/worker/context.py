@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
-from lmscope.catalog import config_facts, read_documents, safetensors_parameter_count
+from lmscope.catalog import config_facts, parse_documents, safetensors_parameter_count, sha256_bytes
 from lmscope.db.models import Dataset, Job, Model, utcnow
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
 
@@ -178,8 +178,15 @@ class WorkerContext:
         if not path.is_file():
             raise JobFailed(f"dataset {dataset!r}: its file {path} is missing on this worker; mount the data "
                             "directory into the worker or upload the dataset again", error_type="dataset-missing")
-        self.environment.setdefault("datasets", {})[dataset] = {"sha256": row.sha256}
-        return read_documents(path, row.format)
+        data = path.read_bytes()
+        # the provenance is the bytes read: a file registered in place (`datasets add`) can change later
+        record = {"sha256": sha256_bytes(data)}
+        if record["sha256"] != row.sha256:
+            record["registered_sha256"] = row.sha256
+            log.warning("dataset %r: %s changed since it was registered (sha256 %s, registered %s)",
+                        dataset, path, record["sha256"][:12], row.sha256[:12])
+        self.environment.setdefault("datasets", {})[dataset] = record
+        return parse_documents(data, row.format)
 
     @property
     def artifact_root(self) -> Path:

@@ -9,7 +9,6 @@ picked up again at the next start (``reaper.recover_interrupted``).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -17,6 +16,11 @@ import threading
 import time
 from pathlib import Path
 from typing import IO
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -129,9 +133,15 @@ def hold_data_dir(data_dir: Path) -> IO[str]:
     The lock goes with the process, also when it is killed.
     """
     lock = open(data_dir / "lmscope-up.lock", "a+")
+    if fcntl is None:  # not a POSIX system: no lock to take
+        log.warning("cannot lock %s on this platform: do not start a second `lmscope up` on it", data_dir)
+        return lock
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # e.g. a network file system without locks
+            log.warning("cannot lock %s (%s): do not start a second `lmscope up` on it", data_dir, e)
+            return lock
         lock.seek(0)
         holder = lock.read().strip()
         lock.close()

@@ -464,6 +464,13 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     assert ratio.y == pytest.approx([1.5, 3.0])
     assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
 
+    # a NaN error of one seed (stored as null) leaves that seed out at that k, not the whole sweep
+    children[1].series[0] = Series("rel_error", [16, 64], [None, 0.2], {"method": "performer", "layer": 0, "seed": 1})
+    out = aggregate(params, children, LocalContext(tmp_path / "with-null"))
+    perf0 = next(s for s in out.series if s.name == "rel_error" and s.labels["method"] == "performer"
+                 and s.labels["layer"] == 0)
+    assert perf0.labels["seeds"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
+
 
 def test_aggregation_fails_clearly_when_no_child_succeeded(tmp_path):
     children = [_fit_child(1, 1, 2, 0, None, status="failed"), _fit_child(2, 1, 4, 0, None, status="cancelled")]

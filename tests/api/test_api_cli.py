@@ -280,3 +280,7 @@ def test_compare_refuses_what_it_cannot_do(api, cli):
     assert cli("compare", str(a), "4242").exit_code == 1  # the API's 404 names the job
     nothing = cli("compare", str(a), str(b), "--series", "nope")
     assert "no job has series 'nope'" in nothing.stderr
+    unplotted = cli("compare", str(a), str(b), "--series", "nope", "--plot", "x.png")
+    assert unplotted.exit_code == 1
+    assert "nothing to plot: these jobs have no series 'nope' (series all of them have: entropy.mean, norm.mean)" \
+        in unplotted.stderr

@@ -133,8 +133,8 @@ def test_wait_rides_out_an_api_restart(api, live):
     c = Client(live.url, api.tokens["ann"])
     job_id, other = (c.submit("probe", {"model": "m"})["id"] for _ in range(2))
     port = live.server.server_port
-    outcome = {}
-    waiter = threading.Thread(target=lambda: outcome.update(job=c.wait(job_id, poll=0.1)))
+    outcome, outages = {}, []
+    waiter = threading.Thread(target=lambda: outcome.update(job=c.wait(job_id, poll=0.1, on_outage=outages.append)))
     waiter.start()
     time.sleep(0.5)
     live.stop()
@@ -147,9 +147,34 @@ def test_wait_rides_out_an_api_restart(api, live):
     try:
         waiter.join(20)
         assert outcome["job"]["status"] == "succeeded"
+        assert [o.status for o in outages] == [0]  # told once, when the outage began
     finally:
         again.shutdown()
         again.server_close()
+    started = time.monotonic()
     with pytest.raises(LmscopeError) as e:
-        c.wait(other, outage=1.0)
-    assert e.value.status == 0 and f"job {other} keeps running on the server: `lmscope wait {other}`" in str(e.value)
+        Client(f"http://127.0.0.1:{port}", api.tokens["ann"]).wait(other)  # never reached: at once, not in 2 min
+    assert e.value.status == 0 and time.monotonic() - started < 10
+
+
+def test_a_long_outage_says_the_job_keeps_running(api, live):
+    api.user("ann")
+    c = Client(live.url, api.tokens["ann"])
+    job_id = c.submit("probe", {"model": "m"})["id"]
+    seen = threading.Event()
+    outcome = {}
+
+    def wait():
+        try:
+            c.wait(job_id, poll=0.1, outage=1.5, on_progress=lambda job: seen.set())
+        except LmscopeError as e:
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert seen.wait(10)
+    live.stop()
+    live.server.server_close()
+    waiter.join(30)
+    e = outcome["error"]
+    assert e.status == 0 and f"job {job_id} keeps running on the server: `lmscope wait {job_id}`" in str(e)

@@ -50,6 +50,15 @@ def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
     assert [e["loc"] for e in body["errors"]] == [["params", "train", "epochs"]]
     assert "valid integer" in body["errors"][0]["msg"]
     assert api.jobs() == [] and api.publisher.published == []
+    # a whole-number float is that integer (1e4 on a command line, 5.0 from Python); 0.5 is not
+    ok = api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": {
+        "model": "m", "dataset": "d", "max_samples": 1e4, "max_tokens": 64.0, "loss_filter": 2.0}})
+    assert ok.status_code == 202, ok.get_json()
+    stored = ok.get_json()["params"]
+    assert stored["max_samples"] == 10000 and isinstance(stored["max_samples"], int) and stored["loss_filter"] == 2.0
+    half = api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": {
+        "model": "m", "dataset": "d", "max_samples": 0.5}})
+    assert is_problem(half, 422, "validation-error")["errors"][0]["loc"] == ["params", "max_samples"]
 
 
 def test_unknown_kind_lists_the_kinds(api):

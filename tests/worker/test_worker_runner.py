@@ -277,6 +277,11 @@ def test_documents_and_unknown_names(context, sessions, tmp_path):
         s.add(Dataset(name="tiny", source="upload", path=str(text), format="lines", num_documents=2, num_bytes=10,
                       sha256="0" * 64))
     assert context.load_documents("tiny") == read_documents(text, "lines") == ["first line", "second line"]
+    # the row's sha256 ("0" * 64) is not the file's: the job records the bytes it read, and the registered hash
+    import hashlib
+
+    assert context.environment["datasets"]["tiny"] == {
+        "sha256": hashlib.sha256(text.read_bytes()).hexdigest(), "registered_sha256": "0" * 64}
     with pytest.raises(JobFailed, match="dataset 'nope' is not registered"):
         context.load_documents("nope")
     with pytest.raises(JobFailed, match="model 'nope' is not registered"):
