@@ -136,22 +136,25 @@ class Client:
         last = None
         down_since = None
         while True:
+            # no single request may outlast the deadline, nor (while the API is down) the outage allowance
+            limits = [self.timeout] if self.timeout is not None else []
+            if deadline is not None:
+                limits.append(max(1.0, deadline - time.monotonic()))
+            if down_since is not None:
+                limits.append(max(1.0, outage - (time.monotonic() - down_since)))
             try:
-                if down_since is None:
-                    job = self.get(job_id)
-                else:  # while it is down, no single request may outlast the outage allowance
-                    left = max(1.0, outage - (time.monotonic() - down_since))
-                    job = self._json("GET", f"/v1/jobs/{int(job_id)}", timeout=min(self.timeout, left))
+                job = self._json("GET", f"/v1/jobs/{int(job_id)}", timeout=min(limits) if limits else None)
             except LmscopeError as e:
-                if e.status not in (0, 502, 503, 504) or last is None:
-                    raise
+                if e.status not in (0, 502, 503, 504) or (last is None and e.status == 0):
+                    raise  # an answer that is no outage, or a server never reached
                 if down_since is None:
                     down_since = time.monotonic()
                     if on_outage:
                         on_outage(e)
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    raise TimeoutError(f"job {job_id} was still {last[0]} when the API stopped answering; "
+                    state = f"still {last[0]}" if last else "not seen yet"
+                    raise TimeoutError(f"job {job_id} was {state} when the API stopped answering; "
                                        f"{timeout} s have passed") from None
                 if now - down_since >= outage:
                     raise LmscopeError(e.status, {**e.problem, "detail": f"{e.problem.get('detail') or e} (for "

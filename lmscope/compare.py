@@ -11,6 +11,7 @@ value, in ascending order when they are numbers.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,20 @@ Scalar = (int, float, str, bool, type(None))
 # Labels naming the run rather than the quantity: two entropy jobs label their layer means with
 # their own model and step, two sweep children with their own seed.
 RUN_LABELS = ("model", "step", "seed", "seeds")
+
+
+def _matching_labels(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The labels each of one job's series is matched on: without the run labels, or with the fewest of
+    them that still tell the job's curves apart (`step` for a run over several checkpoints)."""
+    def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in (s.get("labels") or {}).items() if k not in RUN_LABELS or k in extra} for s in series]
+
+    for extra in ((), ("step",), ("seed",), RUN_LABELS):
+        labels = keep(extra)
+        keys = Counter((s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, labels))
+        if all(n == 1 for n in keys.values()):
+            return labels
+    return labels  # the very same name and labels twice: both are kept, in order
 
 
 def _x_key(x: Any) -> Any:
@@ -105,15 +120,10 @@ def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Compar
     curves: dict[tuple, Curve] = {}
     for job_id, result in zip(ids, results):
         series = result.get("series") or []
-        matched = [{k: v for k, v in (s.get("labels") or {}).items() if k not in RUN_LABELS} for s in series]
-        keys = [(s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, matched)]
-        seen: dict[tuple, int] = {}
-        for s, m, key in zip(series, matched, keys):
-            labels = m
-            if keys.count(key) > 1:  # the run labels tell this job's curves apart (several checkpoints)
-                labels = s.get("labels") or {}
-                key = (s["name"], json.dumps(labels, sort_keys=True))
-            seen[key] = seen.get(key, 0) + 1
+        seen: Counter[tuple] = Counter()
+        for s, labels in zip(series, _matching_labels(series)):
+            key = (s["name"], json.dumps(labels, sort_keys=True))
+            seen[key] += 1
             # a job with the very same name and labels twice keeps both curves
             curve = curves.setdefault((*key, seen[key]), Curve(s["name"], labels))
             curve.by_job[job_id] = (s["x"], s["y"])

@@ -27,9 +27,21 @@ def test_a_job_with_several_checkpoints_keeps_its_curves_apart():
     c = compare([_job(1), _job(2)], [{"series": steps}, {"series": [_series("entropy.layer_mean", {"model": "m"},
                                                                               [0], [7.0])]}])
     by_labels = {tuple(sorted(curve.labels.items())): curve.by_job for curve in c.curves}
-    assert by_labels[(("model", "r@step100"), ("step", 100))] == {1: ([0], [100.0])}
-    assert by_labels[(("model", "r@step200"), ("step", 200))] == {1: ([0], [200.0])}
+    assert by_labels[(("step", 100),)] == {1: ([0], [100.0])}  # the step is enough to tell them apart
+    assert by_labels[(("step", 200),)] == {1: ([0], [200.0])}
     assert by_labels[()] == {2: ([0], [7.0])}
+
+
+def test_two_runs_over_checkpoints_match_step_by_step():
+    """Two train runs' checkpoints (a@step100, b@step100, ...): matched by step, not by the model's name."""
+    def run(prefix, base):
+        return {"series": [_series("entropy.layer_mean", {"model": f"{prefix}@step{s}", "step": s}, [0], [base + s])
+                           for s in (100, 200)]}
+
+    c = compare([_job(1), _job(2)], [run("a", 0.0), run("b", 1.0)])
+    by_step = {curve.labels["step"]: curve.by_job for curve in c.curves}
+    assert set(by_step) == {100, 200} and all(curve.labels == {"step": curve.labels["step"]} for curve in c.curves)
+    assert by_step[200] == {1: ([0], [200.0]), 2: ([0], [201.0])}
 
 
 def test_the_same_name_and_labels_twice_in_one_job_keeps_both():

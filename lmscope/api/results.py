@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from flask import Blueprint, request, send_file
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
@@ -24,14 +24,19 @@ def job_dir(job_id: int) -> Path:
     return state().settings.artifact_dir / "jobs" / str(job_id)
 
 
+def series_filter(wanted: list[str]):
+    """SQL for "the name is one of `wanted`" (a name ending in `*` matches a prefix)."""
+    exact = [w for w in wanted if not w.endswith("*")]
+    prefixes = [w[:-1] for w in wanted if w.endswith("*")]
+    return or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes))
+
+
 def pick_series(session, job_id: int, wanted: list[str]) -> tuple[list[Series], list[str]]:
     """The job's series whose names are in `wanted` (a name ending in `*` matches a prefix; none: all),
     and the wanted names that matched nothing."""
     q = select(Series).where(Series.job_id == job_id).order_by(Series.id)
     if wanted:
-        exact = [w for w in wanted if not w.endswith("*")]
-        prefixes = [w[:-1] for w in wanted if w.endswith("*")]
-        q = q.where(or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes)))
+        q = q.where(series_filter(wanted))
     rows = session.scalars(q).all()
     found = {r.name for r in rows}
     missing = [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
@@ -83,14 +88,15 @@ def compare_jobs():
     caller = current_caller()
     with state().sessions() as session:
         jobs = [render_job(session, load_visible_job(session, caller, i)) for i in ids]
-        results, names, count = [], [], 0
+        count = session.scalar(select(func.count()).select_from(Series).where(
+            Series.job_id.in_(ids), series_filter(wanted))) if wanted else 0
+        if count > MAX_COMPARED_SERIES:  # counted in SQL, before any curve is loaded
+            raise Problem(422, "too-many-series", "Too many curves to compare",
+                          f"series={','.join(wanted)} matches {count} curves over these jobs, more than "
+                          f"{MAX_COMPARED_SERIES}; name fewer series (e.g. entropy.layer_mean rather than entropy.*)")
+        results, names = [], []
         for i in ids:
             rows, missing = pick_series(session, i, wanted) if wanted else ([], [])
-            count += len(rows)
-            if count > MAX_COMPARED_SERIES:
-                raise Problem(422, "too-many-series", "Too many curves to compare",
-                              f"series={','.join(wanted)} matches more than {MAX_COMPARED_SERIES} curves over these "
-                              "jobs; name fewer series (e.g. entropy.layer_mean rather than entropy.*)")
             results.append({"series": series_json(rows), "missing": missing})
             names.append(set(series_names(session, i)))
     body = compare(jobs, results).to_json()

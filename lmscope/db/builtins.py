@@ -57,9 +57,12 @@ def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) 
         with session_factory() as session:
             row = session.execute(select(Dataset.sha256, Dataset.path).where(Dataset.name == WIKITEXT2)).one_or_none()
         if row is None or row.path != str(Path(path).resolve()) or row.sha256 != sha256_bytes(Path(path).read_bytes()):
-            register_dataset_file(session_factory, WIKITEXT2, Path(path), "lines", source="builtin",
-                                  description="WikiText-2 (raw) test split; every non-empty line that is not a "
-                                              "heading is a document")
+            try:
+                register_dataset_file(session_factory, WIKITEXT2, Path(path), "lines", source="builtin",
+                                      description="WikiText-2 (raw) test split; every non-empty line that is not a "
+                                                  "heading is a document")
+            except CatalogError as e:  # an empty or unreadable corpus must not stop the service starting
+                log.warning("the built-in dataset %r is not registered: %s", WIKITEXT2, e)
 
 
 def register_dataset_file(session_factory: sessionmaker[Session], name: str, path: Path, fmt: str, *,

@@ -159,7 +159,7 @@ def test_wait_rides_out_an_api_restart(api, live):
 
 def test_a_long_outage_says_the_job_keeps_running(api, live):
     api.user("ann")
-    c = Client(live.url, api.tokens["ann"])
+    c = Client(live.url, api.tokens["ann"], timeout=None)  # no request timeout of its own: the outage bounds it
     job_id = c.submit("probe", {"model": "m"})["id"]
     seen = threading.Event()
     outcome = {}

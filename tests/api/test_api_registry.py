@@ -153,3 +153,9 @@ def test_a_missing_builtin_corpus_is_logged_not_silent(settings_factory, sqlite_
     assert f"LMSCOPE_WIKITEXT2_PATH={missing} is not a file" in caplog.text and "CORPORA_DIR" in caplog.text
     with sessions() as session:
         assert session.scalar(select(Dataset).where(Dataset.name == WIKITEXT2)) is None
+    empty = tmp_path / "empty.raw"
+    empty.write_text(" = Only a heading = \n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmscope.builtins"):  # a warning, not a service that cannot start
+        ensure_builtins(settings_factory(database_url=sqlite_url, wikitext2_path=empty), sessions)
+    assert "is not registered" in caplog.text and "no documents" in caplog.text

@@ -184,5 +184,5 @@ def test_compare_refuses_an_answer_too_large_to_use(api, monkeypatch):
         add_results(api, job_id, {})  # three curves each
     monkeypatch.setattr(results, "MAX_COMPARED_SERIES", 5)
     body = is_problem(api.client.get(f"/v1/compare?jobs={a},{b}&series=*", headers=h), 422, "too-many-series")
-    assert "more than 5 curves" in body["detail"] and "name fewer series" in body["detail"]
+    assert "matches 6 curves over these jobs, more than 5" in body["detail"] and "name fewer series" in body["detail"]
     assert api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).status_code == 200
