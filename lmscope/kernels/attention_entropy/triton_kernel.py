@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting, on_device_of
+from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals must be constexpr
@@ -219,19 +220,11 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 
-# Autotune on a GPU only: the interpreter would "benchmark" every config on the CPU.
-if interpreting():
-    _INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
-    _kernel = _attn_entropy_fwd
-else:
-    _INTERPRET_BLOCKS = {}
-    _kernel = triton.autotune(
-        configs=_configs(),
-        # next powers of two of N_K and N_Q instead of the lengths: a model fed many lengths tunes once
-        # per octave, and a short query block (decoding) gets its own tile
-        key=["N_BUCKET", "NQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(_attn_entropy_fwd)
+# next powers of two of N_K and N_Q instead of the lengths: a model fed many lengths tunes once per
+# octave, and a short query block (decoding) gets its own tile
+_kernel, _INTERPRET_BLOCKS = autotune_on_gpu(
+    _attn_entropy_fwd, configs=_configs(), prune=_prune, interpreter_blocks={"BLOCK_M": 32, "BLOCK_N": 32},
+    key=["N_BUCKET", "NQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"])
 
 
 def attention_with_entropy_triton(

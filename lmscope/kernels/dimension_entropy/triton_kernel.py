@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting, on_device_of
+from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals must be constexpr
@@ -109,13 +110,9 @@ def _configs():
     ]
 
 
-if interpreting():
-    _BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 16}
-    _kernel = _dim_entropy_fwd
-else:
-    _BLOCKS = {}
-    # N_BUCKET (next power of two of N): the best tile depends on the length, tuned once per octave
-    _kernel = triton.autotune(configs=_configs(), key=["N_BUCKET", "D", "CAUSAL"])(_dim_entropy_fwd)
+# N_BUCKET (next power of two of N): the best tile depends on the length, tuned once per octave
+_kernel, _BLOCKS = autotune_on_gpu(_dim_entropy_fwd, configs=_configs(), key=["N_BUCKET", "D", "CAUSAL"],
+                                   interpreter_blocks={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 16})
 
 
 def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting, on_device_of
+from ..tuning import autotune_on_gpu
 
 
 @triton.jit
@@ -116,17 +117,10 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-if interpreting():
-    _BLOCKS = {"BLOCK_N": 16, "BLOCK_DV": 16}
-    _kernel = _favor_causal_fwd
-else:
-    _BLOCKS = {}
-    _kernel = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_DV": bdv}, num_warps=w, num_stages=st)
-                 for bn, bdv, w, st in _TILES],
-        key=["N_BUCKET", "M", "DV"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(_favor_causal_fwd)
+_kernel, _BLOCKS = autotune_on_gpu(
+    _favor_causal_fwd, configs=[triton.Config({"BLOCK_N": bn, "BLOCK_DV": bdv}, num_warps=w, num_stages=st)
+                                for bn, bdv, w, st in _TILES],
+    key=["N_BUCKET", "M", "DV"], prune=_prune, interpreter_blocks={"BLOCK_N": 16, "BLOCK_DV": 16})
 
 
 def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
