@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,10 @@ class ApiFailure(click.ClickException):
     def show(self, file=None):
         errors = self.error.errors
         detail = self.error.problem.get("detail") or ""
-        # When the detail only joins the field errors ("fix these fields: loc: msg; ..."), show the title
-        # and each field once, with its place; a detail that says more is shown whole.
-        residue = re.sub(r"^fix these fields:|\(and \d+ more\)$", "", detail)
-        for e in errors:
-            residue = residue.replace(f"{'.'.join(str(p) for p in e.get('loc', [])) or '(body)'}: {e.get('msg')}", "")
-        only_fields = bool(errors) and not residue.strip(" ;")
+        # A validation problem's detail only joins its field errors ("fix these fields: loc: msg; ...",
+        # lmscope.api.errors.validation_problem): show the title and each field once, with its place.
+        # Any other detail says more (e.g. the valid values) and is shown whole.
+        only_fields = bool(errors) and detail.startswith("fix these fields: ")
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
         click.echo(f"Error: {title}" if only_fields else f"Error: {self.error}", err=True)
         for e in errors:

@@ -104,8 +104,9 @@ class Comparison:
                    missing=doc.get("missing") or [], shared_series=doc.get("shared_series") or [])
 
 
-def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Comparison:
-    """Join job documents (GET /v1/jobs/{id}) with their results (GET …/results), in the same order."""
+def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -> Comparison:
+    """Join jobs ({id, kind, name, status, params, summary}) with their series ([{name, labels, x, y}]),
+    in the same order."""
     ids = [j["id"] for j in jobs]
     params: dict[str, dict[int, Any]] = {}
     for key in dict.fromkeys(k for j in jobs for k in (j.get("params") or {})):
@@ -118,8 +119,7 @@ def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Compar
         if all(isinstance(v, Scalar) for v in values.values()):
             summary[key] = values
     curves: dict[tuple, Curve] = {}
-    for job_id, result in zip(ids, results):
-        series = result.get("series") or []
+    for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()
         for s, labels in zip(series, _matching_labels(series)):
             key = (s["name"], json.dumps(labels, sort_keys=True))
@@ -127,10 +127,8 @@ def compare(jobs: list[dict[str, Any]], results: list[dict[str, Any]]) -> Compar
             # a job with the very same name and labels twice keeps both curves
             curve = curves.setdefault((*key, seen[key]), Curve(s["name"], labels))
             curve.by_job[job_id] = (s["x"], s["y"])
-    # a name a job lacks is only "missing" when no job has it
-    missing = sorted(set.intersection(*(set(r.get("missing") or []) for r in results))) if results else []
     return Comparison(jobs=[{k: j.get(k) for k in ("id", "kind", "name", "status")} for j in jobs],
-                      params=params, summary=summary, curves=list(curves.values()), missing=missing)
+                      params=params, summary=summary, curves=list(curves.values()))
 
 
 MAX_PANELS = 12

@@ -146,6 +146,15 @@ def db_url(request):
     return request.getfixturevalue(f"{request.param}_url")
 
 
+@pytest.fixture
+def device():
+    """Where kernels and analyses run: the GPU when there is one (compiled Triton kernels), else the CPU
+    (Triton through the interpreter). The tests compare results on the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # ---------------------------------------------------------------- Redis
 
 class RedisServer:

@@ -6,7 +6,8 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
-from lmscope.db.models import TERMINAL_STATES, Job, utcnow
+from lmscope.db.models import Job, utcnow
+from lmscope.db.progress import children_done
 
 
 def iso(dt: datetime | None) -> str | None:
@@ -25,8 +26,7 @@ def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str,
     parent's: the children that ran to an end, which says how far it got)."""
     if children is not None:
         total = children["total"]
-        ended = ("succeeded", "failed") if job.status == "cancelled" else TERMINAL_STATES
-        done = sum(children[s] for s in ended)
+        done = children_done(children, cancelled=job.status == "cancelled")
         return {"done": done, "total": total, "stage": "children",
                 "fraction": done / total if total else None, "updated_at": None}
     if job.progress_total is None and job.progress_done is None and job.progress_stage is None:

@@ -11,7 +11,7 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.jobs import load_visible_job, render_job
+from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, iso
 from lmscope.api.state import state
 from lmscope.compare import compare
@@ -38,13 +38,12 @@ def pick_series(session, job_id: int, wanted: list[str]) -> tuple[list[Series], 
     if wanted:
         q = q.where(series_filter(wanted))
     rows = session.scalars(q).all()
-    found = {r.name for r in rows}
-    missing = [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
-    return rows, missing
+    return rows, unmatched(wanted, {r.name for r in rows})
 
 
-def series_names(session, job_id: int) -> list[str]:
-    return sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
+def unmatched(wanted: list[str], found: set[str]) -> list[str]:
+    """The wanted names (or `prefix*`) that match none of `found`."""
+    return [w for w in wanted if not any(n.startswith(w[:-1]) if w.endswith("*") else n == w for n in found)]
 
 
 def series_json(rows: list[Series]) -> list[dict]:
@@ -63,7 +62,8 @@ def get_results(job_id: int):
         load_visible_job(session, current_caller(), job_id)
         rows, missing = pick_series(session, job_id, wanted)
         # A requested name (or prefix*) that matched nothing: say so, and which names exist.
-        available = series_names(session, job_id) if missing else None
+        available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
+                     if missing else None)
     body = {"job_id": job_id, "series": series_json(rows)}
     if missing:
         body.update(missing=missing, available=available)
@@ -87,20 +87,27 @@ def compare_jobs():
     wanted = request.args.getlist("series")
     caller = current_caller()
     with state().sessions() as session:
-        jobs = [render_job(session, load_visible_job(session, caller, i)) for i in ids]
-        count = session.scalar(select(func.count()).select_from(Series).where(
-            Series.job_id.in_(ids), series_filter(wanted))) if wanted else 0
-        if count > MAX_COMPARED_SERIES:  # counted in SQL, before any curve is loaded
-            raise Problem(422, "too-many-series", "Too many curves to compare",
-                          f"series={','.join(wanted)} matches {count} curves over these jobs, more than "
-                          f"{MAX_COMPARED_SERIES}; name fewer series (e.g. entropy.layer_mean rather than entropy.*)")
-        results, names = [], []
-        for i in ids:
-            rows, missing = pick_series(session, i, wanted) if wanted else ([], [])
-            results.append({"series": series_json(rows), "missing": missing})
-            names.append(set(series_names(session, i)))
-    body = compare(jobs, results).to_json()
-    body["shared_series"] = sorted(set.intersection(*names))
+        # compare() reads only these fields of a job: no full rendering (progress, user, children)
+        jobs = [{"id": j.id, "kind": j.kind, "name": j.name, "status": j.status, "params": j.params,
+                 "summary": j.summary} for j in (load_visible_job(session, caller, i) for i in ids)]
+        rows = []
+        if wanted:
+            count = session.scalar(select(func.count()).select_from(Series).where(
+                Series.job_id.in_(ids), series_filter(wanted)))
+            if count > MAX_COMPARED_SERIES:  # counted in SQL, before any curve is loaded
+                raise Problem(422, "too-many-series", "Too many curves to compare",
+                              f"series={','.join(wanted)} matches {count} curves over these jobs, more than "
+                              f"{MAX_COMPARED_SERIES}; name fewer series (e.g. entropy.layer_mean rather than "
+                              "entropy.*)")
+            rows = session.scalars(select(Series).where(Series.job_id.in_(ids), series_filter(wanted))
+                                   .order_by(Series.id)).all()
+        names: dict[int, set[str]] = {i: set() for i in ids}
+        for job_id, name in session.execute(select(Series.job_id, Series.name).where(Series.job_id.in_(ids))
+                                            .distinct()):
+            names[job_id].add(name)
+    body = compare(jobs, [series_json([r for r in rows if r.job_id == i]) for i in ids]).to_json()
+    body["missing"] = unmatched(wanted, {r.name for r in rows})  # names no job has
+    body["shared_series"] = sorted(set.intersection(*names.values()))
     return body
 
 

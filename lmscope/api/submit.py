@@ -134,16 +134,13 @@ def check_context(session: Session, parsed: list) -> None:
     Models registered before their context length was recorded are checked by the worker instead.
     """
     errors = {}  # message -> loc; a sweep's parent and children ask the same question
-    for p in parsed:
-        asked = p.positions_read()
-        if asked is None:
-            continue
-        field, n = asked
-        limits = []  # (what, positions)
-        names = p.model_refs()
-        if names:
-            for name, info in session.execute(select(Model.name, Model.info).where(Model.name.in_(names))):
-                limits.append((f"model {name!r}", (info or {}).get("max_positions")))
+    asking = [p for p in parsed if p.positions_read() is not None]
+    names = sorted({name for p in asking for name in p.model_refs()})
+    context = {name: (info or {}).get("max_positions") for name, info in  # one query for a whole sweep
+               session.execute(select(Model.name, Model.info).where(Model.name.in_(names)))} if names else {}
+    for p in asking:
+        field, n = p.positions_read()
+        limits = [(f"model {name!r}", context[name]) for name in p.model_refs() if name in context]
         for job_id in p.job_refs():
             ref = session.get(Job, job_id)
             if ref is not None and ref.kind == "train":

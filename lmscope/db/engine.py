@@ -77,23 +77,15 @@ def schema_revisions(engine: Engine) -> tuple[str | None, str]:
     return current, scripts.get_current_head()
 
 
-def schema_revision(url: str) -> str | None:
-    """The Alembic revision the database is at (None: no lmscope schema yet)."""
-    from alembic.runtime.migration import MigrationContext
-
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
-    finally:
-        engine.dispose()
-
-
 def upgrade(url: str, revision: str = "head") -> tuple[str | None, str | None]:
     """Bring the schema up to date (`lmscope db upgrade`; also run by `lmscope up`).
     Returns the revisions before and after."""
     from alembic import command
 
-    before = schema_revision(url)
-    command.upgrade(alembic_config(url), revision)
-    return before, schema_revision(url)
+    engine = make_engine(url)
+    try:
+        before = schema_revisions(engine)[0]
+        command.upgrade(alembic_config(url), revision)
+        return before, schema_revisions(engine)[0]
+    finally:
+        engine.dispose()

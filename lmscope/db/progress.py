@@ -8,6 +8,12 @@ from sqlalchemy.orm import Session, aliased
 from lmscope.db.models import TERMINAL_STATES, Job, utcnow
 
 
+def children_done(counts: dict[str, int], *, cancelled: bool) -> int:
+    """The children a sweep counts as done: every finished one, or, once the sweep is cancelled, those
+    that ran to an end (succeeded or failed), which says how far it got."""
+    return sum(counts.get(s, 0) for s in (("succeeded", "failed") if cancelled else TERMINAL_STATES))
+
+
 def refresh_sweep_progress(session: Session, parent_id: int) -> None:
     """Set the parent's progress to its terminal children / all children, while it waits for them.
 

@@ -3,7 +3,7 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``forward_backend``, ``check_heads``) and ``repeat_kv`` for grouped-query heads.
+the kernels share (``forward_backend``, ``check_heads``, ``check_grid``) and ``repeat_kv`` for grouped-query heads.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def check_heads(h: int, hk: int) -> None:
     """Grouped-query attention: H query heads share H_kv key/value heads, so H must be a multiple of H_kv."""
     if hk == 0 or h % hk != 0:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+
+
+def check_grid(batch_heads: int) -> None:
+    """The kernels put batch x heads on a grid axis that CUDA caps at 65535 programs."""
+    if batch_heads > 65535:
+        raise ValueError(f"B*H = {batch_heads} exceeds the CUDA grid limit (65535); split the batch")
 
 
 def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:

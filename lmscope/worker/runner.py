@@ -41,7 +41,7 @@ from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, JobOutpu
 from lmscope.analyses.base import Series as SeriesData
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Series, utcnow
-from lmscope.db.progress import refresh_sweep_progress
+from lmscope.db.progress import children_done, refresh_sweep_progress
 from lmscope.queue import Publisher, publish_jobs
 from lmscope.params import is_parent_kind
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
@@ -456,8 +456,7 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
         return registry.aggregator_for(attempt.kind)(params, children, ctx)
 
     if cancel:
-        # Progress says how far the sweep got: the children that ran to an end, of all of them.
-        progress["progress_done"] = counts["succeeded"] + counts["failed"]
+        progress["progress_done"] = children_done(counts, cancelled=True)  # how far the sweep got
         if not counts["succeeded"] or attempt.number > attempt.max_attempts:
             return "cancelled" if finish(session_factory, attempt, "cancelled", summary={"children": counts},
                                          **progress) else None

@@ -6,15 +6,6 @@ import pytest
 
 
 @pytest.fixture
-def device():
-    """Where the analyses run: the GPU when there is one (the compiled Triton kernels), else the CPU
-    (Triton through the interpreter). Results are always compared on the CPU."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture
 def service(settings_factory, sqlite_url):
     """(test client, embedded worker, settings) on a fresh SQLite database with the built-ins registered."""
     from lmscope.api import create_app

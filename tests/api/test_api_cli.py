@@ -62,6 +62,11 @@ def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
         expected = "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True))
         assert lines[name][start:end].strip() == expected, lines[name]
     assert "≥ 1" in lines["max_samples"] and "documents" in lines["max_samples"]
+    # the defaults issue #5 names, written out: the table above only mirrors the model's own defaults
+    issue_defaults = {"model": "required", "max_samples": "5000", "min_words": "10", "max_tokens": "256",
+                      "position": '"last"', "min_position": "5", "include_last_layer": "false", "loss_filter": "1.0",
+                      "pca_samples": "50", "gram_samples": "200"}
+    assert {k: lines[k][start:end].strip() for k in issue_defaults} == issue_defaults
     sweep = cli("kinds", "sweep").output
     assert "grid.latent_dim" in sweep and "train.epochs" in sweep and "one of poly_sumformer" in sweep
     rows = {line.split()[0]: line for line in sweep.splitlines()[2:] if line.strip()}

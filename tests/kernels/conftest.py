@@ -15,7 +15,6 @@ import torch
 
 from tests.conftest import need
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _triton_ok() -> bool:
@@ -88,11 +87,6 @@ def oracle():
         softmax_attention=softmax_attention_oracle,
         allowed=_allowed,
     )
-
-
-@pytest.fixture
-def device():
-    return DEVICE
 
 
 @pytest.fixture(params=["reference", "triton"])

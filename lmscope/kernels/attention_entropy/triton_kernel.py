@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting, on_device_of
+from ..dispatch import check_grid, interpreting, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -243,8 +243,7 @@ def attention_with_entropy_triton(
         q, k, v = q.float(), k.float(), v.float()
     b, h, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if b * h > 65535:
-        raise ValueError(f"B*H = {b * h} exceeds the CUDA grid limit (65535); split the batch")
+    check_grid(b * h)
 
     out = torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
     ent = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting, on_device_of
+from ..dispatch import check_grid, interpreting, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -121,8 +121,7 @@ def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, 
         q, k = q.float(), k.float()  # numpy (the interpreter) has no bfloat16
     b, h, n, d = q.shape
     hk = k.shape[1]
-    if b * h > 65535:
-        raise ValueError(f"B*H = {b * h} exceeds the CUDA grid limit (65535); split the batch")
+    check_grid(b * h)
     if causal:
         # running extrema along the sequence: query n sees keys 0..n
         kmax = torch.cummax(k, dim=2).values

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting, on_device_of
+from ..dispatch import check_grid, interpreting, on_device_of
 from ..tuning import autotune_on_gpu
 
 
@@ -129,10 +129,7 @@ def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
     Hk, DV = phi_k.shape[1], v.shape[-1]
     if phi_k.shape != (B, Hk, N, M) or v.shape[:3] != (B, Hk, N):
         raise ValueError(f"incompatible shapes phi_q {tuple(phi_q.shape)}, phi_k {tuple(phi_k.shape)}, v {tuple(v.shape)}")
-    if H % Hk:
-        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
-    if B * H > 65535:
-        raise ValueError(f"B*H = {B * H} exceeds the CUDA grid limit (65535); split the batch")
+    check_grid(B * H)
     phi_q, phi_k, v = (t.float() for t in (phi_q, phi_k, v))  # features are fp32 anyway; tl.dot wants one dtype
     block_m = 32 if interpreting() else BLOCK_M
     n_f = triton.cdiv(M, block_m)
