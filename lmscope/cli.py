@@ -578,7 +578,7 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 @click.option("--all", "all_", is_flag=True, help="every job, however many")
 @click.option("--json", "as_json", is_flag=True)
 def jobs(kind, status, tag, parent, with_children, limit, all_, as_json):
-    """List your jobs, newest first (a sweep's children only with --children or --parent ID)."""
+    """List your jobs, newest first (a sweep's children only with --children, --parent ID or a child --kind)."""
     c = client()
     if parent is None and not with_children and (kind is None or kind not in _child_kinds(c)):
         parent = "none"  # one row per sweep, not one per grid point

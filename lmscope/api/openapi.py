@@ -41,7 +41,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
                         "description": "same key + same body → the first job (200); a different body → 422"}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitJob"}}}},
         "responses": {"202": _json("Job", "accepted; Location names the job"), "200": _json("Job", "an idempotent replay"),
-                      "409": PROBLEM, "422": PROBLEM, "429": PROBLEM},
+                      "400": PROBLEM, "409": PROBLEM, "422": PROBLEM, "429": PROBLEM},
     },
     ("get", "jobs.list_jobs"): {
         "parameters": [
@@ -72,7 +72,10 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {"200": _json("Comparison"), "404": PROBLEM, "422": PROBLEM},
     },
     ("get", "results.download_artifact"): {
-        "responses": {"200": {"description": "the file", "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}},
+        "responses": {"200": {
+            "description": "the file, with the media type it was recorded with; images, JSON and text are served inline",
+            "content": {media: {"schema": {"type": "string", "format": "binary"}}
+                        for media in ("image/png", "application/json", "text/plain", "text/csv", "application/octet-stream")}}}},
     ("get", "events.job_events"): {
         "parameters": [_query("timeout", {"type": "number", "default": 300, "maximum": 3600}, "longest stream in seconds")],
         "responses": {"200": {"description": "events `status`, `progress`, `end` (and `timeout`)",

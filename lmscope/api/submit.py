@@ -1,8 +1,9 @@
 """Job submission: everything `POST /v1/jobs` checks before a row exists, and the insert itself.
 
 Order matters: an `Idempotency-Key` replay is answered first (a retry of an accepted request must
-not be refused because the quota filled up since), then the body, the kind's params, the names it
-refers to, the sweep size, the quota; the parent and its children go in one transaction.
+not be refused because the quota filled up since), then the body, the kind's params, the sweep's
+size and points, the names they refer to, the windows against the models' context, the model names a
+train job will take, the quota; the parent and its children go in one transaction.
 """
 
 from __future__ import annotations

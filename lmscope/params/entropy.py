@@ -25,7 +25,7 @@ class EntropyParams(JobParams):
     dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
     seq_len: int | None = Field(
         None, ge=2, le=131072,
-        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the model's context length when shorter")
+        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the (first) model's context length when shorter")
     num_segments: int = Field(1000, ge=1, le=1_000_000, description="non-overlapping windows per model")
     batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
     dtype: DType = "float32"

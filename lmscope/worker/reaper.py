@@ -1,7 +1,7 @@
 """The reaper: no job is lost to a dead worker, a lost message or a restart.
 
 One pass (``reap``) does four things, each with conditional UPDATEs so that any number of reapers
-(one thread in every Celery worker's main process, or the embedded worker) can run at once and
+(a reaper process beside every Celery worker, or the embedded worker between jobs) can run at once and
 each job is acted on by exactly one of them:
 
 1. running jobs whose heartbeat is older than ``stale_after_seconds``: back to ``queued`` and
