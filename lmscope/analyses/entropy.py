@@ -15,6 +15,10 @@ and reduce it on the fly to float64 sums:
     by position     = mean over windows of H(t)  next to the uniform bound ln(t + 1)
     histogram       = counts of H in fixed bins on [0, ln(seq_len)]
 
+Architectures the fused kernel cannot run (attention computed outside transformers' AttentionInterface,
+as in Falcon, GPT-J and Bloom) fall back to the model's own attention matrices (``output_attentions``),
+with the same statistics: slower, and every layer's N x N matrix is held at once.
+
 Across checkpoints of a training run the same numbers become curves against the training step.
 Windows are plain stream windows, or BOS + seq_len − 1 stream tokens (``bos_per_window``). Layers with
 a sliding window shorter than seq_len are refused: their rows see min(t + 1, window) keys.
@@ -27,6 +31,7 @@ seq_len keys, bound ln(seq_len)); ``dimension_causal`` uses the model's causal r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -201,6 +206,36 @@ def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> 
     return windows
 
 
+MATRIX_ROUTE = "attention-matrix"  # the backend name a job records for the output_attentions route
+
+
+def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Row entropies [B, H, N] per layer from the model's materialised attention matrices.
+
+    The route for models lmscope's attention function cannot run; interface models are switched to
+    eager attention (which returns the matrices) for the call and switched back.
+    """
+    from lmscope.kernels.hf import attention_implementation
+
+    switch = (attention_implementation(model, "eager") if getattr(model, "_supports_attention_backend", False)
+              else contextlib.nullcontext())
+    with switch:
+        attentions = model(input_ids=input_ids, use_cache=False, output_attentions=True).attentions
+    if not attentions or any(a is None for a in attentions):
+        raise JobFailed(f"{type(model).__name__} returns no attention matrices (output_attentions), and lmscope's "
+                        "kernel cannot run it either; `entropy` does not support this architecture")
+    entropies = []
+    for a in attentions:
+        p = a.float()
+        # attention sinks or other off-row mass would make the rows sub-distributions: H is then undefined
+        tolerance = 1e-4 if a.dtype == torch.float32 else 2e-2
+        if not torch.allclose(p.sum(-1), torch.ones((), device=p.device), atol=tolerance):
+            raise JobFailed(f"{type(model).__name__}'s attention rows do not sum to 1 (attention sinks?); "
+                            "their entropy is not defined, so `entropy` does not support this architecture")
+        entropies.append(-torch.special.xlogy(p, p).sum(-1))
+    return entropies
+
+
 def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tensor, report,
                   backends: set[str]) -> tuple[dict, dict | None]:
     """Entropy statistics of one model over `windows` [W, seq_len].
@@ -208,7 +243,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
     `report(name)` after every batch; the kernel backends that ran are added to `backends`.
     """
     from lmscope.kernels import dimension_entropy
-    from lmscope.kernels.hf import EntropyCollector
+    from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
 
     model = loaded.model
     device = next(model.parameters()).device
@@ -228,6 +263,22 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
 
     stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
     dim_stats = None
+    unsupported = lmscope_attention_unsupported(model)
+    if unsupported is not None:
+        if params.dimension_wise:
+            raise JobFailed(f"{name}: dimension_wise needs each layer's q and k from lmscope's attention function, "
+                            f"which cannot run this model ({unsupported}); set dimension_wise=false")
+        backends.add(MATRIX_ROUTE)
+        with torch.no_grad():
+            for start in range(0, len(windows), params.batch_size):
+                ents = attention_matrix_entropies(model, windows[start:start + params.batch_size].to(device))
+                if len(ents) != layers:
+                    raise JobFailed(f"{name}: {len(ents)} attention matrices for {layers} layers; "
+                                    "this architecture is not supported by `entropy`")
+                for layer, ent in enumerate(ents):
+                    stats.add(layer, ent)
+                report(name)
+        return stats.result(), None
     # Windows are full length: no attention mask, so every row is causal over keys 0..t.
     with torch.no_grad(), EntropyCollector(model) as col:
         for start in range(0, len(windows), params.batch_size):

@@ -468,13 +468,20 @@ def kernel_attention(model, ctx: JobContext):
     """Run the model's attention through lmscope's Triton kernel where it runs (CUDA), or wherever
     LMSCOPE_KERNEL_BACKEND asks for it; the model's own attention implementation is restored
     afterwards (models are cached and shared between jobs). On CPU PyTorch's SDPA is kept: the
-    kernel's reference path is ~4× slower there and gives the same numbers."""
+    kernel's reference path is ~4× slower there and gives the same numbers. Norms need no entropies,
+    so a model the kernel cannot run (Falcon, GPT-J, Bloom, attention sinks) keeps its own attention."""
     from lmscope.kernels.dispatch import forced_backend, kernel_backend
-    from lmscope.kernels.hf import lmscope_attention
+    from lmscope.kernels.hf import lmscope_attention, lmscope_attention_unsupported
 
     backend = kernel_backend(next(model.parameters()).device)
+    own = f"transformers-{model.config._attn_implementation}"
     if backend != "triton" and forced_backend() is None:
-        ctx.record("kernel_backend", f"transformers-{model.config._attn_implementation}")
+        ctx.record("kernel_backend", own)
+        yield
+        return
+    reason = lmscope_attention_unsupported(model)
+    if reason is not None:
+        ctx.record("kernel_backend", f"{own} (the lmscope kernel cannot run this model: {reason})")
         yield
         return
     with lmscope_attention(model):

@@ -257,7 +257,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     """
     from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
                                  linformer_attention)
-    from lmscope.kernels.hf import EntropyCollector
+    from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
     from lmscope.modeling.loading import max_positions
     from lmscope.modeling.windows import token_windows
 
@@ -275,6 +275,14 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     bad = [layer for layer in layers if not 0 <= layer < num_layers]
     if bad:
         raise JobFailed(f"layers {bad} do not exist: {params.model} has layers 0..{num_layers - 1}")
+    # q, k, v come from lmscope's attention function, and "exact" must be the model's own softmax
+    unsupported = lmscope_attention_unsupported(model)
+    if unsupported is not None:
+        raise JobFailed(f"the attention study reads each layer's q, k, v through lmscope's attention function, "
+                        f"which cannot run {params.model}: {unsupported}")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
+                        "attention Performer and Linformer approximate")
 
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)

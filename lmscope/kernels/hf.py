@@ -11,8 +11,10 @@ computes its attention with the fused kernel; the per-layer entropies go to an a
         logits = model(input_ids, attention_mask=mask).logits
     col.entropy          # [ [B, H, N] float32 ] per layer, in layer order
 
-Masks the kernel cannot express (sliding windows, packed sequences, …) run on the reference path
-with the explicit mask; ``col.backends`` lists what was used.
+Masks the kernel cannot express (sliding windows, packed sequences, …) and Gemma 2's logit
+soft-capping run on the reference path; ``col.backends`` lists what was used. Architectures whose
+attention does not go through the interface (Falcon, GPT-J, Bloom, …) or that need what neither path
+has (ALiBi and other additive biases, attention sinks) raise :class:`UnsupportedAttention`.
 """
 
 from __future__ import annotations
@@ -44,30 +46,61 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
+class UnsupportedAttention(NotImplementedError):
+    """The model's attention cannot run through lmscope's attention function (the message says why)."""
+
+
 def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    if getattr(model, "_supports_attention_backend", True) is False:
+        raise UnsupportedAttention(
+            f"{type(model).__name__} computes its attention itself instead of through transformers' "
+            "AttentionInterface, so lmscope's attention function cannot run it")
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:  # older transformers
         model.config._attn_implementation = name
     if model.config._attn_implementation != name:
-        raise RuntimeError(f"{type(model).__name__} did not switch its attention to {name!r}")
+        raise UnsupportedAttention(f"{type(model).__name__} did not switch its attention to {name!r}")
 
 
 @contextlib.contextmanager
-def lmscope_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Run ``model``'s attention through the fused kernel inside the block (no collecting).
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[torch.nn.Module]:
+    """Switch ``model``'s attention implementation to ``name`` inside the block.
 
-    The previous attention implementation is restored on exit, also when the block raises (models
-    are often cached and shared).
+    The previous implementation is restored on exit, also when the block raises (models are often
+    cached and shared). Raises :class:`UnsupportedAttention` for models that cannot switch.
     """
-    register_attention()
     previous = model.config._attn_implementation
-    _set_attn_implementation(model, ATTENTION_NAME)
+    _set_attn_implementation(model, name)
     try:
         yield model
     finally:
         if previous is not None:
             _set_attn_implementation(model, previous)
+
+
+@contextlib.contextmanager
+def lmscope_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run ``model``'s attention through the fused kernel inside the block (no collecting)."""
+    register_attention()
+    with attention_implementation(model, ATTENTION_NAME):
+        yield model
+
+
+def lmscope_attention_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run its attention through lmscope's function, or None when it can.
+
+    Tries a two-token forward pass: some limits (attention sinks, additive biases) only show there.
+    """
+    device = model.get_input_embeddings().weight.device
+    try:
+        with torch.no_grad(), EntropyCollector(model) as col:
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+    except UnsupportedAttention as e:
+        return str(e)
+    if not col.layers:
+        return f"no attention layer of {type(model).__name__} called transformers' AttentionInterface"
+    return None
 
 
 def use_lmscope_attention(model: torch.nn.Module) -> torch.nn.Module:
@@ -92,7 +125,7 @@ def _split_mask(
     if mask.dtype != torch.bool:
         allowed = mask > torch.finfo(mask.dtype).min / 2
         if not bool(torch.all(torch.where(allowed, mask == 0, True))):
-            raise NotImplementedError("additive attention biases (ALiBi, relative positions) are not supported")
+            raise UnsupportedAttention("additive attention biases (ALiBi, relative positions) are not supported")
         mask = allowed
     if mask.ndim != 4 or mask.shape[-2:] != (nq, nk):
         raise ValueError(f"unexpected attention mask shape {tuple(mask.shape)} for Nq={nq}, Nk={nk}")
@@ -123,9 +156,10 @@ def lmscope_attention_forward(
     """transformers attention function: q [B,H,N,D], k/v [B,H_kv,N,D] → ([B,N,H,Dv], None)."""
     if dropout and module.training:
         raise ValueError("lmscope attention has no attention dropout; call model.eval() first")
-    for name in ("softcap", "s_aux", "position_bias"):
+    for name in ("s_aux", "position_bias"):  # attention sinks, T5-style relative biases
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"lmscope attention does not support {name!r}")
+            raise UnsupportedAttention(f"lmscope attention does not support {name!r}")
+    softcap = kwargs.get("softcap")
     collectors = [c for c in _ACTIVE.get() if c._owns(module)]
     backend = collectors[-1].backend if collectors else None
 
@@ -142,13 +176,15 @@ def lmscope_attention_forward(
     else:
         causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk)
 
+    if softcap and explicit is None:  # the fused kernel does not soft-cap (yet): the reference path does
+        explicit = visible_keys(nq, nk, causal=causal, key_padding_mask=kpm, device=query.device)
     if explicit is None:
         res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,
                                      backend=backend)
         out, ent, lse, used = res.out, res.entropy, res.lse, res.backend
     else:
         out, ent, lse = attention_with_entropy_reference(query, key, value, causal=False, scale=scaling,
-                                                         attn_mask=explicit)
+                                                         attn_mask=explicit, softcap=softcap)
         used = "reference"
     for col in collectors:
         col._record(module, ent, lse, (query, key, value), used, scaling=scaling,
@@ -259,7 +295,10 @@ class EntropyCollector:
 __all__ = [
     "ATTENTION_NAME",
     "EntropyCollector",
+    "UnsupportedAttention",
+    "attention_implementation",
     "lmscope_attention",
+    "lmscope_attention_unsupported",
     "lmscope_attention_forward",
     "register_attention",
     "use_lmscope_attention",

@@ -5,8 +5,9 @@
     lm.model(input_ids).logits
 
 Nothing is downloaded: directories are read with ``local_files_only=True``. Models load in eval mode
-with ``attn_implementation="sdpa"``; analyses that need attention weights or the Triton kernels switch
-with ``lm.model.set_attn_implementation("eager")`` (or the kernels' registered implementation).
+with transformers' default attention: ``"sdpa"`` where the architecture has it, else ``"eager"`` (Bloom,
+GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels switch with
+``lm.model.set_attn_implementation("eager")`` (or the kernels' registered implementation).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ transformers.utils.logging.disable_progress_bar()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILTIN_SEED = 0
-DEFAULT_ATTENTION = "sdpa"
+# None: transformers picks sdpa where the architecture has it, else eager (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2)
+DEFAULT_ATTENTION: str | None = None
 # A directory may name its tokenizer here instead of shipping tokenizer files: {"tokenizer": "bytes"}.
 LMSCOPE_MANIFEST = "lmscope.json"
 
@@ -58,7 +60,7 @@ def builtin_config(name: str) -> transformers.PretrainedConfig:
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def _load_builtin(name: str, attn_implementation: str):
+def _load_builtin(name: str, attn_implementation: str | None):
     config = builtin_config(name)
     # Fixed seed in a forked RNG: the same built-in is bit-identical on every worker, and the
     # caller's random stream is left untouched.
@@ -87,7 +89,7 @@ def _weights_bytes(path: Path, dtype: torch.dtype) -> int:
     return n + sum(f.stat().st_size for f in path.glob("*.bin"))
 
 
-def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_implementation: str):
+def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_implementation: str | None):
     if not path:
         raise ModelLoadError("a directory or checkpoint model needs a path")
     p = Path(path)
@@ -153,7 +155,7 @@ def cast_model(model: torch.nn.Module, *, device: str | torch.device, dtype: tor
 
 
 def load_model(name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
+               attn_implementation: str | None = DEFAULT_ATTENTION) -> LoadedModel:
     """Load a registered model: ``source`` is ``builtin``, ``directory`` or ``checkpoint``."""
     torch_dtype = _torch_dtype(dtype)
     sharded = False

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, GptOssConfig, GPTJConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from lmscope.analyses import entropy
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -39,12 +39,15 @@ def tiny_model(arch: str, seed: int = 0):
     if arch == "gpt2":
         config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
                             bos_token_id=256, eos_token_id=257, initializer_range=0.25)
+    elif arch == "gptj":  # computes its attention itself, not through transformers' AttentionInterface
+        config = GPTJConfig(n_layer=2, n_head=4, n_embd=32, rotary_dim=4, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
+                            bos_token_id=256, eos_token_id=257, initializer_range=0.25)
     else:  # LLaMA with grouped-query attention: 4 query heads read 2 key/value heads
         config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
                              intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE,
                              bos_token_id=256, eos_token_id=257, pad_token_id=258, initializer_range=0.25)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config).eval()  # sdpa where the architecture has it
     return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
 
 
@@ -169,6 +172,44 @@ def test_uniform_attention_gives_the_causal_bound(tmp_path, documents, arch):
     # q = 0 also makes every per-dimension row uniform over all seq_len keys.
     assert out.summary["near_uniform_pct"] == pytest.approx(100.0)
     assert (tmp_path / "dimension_entropy.png").stat().st_size > 5000
+
+
+def test_models_the_kernel_cannot_run_use_their_attention_matrices(tmp_path, documents):
+    """GPT-J: the job falls back to output_attentions; q = 0 must still give ln(visible keys) everywhere."""
+    loaded = _zero_queries(tiny_model("gptj"))
+    out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=3)
+    assert out.summary["kernel_backend"] == ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
+    bound = np.log(np.arange(SEQ_LEN) + 1.0)
+    by_position = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]
+    np.testing.assert_allclose(by_position, np.broadcast_to(bound, by_position.shape), atol=1e-5)
+    assert loaded.model.config._attn_implementation == "eager"  # left as it was
+
+    with pytest.raises(JobFailed, match="dimension_wise needs .* set dimension_wise=false"):
+        run_job(tmp_path, {"m": loaded}, documents, num_segments=1, dimension_wise=True)
+
+
+def test_attention_matrix_route_agrees_with_the_kernel_route(tmp_path, documents, monkeypatch):
+    """The fallback's statistics equal the fused route's on a model both can run (LLaMA, GQA)."""
+    loaded = tiny_model("llama")
+    fused, _ = run_job(tmp_path / "fused", {"m": loaded}, documents, num_segments=3)
+    monkeypatch.setattr("lmscope.kernels.hf.lmscope_attention_unsupported", lambda model: "forced by the test")
+    matrix, _ = run_job(tmp_path / "matrix", {"m": loaded}, documents, num_segments=3)
+    assert matrix.summary["kernel_backend"] == entropy.MATRIX_ROUTE != fused.summary["kernel_backend"]
+    for name in ("mean", "std", "normalized_mean", "by_position"):
+        np.testing.assert_allclose(np.load(tmp_path / "matrix" / "entropy_by_position.npz")[name],
+                                   np.load(tmp_path / "fused" / "entropy_by_position.npz")[name], atol=2e-5)
+    assert loaded.model.config._attn_implementation == "sdpa"  # switched to eager for the route, and back
+
+
+def test_attention_sinks_are_refused(tmp_path, documents):
+    """gpt-oss rows put mass on a learnt sink: they are not distributions over the keys."""
+    config = GptOssConfig(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                          num_experts_per_tok=1, max_position_embeddings=64, layer_types=["full_attention"],
+                          bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    loaded = LoadedModel("oss", AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer())
+    with pytest.raises(JobFailed, match="do not sum to 1"):
+        run_job(tmp_path, {"m": loaded}, documents, num_segments=1)
 
 
 @torch.no_grad()
@@ -317,7 +358,7 @@ def _sliding(arch: str, window: int) -> LoadedModel:
     config = (MistralConfig(**common) if arch == "mistral"
               else Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config).eval()  # sdpa where the architecture has it
     return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 from lmscope.analyses import norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -380,6 +380,23 @@ def test_documents_too_short_for_a_current_token_are_counted():
     assert samples.doc_ids.tolist() == [1, 3, 4] and samples.too_short == 2
     first_only = norms.select_samples(tok, docs, params.model_copy(update={"max_samples": 1}))
     assert first_only.doc_ids.tolist() == [1] and first_only.too_short == 1  # "x y" was never reached
+
+
+def test_a_model_the_kernel_cannot_run_keeps_its_own_attention(tmp_path, documents, monkeypatch):
+    """GPT-J computes its attention itself: where the kernel would run, the job keeps the model's own and says so."""
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
+    config = GPTJConfig(n_layer=2, n_head=2, n_embd=32, rotary_dim=8, n_positions=128, vocab_size=BYTE_VOCAB_SIZE,
+                        bos_token_id=256, eos_token_id=257, initializer_range=0.05)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    lm = LoadedModel("tiny-gptj", model, byte_tokenizer(), model_info(model))
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=6, gram_condition=False, pca_samples=3)
+    assert ctx.environment["kernel_backend"].startswith(
+        "transformers-eager (the lmscope kernel cannot run this model: GPTJForCausalLM computes its attention itself")
+    expected = [[h[-1].norm().item() for h in unbatched_states(model, tokens)[0][:2]]
+                for _, tokens in reference_samples(lm.tokenizer, documents, 6)]
+    np.testing.assert_allclose(np.load(tmp_path / "trajectories.npz")["norms"], expected, rtol=1e-5)
+    assert out.summary["samples"] == 6
 
 
 @pytest.mark.gpu

@@ -9,7 +9,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lmscope.kernels.hf import ATTENTION_NAME, EntropyCollector, use_lmscope_attention  # noqa: E402
+from lmscope.kernels.hf import (  # noqa: E402
+    ATTENTION_NAME,
+    EntropyCollector,
+    UnsupportedAttention,
+    lmscope_attention,
+    lmscope_attention_unsupported,
+    use_lmscope_attention,
+)
 
 VOCAB = 128
 
@@ -29,7 +36,17 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-MODELS = {"gpt2": _gpt2, "llama": _llama}
+def _gemma2():
+    """Attention logit soft-capping at 1.0 on peaky random scores: the cap changes the result (checked below)."""
+    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_logit_softcapping=1.0,
+                                    query_pre_attn_scalar=1, initializer_range=0.2)
+    cfg._attn_implementation = "eager"
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "gemma2": _gemma2}
 
 
 def _batch(n=13, seed=0, device="cpu"):
@@ -220,3 +237,40 @@ def test_mixed_qkv_dtypes_attend_in_the_value_dtype_like_sdpa(backend, device):
     want = torch.nn.functional.scaled_dot_product_attention(
         q.bfloat16(), k.bfloat16().repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.25)
     torch.testing.assert_close(out.float(), want.transpose(1, 2).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_soft_capped_scores_are_capped(device):
+    """Gemma 2's soft-capping runs on the reference path and matters here: uncapped, the logits differ."""
+    torch.manual_seed(0)
+    model = _gemma2().to(device)
+    ids, mask = _batch(device=device)
+    with torch.no_grad(), EntropyCollector(model) as col:
+        capped = model(ids, attention_mask=mask).logits
+        model.config.attn_logit_softcapping = None
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = model(ids, attention_mask=mask).logits
+    assert col.backends == {"reference"}
+    assert (capped - uncapped)[mask.bool()].abs().max() > 1e-2
+
+
+def test_models_that_compute_attention_themselves_are_refused_by_name(device):
+    """GPT-J computes its attention in its own module, not through transformers' AttentionInterface."""
+    cfg = transformers.GPTJConfig(n_layer=1, n_head=2, n_embd=32, rotary_dim=8, vocab_size=VOCAB, n_positions=64)
+    model = transformers.GPTJForCausalLM(cfg).eval().to(device)
+    before = model.config._attn_implementation
+    with pytest.raises(UnsupportedAttention, match="GPTJForCausalLM computes its attention itself"):
+        with lmscope_attention(model):
+            pass
+    assert "AttentionInterface" in lmscope_attention_unsupported(model)
+    assert model.config._attn_implementation == before
+    assert lmscope_attention_unsupported(_gpt2().to(device)) is None
+
+
+def test_attention_sinks_are_refused():
+    """gpt-oss adds a learnt sink logit to every row (s_aux): neither path computes that softmax."""
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                    num_experts_per_tok=1, max_position_embeddings=64, layer_types=["full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert "s_aux" in lmscope_attention_unsupported(model)

@@ -108,6 +108,19 @@ def test_a_bf16_model_keeps_rope_frequencies_in_float32(tmp_path):
             torch.testing.assert_close((4096 * b).double(), 4096 * expected, rtol=1e-6, atol=1e-5)
 
 
+def test_architectures_without_sdpa_load_with_eager_attention(tmp_path):
+    """Bloom has no SDPA attention in transformers: asking for it refused to load; GPT-2 still gets sdpa."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    torch.manual_seed(0)
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=259, hidden_size=32, n_layer=2, n_head=2))
+    bloom.save_pretrained(tmp_path / "bloom")
+    lm = load_model("b", "directory", str(tmp_path / "bloom"))
+    assert lm.model.config._attn_implementation == "eager"
+    assert torch.equal(_logits(lm), bloom.eval()(input_ids=byte_tokenizer()(TEXT, return_tensors="pt")["input_ids"]).logits)
+    assert load_model("tiny-gpt2", "builtin", None).model.config._attn_implementation == "sdpa"
+
+
 def test_directory_without_tokenizer(tmp_path):
     lm = load_model("tiny-gpt2", "builtin", None)
     lm.model.save_pretrained(tmp_path / "bytes")  # vocabulary 259: the byte tokenizer is implied

@@ -42,6 +42,7 @@ def attention_with_entropy_reference(
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (out [B,H,Nq,Dv] in q's dtype, entropy [B,H,Nq], lse [B,H,Nq]).
 
@@ -50,6 +51,8 @@ def attention_with_entropy_reference(
 
     ``attn_mask`` (bool, broadcastable to [B,H,Nq,Nk], True = attend) is an extra restriction used
     by the transformers integration for mask patterns the fused kernel does not know.
+    ``softcap`` (Gemma 2's attention logit soft-capping): scores s become softcap · tanh(s / softcap)
+    before the softmax; the entropy and lse are those of the capped scores.
     Rows with no visible key get out = 0, entropy = 0, lse = -inf (as in the Triton kernel).
     """
     h, hk = q.shape[1], k.shape[1]
@@ -61,6 +64,8 @@ def attention_with_entropy_reference(
 
     work = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk]
+    if softcap:
+        s = torch.tanh(s / softcap).mul_(softcap)
     allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask, device=q.device)
     if attn_mask is not None:
         allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
