@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lmscope import strict_json
 
 # Built-in random-init models for tests and demos; they use a byte-level tokenizer (256 bytes + BOS/EOS/PAD).
 BYTE_VOCAB_SIZE = 259
@@ -48,13 +52,17 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:+/-]*$"
 NAME_MAX_LENGTH = 200
 
 
-NAME_RULE = f"use at most {NAME_MAX_LENGTH} letters, digits and . _ @ : + / -, starting with a letter or digit"
+def name_rule(max_length: int = NAME_MAX_LENGTH) -> str:
+    return f"use at most {max_length} letters, digits and . _ @ : + / -, starting with a letter or digit"
 
 
-def check_name(name: str) -> None:
-    """Raise CatalogError unless `name` may name a model or dataset."""
-    if not re.fullmatch(NAME_PATTERN, name) or len(name) > NAME_MAX_LENGTH:
-        raise CatalogError(f"{name!r} cannot be a name: {NAME_RULE}")
+NAME_RULE = name_rule()
+
+
+def check_name(name: str, *, max_length: int = NAME_MAX_LENGTH, what: str = "a name") -> None:
+    """Raise CatalogError unless `name` may name a model or dataset (or, with `what`, something else)."""
+    if not re.fullmatch(NAME_PATTERN, name) or len(name) > max_length:
+        raise CatalogError(f"{name!r} cannot be {what}: {name_rule(max_length)}")
 
 
 @dataclass
@@ -68,28 +76,59 @@ class ModelFacts:
     num_parameters: int | None
     dtype: str | None
     info: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None  # the resolved directory (inspect_model_dir)
+
+
+# The facts live in INTEGER columns (32-bit in PostgreSQL); the parameter count in a BIGINT.
+MAX_FACT = 2**31 - 1
+MAX_PARAMETERS = 2**63 - 1
 
 
 def config_facts(config: dict[str, Any]) -> ModelFacts:
-    """Layers, heads, width from a HF config dict, whatever the architecture calls them."""
+    """Layers, heads, width from a HF config dict, whatever the architecture calls them.
+
+    CatalogError names a field whose value cannot be one of these facts (not a positive integer,
+    a dtype that is not a short name): stored, it would be served as nonsense (or as invalid JSON).
+    """
+    if not isinstance(config, dict):
+        raise CatalogError(f"config.json must hold a JSON object, not {type(config).__name__}")
 
     def first(*keys):
         for k in keys:
-            if config.get(k) is not None:
-                return config[k]
+            value = config.get(k)
+            if value is None:
+                continue
+            if type(value) is not int or not 1 <= value <= MAX_FACT:
+                raise CatalogError(f"config.json: {k} must be a positive integer (at most {MAX_FACT}), "
+                                   f"not {json.dumps(value)[:60]}")
+            return value
         return None
 
+    def dtype_name():
+        for k in ("torch_dtype", "dtype"):
+            value = config.get(k)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.]{1,16}", value):
+                raise CatalogError(f"config.json: {k} must name a dtype like \"bfloat16\", "
+                                   f"not {json.dumps(value)[:60]}")
+            return value
+        return None
+
+    architecture = config.get("model_type", "unknown")
+    if not isinstance(architecture, str) or len(architecture) > 64:
+        raise CatalogError(f"config.json: model_type must be a name like \"gpt2\", not {json.dumps(architecture)[:60]}")
     heads = first("num_attention_heads", "n_head")
     positions = first("max_position_embeddings", "n_positions")
     return ModelFacts(
-        architecture=config.get("model_type", "unknown"),
+        architecture=architecture,
         num_layers=first("num_hidden_layers", "n_layer"),
         num_heads=heads,
         num_kv_heads=first("num_key_value_heads") or heads,
         hidden_size=first("hidden_size", "n_embd"),
         vocab_size=first("vocab_size"),
         num_parameters=None,
-        dtype=first("torch_dtype", "dtype"),
+        dtype=dtype_name(),
         # Kept so that a submit asking for more positions than the model reads is refused at once.
         info={"max_positions": positions} if positions else {},
     )
@@ -127,19 +166,41 @@ def builtin_parameter_count(config: dict[str, Any]) -> int:
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
+
+
 def safetensors_parameter_count(path: Path) -> int:
-    """Number of parameters in a .safetensors file, read from its JSON header only."""
+    """Number of parameters in a .safetensors file, read from its JSON header only.
+
+    CatalogError when the file is not one (too short, a header length past its end, a header that is
+    not a JSON object of tensors with shapes).
+    """
+    path = Path(path)
+
+    def not_safetensors(why: str) -> CatalogError:
+        return CatalogError(f"{path.name} is not a safetensors file: {why}")
+
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        head = f.read(8)
+        if len(head) < 8:
+            raise not_safetensors(f"it is {len(head)} bytes long")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(os.fstat(f.fileno()).st_size - 8, SAFETENSORS_MAX_HEADER):
+            raise not_safetensors(f"its header length ({header_len} bytes) runs past the end of the file")
+        try:
+            header = strict_json.loads(f.read(header_len))
+        except strict_json.StrictJsonError as e:
+            raise not_safetensors(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise not_safetensors("its header is not a JSON object")
     total = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        n = 1
-        for dim in entry["shape"]:
-            n *= dim
-        total += n
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise not_safetensors(f"tensor {name!r} has no shape (a list of sizes)")
+        total += math.prod(shape)
     return total
 
 
@@ -150,7 +211,10 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     """
     if not roots:
         raise CatalogError("no model roots are configured: set LMSCOPE_MODEL_DIRS to the directories models may live in")
-    resolved = Path(path).expanduser().resolve()
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except (RuntimeError, ValueError, OSError) as e:  # ~nosuchuser, a NUL byte, a symlink loop
+        raise CatalogError(f"{path} is not a usable path ({e}); give the directory's absolute path") from None
     if not any(resolved == r.resolve() or resolved.is_relative_to(r.resolve()) for r in roots):
         raise CatalogError(f"{path} is outside the configured model roots ({', '.join(map(str, roots))}); "
                            "put the model under one of them or add its parent to LMSCOPE_MODEL_DIRS")
@@ -160,22 +224,35 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     if not cfg_path.is_file():
         raise CatalogError(f"{path} has no config.json; it is not a Hugging Face model directory")
     try:
-        config = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = strict_json.loads(cfg_path.read_bytes())
+    except OSError as e:
+        raise CatalogError(f"cannot read {cfg_path}: {e.strerror}") from None
+    except strict_json.StrictJsonError as e:
         raise CatalogError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CatalogError(f"{cfg_path} must hold a JSON object (a Hugging Face config), not {type(config).__name__}")
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
         raise CatalogError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CatalogError(f"{cfg_path}: architectures must be a list of class names like [\"GPT2LMHeadModel\"]")
     if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
         raise CatalogError(f"{path} is not a causal language model (architectures: {archs}); lmscope analyses causal LMs")
     weights = sorted(resolved.glob("*.safetensors")) + sorted(resolved.glob("*.bin"))
     if not weights:
         raise CatalogError(f"{path} has no weights (*.safetensors or *.bin)")
     facts = config_facts(config)
+    facts.path = str(resolved)
     st = [w for w in weights if w.suffix == ".safetensors"]
     if st:
-        facts.num_parameters = sum(safetensors_parameter_count(w) for w in st)
+        try:
+            facts.num_parameters = sum(safetensors_parameter_count(w) for w in st)
+        except OSError as e:
+            raise CatalogError(f"cannot read {e.filename}: {e.strerror}") from None
+        if facts.num_parameters > MAX_PARAMETERS:
+            raise CatalogError(f"{path}: the safetensors headers claim {facts.num_parameters} parameters; "
+                               "they are not a real model's")
     return facts
 
 

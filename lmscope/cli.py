@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 import lmscope
+from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError
 
@@ -62,10 +63,15 @@ def client() -> Client:
 # ---------------------------------------------------------------- params
 
 def parse_value(text: str) -> Any:
-    """JSON when it parses (5, 0.1, true, [1,2], {"a":1}, null), else the string itself."""
+    """JSON when it parses (5, 0.1, true, [1,2], {"a":1}, null), else the string itself.
+
+    NaN and Infinity are refused (a usage error): the API takes strict JSON only.
+    """
     try:
-        return json.loads(text)
-    except ValueError:
+        return strict_json.loads(text)
+    except strict_json.NonFiniteNumber as e:
+        raise click.BadParameter(f"{text!r}: {e}", param_hint="--param") from None
+    except strict_json.StrictJsonError:
         return text
 
 
@@ -104,12 +110,16 @@ def json_types(root: dict[str, Any] | None, node: Any) -> set[str]:
 
 def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
     """`parse_value`, except that a field the kind declares a string keeps the text: `model=123` is "123"."""
-    value = parse_value(raw)
-    if isinstance(value, str) or schema is None:
-        return value
-    prop = field_schema(schema, key)
+    prop = field_schema(schema, key) if schema is not None else None
     types = json_types(schema, prop) if prop is not None else {"any"}
-    if types - {"null"} == {"string"} and not (value is None and "null" in types):
+    text_field = types - {"null"} == {"string"}
+    try:
+        value = parse_value(raw)
+    except click.BadParameter:
+        if text_field:  # `run_name=NaN` is a name
+            return raw
+        raise
+    if text_field and not isinstance(value, str) and not (value is None and "null" in types):
         return raw
     return value
 
@@ -137,7 +147,7 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
     params: dict[str, Any] = {}
     if params_file:
         try:
-            loaded = json.loads(Path(params_file).read_text())
+            loaded = strict_json.loads(Path(params_file).read_bytes())
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"cannot read {params_file}: {e}", param_hint="--params") from None
         if not isinstance(loaded, dict):
@@ -706,6 +716,8 @@ def compare(job_ids, series, fmt, plot_path, logy):
             click.echo(f"plot: {plot_comparison(c, plot_path, logy=logy)}", err=True)
         except (RuntimeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"cannot write the plot to {plot_path}: {e.strerror or e}") from None
 
 
 def _print_comparison(c, with_curves: bool) -> None:
@@ -737,7 +749,12 @@ def _print_comparison(c, with_curves: bool) -> None:
 def fetch(job_id, directory):
     """Download a job's artifacts (plots, npz) into DIRECTORY."""
     c = client()
-    paths = c.fetch(job_id, directory)
+    try:
+        paths = c.fetch(job_id, directory)
+    except OSError as e:  # a file where a folder should be, no permission, a full disk
+        where = f" ({e.filename})" if e.filename else ""
+        raise click.ClickException(f"cannot save job {job_id}'s artifacts in {directory}: "
+                                   f"{e.strerror or e}{where}") from None
     for path in paths:
         click.echo(path)
     if not paths:

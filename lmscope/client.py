@@ -12,6 +12,7 @@ problem's title and detail, which say what to change.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -75,6 +76,11 @@ class Client:
         except requests.Timeout:
             raise LmscopeError(0, {"title": "The lmscope API did not answer",
                                    "detail": f"{method} {path} took longer than {kwargs['timeout']} s"}) from None
+        except (requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL):
+            raise LmscopeError(0, {"title": "Invalid API address",
+                                   "detail": f"{self.url!r} is not an address like http://host:port; "
+                                             "set LMSCOPE_URL to the API's address, e.g. "
+                                             "http://127.0.0.1:8765"}) from None
         if response.status_code >= 400:
             raise LmscopeError(response.status_code, _problem_of(response))
         return response
@@ -202,10 +208,15 @@ class Client:
         dest.parent.mkdir(parents=True, exist_ok=True)
         response = self.request("GET", f"/v1/jobs/{int(job_id)}/artifacts/{quote(name)}", stream=True)
         tmp = dest.with_name(dest.name + ".part")
-        with open(tmp, "wb") as f:
-            for chunk in response.iter_content(1 << 20):
-                f.write(chunk)
-        tmp.replace(dest)
+        try:
+            with response, open(tmp, "wb") as f:
+                for chunk in response.iter_content(1 << 20):
+                    f.write(chunk)
+            tmp.replace(dest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # no half-written file left behind
+            raise
         return dest
 
     def fetch(self, job_id: int, directory: str | Path) -> list[Path]:

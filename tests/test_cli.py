@@ -24,6 +24,32 @@ def test_values_are_json_when_they_parse_else_strings():
     assert parse_value("tiny-gpt2") == "tiny-gpt2" and parse_value('"4"') == "4" and parse_value("") == ""
 
 
+def test_nan_and_infinity_are_usage_errors_not_tracebacks(monkeypatch):
+    """json.loads takes NaN; requests then failed to encode it, with a traceback."""
+    from lmscope.params import KINDS
+
+    norms = KINDS["norms"].params.model_json_schema()
+    for text in ("NaN", "Infinity", "-Infinity", "1e999", "[1, NaN]"):
+        with pytest.raises(click.BadParameter, match="not a JSON number|too large"):
+            parse_value(text)
+        with pytest.raises(click.BadParameter):
+            parse_param(text, norms, "loss_filter")
+    assert parse_param("NaN", norms, "model") == "NaN"  # a string field keeps its text
+    assert parse_value("nan") == "nan"  # not JSON at all: a string, as before
+    monkeypatch.setenv("LMSCOPE_URL", "http://127.0.0.1:9")  # nothing listens: the refusal comes first
+    r = CliRunner().invoke(main, ["submit", "norms", "-p", "model=m", "-p", "loss_filter=NaN"])
+    assert r.exit_code == 2 and "'NaN': NaN is not a JSON number" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_a_malformed_lmscope_url_is_one_line_saying_what_to_set(monkeypatch):
+    for url in ("notaurl", "ftp://host", "http://"):
+        monkeypatch.setenv("LMSCOPE_URL", url)
+        r = CliRunner().invoke(main, ["jobs"])
+        assert r.exit_code == 1 and "Invalid API address" in r.output and "LMSCOPE_URL" in r.output, url
+        assert isinstance(r.exception, SystemExit), r.exception
+
+
 def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"model": "a", "train": {"epochs": 1, "lr": 0.1}}))
@@ -138,6 +164,22 @@ def test_datasets_add_registers_a_server_file_without_upload(sqlite_url, tmp_pat
     assert spaced.exit_code != 0 and "cannot be a name" in spaced.output
     with create_engine(sqlite_url).connect() as c:
         assert c.execute(select(Dataset.name)).scalars().all() == ["wt103"]
+
+
+def test_user_names_follow_the_apis_naming_rule(sqlite_url, monkeypatch):
+    """`lmscope user create ''` and `'a b'` used to succeed; such names cannot be given to `?user=`."""
+    from sqlalchemy import create_engine, select
+
+    from lmscope.db.models import User
+
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", sqlite_url)
+    runner = CliRunner()
+    for bad in ("", "a b", "tab\tname", ".dot", "x" * 65):
+        r = runner.invoke(main, ["user", "create", bad])
+        assert r.exit_code == 1 and "cannot be a user name" in r.output and "at most 64" in r.output, bad
+    assert runner.invoke(main, ["user", "create", "alice@example.org"]).exit_code == 0
+    with create_engine(sqlite_url).connect() as c:
+        assert c.execute(select(User.name)).scalars().all() == ["alice@example.org"]
 
 
 def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):

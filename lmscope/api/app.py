@@ -9,6 +9,7 @@ from flask import Flask, g, request
 
 from lmscope.api.auth import authenticate
 from lmscope.api.errors import register_error_handlers
+from lmscope.api.inputs import check_request
 from lmscope.api.metrics import RequestMetrics
 from lmscope.api.state import ApiState, Publisher
 from lmscope.config import Settings
@@ -36,6 +37,9 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
     app = Flask("lmscope.api", static_folder=None)  # /docs reads its page itself; no /static route
     app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_bytes + UPLOAD_OVERHEAD_BYTES
     app.json.sort_keys = False  # keep the documents' field order (id, kind, ... links)
+    # `//` in a path (an artifact named `%2Fetc%2Fpasswd`) is a 404 problem, not an HTML redirect to another
+    # path; set before the blueprints' rules are bound to the map.
+    app.url_map.merge_slashes = False
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     app.extensions["lmscope"] = ApiState(settings=settings, engine=engine, sessions=sessions,
@@ -52,6 +56,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
         g.started = time.perf_counter()
         if request.path.startswith("/v1/"):
             g.caller = authenticate(request.headers.get("Authorization"), auth_enabled=settings.auth, sessions=sessions)
+            check_request(app.view_functions.get(request.endpoint) if request.endpoint else None)
 
     @app.after_request
     def _count(response):

@@ -18,11 +18,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.api.errors import Problem
+from lmscope.catalog import check_name
 from lmscope.config import Settings
 from lmscope.db.models import ApiToken, User, utcnow
 
 TOKEN_PREFIX = "lms_"
 LOCAL_USER = "local"
+USER_NAME_MAX_LENGTH = 64  # users.name is VARCHAR(64)
 # Refreshing last_used_at on every request would make every read a write; once a minute is enough.
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
 
@@ -69,7 +71,9 @@ def issue_token(session: Session, user: User) -> str:
 
 def create_user(session: Session, name: str, *, admin: bool = False, max_active_jobs: int | None = None,
                 max_sweep_points: int | None = None) -> tuple[User, str]:
-    """Make a user and a first token; raises ValueError when the name is taken."""
+    """Make a user and a first token; raises ValueError when the name is taken or cannot be a name
+    (the rule of model and dataset names, at most 64 characters: names appear in `?user=` and listings)."""
+    check_name(name, max_length=USER_NAME_MAX_LENGTH, what="a user name")  # CatalogError is a ValueError
     if session.scalar(select(User).where(User.name == name)) is not None:
         raise ValueError(f"user {name!r} exists; make another token with `lmscope user token {name}`")
     user = User(name=name, is_admin=admin, max_active_jobs=max_active_jobs, max_sweep_points=max_sweep_points)

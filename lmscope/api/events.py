@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import time
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, current_app
 
 from lmscope.api.auth import current_caller
-from lmscope.api.errors import Problem
+from lmscope.api.inputs import query_params, query_seconds
 from lmscope.api.jobs import children_counts, is_parent_kind, load_visible_job
 from lmscope.api.render import error_json, iso, progress_json
 from lmscope.api.state import state
@@ -45,15 +45,13 @@ def snapshot(sessions, job_id: int) -> dict:
 
 
 @bp.get("/jobs/<int:job_id>/events")
+@query_params("timeout")
 def job_events(job_id: int):
     """Server-sent events: `status` and `progress` as they change, `end` at a terminal state."""
     st = state()
     with st.sessions() as session:
         load_visible_job(session, current_caller(), job_id)
-    try:
-        timeout = min(float(request.args.get("timeout", DEFAULT_TIMEOUT)), MAX_TIMEOUT)
-    except ValueError:
-        raise Problem(422, "validation-error", "Invalid timeout", "timeout must be a number of seconds") from None
+    timeout = query_seconds("timeout", DEFAULT_TIMEOUT, MAX_TIMEOUT)
     poll = current_app.config.get("LMSCOPE_SSE_POLL_SECONDS", 0.5)
     sessions = st.sessions  # the generator runs after the request context is gone
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import difflib
 import json
+
 from flask import Blueprint, request
 from pydantic_core import to_jsonable_python
 from sqlalchemy import exists, func, select, update
@@ -12,12 +14,13 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
+from lmscope.api.inputs import json_body, parse_id, query_int, query_params
 from lmscope.api.render import job_json
 from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
 from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
 from lmscope.db.progress import refresh_sweep_progress
-from lmscope.params import KINDS, is_parent_kind, parent_kinds
+from lmscope.params import KINDS, MAX_JOB_ID, is_parent_kind, parent_kinds
 from lmscope.queue import publish_jobs
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
@@ -41,7 +44,8 @@ def children_counts(session, parent_ids: list[int]) -> dict[int, dict[str, int]]
 
 def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     """The job, or 404 when it does not exist *or* belongs to someone else (no existence leak)."""
-    job = session.get(Job, job_id)
+    # No job has an id past the column's range (PostgreSQL would answer the query with an error).
+    job = session.get(Job, job_id) if job_id <= MAX_JOB_ID else None
     if job is None or not caller.can_see(job.user_id):
         raise Problem(404, "not-found", "Job not found",
                       f"there is no job {job_id} of yours; list your jobs with GET /v1/jobs or `lmscope jobs`")
@@ -67,26 +71,14 @@ def encode_page_token(last_id: int) -> str:
 
 def decode_page_token(token: str) -> int:
     try:
-        data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        return int(data["before"])
+        before = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))["before"]
+        if type(before) is not int or not 1 <= before <= MAX_JOB_ID:  # what encode_page_token writes
+            raise ValueError(before)
+        return before
     except Exception:
         raise Problem(422, "validation-error", "Invalid page_token",
                       "page_token must be a next_page_token returned by GET /v1/jobs; start over without it",
                       errors=[{"loc": ["query", "page_token"], "msg": "not a page token", "type": "page_token"}]) from None
-
-
-def _query_int(name: str, default: int | None, lo: int, hi: int) -> int | None:
-    raw = request.args.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or not lo <= value <= hi:
-        raise Problem(422, "validation-error", f"Invalid {name}", f"{name} must be an integer from {lo} to {hi}",
-                      errors=[{"loc": ["query", name], "msg": f"integer {lo}..{hi}", "type": "int_range"}])
-    return value
 
 
 def tag_filter(session, tag: str):
@@ -103,14 +95,11 @@ def tag_filter(session, tag: str):
 def submit_job():
     """Submit a job: validate kind + params, insert, publish; 202 with the job."""
     st, caller = state(), current_caller()
-    raw = request.get_json(silent=True, force=True)
-    if raw is None:
-        raise Problem(400, "invalid-json", "Body is not JSON",
-                      'send a JSON object like {"kind": "probe", "params": {"model": "tiny-gpt2"}} '
-                      "with Content-Type: application/json")
+    raw = json_body('{"kind": "probe", "params": {"model": "tiny-gpt2"}}')
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not 1 <= len(key) <= 200:
-        raise Problem(422, "validation-error", "Invalid Idempotency-Key", "the Idempotency-Key header must be 1 to 200 characters")
+    if key is not None and (not 1 <= len(key) <= 200 or not key.isprintable()):
+        raise Problem(422, "validation-error", "Invalid Idempotency-Key",
+                      "the Idempotency-Key header must be 1 to 200 printable characters")
     body_hash = request_hash(raw) if key else None
 
     def replayed(session, job: Job):
@@ -143,15 +132,20 @@ def submit_job():
 
 
 @bp.get("/jobs")
+@query_params("kind", "status", "tag", "parent", "user", "limit", "page_token")
 def list_jobs():
     """List your jobs, newest first; filters kind, status, tag, parent (an id or `none`), user (admins)."""
     st, caller = state(), current_caller()
-    limit = _query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    limit = query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     q = select(Job, User.name).join(User, User.id == Job.user_id).order_by(Job.id.desc()).limit(limit + 1)
+    user = request.args.get("user")
     if not caller.is_admin:
+        if user and user != caller.name:
+            raise Problem(403, "forbidden", "Admins only",
+                          f"only admins may list another user's jobs; leave out user={user} (you see your own jobs)")
         q = q.where(Job.user_id == caller.id)
-    elif request.args.get("user"):
-        q = q.where(User.name == request.args["user"])
+    elif user:
+        q = q.where(User.name == user)
     kind = request.args.get("kind")
     if kind:
         q = q.where(Job.kind == kind)
@@ -166,8 +160,8 @@ def list_jobs():
     if parent is not None:
         if parent.lower() in ("none", "null", ""):
             q = q.where(Job.parent_id.is_(None))
-        elif parent.isdigit() and 1 <= int(parent) < 2**63:
-            q = q.where(Job.parent_id == int(parent))
+        elif (parent_id := parse_id(parent)) is not None and 1 <= parent_id <= MAX_JOB_ID:
+            q = q.where(Job.parent_id == parent_id)
         else:
             raise Problem(422, "validation-error", "Invalid parent",
                           f"parent {parent!r} is neither a job id nor `none`; give a sweep's id to list its "
@@ -177,6 +171,14 @@ def list_jobs():
         q = q.where(Job.id < decode_page_token(token))
 
     with st.sessions() as session:
+        if caller.is_admin and user and session.scalar(select(User.id).where(User.name == user)) is None:
+            # A typo would otherwise list nothing, as if the user had no jobs.
+            names = list(session.scalars(select(User.name)))
+            close = difflib.get_close_matches(user, names, n=1, cutoff=0.6)
+            raise Problem(422, "validation-error", "Unknown user",
+                          f"there is no user {user!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                          + " (`lmscope user list` on the server lists them)",
+                          errors=[{"loc": ["query", "user"], "msg": "unknown user", "type": "unknown_user"}])
         if kind and kind not in KINDS and session.scalar(select(Job.id).where(Job.kind == kind).limit(1)) is None:
             # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
             known = sorted(KINDS)

@@ -77,17 +77,20 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
             "content": {media: {"schema": {"type": "string", "format": "binary"}}
                         for media in ("image/png", "application/json", "text/plain", "text/csv", "application/octet-stream")}}}},
     ("get", "events.job_events"): {
-        "parameters": [_query("timeout", {"type": "number", "default": 300, "maximum": 3600}, "longest stream in seconds")],
+        "parameters": [_query("timeout", {"type": "number", "default": 300, "exclusiveMinimum": 0, "maximum": 3600},
+                              "longest stream in seconds")],
         "responses": {"200": {"description": "events `status`, `progress`, `end` (and `timeout`)",
                               "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
     },
     ("post", "registry.register_model"): {
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RegisterModelBody"}}}},
-        "responses": {"201": {"description": "registered"}, "403": PROBLEM, "409": PROBLEM, "422": PROBLEM},
+        "responses": {"201": {"description": "registered"}, "400": PROBLEM, "403": PROBLEM, "409": PROBLEM,
+                      "422": PROBLEM},
     },
     ("post", "registry.upload_dataset"): {
         "parameters": [_query("name", {"type": "string"}, "dataset name (raw-body uploads)"),
-                       _query("format", {"type": "string", "enum": list(DATASET_FORMATS)}, "file format (raw-body uploads)")],
+                       _query("format", {"type": "string", "enum": list(DATASET_FORMATS)}, "file format (raw-body uploads)"),
+                       _query("description", {"type": "string"}, "what the corpus is (raw-body uploads)")],
         "requestBody": {"required": True, "content": {
             "multipart/form-data": {"schema": {"type": "object", "required": ["file", "name"], "properties": {
                 "file": {"type": "string", "format": "binary"}, "name": {"type": "string"},

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import current_caller, require_admin
 from lmscope.api.errors import Problem, validation_problem
+from lmscope.api.inputs import json_body, query_params, refuse_bad_strings, single_values
 from lmscope.api.render import iso
 from lmscope.api.state import state
 from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, CatalogError, inspect_model_dir,
@@ -36,6 +37,8 @@ class RegisterModelBody(BaseModel):
 
 
 class UploadForm(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # `fromat=lines` must not store the file as text
+
     name: str = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
     format: str = Field("text", description="text | lines | jsonl")
     description: str | None = Field(None, max_length=2000)
@@ -74,8 +77,9 @@ def register_model():
     """Register a Hugging Face directory under LMSCOPE_MODEL_DIRS as a model (admins only)."""
     caller = require_admin()
     st = state()
+    raw = json_body('{"name": "gpt2", "path": "/models/gpt2"}')
     try:
-        body = RegisterModelBody.model_validate(request.get_json(silent=True, force=True) or {})
+        body = RegisterModelBody.model_validate(raw)
     except ValidationError as e:
         raise validation_problem(e, model=RegisterModelBody) from None
     try:
@@ -83,7 +87,7 @@ def register_model():
     except CatalogError as e:
         raise Problem(422, "invalid-model", "Model directory refused", str(e),
                       errors=[{"loc": ["path"], "msg": str(e), "type": "invalid_model"}]) from None
-    row = Model(name=body.name, source="directory", path=str(Path(body.path).expanduser().resolve()),
+    row = Model(name=body.name, source="directory", path=facts.path,
                 architecture=facts.architecture, num_layers=facts.num_layers, num_heads=facts.num_heads,
                 num_kv_heads=facts.num_kv_heads, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
                 num_parameters=facts.num_parameters, dtype=facts.dtype, info=facts.info, created_by=caller.id)
@@ -108,15 +112,27 @@ def list_datasets():
 def _read_upload() -> tuple[dict, bytes]:
     """(form fields, file bytes) from multipart (`file` + `name`, `format`) or a raw body (`?name=&format=`)."""
     if request.mimetype == "multipart/form-data":
+        if request.args:
+            raise Problem(422, "validation-error", "Query parameters with a multipart upload",
+                          "a multipart upload sends name, format and description as form fields; "
+                          f"leave out the query parameters ({', '.join(request.args)})",
+                          errors=[{"loc": ["query", k], "msg": "send it as a form field", "type": "extra_forbidden"}
+                                  for k in request.args])
         upload = request.files.get("file")
         if upload is None:
+            # also what a malformed multipart body reads as: werkzeug finds no fields in it
             raise Problem(422, "validation-error", "No file", "send the dataset as the multipart field 'file'",
                           errors=[{"loc": ["file"], "msg": "missing", "type": "missing"}])
-        return dict(request.form), upload.read()
-    return dict(request.args), request.get_data(cache=False)
+        single_values(request.form, "form")
+        single_values(request.files, "form")
+        fields = request.form.to_dict()
+        refuse_bad_strings(fields)
+        return fields, upload.read()
+    return request.args.to_dict(), request.get_data(cache=False)
 
 
 @bp.post("/datasets")
+@query_params("name", "format", "description")
 def upload_dataset():
     """Upload a text dataset: multipart `file` + `name` + `format` (text|lines|jsonl), or a raw body with ?name=&format=."""
     st, caller = state(), current_caller()
@@ -129,7 +145,7 @@ def upload_dataset():
     try:
         form = UploadForm.model_validate(fields)
     except ValidationError as e:
-        raise validation_problem(e) from None
+        raise validation_problem(e, model=UploadForm) from None
     if form.format not in DATASET_FORMATS:
         raise Problem(422, "validation-error", "Unknown format",
                       f"format {form.format!r} is unknown; use one of: "

@@ -11,6 +11,7 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
+from lmscope.api.inputs import query_params
 from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, iso
 from lmscope.api.state import state
@@ -51,6 +52,7 @@ def series_json(rows: list[Series]) -> list[dict]:
 
 
 @bp.get("/jobs/<int:job_id>/results")
+@query_params("series", repeatable=["series"])
 def get_results(job_id: int):
     """The job's series; repeat `series=NAME` to pick some (a name ending in `*` matches a prefix).
 
@@ -75,6 +77,7 @@ MAX_COMPARED_SERIES = 5000  # curves in one answer, over all the jobs
 
 
 @bp.get("/compare")
+@query_params("jobs", "series", repeatable=["jobs", "series"])
 def compare_jobs():
     """Jobs side by side: the parameters that differ, scalar summaries, and (`series=`) their curves
     matched by name and labels; `shared_series` names the curves every one of them has."""

@@ -2,8 +2,9 @@
 
 Order matters: an `Idempotency-Key` replay is answered first (a retry of an accepted request must
 not be refused because the quota filled up since), then the body, the kind's params, the sweep's
-size and points, the names they refer to, the windows against the models' context, the model names a
-train job will take, the quota; the parent and its children go in one transaction.
+size and points, the names they refer to, the windows against the models' context, the layers
+against the models' depth, the model names a train job will take, the quota; the parent and its
+children go in one transaction.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lmscope.api.auth import Caller
 from lmscope.api.errors import Problem, describe_errors, pydantic_errors, validation_problem
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
-from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params
+from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
 
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True)]
 
@@ -42,9 +43,10 @@ def submittable_kinds() -> list[str]:
 
 
 def request_hash(body: Any) -> str:
-    """sha256 of the body's canonical JSON: key order and whitespace do not matter."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """sha256 of the body's canonical JSON: key order, whitespace and 5.0 versus 5 do not matter."""
+    canonical = json.dumps(whole_floats_as_ints(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # surrogatepass: a lone surrogate ("\ud800") must not crash the hash (json_body refuses it anyway)
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def find_replay(session: Session, caller: Caller, key: str, body_hash: str) -> Job | None:
@@ -155,6 +157,27 @@ def check_context(session: Session, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "sequence_too_long"} for m, loc in errors.items()])
 
 
+def check_layers(session: Session, parsed: list) -> None:
+    """Layer indices a model does not have are refused now, not by the worker after a queue wait.
+
+    Models whose number of layers is not recorded are checked by the worker instead.
+    """
+    asking = [p.layers_read() for p in parsed if p.layers_read() is not None]
+    names = sorted({model for _, model, _ in asking})
+    counts = {name: n for name, n in  # one query for a whole sweep
+              session.execute(select(Model.name, Model.num_layers).where(Model.name.in_(names)))} if names else {}
+    errors = {}  # message -> loc; a sweep's parent and children ask the same question
+    for field, model, layers in asking:
+        n = counts.get(model)
+        bad = sorted({layer for layer in layers if isinstance(n, int) and not 0 <= layer < n})
+        if bad:
+            errors[f"model {model!r} has {n} layers (0 to {n - 1}); there is no layer "
+                   f"{', '.join(map(str, bad))}"] = ["params", field]
+    if errors:
+        raise Problem(422, "validation-error", "No such layer", "; ".join(errors),
+                      errors=[{"loc": loc, "msg": m, "type": "layer_out_of_range"} for m, loc in errors.items()])
+
+
 def check_model_names(session: Session, parsed: list) -> None:
     """The models a job will register (a train run's `<run_name>@step<N>`) must not clash with any model
     or with an active job that registers the same names: refused now, not at its first checkpoint."""
@@ -257,6 +280,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
                               + describe_errors(pydantic_errors(e, model=KINDS[child.kind].params))) from None
     check_refs(session, caller, [params, *child_params])
     check_context(session, [params, *child_params])
+    check_layers(session, [params, *child_params])
     check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmscope.params.base import ChildSpec, JobParams, KindSpec
+from lmscope.params.base import MAX_JOB_ID, MAX_SEED, ChildSpec, JobParams, KindSpec
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
 from lmscope.params.probe import ProbeParams
@@ -41,17 +41,18 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
     # would run a job on a value nobody meant); arrays still fill tuples and objects nested models.
     # A whole-number float is that integer (1e4 from a command line, 5.0 from Python); a float field
     # takes it back as a float.
-    return spec.params.model_validate_json(json.dumps(_whole_floats_as_ints(raw or {})), strict=True,
+    return spec.params.model_validate_json(json.dumps(whole_floats_as_ints(raw or {})), strict=True,
                                            context={"submitted": True})
 
 
-def _whole_floats_as_ints(value: Any) -> Any:
+def whole_floats_as_ints(value: Any) -> Any:
+    """5.0 → 5 anywhere in a JSON value: the canonical form of a submission (validation, idempotency)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
-        return {k: _whole_floats_as_ints(v) for k, v in value.items()}
+        return {k: whole_floats_as_ints(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_whole_floats_as_ints(v) for v in value]
+        return [whole_floats_as_ints(v) for v in value]
     return value
 
 
@@ -66,5 +67,5 @@ def parent_kinds() -> list[str]:
     return sorted(k for k in KINDS if is_parent_kind(k))
 
 
-__all__ = ["KINDS", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "is_parent_kind", "parent_kinds",
-           "validate_params"]
+__all__ = ["KINDS", "MAX_JOB_ID", "MAX_SEED", "ChildSpec", "JobParams", "KindSpec", "UnknownKind", "is_parent_kind",
+           "parent_kinds", "validate_params", "whole_floats_as_ints"]

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 DType = Literal["float32", "bfloat16", "float16"]
+
+# Job ids are INTEGER columns (32-bit in PostgreSQL): no job has a larger id, and a larger one in a
+# query is an error there, not "no such job".
+MAX_JOB_ID = 2**31 - 1
+JobId = Annotated[int, Field(ge=1, le=MAX_JOB_ID)]
+
+# What every consumer of a seed takes: numpy's default_rng refuses negative seeds, torch's manual_seed
+# overflows past 2**64 - 1 (and the workers add small offsets to a seed).
+MAX_SEED = 2**63 - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class JobParams(BaseModel):
@@ -30,6 +40,11 @@ class JobParams(BaseModel):
     def positions_read(self) -> tuple[str, int] | None:
         """(field, value) when the job feeds its models windows of `value` positions; checked at
         submit against each model's context length (and a `train` job's ``context``)."""
+        return None
+
+    def layers_read(self) -> tuple[str, str, list[int]] | None:
+        """(field, model, layer indices) when the job reads given layers of a registered model; checked
+        at submit against the model's number of layers."""
         return None
 
     def stored(self) -> dict[str, Any]:

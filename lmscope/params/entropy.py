@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from lmscope.params.base import DType, JobParams
+from lmscope.params.base import DType, JobId, JobParams, Seed
 
 DEFAULT_SEQ_LEN = 512
 
@@ -21,7 +21,7 @@ class EntropyParams(JobParams):
         None, min_length=1, max_length=1000,
         description="several registered models (e.g. checkpoints run@step100, run@step500); "
                     "x = the @step<N> suffix when every name has one, else the list index")
-    train_job: int | None = Field(None, ge=1, description="a train job id: all its checkpoints in step order")
+    train_job: JobId | None = Field(None, description="a train job id: all its checkpoints in step order")
     dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
     seq_len: int | None = Field(
         None, ge=2, le=131072,
@@ -40,7 +40,7 @@ class EntropyParams(JobParams):
         False, description="start every window with the tokenizer's BOS token followed by seq_len − 1 stream tokens "
                            "(pretrained LLaMA-family models keep their position-0 attention sink); default: plain "
                            "non-overlapping windows of the token stream")
-    seed: int = 0  # kept for the record: the measurement draws no random numbers
+    seed: Seed = 0  # kept for the record: the measurement draws no random numbers
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "EntropyParams":

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lmscope.params.base import DType, JobParams
+from lmscope.params.base import DType, JobParams, Seed
 
 
 class NormsParams(JobParams):
@@ -29,7 +29,7 @@ class NormsParams(JobParams):
     gram_samples: int = Field(200, ge=0, description="trajectories on which the Gram condition is checked")
     batch_size: int = Field(16, ge=1, le=1024)
     dtype: DType = "float32"
-    seed: int = Field(0, description="which trajectories are plotted / used for PCA and the Gram condition")
+    seed: Seed = Field(0, description="which trajectories are plotted / used for PCA and the Gram condition")
 
     @model_validator(mode="after")
     def _check_positions(self):

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from lmscope.params.base import ChildSpec, JobParams
+from lmscope.params.base import ChildSpec, JobParams, Seed
 
 Architecture = Literal["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"]
 USES_FEATURES = ("linformer", "performer")  # k random features (Performer) / k projected keys (Linformer)
@@ -140,7 +140,7 @@ class SumformerFitParams(JobParams):
     token_dim: int = Field(1, ge=1, le=32)
     seq_len: int = Field(3, ge=2, le=256)
     features: int | None = Field(None, ge=1, le=65536, description="k, for linformer / performer")
-    seed: int = 0
+    seed: Seed = 0
     train: TrainSettings = Field(default_factory=TrainSettings)
     latent_dim_requested: list[int] | None = Field(
         None, description="the sweep grid's d′ values that were clamped to this child's d′ (poly_sumformer "
@@ -171,7 +171,7 @@ class AttentionApproxParams(JobParams):
     num_segments: int = Field(16, ge=1, le=100_000)
     batch_size: int = Field(4, ge=1, le=1024)
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
-    seed: int = 0
+    seed: Seed = 0
 
     @field_validator("features")
     @classmethod
@@ -189,6 +189,9 @@ class AttentionApproxParams(JobParams):
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len)
 
+    def layers_read(self) -> tuple[str, str, list[int]] | None:
+        return ("layers", self.model, self.layers) if self.layers is not None else None
+
 
 class SumformerGrid(_Strict):
     """Lists whose product is the sweep (features only multiplies linformer / performer)."""
@@ -198,7 +201,7 @@ class SumformerGrid(_Strict):
     token_dim: list[int] = Field(default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
     seq_len: list[int] = Field(default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
     features: list[int] = Field(default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
-    seed: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_GRID_LIST)
+    seed: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_GRID_LIST)
 
     @field_validator("latent_dim", "token_dim", "seq_len", "features", "seed")
     @classmethod
@@ -240,7 +243,7 @@ class SweepParams(JobParams):
     num_segments: int = Field(16, ge=1, le=100_000)
     batch_size: int = Field(4, ge=1, le=1024)
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
-    seeds: int | list[int] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
+    seeds: int | list[Seed] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
 
     @property
     def targets(self) -> list[str]:
@@ -312,6 +315,11 @@ class SweepParams(JobParams):
 
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.study == "attention" else None
+
+    def layers_read(self) -> tuple[str, str, list[int]] | None:
+        if self.study != "attention" or self.layers is None or self.model is None:
+            return None
+        return ("layers", self.model, self.layers)
 
     def stored(self) -> dict[str, Any]:
         """Only this study's fields: a sumformer sweep does not list the attention study's defaults."""

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmscope.params.base import JobParams
+from lmscope.params.base import JobParams, Seed
 
 
 class TrainParams(JobParams):
@@ -35,7 +35,7 @@ class TrainParams(JobParams):
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     eval_every: int = Field(100, ge=1)
     eval_batches: int = Field(8, ge=1, le=1000)
-    seed: int = 0
+    seed: Seed = 0
     run_name: str | None = Field(None, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                  description="checkpoint models are named <run_name>@step<N>; default run<job_id>")
 

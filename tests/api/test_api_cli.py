@@ -154,6 +154,23 @@ def test_fetch_says_when_a_job_has_no_artifacts(api, cli, tmp_path):
     assert f"job {job_id} (cancelled) has no artifacts\n" in cli("fetch", str(job_id), str(tmp_path / "out")).stderr
 
 
+def test_fetch_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
+    """An OSError from writing the files used to end the command with a traceback."""
+    from .test_api_results import add_results
+
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    add_results(api, job_id, {"plots/norms.png": b"\x89PNG", "a.npz": b"PK"})
+    a_file = tmp_path / "x.txt"
+    a_file.write_text("")
+    for target in (a_file / "sub", "/proc/lmscope-nope"):
+        r = cli("fetch", str(job_id), str(target))
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert f"Error: cannot save job {job_id}'s artifacts in {target}:" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert cli("fetch", str(job_id), str(tmp_path / "out")).exit_code == 0
+    assert not list((tmp_path / "out").rglob("*.part"))
+
+
 def test_show_of_a_finished_job_does_not_present_its_last_stage_as_live(api, cli):
     job_id = api.submit(api.user("ann")).get_json()["id"]
     stage = "step 450 · loss 3.1 · ETA 1m17s"
@@ -275,6 +292,15 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
 
     with Image.open(tmp_path / "cmp.png") as im:
         assert im.size[0] > im.size[1] > 200  # two panels side by side
+
+
+def test_compare_plot_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
+    a, b = _two_norms_like_jobs(api)
+    (tmp_path / "x.txt").write_text("")
+    target = tmp_path / "x.txt" / "cmp.png"
+    r = cli("compare", str(a), str(b), "--series", "norm.mean", "--plot", str(target))
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert r.stderr.startswith(f"Error: cannot write the plot to {target}: ") and len(r.stderr.splitlines()) == 1
 
 
 def test_compare_refuses_what_it_cannot_do(api, cli):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 from lmscope.db.models import utcnow
@@ -175,3 +176,94 @@ def test_a_bad_parent_filter_says_none_is_accepted(api):
 def test_a_missing_job_names_the_cli_command_too(api):
     body = is_problem(api.client.get("/v1/jobs/4242", headers=api.user("ann")), 404, "not-found")
     assert "GET /v1/jobs" in body["detail"] and "`lmscope jobs`" in body["detail"]
+
+
+def test_ids_past_the_id_column_are_unknown_jobs_not_errors(api):
+    """Ids are 32-bit INTEGER columns: a larger one used to be a 500 (OverflowError in SQLite,
+    "integer out of range" in PostgreSQL)."""
+    import base64
+
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    for big in (2**31, 2**63, 99999999999999999999):
+        for path in (f"/v1/jobs/{big}", f"/v1/jobs/{big}/results", f"/v1/jobs/{big}/artifacts",
+                     f"/v1/jobs/{big}/artifacts/x", f"/v1/jobs/{big}/events"):
+            assert is_problem(api.client.get(path, headers=h), 404, "not-found")["title"] == "Job not found", path
+        is_problem(api.client.post(f"/v1/jobs/{big}/cancel", headers=h), 404, "not-found")
+        token = base64.urlsafe_b64encode(json.dumps({"before": big}).encode()).decode().rstrip("=")
+        body = is_problem(api.client.get(f"/v1/jobs?page_token={token}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", "page_token"]
+        body = is_problem(api.client.get(f"/v1/jobs?parent={big}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", "parent"]
+    is_problem(api.client.get(f"/v1/compare?jobs={job_id},{2**31}", headers=h), 404, "not-found")
+    for before in ("5", 5.0, True, None):  # only what next_page_token holds: an id
+        token = base64.urlsafe_b64encode(json.dumps({"before": before}).encode()).decode()
+        is_problem(api.client.get(f"/v1/jobs?page_token={token}", headers=h), 422, "validation-error")
+    assert api.client.get(f"/v1/jobs?parent={2**31 - 1}", headers=h).get_json()["items"] == []
+
+
+def test_query_integers_are_ascii_digits_only(api):
+    """int() reads "1_0", " 5" and "٣" (Arabic-Indic three) as numbers; "²" passed isdigit() and then
+    failed int() with a 500."""
+    h = api.user("ann")
+    api.submit(h)
+    for query in ("limit=1_0", "limit=%D9%A3", "limit=%20%205", "limit=5.0", "limit=-1", "limit=0", "limit=501",
+                  "limit=", "parent=%C2%B2", "parent=1_0", "parent=%D9%A3", "parent=-3"):
+        name = query.split("=")[0]
+        body = is_problem(api.client.get(f"/v1/jobs?{query}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", name], query
+    assert len(api.client.get("/v1/jobs?limit=07", headers=h).get_json()["items"]) == 1
+
+
+def test_unknown_and_repeated_query_parameters_are_refused(api):
+    """A misspelt filter (`stauts=running`) used to be ignored: the answer listed every job."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    body = is_problem(api.client.get("/v1/jobs?stauts=running", headers=h), 422, "validation-error")
+    assert "'stauts'" in body["detail"] and "did you mean 'status'?" in body["detail"]
+    assert body["errors"] == [{"loc": ["query", "stauts"], "msg": "unknown query parameter", "type": "extra_forbidden"}]
+    assert body["allowed"] == ["kind", "status", "tag", "parent", "user", "limit", "page_token"]
+    # an endpoint that reads none says so
+    body = is_problem(api.client.get(f"/v1/jobs/{job_id}?verbose=1", headers=h), 422, "validation-error")
+    assert "reads no query parameters" in body["detail"]
+    # a single-valued parameter given twice would keep one of the values silently
+    body = is_problem(api.client.get("/v1/jobs?kind=probe&kind=train", headers=h), 422, "validation-error")
+    assert body["errors"][0]["loc"] == ["query", "kind"] and "2 times" in body["detail"]
+    # repeatable ones stay repeatable
+    r = api.client.get(f"/v1/jobs/{job_id}/results?series=a&series=b", headers=h)
+    assert r.status_code == 200 and r.get_json()["missing"] == ["a", "b"]
+
+
+def test_the_user_filter_names_a_user_that_exists_and_is_for_admins(api):
+    ann, root = api.user("ann"), api.user("root", admin=True)
+    api.user("bob")
+    api.submit(ann)
+    body = is_problem(api.client.get("/v1/jobs?user=an", headers=root), 422, "validation-error")
+    assert "no user 'an'" in body["detail"] and "did you mean 'ann'?" in body["detail"]
+    assert len(api.client.get("/v1/jobs?user=ann", headers=root).get_json()["items"]) == 1
+    # not an admin: someone else's name is refused (it used to be dropped, listing the caller's jobs)
+    body = is_problem(api.client.get("/v1/jobs?user=bob", headers=ann), 403, "forbidden")
+    assert "only admins" in body["detail"]
+    is_problem(api.client.get("/v1/jobs?user=nobody", headers=ann), 403, "forbidden")  # no hint who exists
+    assert len(api.client.get("/v1/jobs?user=ann", headers=ann).get_json()["items"]) == 1
+
+
+def test_control_characters_in_query_and_path_are_refused(api):
+    """NUL in a filter used to be a 500 on PostgreSQL (DataError) and was stored or matched on SQLite."""
+    h, root = api.user("ann"), api.user("root", admin=True)
+    job_id = api.submit(h).get_json()["id"]
+    for path, loc in (("/v1/jobs?tag=%00", ["query", "tag"]), ("/v1/jobs?kind=a%00", ["query", "kind"]),
+                      ("/v1/jobs?user=a%00", ["query", "user"]), ("/v1/jobs?tag=a%0Ab", ["query", "tag"]),
+                      (f"/v1/jobs/{job_id}/results?series=a%00", ["query", "series"]),
+                      (f"/v1/jobs/{job_id}/artifacts/a%00", ["path", "name"])):
+        body = is_problem(api.client.get(path, headers=root), 422, "validation-error")
+        assert body["errors"][0]["loc"] == loc and "U+00" in body["errors"][0]["msg"], path
+
+
+def test_a_doubled_slash_in_an_artifact_name_is_a_404_problem(api):
+    """`%2Fetc%2Fpasswd` decodes to `//etc/passwd`: werkzeug answered with an HTML redirect to another path."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    r = api.client.get(f"/v1/jobs/{job_id}/artifacts/%2Fetc%2Fpasswd", headers=h)
+    assert is_problem(r, 404, "not-found") and "Location" not in r.headers
+    is_problem(api.client.get("//v1/jobs", headers=h), 404, "not-found")

@@ -44,6 +44,20 @@ def test_openapi_is_valid_and_lists_every_endpoint(api):
         assert set(params["properties"]) == set(KINDS[kind].params.model_fields)
 
 
+def test_the_documented_query_parameters_are_the_ones_each_endpoint_reads(api):
+    """The API refuses any other query parameter (lmscope.api.inputs.query_params), so the two must agree."""
+    spec = api.client.get("/openapi.json").get_json()
+    for rule in api.app.url_map.iter_rules():
+        if not rule.rule.startswith("/v1/"):
+            continue
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        reads = getattr(api.app.view_functions[rule.endpoint], "query_params", ((), frozenset()))[0]
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            documented = [p["name"] for p in spec["paths"][path][method.lower()].get("parameters", [])
+                          if p["in"] == "query"]
+            assert sorted(documented) == sorted(reads), (method, path)
+
+
 def test_docs_page_is_self_contained(api):
     r = api.client.get("/docs")
     assert r.status_code == 200 and r.mimetype == "text/html"

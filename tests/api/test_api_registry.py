@@ -7,6 +7,7 @@ import io
 import json
 import struct
 
+import pytest
 from sqlalchemy import select
 
 from lmscope.db.models import Dataset
@@ -79,6 +80,51 @@ def test_model_paths_must_stay_under_the_roots(api, tmp_path):
     assert body["errors"][0]["loc"] == ["name"]
     assert "letters, digits and . _ @ : + / -" in body["detail"] and "pattern" not in body["detail"]  # words, no regex
     assert "sneaky" not in [m["name"] for m in api.client.get("/v1/models", headers=admin).get_json()["items"]]
+
+
+
+def test_unusable_model_directories_are_422_naming_what_is_wrong(api, tmp_path):
+    """Each of these was a 500 (an unreadable path, a config that is not an object, a truncated weights
+    file) or was stored, and GET /v1/models then served `"hidden": Infinity`, which is not JSON."""
+    admin = api.user("root", admin=True)
+
+    def refused(path, *says):
+        body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "bad", "path": str(path)}),
+                          422, "invalid-model")
+        assert all(s in body["detail"] for s in says), body["detail"]
+        assert body["errors"][0]["loc"] == ["path"]
+
+    refused("~nosuchuser-lmscope/x", "not a usable path")
+    config = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 4, "vocab_size": 10}
+    cases = [
+        ("[]", "must hold a JSON object"),
+        (json.dumps({**config, "model_type": ["gpt2"]}), "model_type ['gpt2'] is not supported"),
+        (json.dumps({**config, "architectures": "GPT2LMHeadModel"}), "architectures must be a list"),
+        (json.dumps({**config, "n_layer": "many"}), 'n_layer must be a positive integer', '"many"'),
+        (json.dumps({**config, "n_head": -3}), "n_head must be a positive integer"),
+        (json.dumps({**config, "n_positions": "x"}), "n_positions must be a positive integer"),
+        (json.dumps({**config, "n_embd": True}), "n_embd must be a positive integer"),
+        (json.dumps({**config, "vocab_size": 2**40}), "vocab_size must be a positive integer"),
+        (json.dumps(config)[:-1] + ', "n_embd": 1e400}', "1e400 is too large"),
+        (json.dumps(config)[:-1] + ', "n_embd": NaN}', "NaN is not a JSON number"),
+        (json.dumps({**config, "torch_dtype": {"a": 1}}), "torch_dtype must name a dtype"),
+    ]
+    for i, (text, *says) in enumerate(cases):
+        model_dir = write_hf_dir(tmp_path / "models" / f"c{i}")
+        (model_dir / "config.json").write_text(text)
+        refused(model_dir, *says)
+    for i, weights in enumerate((b"abc", struct.pack("<Q", 2**60) + b"{}", struct.pack("<Q", 2) + b"[]",
+                                 struct.pack("<Q", 26) + b'{"w": {"shape": "large"}}')):
+        model_dir = write_hf_dir(tmp_path / "models" / f"w{i}")
+        (model_dir / "model.safetensors").write_bytes(weights)
+        refused(model_dir, "model.safetensors is not a safetensors file")
+    # a NUL in the path is refused with the body's other strings that cannot be stored
+    body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "bad", "path": "/tmp/a\x00b"}),
+                      422, "validation-error")
+    assert body["errors"][0]["loc"] == ["path"]
+    listed = api.client.get("/v1/models", headers=admin)
+    assert "bad" not in [m["name"] for m in json.loads(listed.get_data(as_text=True),
+                                                       parse_constant=lambda c: pytest.fail(c))["items"]]
 
 
 TEXT = "First paragraph, two\nlines.\n\nSecond paragraph.\n\n\n = Heading = \n\nThird one.\n"
@@ -159,3 +205,34 @@ def test_a_missing_builtin_corpus_is_logged_not_silent(settings_factory, sqlite_
     with caplog.at_level("WARNING", logger="lmscope.builtins"):  # a warning, not a service that cannot start
         ensure_builtins(settings_factory(database_url=sqlite_url, wikitext2_path=empty), sessions)
     assert "is not registered" in caplog.text and "no documents" in caplog.text
+
+
+def test_upload_fields_are_checked_like_every_other_input(api):
+    """`fromat=lines` was ignored (the file stored as text); a repeated name kept one value silently."""
+    h = api.user("ann")
+
+    def multipart(**fields):
+        data = {"file": (io.BytesIO(TEXT.encode()), "a.txt"), **fields}
+        return api.client.post("/v1/datasets", headers=h, content_type="multipart/form-data", data=data)
+
+    body = is_problem(api.client.post("/v1/datasets?name=d2&fromat=lines", headers=h, data=TEXT.encode(),
+                                      content_type="text/plain"), 422, "validation-error")
+    assert "did you mean 'format'?" in body["detail"] and body["errors"][0]["loc"] == ["query", "fromat"]
+    body = is_problem(multipart(name="d2", fromat="lines"), 422, "validation-error")
+    assert body["errors"][0]["loc"] == ["fromat"] and "did you mean 'format'?" in body["detail"]
+    body = is_problem(multipart(name=["a", "b"]), 422, "validation-error")
+    assert body["errors"][0]["loc"] == ["form", "name"]
+    is_problem(api.client.post("/v1/datasets?name=a&name=b", headers=h, data=TEXT.encode(), content_type="text/plain"),
+               422, "validation-error")
+    body = is_problem(api.client.post("/v1/datasets?format=lines", headers=h, content_type="multipart/form-data",
+                                      data={"name": "d2", "file": (io.BytesIO(TEXT.encode()), "a.txt")}),
+                      422, "validation-error")
+    assert "form fields" in body["detail"]
+    body = is_problem(multipart(name="d2", description="a\x00b"), 422, "validation-error")
+    assert body["errors"][0]["loc"] == ["description"]
+    # a multipart body werkzeug cannot read has no `file` field: the 422 says how to send one
+    broken = api.client.post("/v1/datasets", headers=h, data=b"--xx\r\nbroken",
+                             content_type="multipart/form-data; boundary=xx")
+    assert "multipart field 'file'" in is_problem(broken, 422, "validation-error")["detail"]
+    assert stored_files(api) == []
+    assert multipart(name="d2", format="lines", description="tab\tand\nnewline").status_code == 201

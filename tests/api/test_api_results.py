@@ -112,6 +112,16 @@ def test_events_stream_is_bounded(api):
     assert "event: status" in text and "event: timeout" in text and "event: end" not in text
 
 
+
+def test_events_timeout_must_be_a_positive_number_of_seconds(api):
+    """`timeout=nan` was accepted and never timed out (min(nan, 3600) is nan); 0 and -5 were accepted."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    for bad in ("nan", "inf", "-5", "0", "3601", "1e3", "1_0", "%205", ""):
+        body = is_problem(api.client.get(f"/v1/jobs/{job_id}/events?timeout={bad}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", "timeout"] and "at most 3600" in body["detail"], bad
+
+
 def test_artifacts_download_when_the_artifact_dir_is_relative(make_api, tmp_path, monkeypatch):
     """A relative artifact folder (e.g. `LMSCOPE_DATA_DIR=.demo`): the files are found, not a 500."""
     monkeypatch.chdir(tmp_path)

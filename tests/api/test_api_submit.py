@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
+
+import pytest
 
 from lmscope.db.models import Model
 from lmscope.params import KINDS
@@ -125,6 +128,64 @@ def test_not_json_is_400(api):
     is_problem(r, 400, "invalid-json")
 
 
+def test_bodies_are_strict_json_on_every_json_endpoint(api):
+    """Deep nesting was a 500 (RecursionError); NaN and Infinity were stored, and every later answer
+    holding them was invalid JSON (the dashboard's JSON.parse refused the job list); POST /v1/models
+    read a body that is not JSON as {} ("name: Field required")."""
+    h, root = api.user("ann"), api.user("root", admin=True)
+    probe = '{"kind": "probe", "params": {"model": "m"}}'
+    norms = '{"kind": "norms", "params": {"model": "m", "dataset": "d", "loss_filter": %s}}'
+    bodies = {
+        "/v1/jobs": {"[" * 30_000 + "]" * 30_000: "more than 32 deep",  # past Python's recursion limit
+                     '{"kind": "probe", "params": {"model": "m", "x": %s}}' % ("[" * 5000 + "]" * 5000): "32 deep",
+                     norms % "NaN": "NaN is not a JSON number", norms % "Infinity": "Infinity is not a JSON number",
+                     norms % "-Infinity": "-Infinity is not a JSON number", norms % "1e400": "1e400 is too large",
+                     "": "empty", probe[:-1]: "line 1", "\xff": "not UTF-8"},
+        "/v1/models": {"not json": "line 1", "[" * 60_000: "32 deep", '{"name": "x", "path": NaN}': "NaN"},
+    }
+    for path, cases in bodies.items():
+        for data, says in cases.items():
+            raw = data.encode("latin-1") if data == "\xff" else data
+            r = api.client.post(path, headers=root if path == "/v1/models" else h, data=raw,
+                                content_type="application/json")
+            body = is_problem(r, 400, "invalid-json")
+            assert says in body["detail"] and "JSON object like" in body["detail"], (path, data[:40], body["detail"])
+    assert api.jobs() == [] and api.publisher.published == []
+    assert api.client.post("/v1/jobs", headers=h, data=norms % "2.5").status_code == 202  # finite: fine
+    listed = api.client.get("/v1/jobs", headers=h).get_data(as_text=True)
+    assert json.loads(listed, parse_constant=lambda c: pytest.fail(f"{c} in the job list"))
+
+
+def test_strings_that_cannot_be_stored_are_refused_naming_the_field(api):
+    """NUL was a 500 on PostgreSQL (DataError) and stored as is by SQLite; a lone surrogate with an
+    Idempotency-Key was a 500 in the request hash."""
+    h = api.user("ann")
+    for body, loc in (({"kind": "probe", "params": {"model": "m"}, "name": "a\u0000b"}, ["name"]),
+                      ({"kind": "probe", "params": {"model": "tiny\u0000"}}, ["params", "model"]),
+                      ({"kind": "probe", "params": {"model": "m"}, "tags": ["ok", "a\u001bb"]}, ["tags", 1]),
+                      ({"kind": "probe", "params": {"model": "m", "a\u0000": 1}}, ["params", "a\u0000"])):
+        r = api.client.post("/v1/jobs", headers=h, data=json.dumps(body), content_type="application/json")
+        problem = is_problem(r, 422, "validation-error")
+        assert problem["errors"][0]["loc"] == loc, problem
+        assert "U+00" in problem["errors"][0]["msg"]
+    lone = '{"kind": "probe", "params": {"model": "m"}, "name": "\\ud800"}'
+    for headers in (h, {**h, "Idempotency-Key": "k"}):
+        r = api.client.post("/v1/jobs", headers=headers, data=lone, content_type="application/json")
+        assert is_problem(r, 422, "validation-error")["errors"][0]["loc"] == ["name"]
+    assert api.jobs() == []
+    # free text keeps its tabs and line breaks
+    ok = api.submit(h, params={"model": "m", "prompt": "one\ttwo\nthree"}, name="a\nb")
+    assert ok.status_code == 202 and ok.get_json()["params"]["prompt"] == "one\ttwo\nthree"
+
+
+def test_the_request_hash_survives_any_parsed_body():
+    from lmscope.api.submit import request_hash
+
+    assert request_hash({"name": "\ud800"}) != request_hash({"name": "\ud801"})
+    assert request_hash({"params": {"max_samples": 1.0}}) == request_hash({"params": {"max_samples": 1}})
+    assert request_hash({"params": {"lr": 0.5}}) != request_hash({"params": {"lr": 1}})
+
+
 def test_auth_required_with_a_bearer_challenge(api):
     r = api.client.post("/v1/jobs", json={"kind": "probe", "params": {"model": "m"}})
     is_problem(r, 401, "unauthorized")
@@ -190,6 +251,52 @@ def test_idempotency_key(api):
                             json={"kind": "probe", "params": {"model": "m"}})
     assert other.status_code == 202 and other.get_json()["id"] != first.get_json()["id"]
     assert len(api.jobs()) == 2 and api.publisher.published == [first.get_json()["id"], other.get_json()["id"]]
+
+
+def test_an_idempotency_key_replays_a_body_whose_floats_are_whole_numbers(api):
+    """5.0 and 5 are the same value (the params say so); the same key with each was refused as reused."""
+    h = {**api.user("ann"), "Idempotency-Key": "k-floats"}
+    params = {"model": "m", "dataset": "d", "max_samples": 1.0}
+    first = api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": params})
+    assert first.status_code == 202, first.get_json()
+    again = api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": {**params, "max_samples": 1}})
+    assert again.status_code == 200 and again.get_json()["id"] == first.get_json()["id"]
+    is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": {**params, "max_samples": 2}}),
+               422, "idempotency-key-reused")
+    bad_key = {**h, "Idempotency-Key": "k\x01"}
+    is_problem(api.client.post("/v1/jobs", headers=bad_key, json={"kind": "probe", "params": {"model": "m"}}),
+               422, "validation-error")
+    assert len(api.jobs()) == 1
+
+
+def test_seeds_and_job_ids_are_refused_outside_what_the_workers_take(api):
+    """A negative seed failed in the worker (numpy's default_rng), a seed past 2**64 in torch's
+    manual_seed; a train_job past the id column was a 500."""
+    h = api.user("ann")
+    cases = [("norms", {"model": "m", "dataset": "d", "seed": -5}, ["params", "seed"]),
+             ("entropy", {"model": "m", "dataset": "d", "seed": -1}, ["params", "seed"]),
+             ("train", {"dataset": "d", "seed": 2**63}, ["params", "seed"]),
+             ("sweep", {"study": "sumformer", "grid": {"seed": [0, 10**20]}}, ["params", "grid", "seed", 1]),
+             ("entropy", {"train_job": 99999999999999999999, "dataset": "d"}, ["params", "train_job"])]
+    for kind, params, loc in cases:
+        body = is_problem(api.submit(h, kind=kind, params=params), 422, "validation-error")
+        assert loc in [e["loc"] for e in body["errors"]], (kind, body["errors"])
+    attention = {"study": "attention", "model": "m", "dataset": "d", "seq_len": 16}
+    body = is_problem(api.submit(h, kind="sweep", params={**attention, "seeds": [1, -1]}), 422, "validation-error")
+    assert "greater than or equal to 0" in body["detail"] and body["errors"][0]["loc"][:2] == ["params", "seeds"]
+    assert api.jobs() == []
+    assert api.submit(h, kind="norms", params={"model": "m", "dataset": "d", "seed": 2**63 - 1}).status_code == 202
+
+
+def test_layers_a_model_does_not_have_are_refused_at_submit(api):
+    """An attention study naming layer 99 of a 2-layer model was accepted, and every child failed."""
+    h = api.user("ann")  # the fixture's model "m" has 2 layers
+    attention = {"study": "attention", "model": "m", "dataset": "d", "seq_len": 16, "seeds": 2}
+    body = is_problem(api.submit(h, kind="sweep", params={**attention, "layers": [1, 99, 7]}), 422, "validation-error")
+    assert "model 'm' has 2 layers (0 to 1); there is no layer 7, 99" in body["detail"]
+    assert [e["loc"] for e in body["errors"]] == [["params", "layers"]]  # once, though every child reads it
+    assert api.jobs() == []
+    assert api.submit(h, kind="sweep", params={**attention, "layers": [0, 1]}).status_code == 202
 
 
 def test_sweep_inserts_parent_and_children_and_publishes_the_children(api):
