@@ -40,6 +40,15 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    # tested in tests/analyses/test_architectures.py: norms and entropy on tiny random-init models
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    # attention computed in their own modules: entropy reads their attention matrices (docs/kernels.md)
+    "falcon": "FalconForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "bloom": "BloomForCausalLM",
 }
 
 

@@ -66,14 +66,18 @@ def model_parts(model) -> ModelParts:
     lm_head = model.get_output_embeddings()
     if blocks is None or final_norm is None or lm_head is None:
         raise JobFailed(f"cannot find the blocks / final norm / LM head of a {type(model).__name__}; "
-                        "the norms analysis supports GPT-2, LLaMA, Mistral, Qwen2/3, Gemma and GPT-NeoX models")
+                        "the norms analysis supports the architectures lmscope.catalog.SUPPORTED_ARCHITECTURES lists")
     return ModelParts(base, blocks, final_norm, lm_head)
 
 
 def is_gpt2_block(block) -> bool:
-    """Plain two-matrix FFN and fused Conv1D q/k/v: the blocks Proposition 1 is stated for."""
+    """Plain two-matrix FFN and fused Conv1D q/k/v: the blocks Proposition 1 is stated for.
+
+    GPTBigCode names its parts alike but packs q/k/v for multi-query attention in an nn.Linear: not these.
+    """
     return all(hasattr(block, a) for a in ("attn", "mlp", "ln_1")) and hasattr(block.attn, "c_attn") \
-        and hasattr(block.mlp, "c_fc") and hasattr(block.mlp, "c_proj")
+        and hasattr(block.mlp, "c_fc") and hasattr(block.mlp, "c_proj") \
+        and type(block.attn.c_attn).__name__ == "Conv1D"
 
 
 # ---------------------------------------------------------------- samples

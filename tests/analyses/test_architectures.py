@@ -1,0 +1,103 @@
+"""Every registrable architecture runs `norms` and `entropy`, checked against the model's own outputs.
+
+For each `model_type` in lmscope.catalog.SUPPORTED_ARCHITECTURES a tiny random-init model: the norms
+job's trajectories against `output_hidden_states` of each sample read alone (no padding, so batching
+and padding are checked too, ALiBi included), and the entropy job's per-layer, per-head, per-position
+means against eager attention matrices turned into -Σ p ln p in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from lmscope.analyses import entropy, norms
+from lmscope.analyses.base import LoadedModel
+from lmscope.analyses.local import LocalContext
+from lmscope.catalog import BYTE_VOCAB_SIZE, SUPPORTED_ARCHITECTURES, read_documents
+from lmscope.config import Settings
+from lmscope.modeling.loading import model_info
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import token_windows
+from lmscope.params.entropy import EntropyParams
+from lmscope.params.norms import NormsParams
+
+V = BYTE_VOCAB_SIZE
+IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
+SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+             max_position_embeddings=128, initializer_range=0.2, **IDS)
+CONFIGS = {
+    "gpt2": lambda: T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                 initializer_range=0.2, bos_token_id=256, eos_token_id=257),
+    "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
+    "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None),
+    "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),
+    "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8),
+    "gemma": lambda: T.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=8),
+    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=2.0),
+    "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL),
+    "phi3": lambda: T.Phi3Config(**SMALL, num_key_value_heads=2),
+    "olmo2": lambda: T.Olmo2Config(**SMALL),
+    "granite": lambda: T.GraniteConfig(**SMALL),
+    "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     initializer_range=0.2, bos_token_id=256, eos_token_id=257),
+    "gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=128,
+                                 initializer_range=0.2, bos_token_id=256, eos_token_id=257),
+    "bloom": lambda: T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2,
+                                   bos_token_id=256, eos_token_id=257, pad_token_id=258),
+}
+SEQ_LEN = 20
+
+
+def test_every_supported_architecture_is_tested_here():
+    assert set(CONFIGS) == set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.fixture(scope="module")
+def documents():
+    return [d for d in read_documents(Settings.from_env().wikitext2_path, "lines")[:30] if len(d.split()) >= 10]
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def loaded(request):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
+    assert type(model).__name__ == SUPPORTED_ARCHITECTURES[request.param]
+    return LoadedModel(request.param, model, byte_tokenizer(), model_info(model))
+
+
+def test_norms_match_each_sample_read_alone(loaded, documents, tmp_path):
+    ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"d": documents})
+    out = norms.run(NormsParams(model="m", dataset="d", max_samples=6, max_tokens=24, batch_size=3,
+                                gram_samples=3, pca_samples=3), ctx)
+    saved = np.load(tmp_path / "trajectories.npz")
+    expected = []
+    with torch.no_grad():
+        for doc_id in saved["doc_ids"]:
+            ids = loaded.tokenizer(documents[doc_id])["input_ids"][:25][:-1]  # max_tokens + 1, minus the label
+            states = loaded.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+            expected.append([h[0, -1].norm().item() for h in states[:2]])  # h_0, h_1 (L = 2, last block left out)
+    np.testing.assert_allclose(saved["norms"], expected, rtol=1e-4)
+    assert out.summary["samples"] == 6 and np.isfinite(out.summary["inner_loss_final_mean"])
+
+
+def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
+    ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"d": documents})
+    entropy.run(EntropyParams(model="m", dataset="d", seq_len=SEQ_LEN, num_segments=4, batch_size=2), ctx)
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 4)
+    model = copy.deepcopy(loaded.model)
+    if getattr(model, "_supports_attention_backend", False):
+        model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(input_ids=windows, output_attentions=True, use_cache=False).attentions
+    ref = np.stack([(-torch.special.xlogy(a.double(), a.double()).sum(-1)).mean(0).numpy() for a in attentions])
+    got = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]  # [L, H, N]
+    np.testing.assert_allclose(got, ref, atol=5e-5)
+    assert ref[..., 1:].std() > 0.01, "heads should differ from one another and from uniform"
+    routes = {"falcon", "gptj", "bloom"}
+    expected = entropy.MATRIX_ROUTE if loaded.name in routes else ("reference", "triton")
+    assert ctx.environment["kernel_backend"] in (expected if isinstance(expected, tuple) else (expected,))
