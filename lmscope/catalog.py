@@ -32,6 +32,7 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Each is tested in tests/analyses/test_architectures.py: norms and entropy on a tiny random-init model.
 SUPPORTED_ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
@@ -40,7 +41,6 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
-    # tested in tests/analyses/test_architectures.py: norms and entropy on tiny random-init models
     "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
