@@ -9,6 +9,9 @@ For each head dim D and length N (B·H = 32, causal, bf16 by default) it times
   eager:  scores -> softmax -> P·V plus entropy -(p·log p).sum() from the materialised matrix
 and records peak memory (CUDA only) and which lengths ran out of memory. Output: a markdown table
 with the ratios kernel/sdpa and eager/kernel, then the longest N each method managed.
+
+A second table (skip it with --no-options) times the kernel's options against the plain kernel on
+the same inputs: Gemma 2's soft-capping (softcap=50) and a causal sliding window of N/4 keys.
 """
 
 from __future__ import annotations
@@ -106,6 +109,19 @@ def bench_case(b, h, n, d, dtype, device, args):
     return res
 
 
+def bench_options(b, h, n, d, dtype, device, args):
+    """Kernel time with each option / without: what soft-capping and a window of N/4 keys cost or save."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    window = max(1, n // 4)
+    fns = {
+        "plain": lambda: attention_with_entropy(q, k, v, causal=True),
+        "softcap": lambda: attention_with_entropy(q, k, v, causal=True, softcap=50.0),
+        "window": lambda: attention_with_entropy(q, k, v, causal=True, window=window),
+    }
+    return {name: timed(fn, device, args.reps, args.warmup)[0] for name, fn in fns.items()}
+
+
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -147,6 +163,23 @@ def run(args):
     print()
     print("longest N run: " + ", ".join(f"{k} {v}" for k, v in longest.items()))
     print("goals on a GPU: kernel/sdpa <= 1.25; eager/kernel >= 5 at N = 4096; kernel memory linear in N")
+    if not args.options:
+        return
+    print()
+    print("| D | N | kernel ms | softcap=50 ms | window=N/4 ms | softcap/kernel | window/kernel |")
+    print("|---|---|---|---|---|---|---|")
+    for d in args.dims:
+        for n in args.ns:
+            try:
+                t = bench_options(b, h, n, d, dtype, device, args)
+            except (RuntimeError, MemoryError) as exc:
+                if not is_oom(exc):
+                    raise
+                print(f"| {d} | {n} | OOM | | | | |")
+                continue
+            print(f"| {d} | {n} | {t['plain'] * 1e3:.3f} | {t['softcap'] * 1e3:.3f} | {t['window'] * 1e3:.3f} "
+                  f"| {t['softcap'] / t['plain']:.2f} | {t['window'] / t['plain']:.2f} |")
+    print("a causal window of N/4 keys reads about 7/16 of the causal triangle's key blocks")
 
 
 def main(argv=None):
@@ -163,6 +196,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--check", action="store_true", help="also print the kernel's entropy error vs float64")
+    p.add_argument("--no-options", dest="options", action="store_false",
+                   help="skip the table of the kernel's options (soft-capping, sliding window)")
     args = p.parse_args(argv)
     if args.ns is None:
         args.ns = [128, 256, 512] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]

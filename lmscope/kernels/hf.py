@@ -11,8 +11,9 @@ computes its attention with the fused kernel; the per-layer entropies go to an a
         logits = model(input_ids, attention_mask=mask).logits
     col.entropy          # [ [B, H, N] float32 ] per layer, in layer order
 
-Masks the kernel cannot express (sliding windows, packed sequences, …) and Gemma 2's logit
-soft-capping run on the reference path; ``col.backends`` lists what was used. Architectures whose
+Causal masks with key padding, sliding windows (Mistral, Gemma 2) and Gemma 2's logit soft-capping
+run in the fused kernel; masks it cannot express (packed sequences, …) run on the reference path;
+``col.backends`` lists what was used. Architectures whose
 attention does not go through the interface (Falcon, GPT-J, Bloom, …) or that need what neither path
 has (ALiBi and other additive biases, attention sinks) raise :class:`UnsupportedAttention`.
 """
@@ -114,13 +115,14 @@ def use_lmscope_attention(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _split_mask(
-    mask: torch.Tensor, batch: int, nq: int, nk: int
+    mask: torch.Tensor, batch: int, nq: int, nk: int, window: int | None = None
 ) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
     """Turn a 4-D HF mask into (causal, key_padding_mask, explicit_mask).
 
     Boolean masks (True = attend) and additive masks (0 / very negative) are accepted. When the mask
-    is "bottom-right causal AND key padding" or "key padding only", it is returned in that compact
-    form; anything else comes back as an explicit bool mask for the reference path.
+    is "bottom-right causal AND key padding" (within the sliding ``window`` the layer declared, if
+    any) or "key padding only", it is returned in that compact form; anything else comes back as an
+    explicit bool mask for the reference path.
     """
     if mask.dtype != torch.bool:
         allowed = mask > torch.finfo(mask.dtype).min / 2
@@ -132,11 +134,13 @@ def _split_mask(
     if mask.shape[1] != 1:
         return False, None, mask
     m = mask[:, 0].expand(batch, nq, nk)
-    kpm = m.any(dim=1)  # a key is unpadded iff some query sees it (the last one does under causal)
-    causal_tri = visible_keys(nq, nk, causal=True, device=m.device)[0]
-    if torch.equal(m, causal_tri & kpm[:, None, :]):
+    # A key is unpadded iff some query sees it (the last one does under causal). Under a window,
+    # keys left of every window count as padded, which changes nothing: no query sees them.
+    kpm = m.any(dim=1)
+    causal_band = visible_keys(nq, nk, causal=True, window=window, device=m.device)[0]
+    if torch.equal(m, causal_band & kpm[:, None, :]):
         causal = True
-    elif torch.equal(m, kpm[:, None, :].expand_as(m)):
+    elif window is None and torch.equal(m, kpm[:, None, :].expand_as(m)):
         causal = False
     else:
         return False, None, mask
@@ -171,15 +175,18 @@ def lmscope_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    # transformers hands no mask when the window covers every key (the sdpa mask builder skips it)
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None and is_causal and nk > window else None
     if attention_mask is None:
         causal, kpm, explicit = bool(is_causal), None, None
+        window = None
     else:
-        causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk)
+        causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk, window)
 
-    if softcap and explicit is None:  # the fused kernel does not soft-cap (yet): the reference path does
-        explicit = visible_keys(nq, nk, causal=causal, key_padding_mask=kpm, device=query.device)
     if explicit is None:
         res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,
+                                     softcap=softcap or None, window=window if causal else None,
                                      backend=backend)
         out, ent, lse, used = res.out, res.entropy, res.lse, res.backend
     else:

@@ -28,21 +28,27 @@ def _triton_ok() -> bool:
 TRITON_OK = _triton_ok()
 
 
-def _allowed(nq, nk, causal, key_padding_mask, device):
-    """[B|1, 1, Nq, Nk] bool: query i sees key j iff (not causal or j <= i + Nk - Nq) and j unpadded."""
+def _allowed(nq, nk, causal, key_padding_mask, device, window=None):
+    """[B|1, 1, Nq, Nk] bool: query i sees key j iff (not causal or j <= i + Nk - Nq) and j unpadded.
+
+    With a sliding ``window`` also j > i + Nk - Nq - window (the window's last key is the diagonal).
+    """
     i = torch.arange(nq, device=device).view(nq, 1)
     j = torch.arange(nk, device=device).view(1, nk)
     allowed = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & (i + (nk - nq) - j < window)
     allowed = allowed.view(1, 1, nq, nk)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.view(key_padding_mask.shape[0], 1, 1, nk)
     return allowed
 
 
-def attention_oracle(q, k, v, *, causal, scale=None, key_padding_mask=None):
+def attention_oracle(q, k, v, *, causal, scale=None, key_padding_mask=None, softcap=None, window=None):
     """float64 (out, entropy, lse, probabilities) from the explicit N x N matrix.
 
     Rows with no visible key: out = 0, entropy = 0, lse = -inf (the convention under test).
+    ``softcap``: scores become softcap · tanh(score / softcap) (Gemma 2).
     """
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
@@ -50,7 +56,9 @@ def attention_oracle(q, k, v, *, causal, scale=None, key_padding_mask=None):
     v = v.repeat_interleave(g, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device).expand_as(s)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = _allowed(q.shape[2], k.shape[2], causal, key_padding_mask, q.device, window).expand_as(s)
     s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # empty rows: exp(-inf - -inf) = nan -> 0

@@ -180,6 +180,53 @@ def test_non_contiguous_inputs(backend, device, oracle):
     _check_against(res, oracle.attention(q, k, v, causal=True))
 
 
+@pytest.mark.parametrize("softcap", [0.5, 4.0, 50.0])
+def test_soft_capped_scores(backend, device, oracle, softcap):
+    """Gemma 2's cap: scores s become c·tanh(s/c). Scaled-up queries make the cap bite (checked)."""
+    q, k, v = _qkv(2, 4, 2, 45, 32, device=device, seed=14)
+    q = 8.0 * q  # raw scores of tens: c = 4 squashes them, c = 50 nearly leaves them alone
+    kpm = torch.ones(2, 45, dtype=torch.bool, device=device)
+    kpm[1, :6] = False
+    for causal in (True, False):
+        res = attention_with_entropy(q, k, v, causal=causal, key_padding_mask=kpm, softcap=softcap, backend=backend)
+        want = oracle.attention(q, k, v, causal=causal, key_padding_mask=kpm, softcap=softcap)
+        _check_against(res, want, atol=5e-5)
+        uncapped = oracle.attention(q, k, v, causal=causal, key_padding_mask=kpm)
+        assert (want[1] - uncapped[1]).abs().max() > 1e-3  # the cap changed the entropies
+    # capped scores lie in (-c, c): every row's entropy is at least ln(visible) - 2c
+    visible = oracle.allowed(45, 45, True, kpm, device).sum(-1).expand(2, 4, 45).double()
+    res = attention_with_entropy(q, k, v, causal=True, key_padding_mask=kpm, softcap=softcap, backend=backend)
+    seen = visible > 0
+    assert (res.entropy.double()[seen] >= torch.log(visible[seen]) - 2 * softcap - 1e-5).all()
+
+
+@pytest.mark.parametrize("nq,nk", [(50, 50), (7, 77), (77, 40), (1, 130)])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 200])
+def test_sliding_window(backend, device, oracle, nq, nk, window):
+    """Query i sees the `window` keys ending at i + Nk - Nq: windows shorter and longer than a block,
+    at block edges (16, 33 with 32-wide blocks), KV-cache and nq > nk alignments, with key padding."""
+    q, k, v = _qkv(2, 2, 1, nq, 16, device=device, seed=15, nk=nk)
+    kpm = torch.rand(2, nk, generator=torch.Generator().manual_seed(window)).to(device) > 0.25
+    res = attention_with_entropy(q, k, v, causal=True, key_padding_mask=kpm, window=window, backend=backend)
+    _check_against(res, oracle.attention(q, k, v, causal=True, key_padding_mask=kpm, window=window))
+    # with equal scores every row sees exactly its window's unpadded keys: entropy = ln(that count)
+    res = attention_with_entropy(torch.zeros_like(q), k, v, causal=True, key_padding_mask=kpm, window=window,
+                                 backend=backend)
+    visible = oracle.allowed(nq, nk, True, kpm, device, window).sum(-1).expand(2, 2, nq).double()
+    assert int(visible.max()) <= window
+    _close(res.entropy, torch.where(visible > 0, torch.log(visible.clamp(min=1)), 0.0), atol=2e-5)
+
+
+def test_window_and_cap_together_in_low_precision(backend, device, oracle):
+    q, k, v = _qkv(1, 4, 2, 70, 64, device=device, dtype=torch.bfloat16, seed=16)
+    res = attention_with_entropy(4 * q, k, v, causal=True, softcap=3.0, window=20, backend=backend)
+    assert res.out.dtype == torch.bfloat16
+    want = oracle.attention(4 * q, k, v, causal=True, softcap=3.0, window=20)
+    _close(res.entropy, want[1], atol=2e-4)
+    _close(res.lse, want[2], atol=2e-4)
+    _close(res.out, want[0], atol=2e-2)  # the output is rounded to bfloat16
+
+
 def test_reference_gradients(device):
     q, k, v = _qkv(2, 2, 1, 17, 8, device=device, seed=13)
     kpm = torch.ones(2, 17, dtype=torch.bool, device=device)
@@ -222,6 +269,14 @@ def test_validation_errors(device):
         attention_with_entropy(q, k, v, key_padding_mask=torch.ones(1, 8, device=device))
     with pytest.raises(ValueError, match="backend"):
         attention_with_entropy(q, k, v, backend="cuda")
+    for cap in (0, -1.0, float("inf"), float("nan"), "3"):
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            attention_with_entropy(q, k, v, softcap=cap)
+    for window in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a whole number"):
+            attention_with_entropy(q, k, v, window=window)
+    with pytest.raises(ValueError, match="sliding window needs causal=True"):
+        attention_with_entropy(q, k, v, causal=False, window=4)
 
 
 def test_triton_rejects_float64(triton_backend, device):

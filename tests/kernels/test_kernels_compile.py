@@ -26,14 +26,18 @@ from lmscope.kernels.dimension_entropy import triton_kernel as dk
 target = GPUTarget("cuda", 90, 32)
 
 def sig(fn, constexprs, types):
+    # a constexpr left out would be compiled as a runtime i32: a variant no launch ever builds
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"{fn.__name__}: give the constexprs {missing}"
     return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
 
-for dt, prec in (("bf16", None), ("fp32", "ieee")):
+# both precisions; soft-capping and the sliding window off and on (they add code to every key block)
+for dt, prec, options in (("bf16", None, False), ("bf16", None, True), ("fp32", "ieee", True)):
     cfg = tk._prune(tk._configs(), {}, BLOCK_D=64, BLOCK_DV=64, INPUT_PRECISION=prec)[0]
     c = dict(HEAD_DIM=64, HEAD_DIM_V=64, BLOCK_D=64, BLOCK_DV=64, CAUSAL=True, HAS_KPM=True,
-             INPUT_PRECISION=prec, INTERPRET=False, **cfg.kwargs)
+             SOFTCAP=options, WINDOW=options, INPUT_PRECISION=prec, INTERPRET=False, **cfg.kwargs)
     types = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "Out": "*" + dt, "Ent": "*fp32", "Lse": "*fp32",
-             "KPM": "*i8", "qk_scale": "fp32"}
+             "KPM": "*i8", "qk_scale": "fp32", "cap_log2": "fp32"}
     k = triton.compile(ASTSource(fn=tk._attn_entropy_fwd, signature=sig(tk._attn_entropy_fwd, c, types),
                                  constexprs=c), target=target,
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

@@ -46,6 +46,15 @@ def _gemma2():
     return transformers.Gemma2ForCausalLM(cfg).eval()
 
 
+def _mistral_window():
+    """A sliding window of 4 keys, shorter than the batches below."""
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0, sliding_window=4)
+    cfg._attn_implementation = "eager"
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
 MODELS = {"gpt2": _gpt2, "llama": _llama, "gemma2": _gemma2}
 
 
@@ -98,15 +107,17 @@ def test_unpadded_batch_without_mask(model, device):
         torch.testing.assert_close(ent.double(), want, atol=2e-5, rtol=0)
 
 
-def test_triton_backend_through_the_model(triton_backend, device):
+@pytest.mark.parametrize("build", [_llama, _gemma2, _mistral_window], ids=["llama", "gemma2-softcap", "mistral-window"])
+def test_triton_backend_through_the_model(triton_backend, device, build):
+    """Padding, Gemma 2's soft-capping and sliding windows all go through the fused kernel."""
     torch.manual_seed(1)
-    model = _llama().to(device)
+    model = build().to(device)
     ids, mask = _batch(n=11, seed=2, device=device)
     with torch.no_grad():
         ref = model(ids, attention_mask=mask, output_attentions=True)
         with EntropyCollector(model, backend=triton_backend) as col:
             got = model(ids, attention_mask=mask)
-    assert col.backends == {"triton"}  # padding went through the fused kernel, not a fallback
+    assert col.backends == {"triton"}  # not a fallback to the reference path
     valid = mask.bool()
     torch.testing.assert_close(got.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
     for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
@@ -173,20 +184,16 @@ def test_collector_records_each_layers_own_scale(device):
     assert col.scaling == {}
 
 
-def test_collector_records_sliding_windows(device):
+def test_collector_records_sliding_windows(backend, device):
     """Mistral with sliding_window < N: every layer reports its window, and entropies match eager."""
-    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0, sliding_window=4)
     torch.manual_seed(4)
-    model = transformers.MistralForCausalLM(cfg).eval().to(device)
-    model.set_attn_implementation("eager")
+    model = _mistral_window().to(device)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         ref = model(ids, output_attentions=True)
-        with EntropyCollector(model) as col:
+        with EntropyCollector(model, backend=backend) as col:
             model(ids)
-    assert col.sliding_window == {0: 4, 1: 4}
+    assert col.sliding_window == {0: 4, 1: 4} and col.backends == {backend}
     for got, want in zip(col.entropy, _eager_entropies(ref.attentions)):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
     assert float(col.entropy[0][..., 8:].max()) <= math.log(4) + 1e-5  # four visible keys, not t + 1
@@ -239,18 +246,18 @@ def test_mixed_qkv_dtypes_attend_in_the_value_dtype_like_sdpa(backend, device):
     torch.testing.assert_close(out.float(), want.transpose(1, 2).float(), atol=2e-2, rtol=2e-2)
 
 
-def test_soft_capped_scores_are_capped(device):
-    """Gemma 2's soft-capping runs on the reference path and matters here: uncapped, the logits differ."""
+def test_soft_capped_scores_are_capped(backend, device):
+    """Gemma 2's soft-capping matters here (uncapped, the logits differ), on either path."""
     torch.manual_seed(0)
     model = _gemma2().to(device)
     ids, mask = _batch(device=device)
-    with torch.no_grad(), EntropyCollector(model) as col:
+    with torch.no_grad(), EntropyCollector(model, backend=backend) as col:
         capped = model(ids, attention_mask=mask).logits
         model.config.attn_logit_softcapping = None
         for layer in model.model.layers:
             layer.self_attn.attn_logit_softcapping = None
         uncapped = model(ids, attention_mask=mask).logits
-    assert col.backends == {"reference"}
+    assert col.backends == {backend}
     assert (capped - uncapped)[mask.bool()].abs().max() > 1e-2
 
 

@@ -32,7 +32,7 @@ class AttentionEntropy:
         return iter((self.out, self.entropy, self.lse))
 
 
-def _check(q, k, v, key_padding_mask):
+def _check(q, k, v, key_padding_mask, causal, softcap, window):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, h, _, d = q.shape
@@ -54,6 +54,13 @@ def _check(q, k, v, key_padding_mask):
             )
         if key_padding_mask.dtype != torch.bool:
             raise ValueError(f"key_padding_mask must be bool (True = attend); got {key_padding_mask.dtype}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None; got {softcap!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a whole number of keys >= 1 or None; got {window!r}")
+        if not causal:
+            raise ValueError("a sliding window needs causal=True")
 
 
 def attention_with_entropy(
@@ -64,6 +71,8 @@ def attention_with_entropy(
     causal: bool = True,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
     backend: str | None = None,
 ) -> AttentionEntropy:
     """softmax(q kᵀ · scale) v together with the entropy and log-sum-exp of every softmax row.
@@ -73,16 +82,19 @@ def attention_with_entropy(
     causal: query i sees keys j <= i + (Nk - Nq) (bottom-right aligned, as with a KV cache).
     scale: defaults to 1/sqrt(D). key_padding_mask: [B, Nk] bool, True = attend (combinable with
     causal). A row with no visible key gets out = 0, entropy = 0 and lse = -inf.
+    softcap: Gemma 2's logit soft-capping, scores s → softcap · tanh(s / softcap) before the softmax.
+    window: a causal sliding window (Mistral, Gemma 2): query i sees the ``window`` keys ending at
+    i + (Nk - Nq).
     backend: None (see ``kernel_backend``), "triton" or "reference". The Triton path has no autograd;
     the reference path is differentiable.
     """
-    _check(q, k, v, key_padding_mask)
+    _check(q, k, v, key_padding_mask, causal, softcap, window)
     backend = resolve_backend(backend, q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
         out, ent, lse = attention_with_entropy_reference(
-            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, softcap=softcap, window=window
         )
         return AttentionEntropy(out, ent, lse, "reference")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -93,7 +105,8 @@ def attention_with_entropy(
 
     with torch.no_grad():
         out, ent, lse = attention_with_entropy_triton(
-            q, k, v, causal=causal, scale=float(scale), key_padding_mask=key_padding_mask
+            q, k, v, causal=causal, scale=float(scale), key_padding_mask=key_padding_mask,
+            softcap=None if softcap is None else float(softcap), window=window,
         )
     return AttentionEntropy(out, ent, lse, "triton")
 

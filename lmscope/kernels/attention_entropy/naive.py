@@ -17,17 +17,23 @@ def visible_keys(
     *,
     causal: bool,
     key_padding_mask: torch.Tensor | None = None,
+    window: int | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Boolean [B or 1, 1, Nq, Nk] mask of the keys each query may attend to.
 
     Causal masks are aligned bottom-right (query i sees keys j <= i + Nk - Nq), as with a KV cache.
+    A sliding ``window`` (causal only) keeps the last ``window`` of those: j > i + Nk - Nq - window.
     """
     allowed = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
+    qi = torch.arange(nq, device=device)[:, None]
+    kj = torch.arange(nk, device=device)[None, :]
     if causal:
-        qi = torch.arange(nq, device=device)[:, None]
-        kj = torch.arange(nk, device=device)[None, :]
         allowed = allowed & (kj <= qi + (nk - nq))
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window needs causal=True")
+        allowed = allowed & (kj > qi + (nk - nq) - window)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
     return allowed
@@ -43,6 +49,7 @@ def attention_with_entropy_reference(
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (out [B,H,Nq,Dv] in q's dtype, entropy [B,H,Nq], lse [B,H,Nq]).
 
@@ -53,6 +60,7 @@ def attention_with_entropy_reference(
     by the transformers integration for mask patterns the fused kernel does not know.
     ``softcap`` (Gemma 2's attention logit soft-capping): scores s become softcap · tanh(s / softcap)
     before the softmax; the entropy and lse are those of the capped scores.
+    ``window`` (causal only): a sliding window of that many keys, see :func:`visible_keys`.
     Rows with no visible key get out = 0, entropy = 0, lse = -inf (as in the Triton kernel).
     """
     h, hk = q.shape[1], k.shape[1]
@@ -66,7 +74,8 @@ def attention_with_entropy_reference(
     s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk]
     if softcap:
         s = torch.tanh(s / softcap).mul_(softcap)
-    allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask, device=q.device)
+    allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+                           window=window, device=q.device)
     if attn_mask is not None:
         allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
     any_visible = allowed.any(dim=-1).expand(s.shape[:-1])  # [B, H, Nq]

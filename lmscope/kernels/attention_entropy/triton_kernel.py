@@ -10,6 +10,10 @@ which is the identity H = m + ln l - (sum e^(s-m) s) / l with t taken relative t
 this keeps one-hot rows (H ~ 0) exact instead of a difference of two large numbers.
 The kernel works in base 2 (exp2 is the fast hardware instruction): scores are scaled by log2(e)
 and t, m are converted back to natural-log units at the end. The N x N matrix never exists.
+
+Two options ride along as compile-time switches: Gemma 2's logit soft-capping (scores s become
+c · tanh(s / c) before the softmax) and a causal sliding window (query i sees the W keys ending at
+its diagonal; key blocks left of every row's window are skipped, like those right of the diagonal).
 """
 
 from __future__ import annotations
@@ -31,15 +35,15 @@ def _fold_key_block(
     q, k_base, v_base, kpm_base,
     offs_m, offs_d, offs_dv, start_n,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    N_K, CAUSAL_OFFSET, qk_scale,
+    N_K, CAUSAL_OFFSET, qk_scale, cap_log2, WINDOW_SIZE,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Fold the key block starting at start_n into the running (acc, m, l, t) of BLOCK_M rows.
 
-    MASKED=False is the fast path for blocks entirely in range and below the causal diagonal;
-    MASKED=True handles the diagonal and the ragged tail.
+    MASKED=False is the fast path for blocks entirely in range, below the causal diagonal and inside
+    every row's sliding window; MASKED=True handles the diagonal, the window's edge and the ragged tail.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
@@ -54,11 +58,18 @@ def _fold_key_block(
 
     # scores in log2 units: s2 = (q . k) * scale * log2(e)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    if SOFTCAP:
+        # qk_scale is scale / cap here: s2 = cap * log2(e) * tanh(s), tanh(x) = 1 - 2 / (e^2x + 1)
+        # (no tanh in every Triton version; the absolute error stays ~cap * 1e-7, as a softmax needs).
+        # e^2x is capped at 2^64, where tanh is 1 in fp32 anyway, rather than overflowing to inf.
+        s = cap_log2 * (1.0 - 2.0 / (tl.math.exp2(tl.minimum(s * (2.0 / LN2), 64.0)) + 1.0))
     valid = tl.full([1, BLOCK_N], 1, tl.int1)
     if MASKED:
         valid = valid & (offs_n[None, :] < N_K)
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+        if WINDOW:  # query i sees the WINDOW_SIZE keys ending at i + CAUSAL_OFFSET
+            valid = valid & (offs_n[None, :] > offs_m[:, None] + CAUSAL_OFFSET - WINDOW_SIZE)
     if HAS_KPM:
         kp = tl.load(kpm_base + offs_n, mask=offs_n < N_K, other=0)
         valid = valid & (kp[None, :] != 0)
@@ -89,10 +100,10 @@ def _attn_entropy_inner(
     q, k_base, v_base, kpm_base,
     offs_m, offs_d, offs_dv,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    start, end, N_K, CAUSAL_OFFSET, qk_scale,
+    start, end, N_K, CAUSAL_OFFSET, qk_scale, cap_log2, WINDOW_SIZE,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Fold key blocks [start, end) into the running state."""
     if INTERPRET:
@@ -103,16 +114,18 @@ def _attn_entropy_inner(
         while start_n < end:
             acc, m_i, l_i, t_i = _fold_key_block(
                 acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv, start_n,
-                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, INPUT_PRECISION,
+                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale, cap_log2,
+                WINDOW_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, SOFTCAP, WINDOW,
+                INPUT_PRECISION,
             )
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
             acc, m_i, l_i, t_i = _fold_key_block(
                 acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv, start_n,
-                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, INPUT_PRECISION,
+                stride_kn, stride_kd, stride_vn, stride_vd, N_K, CAUSAL_OFFSET, qk_scale, cap_log2,
+                WINDOW_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, MASKED, CAUSAL, HAS_KPM, SOFTCAP, WINDOW,
+                INPUT_PRECISION,
             )
     return acc, m_i, l_i, t_i
 
@@ -125,12 +138,12 @@ def _attn_entropy_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_kpm_b,
-    H, N_Q, N_K, GROUP, qk_scale, N_BUCKET, NQ_BUCKET,
+    H, N_Q, N_K, GROUP, qk_scale, cap_log2, WINDOW_SIZE, N_BUCKET, NQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -167,16 +180,32 @@ def _attn_entropy_fwd(
     full_end = tl.maximum(full_end, 0)
     hi = tl.maximum(hi, 0)
     n_full = (full_end // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        # (causal only) blocks before lo are outside every row's window; from lo_full on, inside all
+        lo = tl.maximum(pid_m * BLOCK_M + causal_offset - WINDOW_SIZE + 1, 0)
+        lo = tl.minimum((lo // BLOCK_N) * BLOCK_N, n_full)
+        lo_full = tl.maximum(pid_m * BLOCK_M + BLOCK_M + causal_offset - WINDOW_SIZE, 0)
+        lo_full = tl.maximum(tl.minimum(tl.cdiv(lo_full, BLOCK_N) * BLOCK_N, n_full), lo)
+        acc, m_i, l_i, t_i = _attn_entropy_inner(
+            acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
+            stride_kn, stride_kd, stride_vn, stride_vd, lo, lo_full, N_K, causal_offset, qk_scale, cap_log2,
+            WINDOW_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, SOFTCAP, WINDOW,
+            INPUT_PRECISION, INTERPRET,
+        )
+    else:
+        lo_full = 0
 
     acc, m_i, l_i, t_i = _attn_entropy_inner(
         acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
-        stride_kn, stride_kd, stride_vn, stride_vd, 0, n_full, N_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, HAS_KPM, INPUT_PRECISION, INTERPRET,
+        stride_kn, stride_kd, stride_vn, stride_vd, lo_full, n_full, N_K, causal_offset, qk_scale, cap_log2,
+        WINDOW_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, HAS_KPM, SOFTCAP, WINDOW,
+        INPUT_PRECISION, INTERPRET,
     )
     acc, m_i, l_i, t_i = _attn_entropy_inner(
         acc, m_i, l_i, t_i, q, k_base, v_base, kpm_base, offs_m, offs_d, offs_dv,
-        stride_kn, stride_kd, stride_vn, stride_vd, n_full, hi, N_K, causal_offset, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, INPUT_PRECISION, INTERPRET,
+        stride_kn, stride_kd, stride_vn, stride_vd, n_full, hi, N_K, causal_offset, qk_scale, cap_log2,
+        WINDOW_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, HAS_KPM, SOFTCAP, WINDOW,
+        INPUT_PRECISION, INTERPRET,
     )
 
     # Rows with no visible key (padding, or N_Q > N_K under causal): out = 0, H = 0, lse = -inf.
@@ -224,7 +253,8 @@ def _prune(configs, named_args, **kwargs):
 # octave, and a short query block (decoding) gets its own tile
 _kernel, _INTERPRET_BLOCKS = autotune_on_gpu(
     _attn_entropy_fwd, configs=_configs(), prune=_prune, interpreter_blocks={"BLOCK_M": 32, "BLOCK_N": 32},
-    key=["N_BUCKET", "NQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "INPUT_PRECISION"])
+    key=["N_BUCKET", "NQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "CAUSAL", "HAS_KPM", "SOFTCAP", "WINDOW",
+         "INPUT_PRECISION"])
 
 
 def attention_with_entropy_triton(
@@ -235,8 +265,10 @@ def attention_with_entropy_triton(
     causal: bool,
     scale: float,
     key_padding_mask: torch.Tensor | None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel; shapes are validated by the public wrapper."""
+    """Launch the fused kernel; shapes, the cap and the window are validated by the public wrapper."""
     out_dtype = q.dtype
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
@@ -268,9 +300,12 @@ def attention_with_entropy_triton(
             q, k, v, kpm, out, ent, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             stride_kpm_b,
-            h, nq, nk, h // hk, scale * LOG2E, triton.next_power_of_2(nk), triton.next_power_of_2(nq),
+            h, nq, nk, h // hk,
+            scale / softcap if softcap else scale * LOG2E, softcap * LOG2E if softcap else 0.0, window or 0,
+            triton.next_power_of_2(nk), triton.next_power_of_2(nq),
             HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            CAUSAL=causal, HAS_KPM=key_padding_mask is not None, INPUT_PRECISION=precision,
+            CAUSAL=causal, HAS_KPM=key_padding_mask is not None, SOFTCAP=bool(softcap), WINDOW=window is not None,
+            INPUT_PRECISION=precision,
             INTERPRET=interpreting(),
             **_INTERPRET_BLOCKS,
         )
