@@ -20,8 +20,9 @@ as in Falcon, GPT-J and Bloom) fall back to the model's own attention matrices (
 with the same statistics: slower, and every layer's N x N matrix is held at once.
 
 Across checkpoints of a training run the same numbers become curves against the training step.
-Windows are plain stream windows, or BOS + seq_len − 1 stream tokens (``bos_per_window``). Layers with
-a sliding window shorter than seq_len are refused: their rows see min(t + 1, window) keys.
+Windows are plain stream windows, or BOS + seq_len − 1 stream tokens (``bos_per_window``). In a layer
+with a sliding window W (Mistral, Gemma 2, some Qwen layers) query t sees min(t + 1, W) keys: its bound,
+and the normalisation, are ln(min(t + 1, W)) instead.
 
 Dimension-wise entropy (optional): for each head dimension i alone, the scores q_i k_iᵀ/√d give a
 softmax row per query; the note looks at how many of those rows are near uniform
@@ -84,15 +85,29 @@ def sliding_windows(config, layers: int) -> dict[int, int]:
     return {i: int(window) for i in range(layers)}
 
 
-def _refuse_short_windows(name: str, seq_len: int, windows: dict[int, int]) -> None:
-    """The bound ln(t + 1) assumes query t sees keys 0..t; a sliding window shows it min(t + 1, window)."""
+def short_windows(name: str, seq_len: int, windows: dict[int, int]) -> dict[int, int]:
+    """The sliding windows that matter for windows of seq_len tokens: those shorter than seq_len."""
     short = {layer: w for layer, w in windows.items() if w < seq_len}
-    if short:
-        w = min(short.values())
-        raise JobFailed(
-            f"{name}: layer(s) {sorted(short)} attend over a sliding window of {w} tokens, shorter than seq_len "
-            f"{seq_len}, so a query there sees min(t+1, {w}) keys and the uniform bound ln(t+1) would be wrong; "
-            f"lower seq_len to at most {w}")
+    if any(w < 2 for w in short.values()):  # every row then holds one key: H = 0 = ln 1, nothing to measure
+        raise JobFailed(f"{name}: layer(s) {sorted(short)} attend over a sliding window of "
+                        f"{min(short.values())} token; their attention rows have no entropy to measure")
+    return short
+
+
+def visible_keys_bound(seq_len: int, window: int | None = None, device="cpu") -> torch.Tensor:
+    """ln(visible keys) of every query row t of a causal window: ln(t + 1), or ln(min(t + 1, window))."""
+    visible = torch.arange(1, seq_len + 1, dtype=torch.float64, device=device)
+    if window is not None:
+        visible = visible.clamp(max=window)
+    return torch.log(visible)
+
+
+def _refuse_causal_dimensions_over_windows(name: str, params: EntropyParams, windows: dict[int, int]) -> None:
+    if windows and params.dimension_wise and params.dimension_causal:
+        raise JobFailed(f"{name}: dimension_causal=true follows the model's causal rows, but layer(s) "
+                        f"{sorted(windows)} slide over {min(windows.values())} keys, which the dimension-wise "
+                        "pass does not model; set dimension_causal=false (every row sees all seq_len keys) "
+                        f"or seq_len to at most {min(windows.values())}")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -111,8 +126,14 @@ class EntropyStats:
         self.by_position_sum = torch.zeros(layers, heads, seq_len, **f64)
         self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
         self.bin_width = math.log(seq_len) / bins
-        positions = torch.arange(seq_len, dtype=torch.float64, device=device)
-        self.bound = torch.log(positions + 1)  # ln(visible keys) of a causal row
+        self.set_sliding_windows({})
+
+    def set_sliding_windows(self, windows: dict[int, int]) -> None:
+        """The layers whose rows see min(t + 1, W) keys (before the first ``add``)."""
+        self.sliding_windows = dict(sorted(windows.items()))
+        # ln(visible keys) per layer and query row; row 0 (one key, 0/0) is left out of the normalised mean
+        self.bound = torch.stack([visible_keys_bound(self.seq_len, windows.get(layer), self.sum.device)
+                                  for layer in range(self.sum.shape[0])])
 
     def add(self, layer: int, entropy: torch.Tensor) -> None:
         """entropy: [B, H, N] nats of one layer for B full windows (N = seq_len, no padding)."""
@@ -121,7 +142,7 @@ class EntropyStats:
         assert n == self.seq_len, (n, self.seq_len)
         self.sum[layer] += e.sum(dim=(0, 2))
         self.sum_sq[layer] += (e * e).sum(dim=(0, 2))
-        self.sum_normalized[layer] += (e[:, :, 1:] / self.bound[1:]).sum(dim=(0, 2))
+        self.sum_normalized[layer] += (e[:, :, 1:] / self.bound[layer, 1:]).sum(dim=(0, 2))
         self.by_position_sum[layer] += e.sum(dim=0)
         # Fixed bins on [0, ln N]; float error may put a value a hair outside, so clamp to the ends.
         idx = (e / self.bin_width).floor().long().clamp_(0, self.bins - 1)
@@ -143,6 +164,8 @@ class EntropyStats:
             "hist_counts": self.hist.cpu().numpy(),  # [L, H, bins]
             # density per layer: integrates to 1 over [0, ln N]
             "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
+            "bound": self.bound.cpu().numpy(),  # [L, N] ln(visible keys)
+            "sliding_windows": self.sliding_windows,  # {layer: W} for windows shorter than seq_len
         }
 
 
@@ -252,16 +275,24 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
     if max_pos is not None and params.seq_len > max_pos:
         raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
                         f"lower seq_len to at most {max_pos}")
-    _refuse_short_windows(name, params.seq_len, sliding_windows(model.config, layers))
+    declared = short_windows(name, params.seq_len, sliding_windows(model.config, layers))
+    _refuse_causal_dimensions_over_windows(name, params, declared)
+    stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
+    stats.set_sliding_windows(declared)
 
     def check(col) -> None:
         if len(col.entropy) != layers:
             raise JobFailed(f"{name}: only {len(col.entropy)} of {layers} attention layers ran through "
                             "transformers' attention interface; this architecture is not supported by `entropy`")
-        _refuse_short_windows(name, params.seq_len, col.sliding_window)  # what the layers really asked for
+        # the bounds follow the windows the attention calls really received
+        received = short_windows(name, params.seq_len, col.sliding_window)
+        if received != stats.sliding_windows:
+            if stats.windows:
+                raise JobFailed(f"{name}: the layers' sliding windows changed between batches "
+                                f"({stats.sliding_windows} then {received})")
+            stats.set_sliding_windows(received)
         backends.update(col.backends)
 
-    stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
     dim_stats = None
     unsupported = lmscope_attention_unsupported(model)
     if unsupported is not None:
@@ -289,6 +320,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
             report(name)
 
     if params.dimension_wise:
+        _refuse_causal_dimensions_over_windows(name, params, stats.sliding_windows)
         dim_stats = DimensionStats(layers, heads, params.seq_len, params.histogram_bins,
                                    params.near_uniform_margin, params.dimension_causal, device=device)
         dim_windows = windows[:params.dimension_segments]
@@ -385,6 +417,8 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             if d is not None:
                 series.append(Series("dimension_entropy.histogram", centres, d["hist_density"][layer].tolist(), labels))
     series.append(Series("uniform_bound", positions, [math.log(t + 1) for t in positions], {}))
+    for layer, w in last["sliding_windows"].items():  # these rows see min(t + 1, W) keys
+        series.append(Series("uniform_bound", positions, last["bound"][layer].tolist(), {"layer": layer, "window": w}))
 
     mean = last["mean"]
     lo = np.unravel_index(np.argmin(mean), mean.shape)
@@ -398,6 +432,7 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
         "num_segments_used": windows_used[-1] if len(set(windows_used)) == 1 else windows_used,
         "tokens": int(windows_used[-1] * n),  # query rows per model
         "uniform_bound_max": math.log(n),
+        "sliding_windows": {str(layer): w for layer, w in last["sliding_windows"].items()},
         "mean_entropy": float(mean.mean()),
         "mean_entropy_per_layer": [round(float(v), 6) for v in mean.mean(1)],
         "normalized_mean_entropy": float(last["normalized_mean"].mean()),
@@ -423,8 +458,9 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
 
 def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
     """entropy_by_position.npz: [M, L, H, N] means per checkpoint (and the [M, L, H] reductions)."""
-    arrays = {key: np.stack([r[key] for r in results]) for key in results[0]}
+    arrays = {key: np.stack([r[key] for r in results]) for key in results[0] if key not in ("bound", "sliding_windows")}
     arrays.update(steps=np.array(steps), models=np.array(names),
+                  uniform_bound_per_layer=np.stack([r["bound"] for r in results]),  # [M, L, N]
                   bin_edges=np.linspace(0.0, math.log(params.seq_len), params.histogram_bins + 1),
                   uniform_bound=np.log(np.arange(params.seq_len) + 1.0))
     np.savez_compressed(ctx.artifact_dir / "entropy_by_position.npz", **arrays)
@@ -475,7 +511,11 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
         if len(results) == 1:
             ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
                             color=color, alpha=0.2, label="± std over heads")
-    ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
+    if last["sliding_windows"]:  # windowed layers have a lower ceiling
+        ax.plot(range(layers), last["bound"].mean(1), color="k", ls="--", drawstyle="steps-mid",
+                label="uniform (mean of ln(visible keys))")
+    else:
+        ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}", xticks=range(layers))
     ax.legend(fontsize=7)
     save(fig, out / "entropy_by_layer.png")
@@ -487,6 +527,10 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
         ax.plot(positions, last["by_position"][layer].mean(0), color=cmap(layer / max(1, layers - 1)),
                 label=f"layer {layer}")
     ax.plot(positions, np.log(positions + 1.0), "k--", label="uniform bound ln(t+1)")
+    for w in sorted(set(last["sliding_windows"].values())):
+        in_window = [layer for layer, lw in last["sliding_windows"].items() if lw == w]
+        ax.plot(positions, np.log(np.minimum(positions + 1.0, w)), "k:",
+                label=f"ln(min(t+1, {w})): sliding layer(s) {', '.join(map(str, in_window))}")
     ax.set(xlabel="query position t", ylabel="mean entropy (nats)",
            title=f"attention entropy by position, {last_name} on {params.dataset}")
     ax.legend(fontsize=7, ncol=2)
@@ -500,7 +544,7 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             ax = axes[layer // cols][layer % cols]
             for head in range(heads):
                 ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
-            ax.axhline(uniform_mean, color="k", ls="--", lw=0.8, label="uniform")
+            ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
             ax.set(title=f"layer {layer}", xlabel="training step", ylabel="mean entropy (nats)")
             if layer == 0:
                 ax.legend(fontsize=6)

@@ -132,11 +132,13 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch):
 
 
 @pytest.mark.gpu
-def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch, device):
-    """The GPU route: the job through the Triton kernel (compiled on a GPU, the interpreter on CPU), GQA LLaMA."""
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch, device, arch):
+    """The GPU route: the job through the Triton kernel (compiled on a GPU, the interpreter on CPU), GQA LLaMA
+    and Mistral with a sliding window of 8 < seq_len."""
     pytest.importorskip("triton")
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
-    loaded = tiny_model("llama")
+    loaded = tiny_model("llama") if arch == "llama" else _sliding("mistral", window=8)
     loaded.model.to(device)
     out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1,
                        device=device)
@@ -362,24 +364,56 @@ def _sliding(arch: str, window: int) -> LoadedModel:
     return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
 
 
-@pytest.mark.parametrize("arch,layers", [("mistral", r"\[0, 1\]"), ("qwen2", r"\[1\]")])
-def test_sliding_window_shorter_than_seq_len_is_refused(tmp_path, documents, arch, layers):
-    """Query t of a sliding-window layer sees min(t+1, window) keys: ln(t+1) would be the wrong bound."""
+@pytest.mark.parametrize("arch,windowed", [("mistral", [0, 1]), ("qwen2", [1])])
+def test_sliding_window_layers_are_bounded_by_their_window(tmp_path, documents, arch, windowed):
+    """Query t of a layer with window W sees min(t+1, W) keys: entropies (against eager), bound and
+    normalised mean follow that, while full-attention layers keep ln(t+1)."""
     loaded = _sliding(arch, window=8)
-    with pytest.raises(JobFailed, match=f"layer\\(s\\) {layers} attend over a sliding window of 8 .* "
-                                        "lower seq_len to at most 8"):
-        run_job(tmp_path, {"m": loaded}, documents)  # seq_len 24 > 8
-    # seq_len within the window: every query sees keys 0..t, and the job matches eager attention.
-    out, _ = run_job(tmp_path, {"m": loaded}, documents, seq_len=8, num_segments=3)
-    ref = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, 8, 3))
-    np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["by_position"][0], ref.mean(1), atol=2e-5)
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=3)  # seq_len 24 > 8
+    ref = eager_entropies(loaded, token_windows(loaded.tokenizer, documents, SEQ_LEN, 3))  # [L, W, H, N]
+    arrays = np.load(tmp_path / "entropy_by_position.npz")
+    np.testing.assert_allclose(arrays["by_position"][0], ref.mean(1), atol=2e-5)
+    t = np.arange(SEQ_LEN)
+    bounds = [np.log(np.minimum(t + 1.0, 8)) if layer in windowed else np.log(t + 1.0) for layer in range(2)]
+    np.testing.assert_allclose(arrays["uniform_bound_per_layer"][0], np.stack(bounds))
+    normalized = np.stack([(ref[layer][..., 1:] / bounds[layer][1:]).mean((0, 2)) for layer in range(2)])
+    np.testing.assert_allclose(arrays["normalized_mean"][0], normalized, atol=2e-5)
+    assert out.summary["sliding_windows"] == {str(layer): 8 for layer in windowed}
+    for layer in windowed:
+        assert ref[layer][..., 8:].max() <= math.log(8) + 1e-6  # the window really bounds these rows
+        (s,) = series(out, "uniform_bound", layer=layer)
+        assert s.labels == {"layer": layer, "window": 8}
+        np.testing.assert_allclose(s.y, bounds[layer])
+    if arch == "qwen2":  # layer 0 is full attention: rows past the window go above ln 8
+        assert ref[0][..., 8:].max() > math.log(8) + 1e-3
 
 
-def test_sliding_window_is_also_caught_from_what_the_layers_ask(tmp_path, documents, monkeypatch):
-    """A config the up-front check does not understand: the window the attention call received still counts."""
+def test_uniform_attention_in_a_sliding_window_gives_ln_of_the_window(tmp_path, documents):
+    loaded = _zero_queries(_sliding("mistral", window=5))
+    run_job(tmp_path, {"m": loaded}, documents, num_segments=2)
+    by_position = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]
+    bound = np.log(np.minimum(np.arange(SEQ_LEN) + 1.0, 5))
+    np.testing.assert_allclose(by_position, np.broadcast_to(bound, by_position.shape), atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["normalized_mean"][0], 1.0, atol=1e-5)
+
+
+def test_the_windows_the_layers_receive_set_the_bound(tmp_path, documents, monkeypatch):
+    """A config the up-front reading does not understand: the window the attention calls received counts."""
     monkeypatch.setattr(entropy, "sliding_windows", lambda config, layers: {})
-    with pytest.raises(JobFailed, match="sliding window of 8"):
-        run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents)
+    out, _ = run_job(tmp_path, {"m": _zero_queries(_sliding("mistral", window=8))}, documents, num_segments=2)
+    assert out.summary["sliding_windows"] == {"0": 8, "1": 8}
+    np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["normalized_mean"][0], 1.0, atol=1e-5)
+
+
+def test_causal_dimension_rows_over_sliding_windows_are_refused(tmp_path, documents):
+    with pytest.raises(JobFailed, match=r"dimension_causal=true .* layer\(s\) \[0, 1\] slide over 8 keys"):
+        run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents, num_segments=1, dimension_wise=True,
+                dimension_causal=True)
+    out, _ = run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents, num_segments=1,
+                     dimension_wise=True, dimension_segments=1)  # bidirectional rows: the window plays no part
+    assert 0 <= out.summary["near_uniform_pct"] <= 100
+    with pytest.raises(JobFailed, match="sliding window of 1 token"):
+        run_job(tmp_path, {"m": _sliding("mistral", window=1)}, documents, num_segments=1)
 
 
 def test_bos_per_window(tmp_path, documents):
@@ -408,8 +442,9 @@ def test_over_training_panels_at_the_bottom_of_each_column_show_the_steps(tmp_pa
     saved = {}
     monkeypatch.setattr(entropy, "save", lambda fig, path: saved.setdefault(path.name, fig))
     layers, heads, n = 4, 2, 8
-    results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n))}
-               for step in (1, 2)]
+    bound = np.log(np.arange(n) + 1.0)
+    results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n)),
+                "bound": np.stack([bound] * layers), "sliding_windows": {}} for step in (1, 2)]
     ctx = types.SimpleNamespace(artifact_dir=tmp_path)
     entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki"), [100, 200], ["r@step100", "r@step200"], results, [None, None])
     fig = saved["entropy_over_training.png"]
