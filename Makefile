@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .make/installed
 
-.PHONY: install demo test test-fast bench system-deps clean
+.PHONY: install demo test test-fast test-triton-newest bench system-deps clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PIP) install -q -c constraints-cpu.txt torch triton
@@ -26,6 +26,14 @@ demo: install
 
 test: install system-deps
 	$(PYTHON) -m pytest -q
+
+# The kernel tests again on the newest Triton on PyPI (DESIGN.md §6: the GPU image has 3.6, support
+# both), from a target directory that shadows the pinned one.
+TRITON_NEWEST ?= 3.9.0
+test-triton-newest: install
+	$(PIP) install -q --no-deps --target .make/triton-$(TRITON_NEWEST) triton==$(TRITON_NEWEST)
+	PYTHONPATH=$(CURDIR)/.make/triton-$(TRITON_NEWEST) $(PYTHON) -c "import triton; print('kernel tests on triton', triton.__version__)"
+	PYTHONPATH=$(CURDIR)/.make/triton-$(TRITON_NEWEST) $(PYTHON) -m pytest -q -p no:cacheprovider tests/kernels
 
 test-fast: install
 	$(PYTHON) -m pytest -q -x -m "not slow"

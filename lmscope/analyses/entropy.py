@@ -88,9 +88,10 @@ def sliding_windows(config, layers: int) -> dict[int, int]:
 def short_windows(name: str, seq_len: int, windows: dict[int, int]) -> dict[int, int]:
     """The sliding windows that matter for windows of seq_len tokens: those shorter than seq_len."""
     short = {layer: w for layer, w in windows.items() if w < seq_len}
-    if any(w < 2 for w in short.values()):  # every row then holds one key: H = 0 = ln 1, nothing to measure
-        raise JobFailed(f"{name}: layer(s) {sorted(short)} attend over a sliding window of "
-                        f"{min(short.values())} token; their attention rows have no entropy to measure")
+    single = sorted(layer for layer, w in short.items() if w < 2)
+    if single:  # every row then holds one key: H = 0 = ln 1, nothing to measure
+        raise JobFailed(f"{name}: layer(s) {single} attend over a sliding window of 1 token; "
+                        "their attention rows have no entropy to measure")
     return short
 
 
@@ -431,7 +432,7 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
         "seq_len": n,
         "num_segments_used": windows_used[-1] if len(set(windows_used)) == 1 else windows_used,
         "tokens": int(windows_used[-1] * n),  # query rows per model
-        "uniform_bound_max": math.log(n),
+        "uniform_bound_max": float(last["bound"].max()),  # ln(seq_len), or ln W when every layer slides
         "sliding_windows": {str(layer): w for layer, w in last["sliding_windows"].items()},
         "mean_entropy": float(mean.mean()),
         "mean_entropy_per_layer": [round(float(v), 6) for v in mean.mean(1)],
@@ -482,7 +483,8 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     layers, heads = last["mean"].shape
     n = params.seq_len
 
-    uniform_mean = float(np.log(np.arange(n) + 1.0).mean())  # what a fully mean-pooling head scores
+    # what a fully mean-pooling head scores: mean of ln(t + 1), less in layers that all slide
+    uniform_mean = float(last["bound"].mean(1).max())
     source = (f"{last_name} on {params.dataset}" if len(names) == 1
               else f"{names[0]} … {last_name} on {params.dataset}")
 
@@ -495,7 +497,8 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                     color="black" if v > 0.6 * uniform_mean else "white")
     ax.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers))
     ax.set_title(f"mean attention entropy (nats), {last_name} on {params.dataset}\n"
-                 f"scale top = uniform {uniform_mean:.2f} (mean of ln(t+1))", fontsize=10)
+                 f"scale top = uniform {uniform_mean:.2f} "
+                 f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
     fig.colorbar(im, ax=ax, label="nats")
     save(fig, out / "entropy_heatmap.png")
 

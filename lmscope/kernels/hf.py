@@ -179,7 +179,11 @@ def lmscope_attention_forward(
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and is_causal and nk > window else None
     if attention_mask is None:
-        causal, kpm, explicit = bool(is_causal), None, None
+        # No mask means what it means to sdpa: is_causal for more than one query, aligned top-left. A
+        # static cache's prefill comes so, its Nk − Nq trailing slots still empty: query i sees keys 0..i.
+        causal, kpm, explicit = bool(is_causal) and nq > 1, None, None
+        if causal and nk > nq:
+            key, value = key[:, :, :nq], value[:, :, :nq]
         window = None
     else:
         causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk, window)

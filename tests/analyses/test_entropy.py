@@ -390,7 +390,8 @@ def test_sliding_window_layers_are_bounded_by_their_window(tmp_path, documents, 
 
 def test_uniform_attention_in_a_sliding_window_gives_ln_of_the_window(tmp_path, documents):
     loaded = _zero_queries(_sliding("mistral", window=5))
-    run_job(tmp_path, {"m": loaded}, documents, num_segments=2)
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=2)
+    assert out.summary["uniform_bound_max"] == pytest.approx(math.log(5))  # every layer slides: no row sees more
     by_position = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]
     bound = np.log(np.minimum(np.arange(SEQ_LEN) + 1.0, 5))
     np.testing.assert_allclose(by_position, np.broadcast_to(bound, by_position.shape), atol=1e-5)
@@ -412,7 +413,7 @@ def test_causal_dimension_rows_over_sliding_windows_are_refused(tmp_path, docume
     out, _ = run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents, num_segments=1,
                      dimension_wise=True, dimension_segments=1)  # bidirectional rows: the window plays no part
     assert 0 <= out.summary["near_uniform_pct"] <= 100
-    with pytest.raises(JobFailed, match="sliding window of 1 token"):
+    with pytest.raises(JobFailed, match=r"layer\(s\) \[0, 1\] attend over a sliding window of 1 token"):
         run_job(tmp_path, {"m": _sliding("mistral", window=1)}, documents, num_segments=1)
 
 

@@ -269,7 +269,7 @@ def test_validation_errors(device):
         attention_with_entropy(q, k, v, key_padding_mask=torch.ones(1, 8, device=device))
     with pytest.raises(ValueError, match="backend"):
         attention_with_entropy(q, k, v, backend="cuda")
-    for cap in (0, -1.0, float("inf"), float("nan"), "3"):
+    for cap in (0, -1.0, float("inf"), float("nan"), "3", True):
         with pytest.raises(ValueError, match="softcap must be a positive finite number"):
             attention_with_entropy(q, k, v, softcap=cap)
     for window in (0, -2, 2.5, True):

@@ -223,6 +223,25 @@ def test_generation_with_kv_cache(device):
     assert col.entropy[0].shape[-1] == 1  # the last forward was a one-token decoding step
 
 
+@pytest.mark.parametrize("build", [_llama, _gemma2], ids=["llama", "gemma2"])
+def test_generation_with_a_static_cache(backend, device, build):
+    """A static cache's prefill comes with no mask and Nk = the cache length > Nq: sdpa's top-left
+    is_causal, so the empty slots after the prompt are not keys (they were, bottom-right aligned)."""
+    torch.manual_seed(5)
+    model = build().to(device)
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(9)).to(device)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+              cache_implementation="static", attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        with EntropyCollector(model, backend=backend) as col:
+            got = model.generate(ids, **kw)
+    assert col.backends == {backend}
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_training_mode_dropout_is_refused(device):
     model = _gpt2().to(device).train()
     ids, _ = _batch(seed=7, device=device)

@@ -54,7 +54,8 @@ def _check(q, k, v, key_padding_mask, causal, softcap, window):
             )
         if key_padding_mask.dtype != torch.bool:
             raise ValueError(f"key_padding_mask must be bool (True = attend); got {key_padding_mask.dtype}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+    if softcap is not None and (isinstance(softcap, bool) or not (isinstance(softcap, (int, float))
+                                                                  and 0 < softcap < math.inf)):
         raise ValueError(f"softcap must be a positive finite number or None; got {softcap!r}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

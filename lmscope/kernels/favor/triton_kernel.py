@@ -45,7 +45,8 @@ def _favor_chunk(
     tl.store(num_base + offs_n[:, None] * stride_nn + offs_d[None, :] * stride_nd, num, mask=vmask)
     # the denominator does not depend on the value columns: the first column block writes it
     den = tl.sum(pq * zsum[None, :], 1) + tl.sum(a, 1)
-    tl.store(den_base + offs_n * stride_dn, den, mask=in_n & WRITE_DEN)
+    if WRITE_DEN:  # a branch, not `mask=in_n & WRITE_DEN`: Triton 3.9's interpreter makes that mask int
+        tl.store(den_base + offs_n * stride_dn, den, mask=in_n)
     state = tl.dot(tl.trans(pk), vc, state, input_precision=INPUT_PRECISION)
     zsum += tl.sum(pk, 0)
     return state, zsum
