@@ -116,13 +116,14 @@ def use_lmscope_attention(model: torch.nn.Module) -> torch.nn.Module:
 
 def _split_mask(
     mask: torch.Tensor, batch: int, nq: int, nk: int, window: int | None = None
-) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
-    """Turn a 4-D HF mask into (causal, key_padding_mask, explicit_mask).
+) -> tuple[bool, torch.Tensor | None, torch.Tensor | None, int]:
+    """Turn a 4-D HF mask into (causal, key_padding_mask, explicit_mask, keys).
 
-    Boolean masks (True = attend) and additive masks (0 / very negative) are accepted. When the mask
-    is "bottom-right causal AND key padding" (within the sliding ``window`` the layer declared, if
-    any) or "key padding only", it is returned in that compact form; anything else comes back as an
-    explicit bool mask for the reference path.
+    Boolean masks (True = attend) and additive masks (0 / very negative) are accepted. Only the first
+    ``keys`` keys count: the trailing ones no query sees (a static cache's empty slots) are cut off.
+    When the rest is "bottom-right causal AND key padding" (within the sliding ``window`` the layer
+    declared, if any) or "key padding only", it is returned in that compact form; anything else comes
+    back as an explicit bool mask for the reference path.
     """
     if mask.dtype != torch.bool:
         allowed = mask > torch.finfo(mask.dtype).min / 2
@@ -131,8 +132,12 @@ def _split_mask(
         mask = allowed
     if mask.ndim != 4 or mask.shape[-2:] != (nq, nk):
         raise ValueError(f"unexpected attention mask shape {tuple(mask.shape)} for Nq={nq}, Nk={nk}")
+    seen = mask.any(dim=(0, 1, 2))
+    if bool(seen.any()):
+        nk = int(seen.nonzero().max()) + 1
+        mask = mask[..., :nk]
     if mask.shape[1] != 1:
-        return False, None, mask
+        return False, None, mask, nk
     m = mask[:, 0].expand(batch, nq, nk)
     # A key is unpadded iff some query sees it (the last one does under causal). Under a window,
     # keys left of every window count as padded, which changes nothing: no query sees them.
@@ -143,8 +148,8 @@ def _split_mask(
     elif window is None and torch.equal(m, kpm[:, None, :].expand_as(m)):
         causal = False
     else:
-        return False, None, mask
-    return causal, (None if bool(kpm.all()) else kpm), None
+        return False, None, mask, nk
+    return causal, (None if bool(kpm.all()) else kpm), None, nk
 
 
 def lmscope_attention_forward(
@@ -186,7 +191,9 @@ def lmscope_attention_forward(
             key, value = key[:, :, :nq], value[:, :, :nq]
         window = None
     else:
-        causal, kpm, explicit = _split_mask(attention_mask, b, nq, nk, window)
+        causal, kpm, explicit, keys = _split_mask(attention_mask, b, nq, nk, window)
+        if keys < nk:
+            key, value = key[:, :, :keys], value[:, :, :keys]
 
     if explicit is None:
         res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,

@@ -223,15 +223,21 @@ def test_generation_with_kv_cache(device):
     assert col.entropy[0].shape[-1] == 1  # the last forward was a one-token decoding step
 
 
-@pytest.mark.parametrize("build", [_llama, _gemma2], ids=["llama", "gemma2"])
-def test_generation_with_a_static_cache(backend, device, build):
+@pytest.mark.parametrize("padded", [False, True], ids=["one", "left-padded"])
+@pytest.mark.parametrize("build", [_llama, _gemma2, _mistral_window], ids=["llama", "gemma2", "mistral-window"])
+def test_generation_with_a_static_cache(backend, device, build, padded):
     """A static cache's prefill comes with no mask and Nk = the cache length > Nq: sdpa's top-left
-    is_causal, so the empty slots after the prompt are not keys (they were, bottom-right aligned)."""
+    is_causal, so the empty slots after the prompt are not keys (they were, bottom-right aligned).
+    With padding the masks cover the whole cache: the slots no query sees are cut off, and the rest
+    still goes through the fused kernel."""
     torch.manual_seed(5)
     model = build().to(device)
-    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(9)).to(device)
+    ids = torch.randint(1, VOCAB, (2 if padded else 1, 9), generator=torch.Generator().manual_seed(9)).to(device)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-              cache_implementation="static", attention_mask=torch.ones_like(ids))
+              cache_implementation="static", attention_mask=mask)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
         with EntropyCollector(model, backend=backend) as col:
