@@ -3,7 +3,9 @@
 For each `model_type` in lmscope.catalog.SUPPORTED_ARCHITECTURES a tiny random-init model: the norms
 job's trajectories against `output_hidden_states` of each sample read alone (no padding, so batching
 and padding are checked too, ALiBi included), and the entropy job's per-layer, per-head, per-position
-means against eager attention matrices turned into -Σ p ln p in float64.
+means against eager attention matrices turned into -Σ p ln p in float64; and, for the architectures
+that go through transformers' attention interface, a padded batch through the Triton kernel alone
+with the logits of eager attention (the route a GPU worker takes).
 """
 
 from __future__ import annotations
@@ -102,3 +104,29 @@ def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
         assert ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
     else:
         assert ctx.environment["kernel_backend"] in ("reference", "triton")
+
+
+@pytest.mark.gpu
+def test_the_fused_kernel_runs_every_interface_architecture_like_eager(loaded, device):
+    """The GPU route of both jobs: every layer through the Triton kernel (compiled on a GPU, the
+    interpreter on CPU), never the reference fallback, with the logits of eager attention on a padded batch."""
+    pytest.importorskip("triton")
+    from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
+
+    model = loaded.model.to(device)
+    if lmscope_attention_unsupported(model) is not None:
+        assert loaded.name in {"falcon", "gptj", "bloom"}  # and no other architecture
+        return
+    ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(3)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 10:] = 0  # right padding
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        with EntropyCollector(model, backend="triton") as col:
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert col.backends == {"triton"} and col.layers == [0, 1]
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
