@@ -52,22 +52,66 @@ class ModelParts:
     blocks: torch.nn.ModuleList
     final_norm: torch.nn.Module
     lm_head: torch.nn.Module
+    # what the model does to the LM head's logits: Granite divides them by logits_scaling, Cohere
+    # multiplies them by logit_scale, Gemma 2/3 soft-cap them (cap · tanh(logits / cap))
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    def logits(self, h: torch.Tensor, norm=None, weight=None, bias=None) -> torch.Tensor:
+        """The model's own logits from the last block's output h: lm_head(final_norm(h)), then its transform."""
+        norm = self.final_norm if norm is None else norm
+        weight = self.lm_head.weight if weight is None else weight
+        if bias is None:
+            bias = getattr(self.lm_head, "bias", None)
+        logits = F.linear(norm(h), weight, bias)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
 
 def model_parts(model) -> ModelParts:
     """Blocks, final norm and LM head of a HF causal LM, whatever the architecture calls them."""
     base = model.base_model
     blocks = next((getattr(base, n) for n in ("h", "layers", "blocks") if hasattr(base, n)), None)
-    final_norm = next((getattr(base, n) for n in ("ln_f", "norm", "final_layer_norm") if hasattr(base, n)), None)
+    final_norm = next((getattr(base, n) for n in ("ln_f", "norm", "final_layer_norm", "final_layernorm")
+                       if hasattr(base, n)), None)
     lm_head = model.get_output_embeddings()
     if blocks is None or final_norm is None or lm_head is None:
         raise JobFailed(f"cannot find the blocks / final norm / LM head of a {type(model).__name__}; "
                         "the norms analysis supports the architectures lmscope.catalog.SUPPORTED_ARCHITECTURES lists")
-    return ModelParts(base, blocks, final_norm, lm_head)
+    cfg = model.config
+    scale = 1.0 / float(getattr(cfg, "logits_scaling", None) or 1.0)  # Granite
+    own_scale = getattr(model, "logit_scale", None)  # Cohere keeps config.logit_scale on the model
+    if isinstance(own_scale, (int, float)) and not isinstance(own_scale, bool):
+        scale *= float(own_scale)
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2, Gemma 3
+    return ModelParts(base, blocks, final_norm, lm_head, scale, float(cap) if cap else None)
+
+
+@torch.no_grad()
+def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -> None:
+    """The inner loss rebuilds the model's logits from a block output: check on one short input that
+    this gives the model's own (an architecture that transforms its logits in a way ModelParts does
+    not know would otherwise get a silently wrong inner loss)."""
+    ids = input_ids[None, :16]
+    mask = torch.ones_like(ids)
+    want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[0].float()
+    _, call = hidden_states(parts, ids, mask)
+    norm = copy.deepcopy(parts.final_norm).float()
+    got = parts.logits(call.output[0].float(), norm, parts.lm_head.weight.float(),
+                       None if getattr(parts.lm_head, "bias", None) is None else parts.lm_head.bias.float())
+    error = (torch.log_softmax(got.to(want.device), -1) - torch.log_softmax(want, -1)).abs().max().item()
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.5
+    if not error <= tolerance:
+        raise JobFailed(f"the inner loss rebuilds {type(model).__name__}'s logits from its last block's output, but "
+                        f"they differ from the model's own by {error:.3g} nats (it changes its logits in a way "
+                        "lmscope does not know); set inner_loss=false to measure the norms alone")
 
 
 def is_gpt2_block(block) -> bool:
@@ -218,7 +262,7 @@ def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> to
     rows = max(1, LOGIT_ELEMENTS // vocab)
     out = []
     for start in range(0, h.shape[0], rows):
-        logits = F.linear(norm(h[start:start + rows].float()), weight, bias)
+        logits = parts.logits(h[start:start + rows].float(), norm, weight, bias)
         out.append(F.cross_entropy(logits, labels[start:start + rows], reduction="none"))
     return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 
@@ -602,6 +646,8 @@ def run(params: NormsParams, ctx: JobContext) -> JobOutput:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out anyway
 
     samples = select_samples(tokenizer, ctx.load_documents(params.dataset), params, max_tokens)
+    if params.inner_loss:
+        check_logits_reproduced(model, parts, torch.tensor(samples.tokens[0], device=device))
     pca_trajs = _choose(len(samples.traj_sample), params.pca_samples, params.seed, 1)
     gram_chosen = gram_trajectories(params, parts, samples, lm.info)
     progress = Progress(ctx, math.ceil(len(samples.tokens) / params.batch_size) + 1

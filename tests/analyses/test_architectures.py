@@ -40,11 +40,23 @@ CONFIGS = {
     "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),
     "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8),
     "gemma": lambda: T.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=8),
-    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=2.0),
+    # caps and scales small enough to change these tiny models' logits: the inner loss must apply them
+    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, attn_logit_softcapping=2.0,
+                                     final_logit_softcapping=0.5),
     "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL),
     "phi3": lambda: T.Phi3Config(**SMALL, num_key_value_heads=2),
     "olmo2": lambda: T.Olmo2Config(**SMALL),
-    "granite": lambda: T.GraniteConfig(**SMALL),
+    "granite": lambda: T.GraniteConfig(**SMALL, logits_scaling=4.0),
+    "gemma3_text": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                              final_logit_softcapping=0.5),  # local layers see 8 keys
+    "cohere": lambda: T.CohereConfig(**SMALL, num_key_value_heads=2, logit_scale=0.25),
+    "glm4": lambda: T.Glm4Config(**SMALL, num_key_value_heads=2, head_dim=8),
+    "olmo3": lambda: T.Olmo3Config(**SMALL),
+    "smollm3": lambda: T.SmolLM3Config(**SMALL, num_key_value_heads=2),
+    "phi": lambda: T.PhiConfig(**SMALL),
+    "gpt_bigcode": lambda: T.GPTBigCodeConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                              initializer_range=0.2, bos_token_id=256, eos_token_id=257),
+    "starcoder2": lambda: T.Starcoder2Config(**SMALL, num_key_value_heads=2),
     "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      initializer_range=0.2, bos_token_id=256, eos_token_id=257),
     "gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=128,
@@ -77,14 +89,18 @@ def test_norms_match_each_sample_read_alone(loaded, documents, tmp_path):
     out = norms.run(NormsParams(model="m", dataset="d", max_samples=6, max_tokens=24, batch_size=3,
                                 gram_samples=3, pca_samples=3), ctx)
     saved = np.load(tmp_path / "trajectories.npz")
-    expected = []
+    expected, own_loss = [], []
     with torch.no_grad():
         for doc_id in saved["doc_ids"]:
-            ids = loaded.tokenizer(documents[doc_id])["input_ids"][:25][:-1]  # max_tokens + 1, minus the label
-            states = loaded.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-            expected.append([h[0, -1].norm().item() for h in states[:2]])  # h_0, h_1 (L = 2, last block left out)
+            tokens = loaded.tokenizer(documents[doc_id])["input_ids"][:25]  # max_tokens + 1
+            ids, label = tokens[:-1], tokens[-1]
+            result = loaded.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            expected.append([h[0, -1].norm().item() for h in result.hidden_states[:2]])  # h_0, h_1 (L = 2)
+            own_loss.append(torch.nn.functional.cross_entropy(result.logits[0, -1], torch.tensor(label)).item())
     np.testing.assert_allclose(saved["norms"], expected, rtol=1e-4)
     assert out.summary["samples"] == 6 and np.isfinite(out.summary["inner_loss_final_mean"])
+    # eq. 14 at l = L-1 runs the last block on h_{L-1}: the model's own loss, logit caps and scales included
+    np.testing.assert_allclose(saved["inner_loss"][:, -1], own_loss, rtol=1e-4, atol=1e-5)
 
 
 def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):

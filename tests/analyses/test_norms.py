@@ -596,6 +596,17 @@ def test_no_long_enough_document_is_a_clear_error(tmp_path):
         run_job(tmp_path, tiny("gpt2"), short)
 
 
+def test_logits_the_inner_loss_cannot_rebuild_are_refused(tmp_path, documents):
+    """A model that changes its LM head's output in a way ModelParts does not know (here a hook scaling
+    the logits by 3): the inner loss would be silently wrong, so the job says so and how to go on."""
+    lm = tiny("gpt2")
+    lm.model.lm_head.register_forward_hook(lambda module, args, output: 3 * output)
+    with pytest.raises(JobFailed, match=r"differ from the model's own by .* nats .* set inner_loss=false"):
+        run_job(tmp_path / "a", lm, documents, max_samples=4)
+    out, _ = run_job(tmp_path / "b", lm, documents, max_samples=4, inner_loss=False, gram_condition=False)
+    assert out.summary["samples"] == 4
+
+
 def test_max_samples_smaller_than_a_batch(gpt2_run, tmp_path, documents):
     lm, _, first = gpt2_run
     out, ctx = run_job(tmp_path, lm, documents, max_samples=3, batch_size=16, inner_loss=False,
