@@ -277,7 +277,6 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
         raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
                         f"lower seq_len to at most {max_pos}")
     declared = short_windows(name, params.seq_len, sliding_windows(model.config, layers))
-    _refuse_causal_dimensions_over_windows(name, params, declared)
     stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
     stats.set_sliding_windows(declared)
 
@@ -292,6 +291,8 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                 raise JobFailed(f"{name}: the layers' sliding windows changed between batches "
                                 f"({stats.sliding_windows} then {received})")
             stats.set_sliding_windows(received)
+        # after the first batch, not from the config: some configs carry a sliding_window their model ignores
+        _refuse_causal_dimensions_over_windows(name, params, stats.sliding_windows)
         backends.update(col.backends)
 
     dim_stats = None

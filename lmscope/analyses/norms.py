@@ -106,9 +106,19 @@ def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -
     norm = copy.deepcopy(parts.final_norm).float()
     got = parts.logits(call.output[0].float(), norm, parts.lm_head.weight.float(),
                        None if getattr(parts.lm_head, "bias", None) is None else parts.lm_head.bias.float())
-    error = (torch.log_softmax(got.to(want.device), -1) - torch.log_softmax(want, -1)).abs().max().item()
+    want = torch.log_softmax(want, -1)
+    got = torch.log_softmax(got.to(want.device), -1)
+    # the tokens that carry the loss (the model's 16 likeliest per position): far in the tail, half
+    # precision rounding of large logits moves log-probabilities by more than a wrong transform would
+    # move these; positions that overflowed (fp16) are the inner loss's own business (inner_loss_nonfinite)
+    top = want.topk(min(16, want.shape[-1]), dim=-1).indices
+    diff = (got.gather(-1, top) - want.gather(-1, top)).abs()
+    diff = diff[torch.isfinite(diff)]
+    if diff.numel() == 0:
+        return
+    error = diff.max().item()
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.5
-    if not error <= tolerance:
+    if error > tolerance:
         raise JobFailed(f"the inner loss rebuilds {type(model).__name__}'s logits from its last block's output, but "
                         f"they differ from the model's own by {error:.3g} nats (it changes its logits in a way "
                         "lmscope does not know); set inner_loss=false to measure the norms alone")

@@ -417,6 +417,24 @@ def test_causal_dimension_rows_over_sliding_windows_are_refused(tmp_path, docume
         run_job(tmp_path, {"m": _sliding("mistral", window=1)}, documents, num_segments=1)
 
 
+def test_a_sliding_window_the_model_ignores_changes_nothing(tmp_path, documents):
+    """GLM-4 has no sliding window, whatever its config.json says: its rows see keys 0..t, and
+    dimension_causal is not refused."""
+    from transformers import Glm4Config
+
+    config = Glm4Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,
+                        intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256,
+                        eos_token_id=257, pad_token_id=258, initializer_range=0.25, sliding_window=8)
+    torch.manual_seed(0)
+    loaded = _zero_queries(LoadedModel("glm4", AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer()))
+    out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1,
+                     dimension_causal=True)
+    assert out.summary["sliding_windows"] == {}
+    by_position = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]
+    bound = np.log(np.arange(SEQ_LEN) + 1.0)
+    np.testing.assert_allclose(by_position, np.broadcast_to(bound, by_position.shape), atol=1e-5)
+
+
 def test_bos_per_window(tmp_path, documents):
     """bos_per_window: BOS + the next seq_len − 1 stream tokens; entropies of exactly those windows."""
     loaded = tiny_model("llama")

@@ -607,6 +607,19 @@ def test_logits_the_inner_loss_cannot_rebuild_are_refused(tmp_path, documents):
     assert out.summary["samples"] == 4
 
 
+def test_an_fp16_overflow_in_the_checked_input_does_not_refuse_the_job(tmp_path, documents):
+    """The logits check skips positions that overflowed: fp16 overflows are counted, not fatal."""
+    lm = tiny("gpt2")
+    lm.model.lm_head.weight = torch.nn.Parameter(lm.model.lm_head.weight.detach().clone())  # untied
+    lm.model.half()
+    first = next(d for d in documents if len(d.split()) >= MIN_WORDS)
+    with torch.no_grad():  # one early token of the first sample overflows to inf in fp16 at the last block
+        lm.model.transformer.wte.weight[lm.tokenizer(first)["input_ids"][3], 0] = 60000.0
+        lm.model.transformer.h[-1].mlp.c_proj.bias[0] = 10000.0
+    out, _ = run_job(tmp_path, lm, documents, max_samples=8, loss_filter=None, gram_condition=False)
+    assert out.summary["inner_loss_total"] == 8
+
+
 def test_max_samples_smaller_than_a_batch(gpt2_run, tmp_path, documents):
     lm, _, first = gpt2_run
     out, ctx = run_job(tmp_path, lm, documents, max_samples=3, batch_size=16, inner_loss=False,
