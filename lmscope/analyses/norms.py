@@ -85,12 +85,15 @@ def model_parts(model) -> ModelParts:
     if blocks is None or final_norm is None or lm_head is None:
         raise JobFailed(f"cannot find the blocks / final norm / LM head of a {type(model).__name__}; "
                         "the norms analysis supports the architectures lmscope.catalog.SUPPORTED_ARCHITECTURES lists")
-    cfg = model.config
-    scale = 1.0 / float(getattr(cfg, "logits_scaling", None) or 1.0)  # Granite
+    # Read only where the architecture uses them: a stray key in another model's config.json changes nothing.
+    cfg, family = model.config, str(getattr(model.config, "model_type", ""))
+    scale = 1.0
+    if family.startswith("granite"):
+        scale /= float(getattr(cfg, "logits_scaling", None) or 1.0)
     own_scale = getattr(model, "logit_scale", None)  # Cohere keeps config.logit_scale on the model
-    if isinstance(own_scale, (int, float)) and not isinstance(own_scale, bool):
+    if family.startswith("cohere") and isinstance(own_scale, (int, float)) and not isinstance(own_scale, bool):
         scale *= float(own_scale)
-    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2, Gemma 3
+    cap = getattr(cfg, "final_logit_softcapping", None) if family.startswith("gemma") else None  # Gemma 2, 3
     return ModelParts(base, blocks, final_norm, lm_head, scale, float(cap) if cap else None)
 
 
