@@ -176,10 +176,10 @@ class DimensionStats:
     def __init__(self, layers: int, heads: int, seq_len: int, bins: int, margin: float, causal: bool, device="cpu"):
         self.seq_len, self.bins, self.causal = seq_len, bins, causal
         self.bin_width = math.log(seq_len) / bins
-        positions = torch.arange(seq_len, dtype=torch.float64, device=device)
         # Bidirectional rows see all N keys; causal rows t + 1. Causal row 0 (one key) is trivially
         # "uniform" and is left out so it does not inflate the share.
-        self.bound = torch.log(positions + 1) if causal else torch.full_like(positions, math.log(seq_len))
+        self.bound = (visible_keys_bound(seq_len, device=device) if causal
+                      else torch.full((seq_len,), math.log(seq_len), dtype=torch.float64, device=device))
         self.threshold = self.bound - margin
         self.first = 1 if causal else 0
         self.near = torch.zeros(layers, heads, dtype=torch.int64, device=device)
@@ -321,8 +321,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                 stats.add(layer, ent)
             report(name)
 
-    if params.dimension_wise:
-        _refuse_causal_dimensions_over_windows(name, params, stats.sliding_windows)
+    if params.dimension_wise:  # check() already refused dimension_causal over sliding windows
         dim_stats = DimensionStats(layers, heads, params.seq_len, params.histogram_bins,
                                    params.near_uniform_margin, params.dimension_causal, device=device)
         dim_windows = windows[:params.dimension_segments]

@@ -61,12 +61,17 @@ class ModelParts:
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    def logits(self, h: torch.Tensor, norm=None, weight=None, bias=None) -> torch.Tensor:
-        """The model's own logits from the last block's output h: lm_head(final_norm(h)), then its transform."""
-        norm = self.final_norm if norm is None else norm
-        weight = self.lm_head.weight if weight is None else weight
-        if bias is None:
-            bias = getattr(self.lm_head, "bias", None)
+    def float32_head(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
+        """(final norm, LM-head weight, bias) in float32: the inner loss makes its logits in float32
+        whatever the model's dtype (in bf16/fp16 the cross-entropy would be off by ~1e-2 nats)."""
+        bias = getattr(self.lm_head, "bias", None)
+        return (copy.deepcopy(self.final_norm).float(),  # D parameters: cheap to copy
+                self.lm_head.weight.float(), None if bias is None else bias.float())
+
+    def logits(self, h: torch.Tensor, head: tuple) -> torch.Tensor:
+        """The model's own logits from the last block's output h: lm_head(final_norm(h)), then what the
+        model does to them; ``head`` is :meth:`float32_head`."""
+        norm, weight, bias = head
         logits = F.linear(norm(h), weight, bias)
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
@@ -106,9 +111,7 @@ def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -
     mask = torch.ones_like(ids)
     want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[0].float()
     _, call = hidden_states(parts, ids, mask)
-    norm = copy.deepcopy(parts.final_norm).float()
-    got = parts.logits(call.output[0].float(), norm, parts.lm_head.weight.float(),
-                       None if getattr(parts.lm_head, "bias", None) is None else parts.lm_head.bias.float())
+    got = parts.logits(call.output[0].float(), parts.float32_head())
     want = torch.log_softmax(want, -1)
     got = torch.log_softmax(got.to(want.device), -1)
     # the tokens that carry the loss (the model's 16 likeliest per position): far in the tail, half
@@ -268,14 +271,11 @@ def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> to
     The LM head runs in float32 whatever the model's dtype: in bf16/fp16 the cross-entropy would be off
     by ~1e-2 nats, enough to move trajectories across `loss_filter`.
     """
-    norm = copy.deepcopy(parts.final_norm).float()  # D parameters: cheap to copy
-    weight = parts.lm_head.weight.float()
-    bias = parts.lm_head.bias.float() if getattr(parts.lm_head, "bias", None) is not None else None
-    vocab = weight.shape[0]
-    rows = max(1, LOGIT_ELEMENTS // vocab)
+    head = parts.float32_head()
+    rows = max(1, LOGIT_ELEMENTS // head[1].shape[0])  # the vocabulary
     out = []
     for start in range(0, h.shape[0], rows):
-        logits = parts.logits(h[start:start + rows].float(), norm, weight, bias)
+        logits = parts.logits(h[start:start + rows].float(), head)
         out.append(F.cross_entropy(logits, labels[start:start + rows], reduction="none"))
     return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 

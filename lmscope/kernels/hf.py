@@ -197,7 +197,7 @@ def lmscope_attention_forward(
 
     if explicit is None:
         res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,
-                                     softcap=softcap or None, window=window if causal else None,
+                                     softcap=softcap or None, window=window,
                                      backend=backend)
         out, ent, lse, used = res.out, res.entropy, res.lse, res.backend
     else:

@@ -21,38 +21,35 @@ from lmscope.kernels.hf import (  # noqa: E402
 VOCAB = 128
 
 
+def _eager(config):
+    """A random-init causal LM of `config` on eager attention (the reference the tests compare with)."""
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# the LLaMA-family shape the builders share: 2 layers, 4 query heads over 2 key/value heads
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+
+
 def _gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return _eager(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0))
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return _eager(transformers.LlamaConfig(**LLAMA_LIKE))
 
 
 def _gemma2():
     """Attention logit soft-capping at 1.0 on peaky random scores: the cap changes the result (checked below)."""
-    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
-                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_logit_softcapping=1.0,
-                                    query_pre_attn_scalar=1, initializer_range=0.2)
-    cfg._attn_implementation = "eager"
-    return transformers.Gemma2ForCausalLM(cfg).eval()
+    return _eager(transformers.Gemma2Config(**LLAMA_LIKE, head_dim=16, pad_token_id=0, attn_logit_softcapping=1.0,
+                                            query_pre_attn_scalar=1, initializer_range=0.2))
 
 
 def _mistral_window():
     """A sliding window of 4 keys, shorter than the batches below."""
-    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0, sliding_window=4)
-    cfg._attn_implementation = "eager"
-    return transformers.MistralForCausalLM(cfg).eval()
+    return _eager(transformers.MistralConfig(**LLAMA_LIKE, sliding_window=4))
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama, "gemma2": _gemma2}
