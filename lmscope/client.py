@@ -79,8 +79,7 @@ class Client:
         except (requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL):
             raise LmscopeError(0, {"title": "Invalid API address",
                                    "detail": f"{self.url!r} is not an address like http://host:port; "
-                                             "set LMSCOPE_URL to the API's address, e.g. "
-                                             "http://127.0.0.1:8765"}) from None
+                                             f"set LMSCOPE_URL to the API's address, e.g. {DEFAULT_URL}"}) from None
         if response.status_code >= 400:
             raise LmscopeError(response.status_code, _problem_of(response))
         return response

@@ -103,10 +103,13 @@ def unknown_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
     if parent is None or not loc:
         return "unknown field"
     names = sorted(parent.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-    if close:
-        return f"unknown field; did you mean {close[0]!r}?"
-    return "unknown field; the fields are: " + ", ".join(names)
+    return "unknown field" + (did_you_mean(str(loc[-1]), names) or "; the fields are: " + ", ".join(names))
+
+
+def did_you_mean(word: str, names) -> str:
+    """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = None) -> list[dict[str, Any]]:
@@ -134,10 +137,15 @@ def describe_errors(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) + more
 
 
+def fields_problem(title: str, errors: list[dict[str, Any]]) -> Problem:
+    """422 validation-error whose detail joins the field errors ("fix these fields: loc: msg; …"): the CLI
+    recognises that prefix and prints each field once."""
+    return Problem(422, "validation-error", title, "fix these fields: " + describe_errors(errors), errors=errors)
+
+
 def validation_problem(exc, prefix: tuple = (), title: str = "Invalid request",
                        model: type[BaseModel] | None = None) -> Problem:
-    errors = pydantic_errors(exc, prefix, model)
-    return Problem(422, "validation-error", title, "fix these fields: " + describe_errors(errors), errors=errors)
+    return fields_problem(title, pydantic_errors(exc, prefix, model))
 
 
 def register_error_handlers(app: Flask) -> None:

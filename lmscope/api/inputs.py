@@ -8,7 +8,6 @@ names the place and says what to change.
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Any, Callable, Iterable
 
@@ -16,7 +15,7 @@ from flask import request
 from werkzeug.datastructures import MultiDict
 
 from lmscope import strict_json
-from lmscope.api.errors import Problem, describe_errors
+from lmscope.api.errors import Problem, did_you_mean, fields_problem
 
 # Free text in a JSON string may hold tabs and line breaks; no other control character has a use,
 # and NUL cannot be stored by PostgreSQL at all. Query parameters and path parts may hold none.
@@ -57,8 +56,7 @@ def refuse_bad_strings(value: Any, loc: tuple = ()) -> None:
     """422 naming each string of `value` that holds a control character or a lone surrogate."""
     errors = _string_errors(value, loc)
     if errors:
-        raise Problem(422, "validation-error", "Invalid characters", "fix these fields: " + describe_errors(errors),
-                      errors=errors)
+        raise fields_problem("Invalid characters", errors)
 
 
 def json_body(example: str) -> Any:
@@ -111,18 +109,15 @@ def check_request(view: Callable | None) -> None:
         if isinstance(value, str) and (why := _bad_character(value, _CONTROL)):
             errors.append({"loc": ["path", key], "msg": why, "type": "invalid_character"})
     if errors:
-        raise Problem(422, "validation-error", "Invalid characters", "fix these: " + describe_errors(errors),
-                      errors=errors)
+        raise fields_problem("Invalid characters", errors)
     if view is None:
         return
     names, repeatable = getattr(view, "query_params", ((), frozenset()))
     unknown = [k for k in request.args if k not in names]
     if unknown:
         allowed = f"{request.path} reads: {', '.join(names)}" if names else f"{request.path} reads no query parameters"
-        close = difflib.get_close_matches(unknown[0], names, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise Problem(422, "validation-error", "Unknown query parameter",
-                      f"unknown query parameter {unknown[0]!r}{hint} ({allowed})",
+                      f"unknown query parameter {unknown[0]!r}{did_you_mean(unknown[0], names)} ({allowed})",
                       errors=[{"loc": ["query", k], "msg": "unknown query parameter", "type": "extra_forbidden"}
                               for k in unknown], allowed=list(names))
     single_values(request.args, "query", repeatable)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import difflib
 import json
 
 from flask import Blueprint, request
@@ -13,7 +12,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import Caller, current_caller
-from lmscope.api.errors import Problem
+from lmscope.api.errors import Problem, did_you_mean
 from lmscope.api.inputs import json_body, parse_id, query_int, query_params
 from lmscope.api.render import job_json
 from lmscope.api.state import state
@@ -174,9 +173,8 @@ def list_jobs():
         if caller.is_admin and user and session.scalar(select(User.id).where(User.name == user)) is None:
             # A typo would otherwise list nothing, as if the user had no jobs.
             names = list(session.scalars(select(User.name)))
-            close = difflib.get_close_matches(user, names, n=1, cutoff=0.6)
             raise Problem(422, "validation-error", "Unknown user",
-                          f"there is no user {user!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                          f"there is no user {user!r}" + did_you_mean(user, names)
                           + " (`lmscope user list` on the server lists them)",
                           errors=[{"loc": ["query", "user"], "msg": "unknown user", "type": "unknown_user"}])
         if kind and kind not in KINDS and session.scalar(select(Job.id).where(Job.kind == kind).limit(1)) is None:

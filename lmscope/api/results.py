@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from flask import Blueprint, request, send_file
@@ -11,7 +10,7 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.inputs import query_params
+from lmscope.api.inputs import parse_id, query_params
 from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, iso
 from lmscope.api.state import state
@@ -82,8 +81,8 @@ def compare_jobs():
     """Jobs side by side: the parameters that differ, scalar summaries, and (`series=`) their curves
     matched by name and labels; `shared_series` names the curves every one of them has."""
     raw = [part.strip() for arg in request.args.getlist("jobs") for part in arg.split(",") if part.strip()]
-    if not all(re.fullmatch(r"[0-9]{1,18}", part) for part in raw) \
-            or not 2 <= len(ids := list(dict.fromkeys(map(int, raw)))) <= MAX_COMPARED:
+    parsed = [parse_id(part) for part in raw]
+    if None in parsed or not 2 <= len(ids := list(dict.fromkeys(parsed))) <= MAX_COMPARED:
         msg = f"give 2 to {MAX_COMPARED} different job ids separated by commas, e.g. jobs=3,5"
         raise Problem(422, "validation-error", "Invalid query", f"jobs: {msg}",
                       errors=[{"loc": ["query", "jobs"], "msg": msg, "type": "value_error"}])
@@ -95,23 +94,22 @@ def compare_jobs():
                  "summary": j.summary} for j in (load_visible_job(session, caller, i) for i in ids)]
         rows = []
         if wanted:
-            count = session.scalar(select(func.count()).select_from(Series).where(
-                Series.job_id.in_(ids), series_filter(wanted)))
+            chosen = (Series.job_id.in_(ids), series_filter(wanted))
+            count = session.scalar(select(func.count()).select_from(Series).where(*chosen))
             if count > MAX_COMPARED_SERIES:  # counted in SQL, before any curve is loaded
                 raise Problem(422, "too-many-series", "Too many curves to compare",
                               f"series={','.join(wanted)} matches {count} curves over these jobs, more than "
                               f"{MAX_COMPARED_SERIES}; name fewer series (e.g. entropy.layer_mean rather than "
                               "entropy.*)")
-            rows = session.scalars(select(Series).where(Series.job_id.in_(ids), series_filter(wanted))
-                                   .order_by(Series.id)).all()
+            rows = session.scalars(select(Series).where(*chosen).order_by(Series.id)).all()
         names: dict[int, set[str]] = {i: set() for i in ids}
         for job_id, name in session.execute(select(Series.job_id, Series.name).where(Series.job_id.in_(ids))
                                             .distinct()):
             names[job_id].add(name)
-    body = compare(jobs, [series_json([r for r in rows if r.job_id == i]) for i in ids]).to_json()
-    body["missing"] = unmatched(wanted, {r.name for r in rows})  # names no job has
-    body["shared_series"] = sorted(set.intersection(*names.values()))
-    return body
+    result = compare(jobs, [series_json([r for r in rows if r.job_id == i]) for i in ids])
+    result.missing = unmatched(wanted, {r.name for r in rows})  # names no job has
+    result.shared_series = sorted(set.intersection(*names.values()))
+    return result.to_json()
 
 
 @bp.get("/jobs/<int:job_id>/artifacts")

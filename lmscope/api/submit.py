@@ -9,7 +9,6 @@ children go in one transaction.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from typing import Annotated, Any
@@ -19,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
-from lmscope.api.errors import Problem, describe_errors, pydantic_errors, validation_problem
+from lmscope.api.errors import Problem, describe_errors, did_you_mean, pydantic_errors, validation_problem
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
@@ -114,9 +113,8 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
         missing = [n for n in names if n not in known]
         everything = list(session.scalars(select(table.name))) if missing else []
         for n in missing:
-            close = difflib.get_close_matches(n, everything, n=1, cutoff=0.6)
             errors.append((_field_holding(parsed, n), f"{what} {n!r} is not registered"
-                           + (f"; did you mean {close[0]!r}?" if close else "")
+                           + did_you_mean(n, everything)
                            + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)"))
     for job_id in jobs:
         ref = session.get(Job, job_id)

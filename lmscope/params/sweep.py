@@ -219,7 +219,7 @@ class SweepParams(JobParams):
     """
 
     # The JSON schema marks each field with the study it belongs to ("x-study"; `lmscope kinds sweep`).
-    model_config = ConfigDict(json_schema_extra=lambda schema: _mark_studies(schema))
+    model_config = ConfigDict(json_schema_extra=_mark_studies)
 
     study: Literal["sumformer", "attention"] = Field(
         "sumformer", description="sumformer: train a grid of networks on a target function; attention: compare "
