@@ -18,7 +18,15 @@ from lmscope.modeling.loaded import LoadedModel  # re-exported: analyses and the
 
 
 class JobCancelled(Exception):
-    """Raised inside an analysis when its job was cancelled; the worker marks the job cancelled."""
+    """Raised inside an analysis when its job was cancelled; the worker marks the job cancelled.
+
+    An analysis whose finished part is worth keeping (a training run's loss curve up to the cancel)
+    catches it and raises ``JobCancelled(partial=JobOutput(...))``: the worker stores that output
+    (summary, series, the artifact folder) with the cancelled status."""
+
+    def __init__(self, *, partial: "JobOutput | None" = None):
+        super().__init__("cancelled")
+        self.partial = partial
 
 
 class JobFailed(Exception):

@@ -301,6 +301,46 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
 
     if not history["val"]:
         history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
+
+    def results(cancelled: bool) -> JobOutput:
+        checkpoint_names = register_all()
+        train_seconds = wall_before + time.perf_counter() - loop_start
+        _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_val,
+              [s for s, _ in checkpoint_dirs(ckpt_root)], cancelled_at=step if cancelled else None)
+        tail = [l for _, l in history["train"][-20:]]
+        train_x, train_y = thin(history["train"])
+        series = [
+            Series("loss.train", train_x, train_y),
+            Series("loss.val", [s for s, _ in history["val"]], [l for _, l in history["val"]]),
+            Series("lr", *thin(history["lr"])),
+            Series("unigram_entropy", [0, step], [unigram_val, unigram_val],
+                   {"definition": "val cross-entropy under the add-one train unigram, nats"}),
+        ]
+        summary = {
+            "run_name": run_name,
+            "train_loss": sum(tail) / len(tail) if tail else None,  # mean of the last 20 steps
+            "val_loss": history["val"][-1][1],
+            "val_loss_step": history["val"][-1][0],
+            "unigram_entropy": unigram_val,
+            "unigram_train_entropy": unigram_train,
+            "steps": step,
+            "tokens_seen": step * p.batch_size * p.context,
+            "epochs": step * p.batch_size / len(train_windows),
+            "train_tokens": int(train_windows.numel()),
+            "val_tokens": int(val_windows[:, 1:].numel()),
+            "vocab_size": vocab_size,
+            "num_parameters": num_parameters,
+            "checkpoints": checkpoint_names,
+            "resumed_from_step": start_step if resume_dir else None,
+            "train_seconds": round(train_seconds, 2),
+            "wall_seconds": round(time.perf_counter() - started, 2),
+        }
+        if cancelled:
+            summary.update(partial=True, steps_planned=p.steps,
+                           note=f"cancelled after step {step} of {p.steps}: the numbers and curves stop there, "
+                                "and the checkpoints written until then stay registered")
+        return JobOutput(summary=summary, series=series)
+
     report_every = max(1, min(10, p.steps // 100))
     loop_start = time.perf_counter()
     step = start_step
@@ -330,45 +370,17 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                     ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
                                                 f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
     except JobCancelled:
-        register_all()  # what was written stays usable
-        raise
+        if step == start_step:  # nothing trained by this attempt: nothing new to report
+            register_all()
+            raise
+        # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
+        raise JobCancelled(partial=results(cancelled=True)) from None
+    return results(cancelled=False)
 
-    checkpoint_names = register_all()
-    train_seconds = wall_before + time.perf_counter() - loop_start
-    _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_val, [s for s, _ in checkpoint_dirs(ckpt_root)])
-
-    tail = [l for _, l in history["train"][-20:]]
-    train_x, train_y = thin(history["train"])
-    series = [
-        Series("loss.train", train_x, train_y),
-        Series("loss.val", [s for s, _ in history["val"]], [l for _, l in history["val"]]),
-        Series("lr", *thin(history["lr"])),
-        Series("unigram_entropy", [0, p.steps], [unigram_val, unigram_val],
-               {"definition": "val cross-entropy under the add-one train unigram, nats"}),
-    ]
-    summary = {
-        "run_name": run_name,
-        "train_loss": sum(tail) / len(tail) if tail else None,  # mean of the last 20 steps
-        "val_loss": history["val"][-1][1],
-        "unigram_entropy": unigram_val,
-        "unigram_train_entropy": unigram_train,
-        "steps": p.steps,
-        "tokens_seen": p.steps * p.batch_size * p.context,
-        "epochs": p.steps * p.batch_size / len(train_windows),
-        "train_tokens": int(train_windows.numel()),
-        "val_tokens": int(val_windows[:, 1:].numel()),
-        "vocab_size": vocab_size,
-        "num_parameters": num_parameters,
-        "checkpoints": checkpoint_names,
-        "resumed_from_step": start_step if resume_dir else None,
-        "train_seconds": round(train_seconds, 2),
-        "wall_seconds": round(time.perf_counter() - started, 2),
-    }
-    return JobOutput(summary=summary, series=series)
 
 
 def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
-          checkpoint_steps: list[int]) -> None:
+          checkpoint_steps: list[int], cancelled_at: int | None = None) -> None:
     fig, (ax, ax_lr) = pyplot().subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     steps = [s for s, _ in history["train"]]
     losses = [l for _, l in history["train"]]
@@ -388,7 +400,8 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
         formatter(ScalarFormatter())
     ax.set_ylabel("next-token loss (nats, log scale)")
     ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context} "
-                 f"(dotted: checkpoints)", fontsize=9)
+                 f"(dotted: checkpoints)" + (f"\ncancelled at step {cancelled_at} of {p.steps}" if cancelled_at else ""),
+                 fontsize=9)
     ax.legend()
     ax_lr.plot([s for s, _ in history["lr"]], [v for _, v in history["lr"]], color="tab:green")
     ax_lr.set_xlabel("step")

@@ -330,8 +330,12 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                 **give_back_values(attempt.kind, attempts=Job.attempts - 1, heartbeat_at=None)))
         log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
         return None
-    except JobCancelled:
-        status, output = "cancelled", None
+    except JobCancelled as e:
+        status, output = "cancelled", e.partial
+        if isinstance(output, JobOutput):
+            values = dict(summary=output.summary)
+        else:
+            output = None
     except Exception as e:
         status, output = "failed", None
         error_type, message = _failure(e)

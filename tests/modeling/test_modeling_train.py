@@ -140,15 +140,30 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupte
     assert list(second.registered) == ["small@step50", "small@step100", "small@step150"]
 
 
-def test_cancel_keeps_the_checkpoints_written_so_far(docs, tmp_path):
+def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp_path):
     # Progress is reported once before training and then every step: the 60th report is step 59.
     ctx = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=3, cancel_after=60)
-    with pytest.raises(JobCancelled):
+    with pytest.raises(JobCancelled) as cancelled:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
     assert ctx.progress_log[-1][0] == 59
     assert list(ctx.registered) == ["run3@step50"]
     lm = load_model("run3@step50", "checkpoint", str(ctx.registered["run3@step50"][0]))
     assert lm.info["architecture"] == "gpt2"
+
+    # What the worker stores with the cancelled status: the run up to step 59, the same numbers the
+    # uninterrupted reference run had at those steps (CPU training is deterministic).
+    partial = cancelled.value.partial
+    summary = partial.summary
+    assert summary["partial"] is True and summary["steps"] == 59 and summary["steps_planned"] == SMALL["steps"]
+    assert summary["checkpoints"] == ["run3@step50"] and "cancelled after step 59" in summary["note"]
+    assert summary["tokens_seen"] == 59 * SMALL["batch_size"] * SMALL["context"]
+    ref_train, ref_val = _series(reference[1], "loss.train"), _series(reference[1], "loss.val")
+    train, val = _series(partial, "loss.train"), _series(partial, "loss.val")
+    assert list(train.x) == list(range(1, 60))
+    assert train.y == pytest.approx(list(ref_train.y[:59]), rel=1e-5)
+    assert list(val.x) == [0, 25, 50] and val.y == pytest.approx(list(ref_val.y[:3]), rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(ref_val.y[2], rel=1e-5) and summary["val_loss_step"] == 50
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_llama_with_grouped_query_attention_and_a_trained_bpe(docs, tmp_path):

@@ -4,6 +4,7 @@ them around each test (tests/worker/conftest.py), so the rest of the suite never
 
 - ``count``: counts to ``steps`` with progress (optionally sleeping per step), writes a plot, a scratch
   file per attempt and a file under ``checkpoints/``; series ``square`` is y = x² for x = 1..steps.
+  With ``keep_partial``, a cancel keeps what was counted, as ``train`` keeps its loss curve.
 - ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator adds their totals
   and counts how often it was called (in this process).
 """
@@ -18,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from lmscope.analyses import registry
-from lmscope.analyses.base import JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobCancelled, JobFailed, JobOutput, Series
 from lmscope.params import KINDS
 from lmscope.params.base import ChildSpec, JobParams, KindSpec
 
@@ -34,6 +35,7 @@ class CountParams(JobParams):
     record_backend: str | None = None
     bad_series: bool = False  # x and y of different lengths: the results cannot be stored
     record_shares_process: bool = False  # record ctx.shares_process in the environment
+    keep_partial: bool = False  # a cancel keeps what was counted (summary, series `square`)
 
 
 def run_count(params: CountParams, ctx) -> JobOutput:
@@ -55,7 +57,14 @@ def run_count(params: CountParams, ctx) -> JobOutput:
             if params.sleep:
                 time.sleep(params.sleep)
             xs.append(i)
-            ctx.progress(i, params.steps, "counting")
+            try:
+                ctx.progress(i, params.steps, "counting")
+            except JobCancelled:
+                if not params.keep_partial:
+                    raise
+                partial = JobOutput(summary={"total": sum(xs), "counted": len(xs)},
+                                    series=[Series("square", xs, [x * x for x in xs])])
+                raise JobCancelled(partial=partial) from None
     with ctx.stage("plot"):
         (ctx.artifact_dir / "numbers.json").write_text(json.dumps(xs[:1000]))
         if params.plot:
