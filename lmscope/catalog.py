@@ -227,7 +227,8 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     Symlinks are resolved before the check, so a link inside a root that points outside is refused.
     """
     if not roots:
-        raise CatalogError("no model roots are configured: set LMSCOPE_MODEL_DIRS to the directories models may live in")
+        raise CatalogError("no model roots are configured on the server: start it (`lmscope up`, or the API and "
+                           "workers) with LMSCOPE_MODEL_DIRS set to the directories models may live in")
     try:
         resolved = Path(path).expanduser().resolve()
     except (RuntimeError, ValueError, OSError) as e:  # ~nosuchuser, a NUL byte, a symlink loop

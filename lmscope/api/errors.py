@@ -112,6 +112,42 @@ def did_you_mean(word: str, names) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+# pydantic's type errors say what was wanted; these also say what was given and how to write it.
+_TYPE_HINTS = {
+    "int_type": "an integer, e.g. 5", "int_parsing": "an integer, e.g. 5", "int_from_float": "a whole number, e.g. 5",
+    "float_type": "a number, e.g. 0.5", "float_parsing": "a number, e.g. 0.5",
+    "bool_type": "true or false", "bool_parsing": "true or false",
+    "string_type": "a string", "list_type": 'a list, e.g. ["a", "b"]',
+    "dict_type": 'an object, e.g. {"epochs": 50}', "model_type": 'an object, e.g. {"epochs": 50}',
+}
+
+
+def _quoted_literal(text: str, error_type: str) -> bool:
+    """Whether `text` is what was wanted, only written as a string ("5" for 5, "true" for true)."""
+    if error_type.startswith("bool"):
+        return text.strip().lower() in ("true", "false")
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return error_type.startswith(("int", "float"))
+
+
+def type_error_message(error_type: str, given: Any) -> str:
+    """'expected an integer, e.g. 5; got the string "5" (write numbers without quotes)'."""
+    shown = json.dumps(given, ensure_ascii=False, default=str)
+    if len(shown) > 40:
+        shown = shown[:37] + "…"
+    kind = {str: "the string", bool: "the boolean", int: "the integer", float: "the number", list: "the list",
+            dict: "the object", type(None): ""}.get(type(given), "")
+    msg = f"expected {_TYPE_HINTS[error_type]}; got {kind + ' ' if kind else ''}{shown}"
+    if isinstance(given, str) and _quoted_literal(given, error_type):
+        msg += " (write numbers and true/false without quotes)"
+    elif isinstance(given, str) and error_type == "list_type":
+        msg += " (a list of one is written [\"x\"])"
+    return msg
+
+
 def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = None) -> list[dict[str, Any]]:
     """pydantic ValidationError → [{loc, msg, type}], with `prefix` (e.g. ("params",)) in front of each loc.
 
@@ -126,6 +162,8 @@ def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = Non
             msg = unknown_field_message(model, tuple(e["loc"]))
         elif e["type"] == "string_pattern_mismatch" and (e.get("ctx") or {}).get("pattern") == NAME_PATTERN:
             msg = NAME_RULE  # the rule in words, not the regular expression
+        elif e["type"] in _TYPE_HINTS and "input" in e:
+            msg = type_error_message(e["type"], e["input"])
         out.append({"loc": [*prefix, *e["loc"]], "msg": msg, "type": e["type"]})
     return out
 

@@ -83,7 +83,8 @@ def check_params(kind: str, params: dict[str, Any]):
                           errors=[{"loc": ["kind"], "msg": f"{kind!r} is made by {', '.join(parents)}",
                                    "type": "child_kind"}], kinds=kinds) from None
         raise Problem(422, "unknown-kind", "Unknown job kind",
-                      f"kind {kind!r} does not exist; use one of: {', '.join(kinds)} (GET /v1/kinds describes them)",
+                      f"kind {kind!r} does not exist{did_you_mean(kind, kinds) or ';'} the kinds are "
+                      f"{', '.join(kinds)} (GET /v1/kinds or `lmscope kinds` describes them)",
                       errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
                                "type": "unknown_kind"}], kinds=kinds) from None
     except ValidationError as e:

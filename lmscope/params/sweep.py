@@ -268,7 +268,8 @@ class SweepParams(JobParams):
             meant = {"seeds": "grid.seed", "batch_size": "train.batch_size", "features": "grid.features",
                      "seq_len": "grid.seq_len"} if self.study == "sumformer" else {}
             hints = [f"{f} → {meant[f]}" for f in stray if f in meant]
-            raise ValueError(f"{', '.join(stray)} belong(s) to the other study; study={self.study!r} uses: "
+            which = f"{stray[0]} belongs" if len(stray) == 1 else f"{', '.join(stray)} belong"
+            raise ValueError(f"{which} to the other study; study={self.study!r} uses: "
                              f"study, {', '.join(own)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
         if self.study == "sumformer":
             if not self.targets:

@@ -60,7 +60,8 @@ class TrainParams(JobParams):
         elif self.kv_heads is not None and self.kv_heads != self.heads:
             raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
         if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})")
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps}); "
+                             f"for a short run lower it too, e.g. warmup_steps={self.steps // 10}")
         return self
 
     def model_refs(self) -> list[str]:

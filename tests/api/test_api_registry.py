@@ -236,3 +236,13 @@ def test_upload_fields_are_checked_like_every_other_input(api):
     assert "multipart field 'file'" in is_problem(broken, 422, "validation-error")["detail"]
     assert stored_files(api) == []
     assert multipart(name="d2", format="lines", description="tab\tand\nnewline").status_code == 201
+
+
+def test_a_server_without_model_roots_says_where_to_set_them(make_api, tmp_path):
+    """The roots are the server's setting: setting LMSCOPE_MODEL_DIRS in the CLI's shell changes nothing."""
+    api = make_api(model_dirs=[])
+    model_dir = write_hf_dir(tmp_path / "models" / "x")
+    body = is_problem(api.client.post("/v1/models", headers=api.user("root", admin=True),
+                                      json={"name": "x", "path": str(model_dir)}), 422, "invalid-model")
+    assert "no model roots are configured on the server" in body["detail"]
+    assert "LMSCOPE_MODEL_DIRS" in body["detail"] and "lmscope up" in body["detail"]

@@ -46,12 +46,21 @@ def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
     params = {"model": "m", "dataset": "d", "max_samples": True, "max_tokens": "64", "loss_filter": 2}
     body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": params}),
                       422, "validation-error")
-    assert {tuple(e["loc"]) for e in body["errors"]} == {("params", "max_samples"), ("params", "max_tokens")}
+    msgs = {e["loc"][-1]: e["msg"] for e in body["errors"]}
+    assert set(msgs) == {"max_samples", "max_tokens"}
+    # Each says what was given and how to write what is wanted.
+    assert msgs["max_samples"] == "expected an integer, e.g. 5; got the boolean true"
+    assert msgs["max_tokens"].endswith('got the string "64" (write numbers and true/false without quotes)')
     nested = {"study": "sumformer", "train": {"epochs": "5"}}
     body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "sweep", "params": nested}),
                       422, "validation-error")
     assert [e["loc"] for e in body["errors"]] == [["params", "train", "epochs"]]
-    assert "valid integer" in body["errors"][0]["msg"]
+    assert body["errors"][0]["msg"].startswith("expected an integer")
+    one_model = {"models": "tiny-gpt2", "dataset": "d"}
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "entropy", "params": one_model}),
+                      422, "validation-error")
+    assert body["errors"][0]["msg"] == ('expected a list, e.g. ["a", "b"]; got the string "tiny-gpt2" '
+                                        '(a list of one is written ["x"])')
     assert api.jobs() == [] and api.publisher.published == []
     # a whole-number float is that integer (1e4 on a command line, 5.0 from Python); 0.5 is not
     ok = api.client.post("/v1/jobs", headers=h, json={"kind": "norms", "params": {
@@ -69,6 +78,9 @@ def test_unknown_kind_lists_the_kinds(api):
     submittable = sorted(k for k, s in KINDS.items() if s.submittable)
     assert body["kinds"] == submittable
     assert all(k in body["detail"] for k in submittable)
+    assert "did you mean" not in body["detail"]
+    misspelt = is_problem(api.submit(api.user("ann"), kind="nrms"), 422, "unknown-kind")
+    assert misspelt["detail"].startswith("kind 'nrms' does not exist; did you mean 'norms'? the kinds are ")
     # Child-only kinds exist but cannot be submitted directly.
     assert "sumformer_fit" not in body["kinds"]
     child = is_problem(api.submit(api.user("ann"), kind="sumformer_fit", params={}), 422, "unknown-kind")
@@ -462,5 +474,6 @@ def test_unknown_fields_suggest_the_intended_name(api):
 def test_value_errors_read_without_pydantics_prefix(api):
     body = is_problem(api.submit(api.user("ann"), kind="train", params={"dataset": "d", "warmup_steps": 60, "steps": 5}),
                       422, "validation-error")
-    assert body["errors"][0]["msg"] == "warmup_steps (60) must be less than steps (5)"
-    assert body["detail"] == "fix these fields: params: warmup_steps (60) must be less than steps (5)"
+    msg = "warmup_steps (60) must be less than steps (5); for a short run lower it too, e.g. warmup_steps=0"
+    assert body["errors"][0]["msg"] == msg
+    assert body["detail"] == "fix these fields: params: " + msg
