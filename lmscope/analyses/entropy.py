@@ -549,12 +549,11 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
                 ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
             ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
             ax.set(title=f"layer {layer}", xlabel="training step", ylabel="mean entropy (nats)")
+            ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
             if layer == 0:
                 ax.legend(fontsize=6)
         for extra in range(layers, rows * cols):
             axes[extra // cols][extra % cols].axis("off")
-            # the panel above an empty slot is the bottom of its column: it shows the steps
-            axes[extra // cols - 1][extra % cols].tick_params(axis="x", labelbottom=True)
         fig.suptitle(f"attention entropy over training, {source}")
         save(fig, out / "entropy_over_training.png")
 

@@ -61,7 +61,7 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
     ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
     ax.set_xticks(x)
     ax.set_xlabel("layer l whose hidden state h_l goes through the last block")
-    ax.set_ylabel("cross-entropy at the current token (nats)")
+    ax.set_ylabel("cross-entropy at the current token (nats, log scale)")
     rule = "all with a finite loss" if loss_filter is None else f"final loss ≤ {loss_filter:g}"
     if kept.any():
         sub = f"kept {int(kept.sum())}/{S} trajectories ({rule})"

@@ -452,7 +452,7 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         xs = sorted(best[key])
         stats = [_stats(best[key][x]) for x in xs]
         series += [
-            Series("best_val_error", xs, [m for m, _, _ in stats], {**labels, "seeds": [len(best[key][x]) for x in xs]}),
+            Series("best_val_error", xs, [m for m, _, _ in stats], {**labels, "seed_count": [len(best[key][x]) for x in xs]}),
             Series("best_val_error.min", xs, [lo for _, lo, _ in stats], labels),
             Series("best_val_error.max", xs, [hi for _, _, hi in stats], labels),
         ]
@@ -466,7 +466,7 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         x, y = _mean_curve(curves[key])
         series.append(Series("val_error", x, y, {"architecture": arch, "target": target, "token_dim": d,
                                                  "seq_len": n, "features": k, "latent_dim": d_eff,
-                                                 "seeds": len(curves[key])}))
+                                                 "seed_count": len(curves[key])}))
 
     plots, plots_note = [], None
     if _plot_fig1(ctx.artifact_dir / "fig1_training.png", curves):
@@ -517,7 +517,7 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         stats = [_stats(err[method, layer][x]) for x in xs]
         labels = {"method": method, "layer": layer}
         means, los, his = [m for m, _, _ in stats], [lo for _, lo, _ in stats], [hi for _, _, hi in stats]
-        series += [Series("rel_error", xs, means, {**labels, "seeds": [len(err[method, layer][x]) for x in xs]}),
+        series += [Series("rel_error", xs, means, {**labels, "seed_count": [len(err[method, layer][x]) for x in xs]}),
                    Series("rel_error.min", xs, los, labels), Series("rel_error.max", xs, his, labels)]
         panels[method, layer] = (xs, means, los, his)
     times = {}

@@ -455,7 +455,7 @@ def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
         for x, y, lo, hi in zip(mean.x, mean.y, by["best_val_error.min", d].y, by["best_val_error.max", d].y):
             values = [e for (dd, dp, _), e in errs.items() if dd == d and dp == x]
             assert y == pytest.approx(sum(values) / len(values)) and (lo, hi) == (min(values), max(values))
-    assert by["best_val_error", 2].labels["seeds"] == [2, 1]  # the failed seed is missing, not zero
+    assert by["best_val_error", 2].labels["seed_count"] == [2, 1]  # the failed seed is missing, not zero
     # the headline: one line per d with the d′ of lowest mean error (d = 1: 0.08 at 4; d = 2: 0.20 at 4)
     assert out.summary["best_lines"] == 2
     assert "fig2_latent_dim.png" in out.summary["plots"] and "plots_note" not in out.summary
@@ -480,7 +480,7 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     children = [child(1, "performer", 0, 1.0), child(2, "performer", 1, 2.0), child(3, "linformer", 0, 3.0)]
     params = SweepParams(study="attention", model="m", dataset="d", features=[16, 64], seeds=2)
     out = aggregate(params, children, LocalContext(tmp_path))
-    perf = next(s for s in out.series if s.name == "rel_error" and s.labels == {"method": "performer", "layer": 1, "seeds": [2, 2]})
+    perf = next(s for s in out.series if s.name == "rel_error" and s.labels == {"method": "performer", "layer": 1, "seed_count": [2, 2]})
     assert perf.y == pytest.approx([0.6, 0.15])
     ratio = next(s for s in out.series if s.name == "time_ratio" and s.labels["method"] == "linformer")
     assert ratio.y == pytest.approx([1.5, 3.0])
@@ -491,7 +491,7 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     out = aggregate(params, children, LocalContext(tmp_path / "with-null"))
     perf0 = next(s for s in out.series if s.name == "rel_error" and s.labels["method"] == "performer"
                  and s.labels["layer"] == 0)
-    assert perf0.labels["seeds"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
+    assert perf0.labels["seed_count"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
 
 
 def test_aggregation_fails_clearly_when_no_child_succeeded(tmp_path):
