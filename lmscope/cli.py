@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -682,36 +683,50 @@ def results(job_id, fmt, series):
 @main.command()
 @click.argument("job_ids", nargs=-1, type=int, required=True)
 @click.option("--series", multiple=True, help="curves to compare (repeatable; `prefix*` matches a prefix)")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="also draw the curves into this PNG")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="csv: without --series one row per field (kind, status, params.*, summary.*) and one column "
+                   "per job; with --series the curves (series, labels, x, one column per job)")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="also draw the curves into this file (.png, .pdf, .svg, ...: its extension picks the format)")
 @click.option("--logy", is_flag=True, help="with --plot: a log y axis")
 def compare(job_ids, series, fmt, plot_path, logy):
     """Jobs side by side: the parameters that differ, the summaries, and (--series) the curves."""
     if len(set(job_ids)) < 2:
         raise click.UsageError("give at least two different job ids, e.g. `lmscope compare 3 5`")
-    if plot_path and not series:
-        raise click.UsageError("--plot draws the curves --series names, e.g. --series 'norm.mean'")
+    if plot_path:
+        check_plot_path(plot_path, series)
     from lmscope.compare import plot_comparison
 
     c = client().compare(list(job_ids), list(series))
-    if c.missing:
-        click.echo(f"no job has series {', '.join(map(repr, c.missing))}", err=True)
+    if c.missing:  # as `lmscope results`: say which exist; nothing matched at all is a failure
+        shared = c.shared_series
+        shown = ", ".join(shared[:30]) + (f", … ({len(shared)} in all)" if len(shared) > 30 else "")
+        click.echo(f"no job has series {', '.join(map(repr, c.missing))}; "
+                   + (f"the series all of them have: {shown}" if shared else "they have no series in common"),
+                   err=True)
+        if not c.curves:
+            if plot_path:
+                _nothing_to_plot(c, series)
+            raise SystemExit(1)
     if fmt == "json":
         click.echo(json.dumps(c.to_json(), indent=2))
-    elif fmt == "csv":
+    elif fmt == "csv" and series:
         out = csv.writer(sys.stdout)
         out.writerow(["series", "labels", "x", *(f"job {i}" for i in c.ids)])
         for curve in c.curves:
             labels = json.dumps(curve.labels, sort_keys=True)
             for x, ys in curve.aligned(c.ids):
                 out.writerow([curve.name, labels, x, *("" if y is None else y for y in ys)])
+    elif fmt == "csv":
+        out = csv.writer(sys.stdout)
+        out.writerow(["field", *(f"job {i}" for i in c.ids)])
+        out.writerows([name, *(csv_value(v) for v in values)] for name, values in comparison_rows(c))
+        _hint_shared_series(c)
     else:
         _print_comparison(c, bool(series))
     if plot_path:
         if not c.curves:
-            shared = ", ".join(c.shared_series[:20]) or "none"
-            raise click.ClickException(f"nothing to plot: these jobs have no series {', '.join(map(repr, series))} "
-                                       f"(series all of them have: {shared})")
+            _nothing_to_plot(c, series)
         try:
             click.echo(f"plot: {plot_comparison(c, plot_path, logy=logy)}", err=True)
         except (RuntimeError, ValueError) as e:
@@ -720,27 +735,78 @@ def compare(job_ids, series, fmt, plot_path, logy):
             raise click.ClickException(f"cannot write the plot to {plot_path}: {e.strerror or e}") from None
 
 
-def _print_comparison(c, with_curves: bool) -> None:
-    def cell(v):
-        return "-" if v is None else summary_value(v)
+def _nothing_to_plot(c, series) -> None:
+    shared = ", ".join(c.shared_series[:20]) or "none"
+    raise click.ClickException(f"nothing to plot: these jobs have no series {', '.join(map(repr, series))} "
+                               f"(series all of them have: {shared})")
 
-    head = [[f"job {j['id']}" for j in c.jobs]]
-    rows = [["kind", *(j["kind"] for j in c.jobs)], ["status", *(j["status"] for j in c.jobs)]]
-    rows += [["name", *(j.get("name") or "" for j in c.jobs)]] if any(j.get("name") for j in c.jobs) else []
-    rows += [[f"params.{k}", *(cell(v.get(i)) for i in c.ids)] for k, v in c.params.items()]
-    rows += [[k, *(cell(v.get(i)) for i in c.ids)] for k, v in c.summary.items()]
-    print_table(rows, ["", *head[0]])
+
+def check_plot_path(plot_path: str, series: tuple[str, ...]) -> None:
+    """Refuse a --plot that cannot work before asking the server anything: no --series, or a file
+    extension matplotlib cannot write (none at all means .png)."""
+    from lmscope.compare import plot_formats
+
+    if not series:
+        raise click.UsageError("--plot draws the curves --series names, e.g. --series 'norm.mean'")
+    try:
+        formats = plot_formats()
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+    ext = Path(plot_path).suffix
+    if ext and ext[1:].lower() not in formats:
+        raise click.UsageError(f"--plot {plot_path}: cannot draw a {ext} file; end the name with one of "
+                               f"{', '.join('.' + f for f in sorted(formats))} (e.g. cmp.png)")
+
+
+def comparison_rows(c) -> list[tuple[str, list[Any]]]:
+    """The side-by-side fields: kind, status, name (when a job has one), the params that differ
+    (`params.KEY`), the scalar summary values (`summary.KEY`); each with one value per job."""
+    rows = [("kind", [j["kind"] for j in c.jobs]), ("status", [j["status"] for j in c.jobs])]
+    if any(j.get("name") for j in c.jobs):
+        rows.append(("name", [j.get("name") for j in c.jobs]))
+    rows += [(f"params.{k}", [v.get(i) for i in c.ids]) for k, v in c.params.items()]
+    rows += [(f"summary.{k}", [v.get(i) for i in c.ids]) for k, v in c.summary.items()]
+    return rows
+
+
+def csv_value(v: Any) -> Any:
+    """A CSV cell: strings and numbers as they are (in full), null empty, anything else as JSON."""
+    if v is None:
+        return ""
+    if isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return v
+    return json.dumps(v)
+
+
+TABLE_CELL_WIDTH = 40  # characters of a value in `lmscope compare`'s table (csv and json keep all)
+
+
+def _hint_shared_series(c) -> None:
+    shared = c.shared_series
+    if shared:
+        click.echo(f"\ncurves all of them have: {', '.join(shared[:20])}{' …' if len(shared) > 20 else ''}"
+                   "\n(compare them with --series NAME, draw them with --plot FILE)", err=True)
+
+
+def _print_comparison(c, with_curves: bool) -> None:
+    from lmscope.compare import clip
+
+    def cell(v):
+        return "-" if v is None else clip(summary_value(v), TABLE_CELL_WIDTH)
+
+    head = [f"job {j['id']}" for j in c.jobs]
+    rows = [[name.removeprefix("summary."), *(cell(v) if name.startswith(("params.", "summary.")) else
+                                              clip(v or "", TABLE_CELL_WIDTH) for v in values)]
+            for name, values in comparison_rows(c)]
+    print_table(rows, ["", *head])
     if not with_curves:
-        shared = c.shared_series
-        if shared:
-            click.echo(f"\ncurves all of them have: {', '.join(shared[:20])}{' …' if len(shared) > 20 else ''}"
-                       "\n(compare them with --series NAME, draw them with --plot FILE)", err=True)
+        _hint_shared_series(c)
         return
     for curve in c.curves:
         tag = ", ".join(f"{k}={v}" for k, v in sorted(curve.labels.items()))
         click.echo(f"\n{curve.name}" + (f" [{tag}]" if tag else ""))
         print_table([[summary_value(x), *(cell(y) for y in ys)] for x, ys in curve.aligned(c.ids)],
-                    ["x", *head[0]])
+                    ["x", *head])
 
 
 @main.command()
@@ -850,17 +916,29 @@ def whoami():
 # ---------------------------------------------------------------- models and datasets
 
 @main.group(invoke_without_command=True)
+@click.option("--run", metavar="NAME", help="only the checkpoints of training run NAME (NAME@step<N>)")
 @click.pass_context
-def models(ctx):
+def models(ctx, run):
     """Registered models (`lmscope models` lists them)."""
     if ctx.invoked_subcommand is None:
-        ctx.invoke(models_list)
+        ctx.invoke(models_list, run=run)
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key putting numbers in order as numbers: cx@step20 before cx@step100."""
+    parts = re.split(r"(\d+)", text)
+    return tuple((0, int(p)) if i % 2 else (1, p.lower()) for i, p in enumerate(parts)), text
 
 
 @models.command("list")
-def models_list():
-    """List registered models."""
-    items = client().models()
+@click.option("--run", metavar="NAME", help="only the checkpoints of training run NAME (NAME@step<N>)")
+def models_list(run=None):
+    """List registered models, names in natural order (cx@step20 before cx@step100)."""
+    items = sorted(client().models(), key=lambda m: natural_key(m["name"]))
+    if run is not None:
+        items = [m for m in items if m["name"].startswith(f"{run}@")]
+        if not items:
+            click.echo(f"no checkpoints of a training run {run!r} (models named {run}@step<N>)", err=True)
     print_table([[m["name"], m["source"], m.get("architecture") or "", m.get("layers") or "", m.get("heads") or "",
                   m.get("hidden") or "", m.get("context") or "", m.get("params") or ""] for m in items],
                 ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "HIDDEN", "CONTEXT", "PARAMS"])

@@ -19,7 +19,7 @@ from typing import Any
 Scalar = (int, float, str, bool, type(None))
 # Labels naming the run rather than the quantity: two entropy jobs label their layer means with
 # their own model and step, two sweep children with their own seed.
-RUN_LABELS = ("model", "step", "seed", "seeds")
+RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count")
 
 
 def _matching_labels(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,18 +132,87 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
 
 
 MAX_PANELS = 12
+LEGEND_WIDTH = 40  # characters of a job's "what differs" in a legend entry
+TITLE_WIDTH = 70  # characters of a panel's shared labels under its title
+
+# What x is in the series the analyses write (series carry no x name): a series name, or the start of
+# one before a ".", with its x; the longest match wins.
+X_MEANINGS: dict[str, str] = {
+    "norm": "hidden state h_l (l = 0: embedding output, l: output of block l)",
+    "inner_loss": "layer l whose hidden state goes through the last block",
+    "entropy": "training step",
+    "entropy.layer_mean": "layer",
+    "entropy.by_position": "query position t",
+    "entropy.histogram": "attention entropy (nats)",
+    "dimension_entropy": "training step",
+    "dimension_entropy.histogram": "dimension-wise entropy (nats)",
+    "uniform_bound": "query position t",
+    "parameters.by_layer": "layer",
+    "val_error": "epoch",
+    "train_loss": "epoch",
+    "best_val_error": "latent dimension d′",
+    "theory_latent_dim": "token dimension d",
+    "rel_error": "k (random features / projected keys)",
+    "time_ratio": "k (random features / projected keys)",
+    "loss": "training step",
+    "lr": "training step",
+    "unigram_entropy": "training step",
+}
 
 
-def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> Path:
-    """One panel per series name; one colour per job, one line style per labels set."""
+def x_meaning(name: str) -> str:
+    """What a series' x values are (`X_MEANINGS`), or "x" when lmscope does not know the series."""
+    for key in sorted(X_MEANINGS, key=len, reverse=True):
+        if name == key or name.startswith(key + "."):
+            return X_MEANINGS[key]
+    return "x"
+
+
+def clip(text: str, width: int) -> str:
+    """`text`, cut to `width` characters with "…" when longer."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _value_text(v: Any) -> str:
+    return "-" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+
+
+def job_label(c: Comparison, job: dict[str, Any], width: int = LEGEND_WIDTH) -> str:
+    """`job 3 (model=tiny-gpt2)`: the job and the parameters in which it differs from the others
+    (cut to `width` characters); the job's name when no parameter differs."""
+    diff = ", ".join(f"{k}={_value_text(v.get(job['id']))}" for k, v in c.params.items())
+    what = diff or job.get("name") or ""
+    return f"job {job['id']}" + (f" ({clip(what, width)})" if what else "")
+
+
+def plot_formats() -> dict[str, str]:
+    """The file formats --plot can write: {extension: description}, as matplotlib's canvas has them."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise RuntimeError("plotting needs matplotlib (pip install matplotlib, or lmscope[worker]); "
                            "--format csv gives the numbers") from None
+    return dict(Figure().canvas.get_supported_filetypes())
+
+
+def _is_integer(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()
+
+
+def comparison_figure(c: Comparison, *, logy: bool = False):
+    """The comparison as a matplotlib Figure: one panel per series name, one colour per job.
+
+    Each panel: x labelled with what x is (`x_meaning`), y with the series name (and its `unit` label);
+    a legend entry per job saying what differs between the jobs (`job_label`); the labels its curves
+    share under the title, and the labels that vary between its curves in the legend, one line style
+    each (up to four label sets; more are drawn in the same styles and named in the title only).
+    """
+    plot_formats()  # matplotlib is there
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
     names = list(dict.fromkeys(curve.name for curve in c.curves))
     if not names:
         raise ValueError("no curves to plot: name them with --series (e.g. --series 'norm.*')")
@@ -151,36 +220,65 @@ def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> P
         raise ValueError(f"{len(names)} series names match; plot at most {MAX_PANELS} (narrow --series)")
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
-    colours = plt.get_cmap("tab10")
+    fig = Figure(figsize=(5.2 * cols, 4.0 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    colours = matplotlib.colormaps["tab10"]
     styles = ["-", "--", ":", "-."]
+    job_labels = {job["id"]: job_label(c, job) for job in c.jobs}
     for ax, name in zip(axes.flat, names):
         curves = [curve for curve in c.curves if curve.name == name]
-        labelled: set[int] = set()
+        keys = list(dict.fromkeys(k for curve in curves for k in curve.labels))
+        first = curves[0].labels
+        shared = {k: first[k] for k in keys
+                  if all(k in cv.labels and _value_text(cv.labels[k]) == _value_text(first[k]) for cv in curves)}
+        varying = [k for k in keys if k not in shared]
+        unit = shared.pop("unit", None)
+        named_styles = len(curves) <= len(styles)
         for li, curve in enumerate(curves):
-            tag = ", ".join(f"{k}={v}" for k, v in sorted(curve.labels.items()))
             for ji, job in enumerate(c.jobs):
                 if job["id"] not in curve.by_job:
                     continue
                 x, y = curve.by_job[job["id"]]
-                # each job in the legend once; with several label sets, the line styles tell them apart
-                label = None if job["id"] in labelled else f"job {job['id']}" + (f" {job['name']}" if job.get("name") else "")
-                labelled.add(job["id"])
                 ax.plot(x, y, styles[li % len(styles)], color=colours(ji % 10), marker="." if len(x) < 30 else None,
-                        label=label, alpha=0.9 if len(curves) < 8 else 0.5)
-            if len(curves) <= len(styles) and tag:
-                ax.plot([], [], styles[li % len(styles)], color="grey", label=tag)
-        ax.set_title(name)
+                        alpha=0.9 if len(curves) < 8 else 0.5)
+        # the legend: each job once (its colour), then each label set that varies (its line style)
+        handles = [Line2D([], [], color=colours(ji % 10), marker=".", label=job_labels[job["id"]])
+                   for ji, job in enumerate(c.jobs) if any(job["id"] in cv.by_job for cv in curves)]
+        if varying and named_styles:
+            handles += [Line2D([], [], linestyle=styles[li], color="grey",
+                               label=clip(", ".join(f"{k}={_value_text(cv.labels.get(k))}" for k in varying),
+                                          LEGEND_WIDTH))
+                        for li, cv in enumerate(curves)]
+        common = ", ".join(f"{k}={_value_text(v)}" for k, v in shared.items())
+        if varying and not named_styles:
+            common = ", ".join(filter(None, [f"{len(curves)} curves by {', '.join(varying)}", common]))
+        ax.set_title(name + (f"\n{clip(common, TITLE_WIDTH)}" if common else ""), fontsize=9)
+        ax.set_xlabel(x_meaning(name), fontsize=8)
+        ax.set_ylabel(name + (f" ({unit})" if unit is not None else ""), fontsize=8)
+        xs = [v for cv in curves for x, _ in cv.by_job.values() for v in x]
+        if xs and all(_is_integer(v) for v in xs):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(handles=handles, fontsize=7)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
     fig.suptitle("compared: " + ", ".join(f"job {j['id']} ({j['kind']})" for j in c.jobs))
     fig.tight_layout()
+    return fig
+
+
+def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> Path:
+    """Draw `comparison_figure` into `path`, in the format its extension names (.png without one).
+    Returns the path written."""
     path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = plot_formats()
+    if path.suffix[1:].lower() not in formats:
+        raise ValueError(f"cannot draw a {path.suffix} file; the formats are: {', '.join(sorted(formats))}")
+    fig = comparison_figure(c, logy=logy)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

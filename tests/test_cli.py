@@ -328,3 +328,186 @@ def test_submit_wait_fetch_against_lmscope_up(lmscope_up, tmp_path):
     assert missing.returncode == 1 and "Job not found" in missing.stderr
     finished = lmscope(env, "cancel", "1")
     assert finished.returncode == 1 and "Job already finished" in finished.stderr and "succeeded" in finished.stderr
+
+
+# ---------------------------------------------------------------- compare and models (a stand-in server)
+
+class _FakeApi:
+    """What `lmscope compare` and `lmscope models` ask the API for, answered from fixed documents."""
+
+    def __init__(self, jobs=(), series=(), models=()):
+        self.jobs, self.series, self._models, self.calls = list(jobs), list(series), list(models), []
+
+    def compare(self, ids, names):
+        from lmscope.compare import compare
+
+        self.calls.append(("compare", ids, names))
+        c = compare(self.jobs, [[s for s in self.series[i] if not names or s["name"] in names]
+                                for i in range(len(self.jobs))])
+        c.missing = [n for n in names if not any(s["name"] == n for ss in self.series for s in ss)]
+        c.shared_series = sorted(set.intersection(*({s["name"] for s in ss} for ss in self.series)))
+        return c
+
+    def models(self):
+        self.calls.append(("models",))
+        return self._models
+
+
+LONG_NOTE = "clamped to 20 (φ has only that many monomials; all of them are used) " * 3
+
+
+def _two_jobs():
+    jobs = [{"id": 3, "kind": "norms", "name": None, "status": "succeeded",
+             "params": {"model": "tiny-gpt2", "dataset": "wikitext-2", "layers": [0, 1]},
+             "summary": {"sequence_pct": 56.0, "note": LONG_NOTE, "ok": True, "nested": {"a": 1}}},
+            {"id": 4, "kind": "norms", "name": "llama run", "status": "succeeded",
+             "params": {"model": "tiny-llama", "dataset": "wikitext-2", "layers": [0, 2]},
+             "summary": {"sequence_pct": 54.5, "note": "short", "ok": False, "nested": {"a": 2}}}]
+    series = [[{"name": "norm.mean", "labels": {"unit": "L2 norm"}, "x": [0, 1], "y": [1.0, 2.0]}],
+              [{"name": "norm.mean", "labels": {"unit": "L2 norm"}, "x": [0, 1], "y": [1.5, 2.5]}]]
+    return _FakeApi(jobs, series)
+
+
+def test_compare_csv_without_series_is_the_side_by_side_table(monkeypatch):
+    """It printed only the curves' header; now: one row per field, one column per job, values whole."""
+    import csv
+    import io
+
+    api = _two_jobs()
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    r = CliRunner().invoke(main, ["compare", "3", "4", "--format", "csv"])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.reader(io.StringIO(r.stdout)))
+    assert rows == [["field", "job 3", "job 4"], ["kind", "norms", "norms"], ["status", "succeeded", "succeeded"],
+                    ["name", "", "llama run"], ["params.model", "tiny-gpt2", "tiny-llama"],
+                    ["params.layers", "[0, 1]", "[0, 2]"],  # the same dataset is no row
+                    ["summary.sequence_pct", "56.0", "54.5"], ["summary.note", LONG_NOTE, "short"],
+                    ["summary.ok", "true", "false"]]  # an object is no scalar summary value
+    assert "norm.mean" in r.stderr  # the hint: which curves --series can name
+    curves = CliRunner().invoke(main, ["compare", "3", "4", "--format", "csv", "--series", "norm.mean"])
+    assert curves.stdout.splitlines()[0] == "series,labels,x,job 3,job 4"
+    assert curves.stdout.splitlines()[1:] == ['norm.mean,"{""unit"": ""L2 norm""}",0,1.0,1.5',
+                                              'norm.mean,"{""unit"": ""L2 norm""}",1,2.0,2.5']
+
+
+def test_compare_table_cuts_long_values_but_json_keeps_them(monkeypatch):
+    api = _two_jobs()
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    table = CliRunner().invoke(main, ["compare", "3", "4"])
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    note = next(line for line in lines if line.startswith("note"))
+    assert LONG_NOTE[:39] + "…" in note and LONG_NOTE[:41] not in note
+    assert max(map(len, lines)) < 110  # it was as wide as the longest note (230 characters)
+    as_json = json.loads(CliRunner().invoke(main, ["compare", "3", "4", "--format", "json"]).stdout)
+    assert as_json["summary"]["note"]["3"] == LONG_NOTE and as_json["params"]["model"]["4"] == "tiny-llama"
+    assert as_json["shared_series"] == ["norm.mean"] and as_json["missing"] == []
+
+
+def test_compare_a_missing_series_fails_like_results(monkeypatch):
+    """Every --series name missing: exit 1 (as `lmscope results`); some missing: a warning, exit 0."""
+    api = _two_jobs()
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    none = CliRunner().invoke(main, ["compare", "3", "4", "--series", "nosuch"])
+    assert none.exit_code == 1 and none.stdout == ""
+    assert "no job has series 'nosuch'" in none.stderr and "norm.mean" in none.stderr
+    some = CliRunner().invoke(main, ["compare", "3", "4", "--series", "nosuch", "--series", "norm.mean"])
+    assert some.exit_code == 0 and "no job has series 'nosuch'" in some.stderr
+    assert "norm.mean [unit=L2 norm]" in some.stdout
+
+
+def test_compare_plot_refuses_a_format_before_asking_the_server(monkeypatch, tmp_path):
+    """`--plot cmp.txt` printed the whole table, then matplotlib's "Format 'txt' is not supported"."""
+    api = _two_jobs()
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    r = CliRunner().invoke(main, ["compare", "3", "4", "--series", "norm.mean", "--plot", str(tmp_path / "cmp.txt")])
+    assert r.exit_code == 2 and "cannot draw a .txt file" in r.stderr and ".png" in r.stderr and ".svg" in r.stderr
+    assert api.calls == [] and r.stdout == "" and not (tmp_path / "cmp.txt").exists()
+    ok = CliRunner().invoke(main, ["compare", "3", "4", "--series", "norm.mean", "--plot", str(tmp_path / "cmp.PDF")])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "cmp.PDF").read_bytes().startswith(b"%PDF")
+
+
+def test_models_are_listed_in_natural_order(monkeypatch):
+    """cx@step100 came before cx@step20 (the API sorts names as text)."""
+    from lmscope.cli import natural_key
+
+    names = ["cx@step100", "cx@step20", "Ab", "cx@step1000", "tiny-gpt2", "cx@step5", "a2", "a10"]
+    api = _FakeApi(models=[{"name": n, "source": "checkpoint" if "@" in n else "builtin"} for n in sorted(names)])
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    r = CliRunner().invoke(main, ["models"])
+    assert r.exit_code == 0, r.output
+    listed = [line.split()[0] for line in r.stdout.splitlines()[1:]]
+    assert listed == ["a2", "a10", "Ab", "cx@step5", "cx@step20", "cx@step100", "cx@step1000", "tiny-gpt2"]
+    assert sorted(["x9y", "x10", "x9"], key=natural_key) == ["x9", "x9y", "x10"]
+    run = CliRunner().invoke(main, ["models", "--run", "cx"])
+    assert [line.split()[0] for line in run.stdout.splitlines()[1:]] == ["cx@step5", "cx@step20", "cx@step100",
+                                                                         "cx@step1000"]
+    assert [line.split()[0] for line in CliRunner().invoke(main, ["models", "list", "--run", "cx"])
+            .stdout.splitlines()[1:]] == ["cx@step5", "cx@step20", "cx@step100", "cx@step1000"]
+    nothing = CliRunner().invoke(main, ["models", "--run", "ghost"])
+    assert nothing.exit_code == 0 and "no checkpoints of a training run 'ghost'" in nothing.stderr
+
+
+@pytest.mark.slow
+def test_compare_against_lmscope_up(lmscope_up, tmp_path):
+    """`lmscope compare` of two real probe jobs: the csv rows are the jobs' own params and summaries (as
+    `GET /v1/jobs/{id}` has them), a missing series fails as `lmscope results` does, the plot is drawn."""
+    import csv
+    import io
+
+    from lmscope.client import Client
+    from lmscope.compare import comparison_figure
+
+    env = lmscope_up
+    client = Client(env["LMSCOPE_URL"])
+    ids = [client.submit("probe", {"model": m})["id"] for m in ("tiny-gpt2", "tiny-llama")]
+    jobs = [client.wait(i, timeout=120) for i in ids]
+    assert [j["status"] for j in jobs] == ["succeeded", "succeeded"]
+    a, b = ids
+
+    r = lmscope(env, "compare", str(a), str(b), "--format", "csv")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.reader(io.StringIO(r.stdout)))
+    assert rows[0] == ["field", f"job {a}", f"job {b}"]
+    got = {row[0]: row[1:] for row in rows[1:]}
+    assert got["kind"] == ["probe", "probe"] and got["status"] == ["succeeded", "succeeded"]
+
+    def same(cell, value):  # a CSV cell holds the value itself: text as it is, numbers and booleans as JSON
+        if value is None:
+            return cell == ""
+        return cell == value if isinstance(value, str) else json.loads(cell) == value
+
+    keys = {k for j in jobs for k in j["params"]}
+    differ = {k for k in keys if len({json.dumps(j["params"].get(k)) for j in jobs}) > 1}
+    assert differ == {"model"} and {k[7:] for k in got if k.startswith("params.")} == differ
+    scalars = [k for k in jobs[0]["summary"] if all(isinstance(j["summary"].get(k), (int, float, str, bool))
+                                                     for j in jobs)]
+    assert {k[8:] for k in got if k.startswith("summary.")} >= set(scalars) and "num_layers" in scalars
+    for key, cells in got.items():
+        if key.startswith(("params.", "summary.")):
+            part, name = key.split(".", 1)
+            assert all(same(cell, j[part].get(name)) for cell, j in zip(cells, jobs)), key
+
+    # a series no job has: exit 1 like `lmscope results`; one of two names missing: a warning, exit 0
+    results = lmscope(env, "results", str(a), "--series", "nosuch")
+    compared = lmscope(env, "compare", str(a), str(b), "--series", "nosuch")
+    assert results.returncode == compared.returncode == 1 and compared.stdout == ""
+    assert "'nosuch'" in compared.stderr and "parameters.by_layer" in compared.stderr
+    some = lmscope(env, "compare", str(a), str(b), "--series", "nosuch", "--series", "parameters.by_layer",
+                   "--format", "csv")
+    assert some.returncode == 0 and "'nosuch'" in some.stderr
+    assert some.stdout.splitlines()[0] == f"series,labels,x,job {a},job {b}"
+
+    # the plot: written, and it names the jobs by their model and the curves by their group
+    png = tmp_path / "cmp.png"
+    drawn = lmscope(env, "compare", str(a), str(b), "--series", "parameters.by_layer", "--plot", str(png))
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes().startswith(b"\x89PNG")
+    ax = comparison_figure(client.compare(ids, "parameters.by_layer")).axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [f"job {a} (model=tiny-gpt2)", f"job {b} (model=tiny-llama)", "group=attention",
+                      "group=mlp", "group=norms", "group=total"]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "parameters.by_layer")
+    bad = lmscope(env, "compare", str(a), str(b), "--series", "parameters.by_layer", "--plot", str(tmp_path / "c.txt"))
+    assert bad.returncode == 2 and "cannot draw a .txt file" in bad.stderr and bad.stdout == ""

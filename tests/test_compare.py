@@ -22,6 +22,16 @@ def test_curves_of_two_runs_match_without_their_run_labels():
     assert curve.labels == {} and curve.aligned([1, 2]) == [(0, [3.0, 3.5]), (1, [2.0, 2.5])]
 
 
+def test_two_sweeps_match_although_a_seed_failed_in_one():
+    """A sweep labels each best_val_error curve with how many seeds it averages at each d′."""
+    labels = {"architecture": "mlp_sumformer", "token_dim": 2}
+    c = compare([_job(1), _job(2)],
+                [[_series("best_val_error", {**labels, "seed_count": [2, 2]}, [1, 2], [0.5, 0.25])],
+                 [_series("best_val_error", {**labels, "seed_count": [2, 1]}, [1, 2], [0.4, 0.3])]])
+    [curve] = c.curves
+    assert curve.labels == labels and curve.aligned([1, 2]) == [(1, [0.5, 0.4]), (2, [0.25, 0.3])]
+
+
 def test_a_job_with_several_checkpoints_keeps_its_curves_apart():
     steps = [_series("entropy.layer_mean", {"model": f"r@step{s}", "step": s}, [0], [float(s)]) for s in (100, 200)]
     c = compare([_job(1), _job(2)], [steps, [_series("entropy.layer_mean", {"model": "m"}, [0], [7.0])]])
@@ -56,3 +66,79 @@ def test_numeric_x_is_aligned_by_value_in_ascending_order():
     words = compare([_job(1), _job(2)], [[_series("s", {}, ["b", "a"], [1, 2])],
                                          [_series("s", {}, ["a"], [3])]])
     assert words.curves[0].aligned([1, 2]) == [("b", [1, None]), ("a", [2, 3])]  # order of appearance
+
+
+# ---------------------------------------------------------------- the plot (read back from the figure)
+
+def _norms_job(job_id, model, **summary):
+    return {"id": job_id, "kind": "norms", "name": None, "status": "succeeded",
+            "params": {"model": model, "dataset": "wikitext-2"}, "summary": summary}
+
+
+def _legend(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_plot_labels_its_axes_and_names_jobs_by_what_differs():
+    """x: what x is (norms: the hidden state), y: the series and its unit; the legend names each job by
+    the parameter that differs; a label all curves share (unit) is no legend entry."""
+    from lmscope.compare import comparison_figure
+
+    c = compare([_norms_job(3, "tiny-gpt2"), _norms_job(4, "tiny-llama")],
+                [[_series("norm.mean", {"unit": "L2 norm"}, [0, 1, 2, 3], [1.0, 1.5, 2.0, 2.2])],
+                 [_series("norm.mean", {"unit": "L2 norm"}, [0, 1, 2, 3], [0.5, 0.9, 1.1, 1.4])]])
+    fig = comparison_figure(c)
+    ax = fig.axes[0]
+    assert ax.get_xlabel().startswith("hidden state") and ax.get_ylabel() == "norm.mean (L2 norm)"
+    assert _legend(ax) == ["job 3 (model=tiny-gpt2)", "job 4 (model=tiny-llama)"]
+    assert ax.get_title() == "norm.mean"
+    fig.canvas.draw()  # ticks are placed at drawing time: whole numbers only for layer indices
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks == [0, 1, 2, 3]
+
+
+def test_labels_that_vary_go_in_the_legend_and_shared_ones_in_the_title():
+    from lmscope.compare import comparison_figure
+
+    def series(base):
+        return [_series("rel_error", {"method": "performer", "layer": layer}, [4, 8], [base + layer, base])
+                for layer in (0, 1)]
+
+    c = compare([_job(1, model="a", seed=0), _job(2, model="b", seed=0)], [series(1.0), series(2.0)])
+    ax = comparison_figure(c).axes[0]
+    assert _legend(ax) == ["job 1 (model=a)", "job 2 (model=b)", "layer=0", "layer=1"]
+    assert ax.get_title() == "rel_error\nmethod=performer"
+    assert ax.get_xlabel().startswith("k ") and ax.get_ylabel() == "rel_error"
+
+
+def test_unknown_series_fractional_x_and_long_differences():
+    """An unknown series' x is "x"; fractional x keeps fractional ticks; a long difference is cut."""
+    from lmscope.compare import LEGEND_WIDTH, comparison_figure
+
+    long_a, long_b = "a" * 80, "b" * 80
+    c = compare([_job(1, note=long_a), _job(2, note=long_b)],
+                [[_series("custom", {}, [0.25, 0.5], [1.0, 2.0])], [_series("custom", {}, [0.25, 0.5], [3.0, 1.0])]])
+    fig = comparison_figure(c)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "x" and ax.get_ylabel() == "custom"
+    first, second = _legend(ax)
+    assert first.startswith("job 1 (note=aaa") and first.endswith("…)")
+    assert len(first) == len("job 1 ()") + LEGEND_WIDTH and second.startswith("job 2 (note=bbb")
+    fig.canvas.draw()
+    assert any(not float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_plot_comparison_writes_the_format_its_extension_names(tmp_path):
+    import pytest
+
+    from lmscope.compare import plot_comparison, plot_formats
+
+    c = compare([_job(1, model="a"), _job(2, model="b")],
+                [[_series("loss.val", {}, [0, 10], [3.0, 2.0])], [_series("loss.val", {}, [0, 10], [3.5, 2.5])]])
+    assert {"png", "pdf", "svg"} <= set(plot_formats()) and "txt" not in plot_formats()
+    assert plot_comparison(c, tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    assert plot_comparison(c, tmp_path / "bare") == tmp_path / "bare.png"  # no extension: a PNG
+    assert (tmp_path / "bare.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match=r"\.txt.*png"):
+        plot_comparison(c, tmp_path / "c.txt")
+    assert not (tmp_path / "c.txt").exists()
