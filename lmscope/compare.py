@@ -88,7 +88,7 @@ class Comparison:
 
         return {"jobs": self.jobs, "params": {k: by_id(v) for k, v in self.params.items()},
                 "summary": {k: by_id(v) for k, v in self.summary.items()},
-                "series": [{"name": c.name, "labels": c.labels,
+                "series": [{"name": c.name, "labels": c.labels, "x_meaning": x_meaning(c.name),
                             "jobs": {str(j): {"x": x, "y": y} for j, (x, y) in c.by_job.items()}} for c in self.curves],
                 "missing": self.missing, "shared_series": self.shared_series}
 

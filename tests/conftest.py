@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -217,16 +219,16 @@ def settings_factory(tmp_path):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def lmscope_up(tmp_path):
-    """`lmscope up` in its own process: the embedded API + worker on SQLite, real jobs on tiny-gpt2."""
+@contextmanager
+def running_lmscope_up(folder: Path) -> Iterator[dict[str, str]]:
+    """`lmscope up` in its own process with its data under `folder`; yields its environment (LMSCOPE_URL, ...)."""
     import requests
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMSCOPE_")}
-    env.update(LMSCOPE_DATA_DIR=str(tmp_path / "data"), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0",
+    env.update(LMSCOPE_DATA_DIR=str(folder / "data"), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0",
                LMSCOPE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(ROOT))
-    log = open(tmp_path / "up.log", "w")
+    log = open(folder / "up.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, cwd=ROOT, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
@@ -236,7 +238,7 @@ def lmscope_up(tmp_path):
                     break
             except requests.ConnectionError:
                 pass
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert proc.poll() is None, (folder / "up.log").read_text()
             assert time.monotonic() < deadline, "lmscope up did not become ready"
             time.sleep(0.2)
         yield env
@@ -247,5 +249,12 @@ def lmscope_up(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture
+def lmscope_up(tmp_path):
+    """`lmscope up` in its own process: the embedded API + worker on SQLite, real jobs on tiny-gpt2."""
+    with running_lmscope_up(tmp_path) as env:
+        yield env
 
 

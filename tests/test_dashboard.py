@@ -1,10 +1,16 @@
-"""The dashboard in a real browser (headless Chromium) against a real `lmscope up`."""
+"""The dashboard in a real browser (headless Chromium) against a real `lmscope up`.
+
+One `lmscope up` and one browser for the whole module; the jobs are made once (`jobs`), tiny ones. The
+first tests load pages with `chromium --dump-dom`; the others drive the page over the DevTools protocol
+(tests/browser.py) and check what a user relies on against what the API says.
+"""
 
 from __future__ import annotations
 
-import shutil
+import json
 import subprocess
 import tempfile
+import time
 
 import pytest
 import requests
@@ -12,14 +18,24 @@ import requests
 from lmscope.client import Client
 
 # By package path: a bare `conftest` is whichever conftest.py pytest imported last (tests/worker, tests/kernels, ...).
-from tests.conftest import need
+from tests.conftest import need, running_lmscope_up
+from tests import browser as cdp
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
+pytestmark = pytest.mark.slow
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+TINY_SWEEP = {"study": "sumformer", "target": "fig2_poly", "architectures": ["mlp_sumformer"],
+              "grid": {"latent_dim": [1, 16], "token_dim": [1], "seq_len": [3], "seed": [0]},
+              "train": {"samples": 100, "epochs": 3, "batch_size": 64, "hidden": 8, "depth": 2, "eval_every": 1}}
+TINY_TRAIN = {"dataset": "wikitext-2", "run_name": "dash-run", "layers": 1, "width": 16, "heads": 2, "context": 16,
+              "vocab_size": 300, "steps": 2, "batch_size": 2, "warmup_steps": 1, "checkpoint_every": 2}
+
 
 def chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    return cdp.chromium_binary()
 
 
 def browse(url: str, *extra: str) -> str:
@@ -31,53 +47,428 @@ def browse(url: str, *extra: str) -> str:
     return done.stdout
 
 
-@pytest.mark.slow
-def test_dashboard_shows_jobs_progress_summary_and_plots(lmscope_up, tmp_path):
-    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
-    url = lmscope_up["LMSCOPE_URL"]
-    job = requests.post(f"{url}/v1/jobs", json={"kind": "probe", "params": {"model": "tiny-gpt2"},
-                                                "name": "dashboard probe"}, timeout=30).json()
-    state = Client(url).wait(job["id"], timeout=120)
-    assert state["status"] == "succeeded", state
+# ---------------------------------------------------------------- fixtures
 
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    """`lmscope up` in its own process for the module (as conftest's `lmscope_up`, shared by every test)."""
+    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    with running_lmscope_up(tmp_path_factory.mktemp("dashboard-up")) as env:
+        yield env["LMSCOPE_URL"]
+
+
+def submit(url: str, kind: str, params: dict, **extra) -> int:
+    r = requests.post(f"{url}/v1/jobs", json={"kind": kind, "params": params, **extra}, timeout=30)
+    assert r.status_code == 202, r.text
+    return r.json()["id"]
+
+
+@pytest.fixture(scope="module")
+def jobs(url):
+    """The module's jobs, all finished: two probes, a 2-point sweep, a failed job, a cancelled one, a tiny train run."""
+    ids = {
+        "a": submit(url, "probe", {"model": "tiny-gpt2"}, name="dash probe A", tags=["dash", "alpha"]),
+        "b": submit(url, "probe", {"model": "tiny-llama"}, name="dash probe B", tags=["dash"]),
+        "sweep": submit(url, "sweep", TINY_SWEEP, name="dash sweep"),
+        "failed": submit(url, "norms", {"model": "tiny-gpt2", "dataset": "wikitext-2", "min_words": 100000}),
+        "train": submit(url, "train", TINY_TRAIN),
+        "cancelled": submit(url, "probe", {"model": "tiny-gpt2"}, name="dash cancelled"),
+    }
+    # Queued behind the others: cancelled before it starts.
+    assert requests.post(f"{url}/v1/jobs/{ids['cancelled']}/cancel", timeout=30).status_code == 202
+    client = Client(url)
+    for key, job_id in ids.items():
+        state = client.wait(job_id, timeout=180)
+        expected = {"failed": "failed", "cancelled": "cancelled"}.get(key, "succeeded")
+        assert state["status"] == expected, state
+    children = requests.get(f"{url}/v1/jobs?parent={ids['sweep']}", timeout=30).json()["items"]
+    assert len(children) == 2
+    ids["children"] = sorted(c["id"] for c in children)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def browser():
+    need(cdp.websocket is not None, "websocket-client not installed (pip install websocket-client)")
+    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    with cdp.Browser(1400, 900) as b:
+        yield b
+
+
+@pytest.fixture
+def page(browser, url):
+    """The module's browser at desktop size; no JS exception may happen during the test."""
+    browser.resize(1400, 900)
+    seen = len(browser.exceptions)
+    yield browser
+    assert browser.exceptions[seen:] == [], "JS exceptions in the dashboard"
+
+
+def api(url, path):
+    r = requests.get(url + path, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def open_job(b, url, job_id):
+    """Show a job's page (a fresh load) and wait until it is there."""
+    b.goto(f"{url}/#job={job_id}")
+    wait_job(b, job_id)
+
+
+def wait_job(b, job_id):
+    b.wait(f"document.querySelector('#detail h2')?.textContent.startsWith('Job {job_id} ')")
+
+
+def list_ids(b):
+    return b.js("[...document.querySelectorAll('#jobs tr.job')].map(r => Number(r.dataset.id))")
+
+
+def fetched(b, part: str) -> int:
+    """How many requests with `part` in their URL the page made since the last `performance.clearResourceTimings()`."""
+    return b.js(f"performance.getEntriesByType('resource').filter(e => e.name.includes({json.dumps(part)})).length")
+
+
+def wait_refreshes(b, n=2):
+    """Clear the page's request log, then wait until it has refreshed its job list `n` times."""
+    b.js("performance.clearResourceTimings(); true")
+    b.wait(f"performance.getEntriesByType('resource').filter(e => e.name.includes('/v1/jobs?')).length >= {n}", timeout=15)
+
+
+# ---------------------------------------------------------------- a plain page load (--dump-dom)
+
+def test_dashboard_shows_jobs_progress_summary_and_plots(url, jobs, tmp_path):
+    job = jobs["a"]
     # The job list: the row with its kind, name and status.
     dom = browse(f"{url}/", "--dump-dom")
-    assert "dashboard probe" in dom and "succeeded" in dom and 'class="job' in dom
+    assert "dash probe A" in dom and "succeeded" in dom and 'class="job' in dom
 
     # A job's page: its summary numbers and its plots, loaded through the authenticated API as images.
-    dom = browse(f"{url}/#job={job['id']}", "--dump-dom")
-    assert f"Job {job['id']}" in dom
-    assert '"num_layers": 4' in dom  # the summary, as the API returns it
-    plots = [a["name"] for a in requests.get(f"{url}/v1/jobs/{job['id']}/artifacts", timeout=30).json()["items"]
-             if a["name"].endswith(".png")]
+    dom = browse(f"{url}/#job={job}", "--dump-dom")
+    assert f"Job {job} " in dom
+    assert '"num_layers": 4' in dom  # the summary, as the API returns it (the raw JSON under the table)
+    plots = [a["name"] for a in api(url, f"/v1/jobs/{job}/artifacts")["items"] if a["name"].endswith(".png")]
     assert plots and all(f'alt="{name}"' in dom for name in plots)
     assert "blob:" in dom  # images were fetched and shown, not just linked
 
     shot = tmp_path / "dashboard.png"
-    browse(f"{url}/#job={job['id']}", f"--screenshot={shot}", "--window-size=1400,1000")
+    browse(f"{url}/#job={job}", f"--screenshot={shot}", "--window-size=1400,1000")
     assert shot.read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.slow
-def test_dashboard_compares_jobs_side_by_side(lmscope_up, tmp_path):
-    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
-    url = lmscope_up["LMSCOPE_URL"]
-    client = Client(url)
-    ids = [client.submit("probe", {"model": model})["id"] for model in ("tiny-gpt2", "tiny-llama")]
-    for job_id in ids:
-        assert client.wait(job_id, timeout=120)["status"] == "succeeded"
-    expected = client.compare(ids, "parameters.by_layer")
-    assert expected.params["model"] == {ids[0]: "tiny-gpt2", ids[1]: "tiny-llama"}
+def test_dashboard_compares_jobs_side_by_side(url, jobs):
+    a, b = jobs["a"], jobs["b"]
+    expected = Client(url).compare([a, b], "parameters.by_layer")
+    assert expected.params["model"] == {a: "tiny-gpt2", b: "tiny-llama"}
 
-    a, b = ids
     dom = browse(f"{url}/#compare={a},{b}&series=parameters.by_layer", "--dump-dom")
-    assert 'id="compare-table"' in dom and f"job {a}</th>" in dom and f"job {b}</th>" in dom
-    assert "params.model" in dom and "tiny-llama" in dom  # the parameter that differs, side by side
+    assert 'id="compare-table"' in dom and f"job {a}</a></th>" in dom and f"job {b}</a></th>" in dom
+    assert "<td>model</td>" in dom and "tiny-llama" in dom  # the parameter that differs, side by side
     assert 'data-series="parameters.by_layer"' in dom
     lines = dom.count("<polyline")
     assert lines == sum(len(c.by_job) for c in expected.curves) >= 2  # a line per job and label set
     assert '<option value="parameters.by_layer">' in dom  # the curves both jobs have, to pick from
 
-    shot = tmp_path / "compare.png"
-    browse(f"{url}/#compare={a},{b}&series=parameters.by_layer", f"--screenshot={shot}", "--window-size=1400,1000")
-    assert shot.read_bytes().startswith(b"\x89PNG")
+
+# ---------------------------------------------------------------- driving the page
+
+def test_back_button_and_typed_address_show_that_job(page, url, jobs):
+    a, b = jobs["a"], jobs["b"]
+    open_job(page, url, a)
+    page.wait(f"document.querySelector('#jobs tr.job[data-id=\"{b}\"]')")
+    page.click(f'#jobs tr.job[data-id="{b}"] td.name')  # a click on the row, not on its link
+    wait_job(page, b)
+    assert page.js("location.hash") == f"#job={b}"
+    assert page.js("document.querySelector('#jobs tr.selected')?.dataset.id") == str(b)
+
+    page.js("history.back()")
+    wait_job(page, a)
+    assert page.js("document.querySelector('#jobs tr.selected')?.dataset.id") == str(a)
+    assert page.text("#detail p b") == "dash probe A"
+
+    page.js(f"location.hash = 'job={jobs['failed']}'")  # as if typed into the address bar
+    wait_job(page, jobs["failed"])
+    page.js("history.back()")
+    wait_job(page, a)
+
+
+def test_slow_answer_for_a_job_left_behind_is_dropped_and_refreshes_do_not_overlap(page, url, jobs):
+    a, b = jobs["a"], jobs["b"]
+    open_job(page, url, b)
+    # From now on the answer for job A takes 2.5 s, and every list answer 2.5 s (longer than the refresh period).
+    page.js(f"""(() => {{
+      window.realFetch = window.fetch; window.listsInFlight = 0; window.maxListsInFlight = 0;
+      window.fetch = async (path, options) => {{
+        const list = String(path).startsWith('/v1/jobs?');
+        if (list) {{ listsInFlight++; maxListsInFlight = Math.max(maxListsInFlight, listsInFlight); }}
+        try {{
+          if (list || String(path) === '/v1/jobs/{a}') await new Promise(r => setTimeout(r, 2500));
+          return await realFetch(path, options);
+        }} finally {{
+          if (list) listsInFlight--;
+          if (String(path) === '/v1/jobs/{a}') window.slowAnswered = true;
+        }}
+      }};
+      return true; }})()""")
+    # Every title the detail panel shows from now on.
+    page.js("window.titles = []; new MutationObserver(() => titles.push(document.querySelector('#detail h2')?.textContent))"
+            ".observe(document.getElementById('detail'), { childList: true }); true")
+    try:
+        page.js(f"location.hash = 'job={a}'")
+        page.js(f"new Promise(r => setTimeout(r, 100)).then(() => {{ location.hash = 'job={b}'; }})")
+        page.wait("window.slowAnswered === true", timeout=10)  # A's answer has come: it must not replace B's page
+        page.js("new Promise(r => setTimeout(() => r(true), 300))")
+        wait_job(page, b)
+        assert not any(t and t.startswith(f"Job {a} ") for t in page.js("window.titles")), page.js("window.titles")
+        assert page.js("location.hash") == f"#job={b}"
+        page.wait("performance.now() > 0 && window.maxListsInFlight >= 1")
+        assert page.js("window.maxListsInFlight") == 1
+    finally:
+        page.js("window.fetch = window.realFetch; true")
+
+
+def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_the_new_job(page, url, jobs):
+    page.goto(f"{url}/")
+    page.js("document.getElementById('submit-box').open = true")
+    page.js("""(() => { const set = (id, v) => { document.getElementById(id).value = v; };
+                set('kind', 'probe'); set('params', '{"modell": "tiny-gpt2"}'); return true; })()""")
+    page.click("#submit")
+    page.wait("document.getElementById('submit-error').textContent.length > 0")
+    time.sleep(5)  # two refreshes later
+    error = page.text("#submit-error")
+    assert "params.modell" in error and "did you mean 'model'" in error, error
+    assert page.js("document.getElementById('submit-error').closest('form') === document.getElementById('submit-form')")
+    assert page.js("document.getElementById('submit-error').getBoundingClientRect().height > 0")  # visible
+
+    # Editing a field clears it; a good submit with a name and tags shows the new job.
+    page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "tiny-gpt2"}';
+                p.dispatchEvent(new Event('input', { bubbles: true }));
+                document.getElementById('name').value = 'from the form';
+                document.getElementById('tags').value = 'ui, form';
+                return true; })()""")
+    assert page.text("#submit-error") == ""
+    page.click("#submit")
+    page.wait("/^#job=\\d+$/.test(location.hash)")
+    new_id = int(page.js("location.hash").split("=")[1])
+    job = api(url, f"/v1/jobs/{new_id}")
+    assert job["name"] == "from the form" and job["tags"] == ["ui", "form"] and job["kind"] == "probe"
+    wait_job(page, new_id)
+    assert Client(url).wait(new_id, timeout=120)["status"] == "succeeded"
+
+
+def test_cancel_that_comes_too_late_says_so(page, url, jobs):
+    a = jobs["a"]
+    open_job(page, url, a)
+    # The page of a job that was running when it was drawn: its Cancel button, the job has finished since.
+    page.js(f"""(() => {{ const c = cancelControls({{ id: {a}, status: 'running', cancel_requested: false }});
+                document.getElementById('detail').append(c); return true; }})()""")
+    page.click("#cancel")
+    page.wait("document.getElementById('cancel-error')?.textContent.includes('finished')")
+    assert "Job already finished" in page.text("#cancel-error")
+    assert requests.post(f"{url}/v1/jobs/{a}/cancel", timeout=30).status_code == 409  # what the API says
+
+
+def test_finished_job_page_is_not_rebuilt_by_refreshes(page, url, jobs):
+    job = jobs["a"]
+    open_job(page, url, job)
+    page.wait("document.querySelectorAll('.plots img').length > 0")
+    page.js("document.getElementById('summary-table').dataset.mark = 'kept'; "
+            "document.querySelector('#detail details').open = true; true")
+    wait_refreshes(page, 2)
+    assert page.js("document.getElementById('summary-table').dataset.mark") == "kept"
+    assert page.js("document.querySelector('#detail details').open") is True
+    assert fetched(page, "/artifacts") == 0 and fetched(page, f"/v1/jobs/{job}") == 0  # nothing refetched
+
+
+def test_finished_jobs_say_how_they_ended_and_show_files_as_downloads(page, url, jobs, tmp_path):
+    done = api(url, f"/v1/jobs/{jobs['a']}")
+    open_job(page, url, jobs["a"])
+    live = page.text("#progress-text")
+    assert live.startswith("finished in") and done["progress"]["stage"] not in live
+
+    cancelled = api(url, f"/v1/jobs/{jobs['cancelled']}")
+    open_job(page, url, jobs["cancelled"])
+    assert page.text("#progress-text").startswith("cancelled")
+    assert not page.js("!!document.getElementById('cancel')")
+
+    failed = api(url, f"/v1/jobs/{jobs['failed']}")
+    open_job(page, url, jobs["failed"])
+    assert page.text("#progress-text").startswith("failed") and failed["error"]["message"] in page.text("#job-error")
+    assert "Plots" not in page.js("[...document.querySelectorAll('#detail h3')].map(h => h.textContent)")
+
+    # A running job that was asked to stop says so, not its last stage.
+    text = page.js("progressText({ status: 'running', cancel_requested: true, progress: { stage: 'ETA 23m32s' }, timings: {} })")
+    assert text.startswith("cancelling") and "ETA" not in text
+    assert cancelled["status"] == "cancelled"
+
+    # Files that are not plots: links that download through the API (with the token, as a blob).
+    files = [a for a in api(url, f"/v1/jobs/{jobs['train']}/artifacts")["items"] if not a["name"].endswith(".png")]
+    open_job(page, url, jobs["train"])
+    page.wait("document.querySelectorAll('#files a.file').length > 0")
+    assert page.js("[...document.querySelectorAll('#files a.file')].map(a => a.textContent)") == [f["name"] for f in files]
+    page.send("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(tmp_path))
+    wanted = next(f for f in files if f["name"].split("/")[-1] == "config.json")
+    page.click('#files a.file[download="config.json"]')
+    deadline = time.monotonic() + 15
+    while not (tmp_path / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "config.json").stat().st_size == wanted["size"]
+
+
+def test_sweep_points_open_link_back_and_compare(page, url, jobs):
+    sweep, (c1, c2) = jobs["sweep"], jobs["children"]
+    open_job(page, url, sweep)
+    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    assert page.js("[...document.querySelectorAll('#children thead th')].map(t => t.textContent)")[1:] == \
+        ["id", "status", "name"]
+    page.click(f'#children tr[data-id="{c2}"] td.name')
+    wait_job(page, c2)
+    child = api(url, f"/v1/jobs/{c2}")
+    assert page.text("#detail p b") == child["name"]
+    page.click("#parent-link")
+    wait_job(page, sweep)
+    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    page.click(f'#children tr[data-id="{c1}"] input.tick')
+    page.click(f'#children tr[data-id="{c2}"] input.tick')
+    page.click("#detail button.compare-ticked")
+    page.wait(f"location.hash === '#compare={c1},{c2}'")
+    page.wait("document.getElementById('compare-table')")
+    page.js("for (const b of document.querySelectorAll('input.tick:checked')) b.click(); true")  # untick for later tests
+
+
+def test_compare_legend_colours_names_and_differences(page, url, jobs):
+    c1, c2 = jobs["children"]
+    expected = api(url, f"/v1/compare?jobs={c1},{c2}&series=val_error")
+    page.goto(f"{url}/#compare={c1},{c2}&series=val_error")
+    page.wait("document.querySelectorAll('svg.chart polyline').length > 0")
+    legend = page.js("""[...document.querySelectorAll('svg.chart text.legend')].map(t => ({
+        job: t.dataset.job, fill: getComputedStyle(t).fill, text: t.textContent,
+        title: t.querySelector('title').textContent,
+        inside: t.getBoundingClientRect().right <= t.ownerSVGElement.getBoundingClientRect().right + 0.5 }))""")
+    strokes = page.js("""Object.fromEntries([...document.querySelectorAll('svg.chart polyline')].map(
+        p => [p.querySelector('title').textContent.split(' ')[1], getComputedStyle(p).stroke]))""")
+    names = {str(j["id"]): j["name"] for j in expected["jobs"]}
+    assert [entry["job"] for entry in legend] == [str(c1), str(c2)]
+    for entry in legend:
+        assert entry["fill"] == strokes[entry["job"]], (entry, strokes)
+        assert names[entry["job"]] in entry["text"] and entry["inside"]  # the whole name, d'=16 included
+    assert len(set(strokes.values())) == 2
+    ticks = page.js("document.querySelectorAll('svg.chart text.tick').length")
+    assert ticks >= 6  # more than min and max on each axis
+    # x says what it is, as the compare API names it for this series: the epoch
+    assert {s["x_meaning"] for s in expected["series"]} == {"epoch"}
+    assert page.js("[...document.querySelectorAll('svg.chart text.axis-title')].map(t => t.textContent)") == \
+        ["epoch", "val_error"]
+
+    # The rows where the jobs differ stand out; the others do not.
+    differs = page.js("""Object.fromEntries([...document.querySelectorAll('#compare-table tbody tr')]
+        .filter(r => r.cells.length > 1).map(r => [r.cells[0].textContent, r.classList.contains('differs')]))""")
+    for key, values in {**expected["params"], **expected["summary"]}.items():
+        assert differs[key] == (len({json.dumps(v) for v in values.values()}) > 1), key
+    headers = page.js("[...document.querySelectorAll('#compare-table tbody th')].map(t => t.textContent)")
+    assert any(h.startswith("parameters") for h in headers) and any(h.startswith("results") for h in headers)
+
+    # log y: the same curves, on a log scale, from the address.
+    page.click("#logy")
+    page.wait("location.hash.endsWith('&logy=1') && document.querySelector('svg.chart text.axis-title + text')")
+    page.wait("[...document.querySelectorAll('svg.chart text.axis-title')].some(t => t.textContent.endsWith('(log)'))")
+    assert page.js("document.querySelectorAll('svg.chart polyline').length") == len(expected["series"])
+
+    # Jobs with no curve in common: said so.
+    assert api(url, f"/v1/compare?jobs={jobs['a']},{c1}")["shared_series"] == []
+    page.goto(f"{url}/#compare={jobs['a']},{c1}")
+    page.wait("document.getElementById('no-shared')")
+    assert "no series" in page.text("#no-shared")
+
+
+def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
+    page.goto(f"{url}/")
+    page.wait("document.querySelectorAll('#jobs tr.job').length > 0 && document.querySelectorAll('#f-kind option').length > 1")
+
+    def check(select_js, query):
+        page.js(select_js)
+        want = [j["id"] for j in api(url, "/v1/jobs?" + query)["items"]]
+        page.wait(f"JSON.stringify([...document.querySelectorAll('#jobs tr.job')].map(r => Number(r.dataset.id)))"
+                  f" === {json.dumps(json.dumps(want, separators=(',', ':')))}")
+        return want
+
+    change = "(() => {{ const e = document.getElementById('{0}'); e.value = '{1}'; e.dispatchEvent(new Event('change')); return true; }})()"
+    probes = check(change.format("f-kind", "probe"), "kind=probe&parent=none")
+    assert jobs["a"] in probes and jobs["sweep"] not in probes
+    check(change.format("f-kind", ""), "parent=none")
+    assert check(change.format("f-status", "failed"), "status=failed&parent=none") == [jobs["failed"]]
+    check(change.format("f-status", ""), "parent=none")
+    tagged = check(change.format("f-tag", "alpha"), "tag=alpha&parent=none")
+    assert tagged == [jobs["a"]]
+    check(change.format("f-tag", ""), "parent=none")
+    points = check(change.format("f-kind", "sumformer_fit"), "kind=sumformer_fit")  # a sweep's points, by kind
+    assert points == sorted(jobs["children"], reverse=True)
+    check(change.format("f-kind", ""), "parent=none")
+    # Created time and tags are in the rows.
+    row = f'#jobs tr.job[data-id="{jobs["a"]}"]'
+    assert page.js(f"[...document.querySelectorAll('{row} .tag')].map(t => t.textContent)") == ["dash", "alpha"]
+    assert page.js(f"document.querySelector('{row} td.created').textContent").endswith(("ago", "just now"))
+    # The list fits its panel at desktop width: no sideways scroll.
+    assert page.js("(() => { const s = document.querySelector('#list-panel .scroll'); return s.scrollWidth <= s.clientWidth; })()")
+
+
+def test_narrow_screen_has_one_column(page, url, jobs):
+    page.resize(390, 844, mobile=True)
+    open_job(page, url, jobs["sweep"])
+    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    sizes = page.js("""({ doc: document.documentElement.scrollWidth, view: innerWidth,
+                         detail: document.getElementById('detail').getBoundingClientRect().width })""")
+    assert sizes["detail"] >= 300 and sizes["doc"] <= sizes["view"], sizes
+    # The job list fits too: no sideways scroll inside its panel.
+    assert page.js("(() => { const s = document.querySelector('#list-panel .scroll'); return s.scrollWidth <= s.clientWidth; })()")
+    c1, c2 = jobs["children"]
+    page.goto(f"{url}/#compare={c1},{c2}&series=val_error")
+    page.wait("document.querySelectorAll('svg.chart polyline').length > 0")
+    assert page.js("document.documentElement.scrollWidth <= innerWidth")
+
+
+def test_unreachable_server_is_said_and_clears(page, url, jobs):
+    open_job(page, url, jobs["a"])
+    page.js("window.realFetch = window.fetch; window.fetch = () => Promise.reject(new TypeError('Failed to fetch')); true")
+    try:
+        page.wait("document.getElementById('conn').textContent.includes('server unreachable')", timeout=10)
+        assert page.js("document.getElementById('list-panel').classList.contains('stale')")
+    finally:
+        page.js("window.fetch = window.realFetch; true")
+    page.wait("document.getElementById('conn').textContent === ''", timeout=10)
+    assert not page.js("document.getElementById('list-panel').classList.contains('stale')")
+
+
+def test_more_pages_through_the_list(page, url, jobs):
+    # 55 jobs tagged `bulk`, cancelled while queued (nothing runs): more than the first page of 50.
+    session = requests.Session()
+    bulk = []
+    for _ in range(55):
+        job = session.post(f"{url}/v1/jobs", json={"kind": "probe", "params": {"model": "tiny-gpt2"}, "tags": ["bulk"]},
+                           timeout=30).json()["id"]
+        session.post(f"{url}/v1/jobs/{job}/cancel", timeout=30)
+        bulk.append(job)
+    first = api(url, "/v1/jobs?tag=bulk&parent=none&limit=50")
+    assert first["next_page_token"]
+    page.goto(f"{url}/")
+    page.js("(() => { const e = document.getElementById('f-tag'); e.value = 'bulk'; e.dispatchEvent(new Event('change')); return true; })()")
+    page.wait("document.querySelectorAll('#jobs tr.job').length === 50 && !document.getElementById('more').hidden")
+    assert list_ids(page) == [j["id"] for j in first["items"]]
+    page.click("#more")
+    page.wait("document.querySelectorAll('#jobs tr.job').length === 55 && document.getElementById('more').hidden")
+    assert list_ids(page) == sorted(bulk, reverse=True)
+    for job in bulk:  # leave no job behind for the worker
+        Client(url).wait(job, timeout=120)
+
+
+def test_docs_page_links_back_and_renders_code(page, url):
+    page.goto(f"{url}/")
+    page.click("header nav a[href='/docs']")
+    page.wait("location.pathname === '/docs' && document.querySelectorAll('#ops h2').length > 0")
+    headings = page.js("[...document.querySelectorAll('#ops h2')].map(h => h.innerText)")
+    assert "OpenAPI" in headings and "Openapi" not in headings
+    assert page.js("document.body.innerText.includes('🔒')") is False
+    assert page.js("[...document.querySelectorAll('#ops td code, #ops p code')].some(c => c.textContent === 'none')")
+    assert "`" not in page.js("[...document.querySelectorAll('#ops td')].map(t => t.textContent).join(' ')")
+    page.click("a[href='/']")
+    page.wait("location.pathname === '/' && document.getElementById('jobs')")
