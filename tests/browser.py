@@ -78,21 +78,23 @@ class Browser:
     # ------------------------------------------------------------ protocol
 
     def _devtools_url(self, timeout: float) -> str:
+        # A thread reads stderr, so a Chromium that hangs without a word cannot block past the deadline;
+        # it goes on draining the pipe afterwards, so Chromium never blocks on a full one.
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stderr], daemon=True).start()
         deadline = time.monotonic() + timeout
-        lines: list[str] = []
+        seen: list[str] = []
         while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
                 if self.proc.poll() is not None:
                     break
                 continue
-            lines.append(line)
+            seen.append(line)
             if line.startswith("DevTools listening on "):
-                url = line.split(" on ", 1)[1].strip()
-                # Keep draining stderr so Chromium never blocks on a full pipe.
-                threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
-                return url
-        raise BrowserError("Chromium did not start: " + "".join(lines[-20:]))
+                return line.split(" on ", 1)[1].strip()
+        raise BrowserError("Chromium did not start: " + "".join(seen[-20:]))
 
     def _read(self):
         while True:

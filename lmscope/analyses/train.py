@@ -370,9 +370,8 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                     ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
                                                 f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
     except JobCancelled:
-        if step == start_step:  # nothing trained by this attempt: nothing new to report
-            register_all()
-            raise
+        if step >= p.steps:  # the cancel came with the last step: the run is complete
+            return results(cancelled=False)
         # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
         raise JobCancelled(partial=results(cancelled=True)) from None
     return results(cancelled=False)

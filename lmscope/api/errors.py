@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import typing
 from typing import Any
 
@@ -122,15 +123,16 @@ _TYPE_HINTS = {
 }
 
 
+_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
 def _quoted_literal(text: str, error_type: str) -> bool:
     """Whether `text` is what was wanted, only written as a string ("5" for 5, "true" for true)."""
     if error_type.startswith("bool"):
-        return text.strip().lower() in ("true", "false")
-    try:
-        float(text)
-    except ValueError:
+        return text.strip() in ("true", "false")
+    if not _JSON_NUMBER.fullmatch(text.strip()):
         return False
-    return error_type.startswith(("int", "float"))
+    return error_type.startswith("float") or float(text).is_integer()
 
 
 def type_error_message(error_type: str, given: Any) -> str:

@@ -215,12 +215,14 @@ def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str
     """Flip the row to a terminal status (and store results) in one transaction, if still ours."""
     values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
     series = _series_rows(attempt.job_id, output.series) if output is not None else []
-    artifacts = scan_artifacts(artifact_dir) if output is not None and artifact_dir is not None else []
+    # A cancelled job keeps the files it wrote (a train run's checkpoints), with or without results.
+    keep_files = artifact_dir is not None and (output is not None or status == "cancelled")
+    artifacts = scan_artifacts(artifact_dir) if keep_files else []
     with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
         if done.rowcount != 1:
             return False  # nothing was changed; the (empty) transaction commits
-        if output is not None:
+        if output is not None or keep_files:
             session.execute(delete(Series).where(Series.job_id == attempt.job_id))
             session.execute(delete(Artifact).where(Artifact.job_id == attempt.job_id))
             if series:
@@ -366,7 +368,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             raise
         log.exception("job %s: storing results failed", attempt.job_id)
         error_type, message = _failure(e)
-        status = "cancelled" if after_cancel else "failed"
+        status = "cancelled" if after_cancel or status == "cancelled" else "failed"
         values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}",
                       summary=final_summary)
         stored = finish(session_factory, attempt, status, **values)

@@ -73,6 +73,21 @@ def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
     assert is_problem(half, 422, "validation-error")["errors"][0]["loc"] == ["params", "max_samples"]
 
 
+@pytest.mark.parametrize("field, given, advice", [
+    ("max_samples", "5", True), ("max_samples", "-3", True), ("max_samples", "1e3", True),
+    ("max_samples", "5.5", False), ("max_samples", "nan", False), ("max_samples", "1_000", False),
+    ("max_samples", "abc", False), ("loss_filter", "0.5", True), ("loss_filter", "inf", False),
+    ("inner_loss", "true", True), ("inner_loss", "yes", False),
+])
+def test_a_quoted_value_is_told_to_drop_its_quotes_only_when_that_would_work(api, field, given, advice):
+    """"5" for an integer: write 5. "5.5" or "nan" without quotes would be refused too: no such advice."""
+    body = is_problem(api.submit(api.user("ann"), kind="norms", params={"model": "m", "dataset": "d", field: given}),
+                      422, "validation-error")
+    msg = body["errors"][0]["msg"]
+    assert msg.startswith("expected ") and f'got the string "{given}"' in msg
+    assert ("without quotes" in msg) == advice
+
+
 def test_unknown_kind_lists_the_kinds(api):
     body = is_problem(api.submit(api.user("ann"), kind="nope"), 422, "unknown-kind")
     submittable = sorted(k for k, s in KINDS.items() if s.submittable)

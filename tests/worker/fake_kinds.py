@@ -63,7 +63,8 @@ def run_count(params: CountParams, ctx) -> JobOutput:
                 if not params.keep_partial:
                     raise
                 partial = JobOutput(summary={"total": sum(xs), "counted": len(xs)},
-                                    series=[Series("square", xs, [x * x for x in xs])])
+                                    series=[Series("square", xs, [x * x for x in xs])]
+                                    + ([Series("bad", [1, 2], [1])] if params.bad_series else []))
                 raise JobCancelled(partial=partial) from None
     with ctx.stage("plot"):
         (ctx.artifact_dir / "numbers.json").write_text(json.dumps(xs[:1000]))

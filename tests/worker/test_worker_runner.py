@@ -143,6 +143,8 @@ def test_cancel_flag_stops_a_running_job(settings, sessions, make_job, job_row, 
     assert outcome["status"] == "cancelled" and job.status == "cancelled" and job.finished_at is not None
     assert job.progress_done < 1_000_000
     assert series_of(sessions, job_id) == []
+    # no results, but the files it wrote before the cancel (a train run's checkpoints) can be fetched
+    assert set(artifacts_of(sessions, job_id)) == {"attempt-1.txt", "checkpoints/from-attempt-1.txt"}
     assert job.environment["stages"]["count"] > 0
 
 
@@ -162,6 +164,20 @@ def test_a_cancelled_job_keeps_the_partial_results_its_analysis_hands_back(setti
     assert list(square.x) == list(range(1, counted + 1)) and list(square.y) == [x * x for x in square.x]
     # The files written before the cancel are artifacts, as for a finished job.
     assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job_id))
+
+
+def test_a_cancelled_job_whose_partial_results_cannot_be_stored_stays_cancelled(settings, sessions, make_job,
+                                                                               job_row, publisher):
+    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False, "keep_partial": True,
+                              "bad_series": True})
+    t, outcome = start_execute(job_id, settings, sessions, publisher)
+    wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+    t.join(timeout=20)
+    job = job_row(job_id)
+    assert outcome["status"] == "cancelled" and job.status == "cancelled"  # the user's cancel, not a failure
+    assert job.error_message.startswith("storing the results failed")
 
 
 def test_cancel_requested_before_the_claim_cancels_at_once(settings, sessions, make_job, job_row, publisher):
