@@ -148,35 +148,34 @@ def test_cancel_flag_stops_a_running_job(settings, sessions, make_job, job_row, 
     assert job.environment["stages"]["count"] > 0
 
 
-def test_a_cancelled_job_keeps_the_partial_results_its_analysis_hands_back(settings, sessions, make_job, job_row,
-                                                                           publisher):
-    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False, "keep_partial": True})
+def cancel_while_counting(settings, sessions, make_job, job_row, publisher, **params) -> tuple[str, Job]:
+    """Start a long `count` job, cancel it once it has counted, return (execute's outcome, the row)."""
+    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False, **params})
     t, outcome = start_execute(job_id, settings, sessions, publisher)
     wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
     with sessions() as s, s.begin():
         s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
     t.join(timeout=20)
-    job = job_row(job_id)
-    assert outcome["status"] == "cancelled" and job.status == "cancelled"
+    return outcome["status"], job_row(job_id)
+
+
+def test_a_cancelled_job_keeps_the_partial_results_its_analysis_hands_back(settings, sessions, make_job, job_row,
+                                                                           publisher):
+    status, job = cancel_while_counting(settings, sessions, make_job, job_row, publisher, keep_partial=True)
+    assert status == "cancelled" and job.status == "cancelled"
     counted = job.summary["counted"]
     assert 0 < counted < 1_000_000 and job.summary["total"] == counted * (counted + 1) // 2
-    (square,) = series_of(sessions, job_id)
+    (square,) = series_of(sessions, job.id)
     assert list(square.x) == list(range(1, counted + 1)) and list(square.y) == [x * x for x in square.x]
     # The files written before the cancel are artifacts, as for a finished job.
-    assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job_id))
+    assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job.id))
 
 
 def test_a_cancelled_job_whose_partial_results_cannot_be_stored_stays_cancelled(settings, sessions, make_job,
                                                                                job_row, publisher):
-    job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False, "keep_partial": True,
-                              "bad_series": True})
-    t, outcome = start_execute(job_id, settings, sessions, publisher)
-    wait_until(lambda: (job_row(job_id).progress_done or 0) > 0, what="progress")
-    with sessions() as s, s.begin():
-        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
-    t.join(timeout=20)
-    job = job_row(job_id)
-    assert outcome["status"] == "cancelled" and job.status == "cancelled"  # the user's cancel, not a failure
+    status, job = cancel_while_counting(settings, sessions, make_job, job_row, publisher, keep_partial=True,
+                                        bad_series=True)
+    assert status == "cancelled" and job.status == "cancelled"  # the user's cancel, not a failure
     assert job.error_message.startswith("storing the results failed")
 
 
