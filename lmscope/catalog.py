@@ -96,8 +96,10 @@ class ModelFacts:
     path: str | None = None  # the resolved directory (inspect_model_dir)
 
 
-# The facts live in INTEGER columns (32-bit in PostgreSQL); the parameter count in a BIGINT.
-MAX_FACT = 2**31 - 1
+# INTEGER columns are 32-bit in PostgreSQL: job ids, model facts and per-user limits stay within this.
+INT32_MAX = 2**31 - 1
+# The facts live in INTEGER columns; the parameter count in a BIGINT.
+MAX_FACT = INT32_MAX
 MAX_PARAMETERS = 2**63 - 1
 
 

@@ -22,7 +22,7 @@ import click
 
 import lmscope
 from lmscope import strict_json
-from lmscope.catalog import DATASET_FORMATS
+from lmscope.catalog import DATASET_FORMATS, INT32_MAX
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError
 
 
@@ -364,7 +364,7 @@ class _Limit(click.ParamType):
 
     name = "N|default"
 
-    MAX = 2**31 - 1  # the column is a 32-bit integer in PostgreSQL
+    MAX = INT32_MAX  # the column is a 32-bit integer in PostgreSQL
 
     def convert(self, value, param, ctx):
         if isinstance(value, int) or value is None:

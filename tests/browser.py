@@ -27,9 +27,11 @@ try:
 except ImportError:  # the tests skip with a reason (tests.conftest.need)
     websocket = None
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--no-default-browser-check",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
-         "--mute-audio", "--remote-debugging-port=0"]
+# Headless, and quiet: no network of its own, nothing on first run.
+HEADLESS_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--disable-extensions", "--mute-audio"]
+FLAGS = [*HEADLESS_FLAGS, "--remote-debugging-port=0"]
 
 
 def chromium_binary() -> str | None:

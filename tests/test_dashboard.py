@@ -21,8 +21,6 @@ from lmscope.client import Client
 from tests.conftest import need, running_lmscope_up
 from tests import browser as cdp
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +32,10 @@ TINY_TRAIN = {"dataset": "wikitext-2", "run_name": "dash-run", "layers": 1, "wid
               "vocab_size": 300, "steps": 2, "batch_size": 2, "warmup_steps": 1, "checkpoint_every": 2}
 
 
-def chromium() -> str | None:
-    return cdp.chromium_binary()
-
-
 def browse(url: str, *extra: str) -> str:
     """Load `url`, let its scripts run for a few (virtual) seconds, return the DOM or the command's output."""
     with tempfile.TemporaryDirectory() as profile:
-        done = subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+        done = subprocess.run([cdp.chromium_binary(), *cdp.HEADLESS_FLAGS, f"--user-data-dir={profile}",
                                "--virtual-time-budget=8000", *extra, url],
                               capture_output=True, text=True, timeout=120)
     return done.stdout
@@ -52,7 +46,7 @@ def browse(url: str, *extra: str) -> str:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     """`lmscope up` in its own process for the module (as conftest's `lmscope_up`, shared by every test)."""
-    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    need(cdp.chromium_binary() is not None, "Chromium not installed (apt-get install chromium)")
     with running_lmscope_up(tmp_path_factory.mktemp("dashboard-up")) as env:
         yield env["LMSCOPE_URL"]
 
@@ -90,7 +84,7 @@ def jobs(url):
 @pytest.fixture(scope="module")
 def browser():
     need(cdp.websocket is not None, "websocket-client not installed (pip install websocket-client)")
-    need(chromium() is not None, "Chromium not installed (apt-get install chromium)")
+    need(cdp.chromium_binary() is not None, "Chromium not installed (apt-get install chromium)")
     with cdp.Browser(1400, 900) as b:
         yield b
 

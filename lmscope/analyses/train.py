@@ -377,7 +377,6 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
     return results(cancelled=False)
 
 
-
 def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
           checkpoint_steps: list[int], cancelled_at: int | None = None) -> None:
     fig, (ax, ax_lr) = pyplot().subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})

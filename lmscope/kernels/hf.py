@@ -168,7 +168,7 @@ def lmscope_attention_forward(
     for name in ("s_aux", "position_bias"):  # attention sinks, T5-style relative biases
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"lmscope attention does not support {name!r}")
-    softcap = kwargs.get("softcap")
+    softcap = kwargs.get("softcap") or None  # 0 / None: no cap
     collectors = [c for c in _ACTIVE.get() if c._owns(module)]
     backend = collectors[-1].backend if collectors else None
 
@@ -180,24 +180,24 @@ def lmscope_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    # transformers hands no mask when the window covers every key (the sdpa mask builder skips it)
-    window = kwargs.get("sliding_window")
-    window = int(window) if window is not None and is_causal and nk > window else None
+    window = None
     if attention_mask is None:
         # No mask means what it means to sdpa: is_causal for more than one query, aligned top-left. A
         # static cache's prefill comes so, its Nk − Nq trailing slots still empty: query i sees keys 0..i.
         causal, kpm, explicit = bool(is_causal) and nq > 1, None, None
         if causal and nk > nq:
             key, value = key[:, :, :nq], value[:, :, :nq]
-        window = None
     else:
+        # transformers hands no mask when the window covers every key (the sdpa mask builder skips it)
+        window = kwargs.get("sliding_window")
+        window = int(window) if window is not None and is_causal and nk > window else None
         causal, kpm, explicit, keys = _split_mask(attention_mask, b, nq, nk, window)
         if keys < nk:
             key, value = key[:, :, :keys], value[:, :, :keys]
 
     if explicit is None:
         res = attention_with_entropy(query, key, value, causal=causal, scale=scaling, key_padding_mask=kpm,
-                                     softcap=softcap or None, window=window,
+                                     softcap=softcap, window=window,
                                      backend=backend)
         out, ent, lse, used = res.out, res.entropy, res.lse, res.backend
     else:

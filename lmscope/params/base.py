@@ -7,11 +7,13 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lmscope.catalog import INT32_MAX
+
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Job ids are INTEGER columns (32-bit in PostgreSQL): no job has a larger id, and a larger one in a
 # query is an error there, not "no such job".
-MAX_JOB_ID = 2**31 - 1
+MAX_JOB_ID = INT32_MAX
 JobId = Annotated[int, Field(ge=1, le=MAX_JOB_ID)]
 
 # What every consumer of a seed takes: numpy's default_rng refuses negative seeds, torch's manual_seed

@@ -333,11 +333,9 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
         return None
     except JobCancelled as e:
-        status, output = "cancelled", e.partial
-        if isinstance(output, JobOutput):
+        status, output = "cancelled", e.partial  # what the analysis chose to keep, if anything
+        if output is not None:
             values = dict(summary=output.summary)
-        else:
-            output = None
     except Exception as e:
         status, output = "failed", None
         error_type, message = _failure(e)

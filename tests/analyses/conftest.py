@@ -1,8 +1,26 @@
-"""The embedded service for the analyses' end-to-end tests: Flask test client + in-process worker."""
+"""The analyses' tests: the eager-attention entropy oracle, and the embedded service (Flask test client +
+in-process worker) for the end-to-end tests."""
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
+import torch
+
+from lmscope.analyses.base import LoadedModel
+
+
+def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:
+    """[L, W, H, N] float64 entropies of the eager attention matrices of a copy of the model (models that
+    compute attention in their own modules give their matrices as they are)."""
+    model = copy.deepcopy(loaded.model)
+    if getattr(model, "_supports_attention_backend", False):
+        model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(input_ids=windows.to(model.device), output_attentions=True, use_cache=False).attentions
+    return np.stack([(-torch.special.xlogy(p.double(), p.double()).sum(-1)).cpu().numpy() for p in attentions])
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
+from tests.analyses.conftest import eager_entropies
 
 V = BYTE_VOCAB_SIZE
 IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -107,12 +108,7 @@ def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
     ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"d": documents})
     entropy.run(EntropyParams(model="m", dataset="d", seq_len=SEQ_LEN, num_segments=4, batch_size=2), ctx)
     windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 4)
-    model = copy.deepcopy(loaded.model)
-    if getattr(model, "_supports_attention_backend", False):
-        model.set_attn_implementation("eager")
-    with torch.no_grad():
-        attentions = model(input_ids=windows, output_attentions=True, use_cache=False).attentions
-    ref = np.stack([(-torch.special.xlogy(a.double(), a.double()).sum(-1)).mean(0).numpy() for a in attentions])
+    ref = eager_entropies(loaded, windows).mean(1)  # [L, H, N]
     got = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]  # [L, H, N]
     np.testing.assert_allclose(got, ref, atol=5e-5)
     assert ref[..., 1:].std() > 0.01, "heads should differ from one another and from uniform"

@@ -6,7 +6,6 @@ The oracle is the eager attention matrix of the same model (``output_attentions=
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -24,6 +23,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
+from tests.analyses.conftest import eager_entropies
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 SEQ_LEN = 24
@@ -59,20 +59,6 @@ def run_job(tmp_path, loaded_models: dict, documents, checkpoints=None, device="
         params["model"] = "m"
     params = EntropyParams(dataset="wiki", **{"seq_len": SEQ_LEN, "num_segments": 5, "batch_size": 2, **params})
     return entropy.run(params, ctx), ctx
-
-
-def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:
-    """[L, W, H, N] float64 entropies of the eager attention matrices of a copy of the model."""
-    model = copy.deepcopy(loaded.model)
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        attentions = model(input_ids=windows.to(model.device), output_attentions=True, use_cache=False).attentions
-    out = []
-    for p in attentions:  # [W, H, N, N]
-        p = p.double().cpu()
-        plogp = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))
-        out.append((-plogp.sum(-1)).numpy())
-    return np.stack(out)
 
 
 def series(output, name, **labels):
