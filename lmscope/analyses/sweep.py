@@ -245,6 +245,15 @@ def _projection_seed(seed: int, layer: int, k: int) -> int:
     return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
 
 
+def sliding_window_note(short_windows: dict[int, int], seq_len: int) -> str:
+    """What the summary says when selected layers slide over fewer keys than seq_len."""
+    sizes = " / ".join(str(w) for w in sorted(set(short_windows.values())))
+    return (f"layer(s) {sorted(short_windows)} attend over a sliding window of {sizes} tokens in the model, shorter "
+            f"than seq_len {seq_len}; there the methods are compared with full softmax attention over the "
+            "same q, k, v, not with the window the model uses (set seq_len at most the window to compare with "
+            "the model's own attention)")
+
+
 def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobOutput:
     """Performer or Linformer vs exact softmax attention on a real model's q, k, v, for every k.
 
@@ -253,7 +262,9 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     compared with exact *bidirectional* softmax attention on the same q, k, v. Its E, F are block-mean
     pooling, one shared Gaussian R (E = F = R) or independent Gaussians (`linformer_projection`).
     Every method uses each layer's own softmax scale (the attention module's `scaling`, recorded by
-    the collector), so "exact" is the model's own attention.
+    the collector), so "exact" is the model's own attention — over all earlier keys: on layers whose
+    sliding window is shorter than seq_len it is not the model's windowed attention, which the summary
+    says (`sliding_windows`, `sliding_window_note`).
     """
     from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
                                  linformer_attention)
@@ -318,11 +329,15 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     batches = list(range(0, len(windows), params.batch_size))
     head_info: dict[str, int] = {}
     scales: dict[int, float] = {}
+    short_windows: dict[int, int] = {}
     with torch.no_grad(), ctx.stage("measure"):
         for b, start in enumerate(batches):
             input_ids = windows[start:start + params.batch_size].to(device)
             with EntropyCollector(model, capture_qkv=True) as col:
                 model(input_ids=input_ids, use_cache=False)
+            # the windows the attention calls received (some configs carry a sliding_window their model ignores)
+            short_windows.update({layer: col.sliding_window[layer] for layer in layers
+                                  if col.sliding_window.get(layer, params.seq_len) < params.seq_len})
             for layer in layers:
                 q, kk, v = col.qkv[layer]
                 scale = scales[layer] = col.scaling[layer]  # the layer's own scale (GPT-2 may use 1/(√D·(l+1)))
@@ -370,6 +385,9 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
         "rel_error_at_max_features": sum(curve[layer][-1] for layer in layers) / len(layers),
         "time_ratio_at_max_features": ratios[-1],
     }
+    if short_windows:
+        summary["sliding_windows"] = {str(layer): w for layer, w in sorted(short_windows.items())}
+        summary["sliding_window_note"] = sliding_window_note(short_windows, params.seq_len)
     if len(windows) < params.num_segments:
         summary["note"] = f"the dataset holds only {len(windows)} windows of {params.seq_len} tokens"
     _plot_attention(ctx.artifact_dir / "attention_approx.png",
@@ -378,7 +396,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
                     title=f"{params.model} on {params.dataset}: {params.method} (seed {params.seed}) vs exact "
                           "softmax attention",
                     notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
-                    timing=_timing_note({backend}))
+                    timing=_timing_note({backend}), windows=short_windows)
     return JobOutput(summary, series)
 
 
@@ -536,6 +554,12 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         **({"linformer_projection": params.linformer_projection} if "linformer" in references else {}),
         "plots": ["attention_approx.png"],
     }
+    # every child reads the same windows of the same model, so one child's windows are all children's
+    windowed = next(((c.summary or {}).get("sliding_windows") for c in ok if (c.summary or {}).get("sliding_windows")),
+                    None)
+    if windowed:
+        summary["sliding_windows"] = windowed
+        summary["sliding_window_note"] = sliding_window_note({int(k): w for k, w in windowed.items()}, params.seq_len)
     seeds = len(params.seed_list)
     _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
                     title=f"{params.model} on {params.dataset}: approximations vs exact softmax attention "
@@ -543,7 +567,8 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
                           + ("1 seed: one random draw per k" if seeds == 1 else f"mean over {seeds} seeds, band = min–max")
                           + ")",
                     notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
-                    timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}))
+                    timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}),
+                    windows={int(k): w for k, w in (windowed or {}).items()})
     return JobOutput(summary, series)
 
 
@@ -671,9 +696,10 @@ ERROR_FLOOR = 1e-4  # relative errors below it are exact up to rounding: drawn a
 
 def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dict[str, tuple], *, title: str,
                     notes: dict[str, str] | None = None, seq_len: int | None = None,
-                    timing: str | None = None) -> None:
+                    timing: str | None = None, windows: dict[int, int] | None = None) -> None:
     """Relative error vs k (log–log, one line per layer), a panel per method, and the time ratio.
-    ``seq_len`` marks k = N on the Linformer panel; ``timing`` says what the times were measured on."""
+    ``seq_len`` marks k = N on the Linformer panel; ``timing`` says what the times were measured on;
+    ``windows`` {layer: w}: layers that slide over w < seq_len keys in the model (compared on all keys)."""
     plt = _pyplot()
     methods = sorted({m for m, _ in panels})
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
@@ -685,7 +711,8 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
             xs, ys, los, his = panels[method, layer]
             color = cmap(i / max(len(layers), 1))
             # float rounding (~1e-7) would stretch the log axis over decades that mean nothing
-            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, label=f"layer {layer}")
+            label = f"layer {layer}" + (f" (window {windows[layer]} in the model)" if windows and layer in windows else "")
+            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, label=label)
             exact = [(x, ERROR_FLOOR) for x, y in zip(xs, ys) if y < ERROR_FLOOR]
             if exact:
                 ax.plot(*zip(*exact), "v", ms=7, color=color)
@@ -701,7 +728,7 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
         ref = "causal" if method == "performer" else "bidirectional"
         extra = f" ({notes[method]})" if notes and method in notes else ""
         ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
-               title=f"{method}{extra}\nvs exact {ref} softmax")
+               title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     ax = axes[-1]

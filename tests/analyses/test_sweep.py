@@ -406,6 +406,41 @@ def test_attention_study_refuses_models_whose_attention_it_cannot_read(tmp_path)
             run_attention_approx(params, ctx)
 
 
+
+def test_attention_study_says_which_layers_the_model_windows(tmp_path):
+    """A Qwen2 whose layers 1, 2 slide over 8 keys: at seq_len 16 those layers are compared on all keys, and the
+    summary says so; layer 0 (full attention) and seq_len ≤ 8 carry no note."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from lmscope.analyses.base import LoadedModel
+    from lmscope.catalog import read_documents
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    config = Qwen2Config(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=16, vocab_size=259, pad_token_id=258, max_position_embeddings=64,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    torch.manual_seed(0)
+    model = LoadedModel("m", AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer())
+    ctx = LocalContext(tmp_path, models={"m": model}, datasets={"w": read_documents(WIKITEXT, "lines")[:40]})
+
+    def study(**kw):
+        return run_attention_approx(validate_params("attention_approx", {
+            "model": "m", "dataset": "w", "method": "performer", "features": [4, 16], "num_segments": 2, **kw},
+            internal=True), ctx)
+
+    out = study(seq_len=16)
+    assert out.summary["sliding_windows"] == {"1": 8, "2": 8}
+    assert "layer(s) [1, 2] attend over a sliding window of 8 tokens" in out.summary["sliding_window_note"]
+    assert "sliding_windows" not in study(seq_len=16, layers=[0]).summary
+    assert "sliding_windows" not in study(seq_len=8).summary
+
+    params = SweepParams(study="attention", model="m", dataset="w", features=[4, 16], seq_len=16, seeds=1)
+    parent = aggregate(params, [ChildResult(1, "attention_approx", {"method": "performer", "seed": 0}, "succeeded",
+                                            out.summary, out.series)], LocalContext(tmp_path / "parent"))
+    assert parent.summary["sliding_windows"] == {"1": 8, "2": 8}
+    assert parent.summary["sliding_window_note"] == out.summary["sliding_window_note"]
+
+
 # ---------------------------------------------------------------- aggregation
 
 def _fit_child(job_id, d, latent, seed, best, status="succeeded"):
