@@ -80,16 +80,13 @@ def timed(fn, device, reps, warmup):
     return times[len(times) // 2], peak
 
 
-def bench_case(b, h, n, d, dtype, device, args):
-    """Time the three methods on one shape; None marks an out-of-memory."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
-    scale = 1.0 / math.sqrt(d)
-    fns = {
-        "kernel": lambda: attention_with_entropy(q, k, v, causal=True),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "eager": lambda: eager_with_entropy(q, k, v, scale),
-    }
+def random_qkv(b, h, n, d, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+
+
+def time_each(fns, device, args):
+    """{name: (seconds, peak bytes)} of each function, side by side; None marks an out-of-memory."""
     res = {}
     for name, fn in fns.items():
         try:
@@ -100,6 +97,18 @@ def bench_case(b, h, n, d, dtype, device, args):
             res[name] = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    return res
+
+
+def bench_case(b, h, n, d, dtype, device, args):
+    """Time the three methods on one shape; None marks an out-of-memory."""
+    q, k, v = random_qkv(b, h, n, d, dtype, device, seed=0)
+    scale = 1.0 / math.sqrt(d)
+    res = time_each({
+        "kernel": lambda: attention_with_entropy(q, k, v, causal=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "eager": lambda: eager_with_entropy(q, k, v, scale),
+    }, device, args)
     if args.check and res["kernel"]:
         # first (batch, head) only, against float64 from the explicit matrix
         q1, k1, v1 = (t[:1, :1].double() for t in (q, k, v))
@@ -111,15 +120,13 @@ def bench_case(b, h, n, d, dtype, device, args):
 
 def bench_options(b, h, n, d, dtype, device, args):
     """Kernel time with each option / without: what soft-capping and a window of N/4 keys cost or save."""
-    g = torch.Generator(device="cpu").manual_seed(1)
-    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    q, k, v = random_qkv(b, h, n, d, dtype, device, seed=1)
     window = max(1, n // 4)
-    fns = {
+    return time_each({
         "plain": lambda: attention_with_entropy(q, k, v, causal=True),
         "softcap": lambda: attention_with_entropy(q, k, v, causal=True, softcap=50.0),
         "window": lambda: attention_with_entropy(q, k, v, causal=True, window=window),
-    }
-    return {name: timed(fn, device, args.reps, args.warmup)[0] for name, fn in fns.items()}
+    }, device, args)
 
 
 def run(args):
@@ -170,15 +177,17 @@ def run(args):
     print("|---|---|---|---|---|---|---|")
     for d in args.dims:
         for n in args.ns:
-            try:
-                t = bench_options(b, h, n, d, dtype, device, args)
-            except (RuntimeError, MemoryError) as exc:
-                if not is_oom(exc):
-                    raise
-                print(f"| {d} | {n} | OOM | | | | |")
-                continue
-            print(f"| {d} | {n} | {t['plain'] * 1e3:.3f} | {t['softcap'] * 1e3:.3f} | {t['window'] * 1e3:.3f} "
-                  f"| {t['softcap'] / t['plain']:.2f} | {t['window'] / t['plain']:.2f} |")
+            res = bench_options(b, h, n, d, dtype, device, args)
+            t = {name: r[0] if r else None for name, r in res.items()}
+
+            def ms(name):
+                return f"{t[name] * 1e3:.3f}" if t[name] else "OOM"
+
+            def per_plain(name):
+                return f"{t[name] / t['plain']:.2f}" if t[name] and t["plain"] else "-"
+
+            print(f"| {d} | {n} | {ms('plain')} | {ms('softcap')} | {ms('window')} "
+                  f"| {per_plain('softcap')} | {per_plain('window')} |")
     print("a causal window of N/4 keys reads about 7/16 of the causal triangle's key blocks")
 
 

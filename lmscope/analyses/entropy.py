@@ -239,10 +239,9 @@ def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Ten
     The route for models lmscope's attention function cannot run; interface models are switched to
     eager attention (which returns the matrices) for the call and switched back.
     """
-    from lmscope.kernels.hf import attention_implementation
+    from lmscope.kernels.hf import attention_implementation, uses_attention_interface
 
-    switch = (attention_implementation(model, "eager") if getattr(model, "_supports_attention_backend", False)
-              else contextlib.nullcontext())
+    switch = attention_implementation(model, "eager") if uses_attention_interface(model) else contextlib.nullcontext()
     with switch:
         attentions = model(input_ids=input_ids, use_cache=False, output_attentions=True).attentions
     if not attentions or any(a is None for a in attentions):

@@ -51,14 +51,21 @@ class UnsupportedAttention(NotImplementedError):
     """The model's attention cannot run through lmscope's attention function (the message says why)."""
 
 
+def uses_attention_interface(model: torch.nn.Module) -> bool:
+    """Whether ``model`` computes its attention through transformers' AttentionInterface, so that its
+    attention implementation can be switched (False for Falcon, GPT-J, Bloom: docs/kernels.md). Models
+    declare it; a bare module (one attention layer) reads its config, so it is taken to."""
+    return getattr(model, "_supports_attention_backend", True) is not False
+
+
 def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
-    if getattr(model, "_supports_attention_backend", True) is False:
+    if not uses_attention_interface(model):
         raise UnsupportedAttention(
             f"{type(model).__name__} computes its attention itself instead of through transformers' "
             "AttentionInterface, so lmscope's attention function cannot run it")
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
-    else:  # older transformers
+    else:  # a bare module (an attention layer): it reads the implementation from its config
         model.config._attn_implementation = name
     if model.config._attn_implementation != name:
         raise UnsupportedAttention(f"{type(model).__name__} did not switch its attention to {name!r}")
@@ -320,4 +327,5 @@ __all__ = [
     "lmscope_attention_forward",
     "register_attention",
     "use_lmscope_attention",
+    "uses_attention_interface",
 ]
