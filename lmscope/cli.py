@@ -24,6 +24,7 @@ import lmscope
 from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS, INT32_MAX
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError
+from lmscope.config import ConfigError
 
 
 # ---------------------------------------------------------------- errors
@@ -55,6 +56,8 @@ class LmscopeGroup(click.Group):
             return super().invoke(ctx)
         except LmscopeError as e:
             raise ApiFailure(e) from None
+        except ConfigError as e:  # a malformed LMSCOPE_* variable: say which, not a traceback
+            raise click.ClickException(str(e)) from None
 
 
 def client() -> Client:

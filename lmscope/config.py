@@ -20,7 +20,7 @@ ENV_VARS = {
     "LMSCOPE_BROKER_URL": "Celery broker, e.g. redis://redis:6379/0; unset = embedded in-process queue",
     "LMSCOPE_ARTIFACT_DIR": "artifact store directory (default $LMSCOPE_DATA_DIR/artifacts)",
     "LMSCOPE_MODEL_DIRS": "os.pathsep-separated roots under which model directories may be registered",
-    "LMSCOPE_AUTH": "1 = bearer tokens required, 0 = single-user mode (default: 1 when LMSCOPE_BROKER_URL is set, else 0)",
+    "LMSCOPE_AUTH": "1 = bearer tokens required, 0 = single-user mode (also true/false, yes/no, on/off; default: 1 when LMSCOPE_BROKER_URL is set, else 0)",
     "LMSCOPE_MAX_ACTIVE_JOBS": "per-user quota of queued+running jobs (default 20; `lmscope user limits` sets one user's own)",
     "LMSCOPE_MAX_UPLOAD_BYTES": "largest dataset upload accepted (default 64 MiB)",
     "LMSCOPE_MAX_SWEEP_POINTS": "largest sweep grid a user may submit (default 256; `lmscope user limits` sets one user's own)",
@@ -40,12 +40,41 @@ ENV_VARS = {
 }
 
 
+class ConfigError(ValueError):
+    """An environment variable holds a value lmscope cannot use; the message names it and what to write."""
+
+
+def _number(env, name, default, kind):
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{name}={raw!r} is not {what}; write e.g. {name}={default} (the default)") from None
+
+
 def _int(env, name, default):
-    return int(env.get(name, default))
+    return _number(env, name, default, int)
 
 
 def _float(env, name, default):
-    return float(env.get(name, default))
+    return _number(env, name, default, float)
+
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _bool(env, name, default: bool) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case); anything else is refused rather than guessed."""
+    raw = env.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ConfigError(f"{name}={raw!r} is neither on nor off; write {name}=1 (on) or {name}=0 (off)")
 
 
 @dataclass(frozen=True)
@@ -89,7 +118,7 @@ class Settings:
             broker_url=broker,
             artifact_dir=Path(env.get("LMSCOPE_ARTIFACT_DIR", data_dir / "artifacts")).expanduser().absolute(),
             model_dirs=[Path(p).expanduser().absolute() for p in env.get("LMSCOPE_MODEL_DIRS", "").split(os.pathsep) if p],
-            auth=env.get("LMSCOPE_AUTH", "0" if not broker else "1") not in ("0", "false", "no", ""),
+            auth=_bool(env, "LMSCOPE_AUTH", default=bool(broker)),
             max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
             max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),
             max_sweep_points=_int(env, "LMSCOPE_MAX_SWEEP_POINTS", 256),

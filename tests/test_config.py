@@ -3,7 +3,9 @@
 import os
 from pathlib import Path
 
-from lmscope.config import Settings
+import pytest
+
+from lmscope.config import ConfigError, Settings
 
 
 def test_relative_directories_become_absolute(tmp_path, monkeypatch):
@@ -21,3 +23,34 @@ def test_embedded_mode_defaults_to_no_tokens_and_a_broker_turns_them_on():
     assert Settings.from_env({}).auth is False and Settings.from_env({}).embedded
     team = Settings.from_env({"LMSCOPE_BROKER_URL": "redis://redis:6379/0"})
     assert team.auth is True and not team.embedded
+
+
+def test_on_off_words_any_case_and_anything_else_is_refused_by_name():
+    for word, on in [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                     ("0", False), ("False", False), ("no", False), ("OFF", False), ("", False)]:
+        assert Settings.from_env({"LMSCOPE_AUTH": word}).auth is on, word
+    # an explicit word wins over the broker's default either way
+    assert Settings.from_env({"LMSCOPE_AUTH": "off", "LMSCOPE_BROKER_URL": "redis://r:6379/0"}).auth is False
+    with pytest.raises(ConfigError, match=r"LMSCOPE_AUTH='disabled' is neither on nor off; write LMSCOPE_AUTH=1"):
+        Settings.from_env({"LMSCOPE_AUTH": "disabled"})
+
+
+def test_a_malformed_number_names_its_variable_and_the_default():
+    with pytest.raises(ConfigError, match=r"LMSCOPE_MAX_ACTIVE_JOBS='20 jobs' is not a whole number; "
+                                          r"write e.g. LMSCOPE_MAX_ACTIVE_JOBS=20"):
+        Settings.from_env({"LMSCOPE_MAX_ACTIVE_JOBS": "20 jobs"})
+    with pytest.raises(ConfigError, match="LMSCOPE_HEARTBEAT_SECONDS='5s' is not a number"):
+        Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "5s"})
+    assert Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "2.5"}).heartbeat_seconds == 2.5
+
+
+def test_the_cli_shows_a_malformed_variable_as_an_error_not_a_traceback(tmp_path):
+    from click.testing import CliRunner
+
+    from lmscope.cli import main
+
+    result = CliRunner().invoke(main, ["db", "upgrade"],
+                                env={"LMSCOPE_DATA_DIR": str(tmp_path), "LMSCOPE_AUTH": "maybe"})
+    assert result.exit_code == 1
+    assert "Error: LMSCOPE_AUTH='maybe' is neither on nor off" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "lmscope.db").exists()
