@@ -414,6 +414,160 @@ def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     assert page.js("(() => { const s = document.querySelector('#list-panel .scroll'); return s.scrollWidth <= s.clientWidth; })()")
 
 
+
+# ---------------------------------------------------------------- the list's filters in the address
+
+SET_FILTER = ("(() => {{ const e = document.getElementById('{0}'); e.value = {1}; "
+              "e.dispatchEvent(new Event('change')); return true; }})()")
+
+
+def set_filter(b, control: str, value: str):
+    b.js(SET_FILTER.format(control, json.dumps(value)))
+
+
+def filters(b) -> dict:
+    return b.js("({ kind: $('f-kind').value, status: $('f-status').value, tag: $('f-tag').value })")
+
+
+def wait_rows(b, want: list[int]):
+    b.wait(f"JSON.stringify([...document.querySelectorAll('#jobs tr.job')].map(r => Number(r.dataset.id)))"
+           f" === {json.dumps(json.dumps(want, separators=(',', ':')))}")
+
+
+def load(b, address: str):
+    """A fresh page load of `address` (not a same-page hash change), as a reload or a link from elsewhere is."""
+    b.goto("about:blank")
+    b.goto(address)
+
+
+def test_filters_in_the_address_set_the_controls_and_the_list(page, url, jobs):
+    load(page, f"{url}/#kind=probe&status=succeeded&tag=dash")
+    want = [j["id"] for j in api(url, "/v1/jobs?kind=probe&status=succeeded&tag=dash&parent=none")["items"]]
+    assert want == [jobs["b"], jobs["a"]]
+    wait_rows(page, want)
+    assert filters(page) == {"kind": "probe", "status": "succeeded", "tag": "dash"}
+    assert page.js("location.hash") == "#kind=probe&status=succeeded&tag=dash"
+    assert page.text("#list-info") == "2 jobs"
+    assert page.js("document.querySelector('#detail p')?.textContent").startswith("Select a job")
+
+    # What cannot be a filter is left out, and the address then says what the list shows.
+    load(page, f"{url}/#kind=no-such-kind&status=exploded&tag=alpha")
+    wait_rows(page, [jobs["a"]])
+    assert filters(page) == {"kind": "", "status": "", "tag": "alpha"}
+    page.wait("location.hash === '#tag=alpha'")
+    assert page.js("document.querySelector('#detail p')?.textContent").startswith("Select a job")
+
+    # A kind of a sweep's points: the list waits for the kinds, so it never asks for top-level jobs only.
+    load(page, f"{url}/#kind=sumformer_fit")
+    wait_rows(page, sorted(jobs["children"], reverse=True))
+    assert filters(page)["kind"] == "sumformer_fit"
+    asked = page.js("performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('/v1/jobs?'))")
+    assert asked and all("kind=sumformer_fit" in n and "parent=none" not in n for n in asked), asked
+
+    # With a job's address beside them (a reload of a job opened from a filtered list).
+    load(page, f"{url}/#job={jobs['failed']}&status=failed")
+    wait_job(page, jobs["failed"])
+    wait_rows(page, [jobs["failed"]])
+    assert filters(page) == {"kind": "", "status": "failed", "tag": ""}
+    assert page.js("document.querySelector('#jobs tr.selected')?.dataset.id") == str(jobs["failed"])
+
+
+def test_changing_a_filter_rewrites_the_address_in_place(page, url, jobs):
+    a = jobs["a"]
+    load(page, f"{url}/")
+    page.wait("document.querySelectorAll('#jobs tr.job').length > 0 && document.querySelectorAll('#f-kind option').length > 1")
+    steps = page.js("history.length")
+    set_filter(page, "f-kind", "probe")
+    page.wait("location.hash === '#kind=probe'")
+    set_filter(page, "f-status", "succeeded")
+    page.wait("location.hash === '#kind=probe&status=succeeded'")
+    set_filter(page, "f-tag", "  dash ")
+    page.wait("location.hash === '#kind=probe&status=succeeded&tag=dash'")
+    wait_rows(page, [jobs["b"], a])
+    page.click(f'#jobs tr.job[data-id="{a}"] .tag:last-child')  # the tag `alpha` in a row: the list of that tag
+    page.wait("location.hash === '#kind=probe&status=succeeded&tag=alpha'")
+    wait_rows(page, [a])
+    assert page.js("history.length") == steps  # no step for the back button per filter
+
+    # On a job's page the filters ride along beside the job; cleared, they leave the address.
+    page.click(f'#jobs tr.job[data-id="{a}"] td.name')
+    wait_job(page, a)
+    assert page.js("location.hash") == f"#job={a}&kind=probe&status=succeeded&tag=alpha"
+    set_filter(page, "f-kind", "")
+    page.wait(f"location.hash === '#job={a}&status=succeeded&tag=alpha'")
+    set_filter(page, "f-status", "")
+    set_filter(page, "f-tag", "")
+    page.wait(f"location.hash === '#job={a}'")
+    wait_job(page, a)
+    set_filter(page, "f-tag", "alpha")
+    page.click("header h1 a")  # the list, nothing selected: still filtered
+    page.wait("location.hash === '#tag=alpha' && document.querySelector('#detail p')?.textContent.startsWith('Select a job')")
+    set_filter(page, "f-tag", "")
+    page.wait("location.hash === '' && location.href.endsWith('/')")
+
+
+def test_back_from_a_job_or_a_comparison_returns_to_the_filtered_list(page, url, jobs):
+    a, b = jobs["a"], jobs["b"]
+    listed = {"kind": "probe", "status": "succeeded", "tag": ""}
+    want = [j["id"] for j in api(url, "/v1/jobs?kind=probe&status=succeeded&parent=none")["items"]]
+    assert a in want and b in want and jobs["cancelled"] not in want
+    load(page, f"{url}/#kind=probe&status=succeeded")
+    wait_rows(page, want)
+
+    # A row opens its job; the list stays as it was, and the filters are on the job's address.
+    page.click(f'#jobs tr.job[data-id="{a}"] td.name')
+    wait_job(page, a)
+    assert page.js("location.hash") == f"#job={a}&kind=probe&status=succeeded"
+    assert filters(page) == listed and list_ids(page) == want
+    # So does the job's id link (a plain `#job=N` link).
+    page.click(f'#jobs tr.job[data-id="{b}"] td.id a')
+    wait_job(page, b)
+    assert page.js("location.hash") == f"#job={b}&kind=probe&status=succeeded"
+
+    # Another list typed into the address bar, then back, twice: each page with its own filters.
+    page.js("location.hash = 'status=failed'")
+    wait_rows(page, [jobs["failed"]])
+    assert filters(page) == {"kind": "", "status": "failed", "tag": ""}
+    page.js("history.back()")
+    wait_job(page, b)
+    wait_rows(page, want)
+    assert filters(page) == listed
+    page.js("history.back()")
+    wait_job(page, a)
+    page.js("history.back()")
+    page.wait("location.hash === '#kind=probe&status=succeeded'")
+    page.wait("document.querySelector('#detail p')?.textContent.startsWith('Select a job')")
+    wait_rows(page, want)
+    assert filters(page) == listed
+    assert page.js("document.querySelector('#jobs tr.selected')") is None
+
+    # A reload of a job's page keeps the list's filters, and back from it is the filtered list.
+    page.click(f'#jobs tr.job[data-id="{a}"] td.name')
+    wait_job(page, a)
+    page.js("window.beforeReload = true; location.reload(); true")
+    page.wait(f"!window.beforeReload && document.querySelector('#detail h2')?.textContent.startsWith('Job {a} ')")
+    wait_rows(page, want)
+    assert filters(page) == listed
+    page.js("history.back()")
+    page.wait("location.hash === '#kind=probe&status=succeeded'")
+    wait_rows(page, want)
+    assert filters(page) == listed
+
+    # A comparison of ticked jobs from the filtered list, and back.
+    page.click(f'#jobs tr.job[data-id="{a}"] input.tick')
+    page.click(f'#jobs tr.job[data-id="{b}"] input.tick')
+    page.click("#compare")
+    lo, hi = sorted((a, b))
+    page.wait(f"location.hash === '#compare={lo},{hi}&kind=probe&status=succeeded'")
+    page.wait("document.getElementById('compare-table')")
+    assert filters(page) == listed
+    page.js("for (const b of document.querySelectorAll('input.tick:checked')) b.click(); true")  # untick for later tests
+    page.js("history.back()")
+    page.wait("location.hash === '#kind=probe&status=succeeded'")
+    page.wait("document.querySelector('#detail p')?.textContent.startsWith('Select a job')")
+    wait_rows(page, want)
+    assert filters(page) == listed
+
 def test_narrow_screen_has_one_column(page, url, jobs):
     page.resize(390, 844, mobile=True)
     open_job(page, url, jobs["sweep"])
