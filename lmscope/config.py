@@ -63,6 +63,16 @@ def _float(env, name, default):
     return _number(env, name, default, float)
 
 
+def time_limits(hard: int) -> tuple[int, float]:
+    """(Celery's soft limit, the job's own deadline) in seconds for a hard limit of ``hard`` seconds.
+
+    The job checks its deadline at every progress report and stops there, cleanly (a train run keeps
+    its curves); Celery's soft limit, a little later, interrupts it wherever it is; the hard limit kills
+    the process."""
+    margin = max(1, min(60, hard // 20))
+    return max(1, hard - margin), max(0.5, hard - 2 * margin)
+
+
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -20,6 +20,8 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Iterable, Protocol
 
+from lmscope.config import time_limits
+
 if TYPE_CHECKING:  # pragma: no cover
     from celery import Celery
     from sqlalchemy.orm import Session, sessionmaker
@@ -62,7 +64,7 @@ def celery_config(settings: "Settings") -> dict:
         # A soft limit raises inside the job (recorded as failed, not retried); the hard limit
         # kills the child if that did not work. Both below the visibility timeout.
         task_time_limit=hard_limit,
-        task_soft_time_limit=max(1, hard_limit - max(1, min(60, hard_limit // 20))),
+        task_soft_time_limit=time_limits(hard_limit)[0],
         broker_transport_options={"visibility_timeout": hard_limit + VISIBILITY_MARGIN_SECONDS},
         task_default_queue=QUEUE_NAME,
         task_routes={TASK_NAME: {"queue": QUEUE_NAME}},

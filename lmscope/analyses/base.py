@@ -30,11 +30,15 @@ class JobCancelled(Exception):
 
 
 class JobFailed(Exception):
-    """An analysis refuses its input with a message that says what to change (not retried)."""
+    """An analysis refuses its input with a message that says what to change (not retried).
 
-    def __init__(self, message: str, *, error_type: str = "invalid-input"):
+    ``partial``: what a job that fails part-way keeps, as with ``JobCancelled`` (a training run stopped
+    by the time limit keeps its loss curve); the worker stores it with the failed status."""
+
+    def __init__(self, message: str, *, error_type: str = "invalid-input", partial: "JobOutput | None" = None):
         super().__init__(message)
         self.error_type = error_type
+        self.partial = partial
 
 
 @dataclass

@@ -302,11 +302,12 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
     if not history["val"]:
         history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
 
-    def results(cancelled: bool) -> JobOutput:
+    def results(stopped: str | None = None) -> JobOutput:
+        """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
         checkpoint_names = register_all()
         train_seconds = wall_before + time.perf_counter() - loop_start
         _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_val,
-              [s for s, _ in checkpoint_dirs(ckpt_root)], cancelled_at=step if cancelled else None)
+              [s for s, _ in checkpoint_dirs(ckpt_root)], stopped=(stopped, step) if stopped else None)
         tail = [l for _, l in history["train"][-20:]]
         train_x, train_y = thin(history["train"])
         series = [
@@ -335,9 +336,9 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             "train_seconds": round(train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),
         }
-        if cancelled:
+        if stopped:
             summary.update(partial=True, steps_planned=p.steps,
-                           note=f"cancelled after step {step} of {p.steps}: the numbers and curves stop there, "
+                           note=f"{stopped} after step {step} of {p.steps}: the numbers and curves stop there, "
                                 "and the checkpoints written until then stay registered")
         return JobOutput(summary=summary, series=series)
 
@@ -371,14 +372,21 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                                                 f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
     except JobCancelled:
         if step >= p.steps:  # the cancel came with the last step: the run is complete
-            return results(cancelled=False)
+            return results()
         # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
-        raise JobCancelled(partial=results(cancelled=True)) from None
-    return results(cancelled=False)
+        raise JobCancelled(partial=results("cancelled")) from None
+    except JobFailed as e:
+        if e.error_type != "time-limit":
+            raise
+        if step >= p.steps:  # the limit came with the last step: the run is complete
+            return results()
+        # The job fails, but like a cancelled run it keeps what it trained.
+        raise JobFailed(str(e), error_type=e.error_type, partial=results("stopped by the time limit")) from None
+    return results()
 
 
 def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
-          checkpoint_steps: list[int], cancelled_at: int | None = None) -> None:
+          checkpoint_steps: list[int], stopped: tuple[str, int] | None = None) -> None:
     fig, (ax, ax_lr) = pyplot().subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     steps = [s for s, _ in history["train"]]
     losses = [l for _, l in history["train"]]
@@ -398,7 +406,7 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
         formatter(ScalarFormatter())
     ax.set_ylabel("next-token loss (nats, log scale)")
     ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context} "
-                 f"(dotted: checkpoints)" + (f"\ncancelled at step {cancelled_at} of {p.steps}" if cancelled_at else ""),
+                 f"(dotted: checkpoints)" + (f"\n{stopped[0]} at step {stopped[1]} of {p.steps}" if stopped else ""),
                  fontsize=9)
     ax.legend()
     ax_lr.plot([s for s, _ in history["lr"]], [v for _, v in history["lr"]], color="tab:green")

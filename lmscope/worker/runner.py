@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from lmscope.analyses import registry
 from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, JobOutput
 from lmscope.analyses.base import Series as SeriesData
-from lmscope.config import Settings
+from lmscope.config import Settings, time_limits
 from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Series, utcnow
 from lmscope.db.progress import children_done, refresh_sweep_progress
 from lmscope.queue import Publisher, publish_jobs
@@ -215,8 +215,9 @@ def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str
     """Flip the row to a terminal status (and store results) in one transaction, if still ours."""
     values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
     series = _series_rows(attempt.job_id, output.series) if output is not None else []
-    # A cancelled job keeps the files it wrote (a train run's checkpoints), with or without results.
-    keep_files = artifact_dir is not None and (output is not None or status == "cancelled")
+    # An attempt that ran keeps the files it wrote, however it ended: a cancelled or timed-out train run
+    # its checkpoints, a failed job what it got to (for diagnosis), with or without results.
+    keep_files = artifact_dir is not None
     artifacts = scan_artifacts(artifact_dir) if keep_files else []
     with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
@@ -309,7 +310,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     heartbeat = Heartbeat(session_factory, attempt, settings.heartbeat_seconds)
     device = worker_device()
     record_start_environment(session_factory, attempt, device)
-    deadline = time.monotonic() + settings.task_time_limit if settings.task_time_limit else None
+    # before Celery's soft limit, so the job stops at a progress report rather than anywhere
+    deadline = time.monotonic() + time_limits(settings.task_time_limit)[1] if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
                         deadline=deadline, shares_process=shares_process, cancellable=not after_cancel)
     started = time.perf_counter()
@@ -337,9 +339,11 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         if output is not None:
             values = dict(summary=output.summary)
     except Exception as e:
-        status, output = "failed", None
+        status, output = "failed", e.partial if isinstance(e, JobFailed) else None
         error_type, message = _failure(e)
         values = dict(error_type=error_type[:64], error_message=message)
+        if output is not None:
+            values["summary"] = output.summary
         if not isinstance(e, JobFailed):
             log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
             ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])

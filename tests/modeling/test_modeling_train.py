@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from lmscope.analyses.base import JobCancelled
+from lmscope.analyses.base import JobCancelled, JobFailed
 from lmscope.analyses.local import LocalContext
 from lmscope.analyses.train import lr_at, run
 from lmscope.modeling.loading import load_model
@@ -106,23 +106,24 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(110, p) == pytest.approx(1e-4)
 
 
-class CrashingContext(LocalContext):
-    """A worker that dies (exception, not a cancel) once training reports step `crash_at`."""
+class FailingContext(LocalContext):
+    """A worker on which `error` is raised once training reports step `at`: a crash (an exception, not a
+    cancel), or the time limit, which the worker raises at a progress report."""
 
-    def __init__(self, *args, crash_at: int, **kwargs):
+    def __init__(self, *args, at: int, error: Exception, **kwargs):
         super().__init__(*args, **kwargs)
-        self.crash_at = crash_at
+        self.at, self.error = at, error
 
     def progress(self, done, total, stage=None):
         super().progress(done, total, stage)
-        if done >= self.crash_at:
-            raise RuntimeError("worker lost")
+        if done >= self.at:
+            raise self.error
 
 
 def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(reference, docs, tmp_path):
     ref_ctx, ref = reference
     with pytest.raises(RuntimeError, match="worker lost"):
-        run(TrainParams(**SMALL), CrashingContext(tmp_path, datasets={"wiki": docs}, job_id=1, crash_at=70))
+        run(TrainParams(**SMALL), FailingContext(tmp_path, datasets={"wiki": docs}, job_id=1, at=70, error=RuntimeError("worker lost")))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-50"]
 
     second = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=1, attempt=2)
@@ -164,6 +165,25 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
     assert list(val.x) == [0, 25, 50] and val.y == pytest.approx(list(ref_val.y[:3]), rel=1e-5)
     assert summary["val_loss"] == pytest.approx(ref_val.y[2], rel=1e-5) and summary["val_loss_step"] == 50
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, docs, tmp_path):
+    time_limit = JobFailed("the job ran past its time limit", error_type="time-limit")
+    ctx = FailingContext(tmp_path, datasets={"wiki": docs}, job_id=5, at=59, error=time_limit)
+    with pytest.raises(JobFailed, match="time limit") as failed:
+        run(TrainParams(**{**SMALL, "run_name": None}), ctx)
+    assert failed.value.error_type == "time-limit" and list(ctx.registered) == ["run5@step50"]
+    partial = failed.value.partial
+    assert partial.summary["partial"] is True and partial.summary["steps"] == 59
+    assert "stopped by the time limit after step 59 of 150" in partial.summary["note"]
+    ref_train = _series(reference[1], "loss.train")
+    assert _series(partial, "loss.train").y == pytest.approx(list(ref_train.y[:59]), rel=1e-5)
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+    # A limit that comes with the last step is a finished run.
+    done = run(TrainParams(**{**SMALL, "run_name": None}),
+               FailingContext(tmp_path / "last", datasets={"wiki": docs}, job_id=6, at=150, error=time_limit))
+    assert done.summary["steps"] == 150 and "partial" not in done.summary
 
 
 def test_llama_with_grouped_query_attention_and_a_trained_bpe(docs, tmp_path):

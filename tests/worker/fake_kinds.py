@@ -4,7 +4,8 @@ them around each test (tests/worker/conftest.py), so the rest of the suite never
 
 - ``count``: counts to ``steps`` with progress (optionally sleeping per step), writes a plot, a scratch
   file per attempt and a file under ``checkpoints/``; series ``square`` is y = x² for x = 1..steps.
-  With ``keep_partial``, a cancel keeps what was counted, as ``train`` keeps its loss curve.
+  With ``keep_partial``, a cancel, a refusal (``fail="jobfailed"``) or the time limit keeps what was
+  counted, as ``train`` keeps its loss curve.
 - ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator adds their totals
   and counts how often it was called (in this process).
 """
@@ -35,7 +36,7 @@ class CountParams(JobParams):
     record_backend: str | None = None
     bad_series: bool = False  # x and y of different lengths: the results cannot be stored
     record_shares_process: bool = False  # record ctx.shares_process in the environment
-    keep_partial: bool = False  # a cancel keeps what was counted (summary, series `square`)
+    keep_partial: bool = False  # a cancel or failure keeps what was counted (summary, series `square`)
 
 
 def run_count(params: CountParams, ctx) -> JobOutput:
@@ -48,11 +49,18 @@ def run_count(params: CountParams, ctx) -> JobOutput:
     if params.record_shares_process:
         ctx.record("shares_process", ctx.shares_process)
     xs = []
+
+    def partial() -> JobOutput:
+        return JobOutput(summary={"total": sum(xs), "counted": len(xs)},
+                         series=[Series("square", xs, [x * x for x in xs])]
+                         + ([Series("bad", [1, 2], [1])] if params.bad_series else []))
+
     with ctx.stage("count"):
         for i in range(1, params.steps + 1):
             if params.fail and i >= params.fail_at:
                 if params.fail == "jobfailed":
-                    raise JobFailed(f"step {i} refuses to count; use fewer steps", error_type="bad-count")
+                    raise JobFailed(f"step {i} refuses to count; use fewer steps", error_type="bad-count",
+                                    partial=partial() if params.keep_partial else None)
                 raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
             if params.sleep:
                 time.sleep(params.sleep)
@@ -62,10 +70,11 @@ def run_count(params: CountParams, ctx) -> JobOutput:
             except JobCancelled:
                 if not params.keep_partial:
                     raise
-                partial = JobOutput(summary={"total": sum(xs), "counted": len(xs)},
-                                    series=[Series("square", xs, [x * x for x in xs])]
-                                    + ([Series("bad", [1, 2], [1])] if params.bad_series else []))
-                raise JobCancelled(partial=partial) from None
+                raise JobCancelled(partial=partial()) from None
+            except JobFailed as e:  # the time limit
+                if not params.keep_partial:
+                    raise
+                raise JobFailed(str(e), error_type=e.error_type, partial=partial()) from None
     with ctx.stage("plot"):
         (ctx.artifact_dir / "numbers.json").write_text(json.dumps(xs[:1000]))
         if params.plot:

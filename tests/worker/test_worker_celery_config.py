@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from lmscope.config import time_limits
 from lmscope.queue import QUEUE_NAME, TASK_NAME, make_celery
 
 
-@pytest.mark.parametrize("time_limit", [120, 21600])
+@pytest.mark.parametrize("time_limit", [2, 30, 120, 21600])
 def test_celery_settings(settings_factory, time_limit):
     conf = make_celery(settings_factory(broker_url="redis://127.0.0.1:6379/0", task_time_limit=time_limit)).conf
     # JSON only: a pickle message from anyone who can write to Redis would run code in the worker.
@@ -22,6 +23,8 @@ def test_celery_settings(settings_factory, time_limit):
     # The soft limit fails the job before the hard limit kills it, and both come before Redis hands the
     # still-running job's message to a second worker.
     assert 0 < conf.task_soft_time_limit < conf.task_time_limit == time_limit
+    # and the job's own deadline, checked at its progress reports, comes before the soft limit
+    assert 0 < time_limits(time_limit)[1] < conf.task_soft_time_limit
     assert conf.broker_transport_options["visibility_timeout"] > conf.task_time_limit
     assert conf.task_routes[TASK_NAME]["queue"] == QUEUE_NAME == conf.task_default_queue
 

@@ -235,6 +235,26 @@ def test_time_limit_fails_the_job(settings, sessions, make_job, job_row, publish
     assert runner.execute(job_id, replace(settings, task_time_limit=1), sessions, publisher) == "failed"
     job = job_row(job_id)
     assert job.error_type == "time-limit" and "LMSCOPE_TASK_TIME_LIMIT" in job.error_message
+    assert job.summary is None and series_of(sessions, job_id) == []
+    # the files it wrote before the limit can still be fetched
+    assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job_id))
+
+
+@pytest.mark.parametrize("how", ["time-limit", "refusal"])
+def test_a_failed_job_keeps_the_partial_results_its_analysis_hands_back(settings, sessions, make_job, job_row,
+                                                                       publisher, how):
+    params = {"steps": 1_000_000, "sleep": 0.001} if how == "time-limit" else {"steps": 50, "fail": "jobfailed",
+                                                                                "fail_at": 31}
+    job_id = make_job(params={**params, "plot": False, "keep_partial": True})
+    assert runner.execute(job_id, replace(settings, task_time_limit=2), sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert job.error_type == ("time-limit" if how == "time-limit" else "bad-count")
+    counted = job.summary["counted"]
+    assert counted == 30 if how == "refusal" else 0 < counted < 1_000_000
+    assert job.summary["total"] == counted * (counted + 1) // 2
+    (square,) = series_of(sessions, job_id)
+    assert list(square.x) == list(range(1, counted + 1)) and list(square.y) == [x * x for x in square.x]
+    assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job_id))
 
 
 def test_an_attempt_that_lost_its_row_writes_nothing(settings, sessions, make_job, job_row, publisher):
