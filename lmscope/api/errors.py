@@ -15,9 +15,11 @@ from typing import Any
 
 from flask import Flask, Response, json, request
 from pydantic import BaseModel
+from sqlalchemy.exc import OperationalError, ProgrammingError
 from werkzeug.exceptions import HTTPException
 
 from lmscope.catalog import NAME_PATTERN, NAME_RULE
+from lmscope.db.engine import schema_problem
 
 PROBLEM_BASE = "https://lmscope.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -209,6 +211,19 @@ def register_error_handlers(app: Flask) -> None:
             detail = e.description or e.name
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))
         return problem_response(status, slug, e.name or "Error", detail, headers=headers)
+
+    @app.errorhandler(OperationalError)
+    @app.errorhandler(ProgrammingError)
+    def _database(e: Exception):
+        # Not a bug of this request: the database is down, or not (yet) migrated to this lmscope's schema.
+        problem = schema_problem(app.extensions["lmscope"].engine)
+        if problem is None and isinstance(e, ProgrammingError):
+            return _unexpected(e)  # the schema is right: a bad query, a bug
+        log.warning("%s %s: the database failed: %s", request.method, request.path, str(e).splitlines()[0])
+        detail = problem or "the database failed to answer; retry shortly"
+        return problem_response(503, "database-unavailable", "Database unavailable",
+                                f"{detail} (GET /readyz says when the service is ready again)",
+                                headers={"Retry-After": "5"})
 
     @app.errorhandler(Exception)
     def _unexpected(e: Exception):

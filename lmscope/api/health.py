@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from flask import Blueprint
-from sqlalchemy import text
 
 from lmscope.api.errors import Problem
 from lmscope.api.state import state
+from lmscope.db.engine import schema_problem
 
 bp = Blueprint("health", __name__)
 
@@ -36,15 +36,13 @@ def ping_broker(url: str, timeout: float = 2.0) -> None:
 
 @bp.get("/readyz")
 def readyz():
-    """Ready to serve: the database answers `SELECT 1` and, when configured, the broker answers a ping."""
+    """Ready to serve: the database answers and has this lmscope's schema, and, when configured, the
+    broker answers a ping."""
     st = state()
     checks, failed = {}, []
-    try:
-        with st.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        checks["database"] = "ok"
-    except Exception as e:
-        checks["database"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
+    problem = schema_problem(st.engine)
+    checks["database"] = "ok" if problem is None else f"error: {problem}"
+    if problem is not None:
         failed.append("database")
     if st.settings.broker_url:
         try:

@@ -9,6 +9,7 @@ Keep transactions short: never hold a session open across a long computation.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -66,15 +67,38 @@ def alembic_config(url: str):
     return cfg
 
 
+@functools.cache
+def head_revision() -> str:
+    """The newest schema revision this code has (read once from the migration scripts)."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
 def schema_revisions(engine: Engine) -> tuple[str | None, str]:
     """(the database's Alembic revision, None for an empty one; the newest this code has)."""
     from alembic.migration import MigrationContext
-    from alembic.script import ScriptDirectory
 
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
-    scripts = ScriptDirectory.from_config(alembic_config(engine.url.render_as_string(hide_password=False)))
-    return current, scripts.get_current_head()
+    return current, head_revision()
+
+
+def schema_problem(engine: Engine) -> str | None:
+    """Why the database cannot serve this lmscope (it does not answer, has no tables, has an older
+    schema), in words that say what to do; None when it can."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        current, head = schema_revisions(engine)
+    except SQLAlchemyError as e:
+        first_line = (str(e).splitlines() or [repr(e)])[0]
+        return f"the database does not answer ({type(e).__name__}: {first_line})"
+    if current is None:
+        return "the database has no lmscope tables; create them with `lmscope db upgrade`"
+    if current != head:
+        return f"the database has schema revision {current}, this lmscope needs {head}; run `lmscope db upgrade`"
+    return None
 
 
 def upgrade(url: str, revision: str = "head") -> tuple[str | None, str | None]:

@@ -7,7 +7,9 @@ prefetch 1, hard time limit below Redis' visibility timeout, no result backend).
 Processes: the main process consumes messages and never opens the database or imports torch (so
 CUDA is initialised only in the prefork child that runs the job, and no SQLite state is copied into
 the children it forks). The child runs ``lmscope.run_job(job_id)`` → ``runner.execute``. The reaper
-runs in a process of its own (``python -m lmscope.worker.reaper``), started when the worker is ready.
+runs in a process of its own (``python -m lmscope.worker.reaper``), started when the worker is ready
+and started again if it dies. A worker whose database does not answer or lacks the schema refuses
+to start; a delivery that finds the database down before claiming its job puts the message back.
 
 ``run_worker(concurrency=1)`` is what ``lmscope worker`` calls.
 """
@@ -18,8 +20,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from celery import signals
+from celery.exceptions import Reject
 
 from lmscope.config import Settings
 from lmscope.queue import QUEUE_NAME, TASK_NAME, CeleryPublisher, make_celery
@@ -35,13 +40,39 @@ if not settings.broker_url:
 celery = make_celery(settings)
 load_extra_kinds()
 
+REDELIVER_AFTER_SECONDS = 5.0  # a database outage must not turn into a hot loop of deliveries
+REAPER_CHECK_SECONDS = 5.0
+
 _reaper = None
+_stopping = threading.Event()
+_reaper_lock = threading.Lock()  # the watcher's restart and the shutdown's stop
 
 
 @celery.task(name=TASK_NAME)
 def run_job(job_id: int) -> None:
     """Run one delivery of a job id. Never raises for a job's own failure: the row records it."""
-    runner.execute(int(job_id), settings, session_factory_for(settings), CeleryPublisher(app=celery))
+    try:
+        runner.execute(int(job_id), settings, session_factory_for(settings), CeleryPublisher(app=celery))
+    except runner.DatabaseUnavailable as e:
+        # Acked, the message would be gone and the job left queued until the reaper's late republish.
+        log.error("%s", e)
+        time.sleep(REDELIVER_AFTER_SECONDS)
+        raise Reject(str(e), requeue=True) from None
+
+
+@signals.worker_init.connect
+def _check_database(**_) -> None:
+    """Refuse to start (before any message is taken) on a database that cannot run jobs. Its own
+    engine, disposed at once: this process forks the pool's children and must hold no connection."""
+    from lmscope.db.engine import make_engine, schema_problem
+
+    engine = make_engine(settings.database_url)
+    try:
+        problem = schema_problem(engine)
+    finally:
+        engine.dispose()
+    if problem is not None:  # SystemExit, not an error: Celery's signal dispatch would log and go on
+        raise SystemExit(f"lmscope worker cannot start: {problem} (LMSCOPE_DATABASE_URL)")
 
 
 @signals.worker_process_init.connect
@@ -50,31 +81,50 @@ def _child_started(**_) -> None:
     forget_inherited_engines()
 
 
-@signals.worker_ready.connect
-def _start_reaper(**_) -> None:
-    """Start this worker's reaper process (every worker runs one; it is safe). It also upserts the
-    built-ins. A process, not a thread: this process forks the pool's children and must never hold a
-    database connection when it does (see ``lmscope.worker.reaper.run_reaper_process``)."""
+def _start_reaper_process() -> None:
     global _reaper
     _reaper = subprocess.Popen([sys.executable, "-m", "lmscope.worker.reaper", "--parent", str(os.getpid())])
     log.info("reaper process %s started", _reaper.pid)
 
 
+def _watch_reaper() -> None:
+    """A reaper that dies (OOM killer, a bug) is started again: without it lost jobs stay lost."""
+    while not _stopping.wait(REAPER_CHECK_SECONDS):
+        with _reaper_lock:
+            status = _reaper.poll()
+            if status is not None and not _stopping.is_set():
+                log.error("reaper process %s exited with status %s; starting a new one", _reaper.pid, status)
+                _start_reaper_process()
+
+
+@signals.worker_ready.connect
+def _start_reaper(**_) -> None:
+    """Start this worker's reaper process (every worker runs one; it is safe). It also upserts the
+    built-ins. A process, not a thread: this process forks the pool's children and must never hold a
+    database connection when it does (see ``lmscope.worker.reaper.run_reaper_process``). A thread here
+    only watches it."""
+    _start_reaper_process()
+    threading.Thread(target=_watch_reaper, name="lmscope-reaper-watch", daemon=True).start()
+
+
 @signals.worker_shutting_down.connect
 def _stop_reaper(**_) -> None:
-    if _reaper is not None and _reaper.poll() is None:
-        _reaper.terminate()
-        try:
-            _reaper.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            _reaper.kill()
+    _stopping.set()
+    with _reaper_lock:
+        if _reaper is not None and _reaper.poll() is None:
+            _reaper.terminate()
+            try:
+                _reaper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _reaper.kill()
 
 
-def worker_argv(concurrency: int = 1, loglevel: str = "info") -> list[str]:
+def worker_argv(concurrency: int = 1, loglevel: str = "info", name: str | None = None) -> list[str]:
     return ["worker", "-c", str(concurrency), "-P", "prefork", "-Q", QUEUE_NAME,
-            "--without-gossip", "--without-mingle", "-l", loglevel]
+            "--without-gossip", "--without-mingle", "-l", loglevel, *(["-n", f"{name}@%h"] if name else [])]
 
 
-def run_worker(concurrency: int = 1, loglevel: str = "info") -> None:
-    """Start a worker in this process (blocks). One per GPU: set CUDA_VISIBLE_DEVICES per worker."""
-    celery.worker_main(worker_argv(concurrency, loglevel))
+def run_worker(concurrency: int = 1, loglevel: str = "info", name: str | None = None) -> None:
+    """Start a worker in this process (blocks). One per GPU: set CUDA_VISIBLE_DEVICES per worker;
+    ``name`` tells workers of one host apart (``NAME@host``)."""
+    celery.worker_main(worker_argv(concurrency, loglevel, name))

@@ -185,14 +185,23 @@ def run_reaper_process(parent_pid: int) -> None:
         signal.signal(sig, lambda *_: stopping.set())
     interval = reap_interval(settings)
     log.info("reaper running every %.1f s (pid %s, worker %s)", interval, os.getpid(), parent_pid)
+    failing = False
     while not stopping.wait(interval):
         if os.getppid() != parent_pid:
             log.info("the worker (pid %s) is gone; the reaper stops", parent_pid)
             return
         try:
             reap(settings, sessions, publisher)
-        except Exception:  # the database may be briefly unreachable; try again next pass
-            log.exception("reaper pass failed")
+        except Exception as e:  # the database may be briefly unreachable; try again next pass
+            if not failing:
+                log.exception("reaper pass failed; retrying every %.1f s", interval)
+            else:  # the traceback once per outage, not every few seconds
+                log.warning("reaper pass failed again: %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0])
+            failing = True
+        else:
+            if failing:
+                log.info("reaper passes work again")
+            failing = False
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The same function serves the Celery task and the embedded worker thread. Its rul
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -30,10 +31,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sqlalchemy import delete, exists, insert, select, update
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.analyses import registry
@@ -380,13 +381,32 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     return status
 
 
+class DatabaseUnavailable(Exception):
+    """The database failed before this delivery claimed its job: nothing was changed, so the message
+    can go back to the queue (the Celery task rejects it for redelivery) instead of being lost."""
+
+    def __init__(self, job_id: int, error: Exception):
+        first_line = (str(error).splitlines() or [repr(error)])[0]
+        super().__init__(f"job {job_id}: the database failed before the job was claimed ({type(error).__name__}: "
+                         f"{first_line}); giving its message back to the queue")
+
+
+@contextlib.contextmanager
+def _before_the_claim(job_id: int) -> Iterator[None]:
+    # unreachable, or (ProgrammingError) a missing table: an unmigrated or wrong database
+    try:
+        yield
+    except (OperationalError, ProgrammingError) as e:
+        raise DatabaseUnavailable(job_id, e) from e
+
+
 def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
             worker: str | None = None, shutdown: threading.Event | None = None,
             shares_process: bool = False) -> str | None:
     """Run one delivery of ``job_id``. Returns the job's final status, or None when there was nothing to do.
     ``shares_process``: other jobs may run in this process at the same time (``JobContext.shares_process``)."""
     worker = worker or worker_id()
-    with session_factory() as session:
+    with _before_the_claim(job_id), session_factory() as session:
         kind = session.execute(select(Job.kind).where(Job.id == job_id)).scalar_one_or_none()
     if kind is None:
         log.warning("job %s does not exist; dropping its message", job_id)
@@ -395,7 +415,8 @@ def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Sessi
         return aggregate(job_id, settings, session_factory, publisher, worker=worker, shutdown=shutdown,
                          shares_process=shares_process)
 
-    claimed = claim(session_factory, job_id, worker)
+    with _before_the_claim(job_id):
+        claimed = claim(session_factory, job_id, worker)
     if claimed is None:
         return None
     if isinstance(claimed, Finished):
@@ -451,7 +472,8 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
               shares_process: bool = False) -> str | None:
     """Run a sweep's aggregator once its children are all terminal (exactly once across workers)."""
     worker = worker or worker_id()
-    attempt = claim_aggregation(session_factory, parent_id, worker)
+    with _before_the_claim(parent_id):
+        attempt = claim_aggregation(session_factory, parent_id, worker)
     if attempt is None:
         return None  # children still active, or another worker aggregates
     children = child_results(session_factory, parent_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -25,6 +26,24 @@ def test_readiness_pings_the_broker(make_api, redis_server):
     body = is_problem(r, 503, "not-ready")
     assert body["checks"]["database"] == "ok" and body["checks"]["broker"].startswith("error")
     assert "broker" in body["detail"] and r.headers["Retry-After"]
+
+
+def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(make_api, tmp_path):
+    """Not "a bug" (500): the operator forgot `lmscope db upgrade`, or the database is down."""
+    empty = make_api(database_url=f"sqlite:///{tmp_path / 'empty.db'}", auth=False)
+    body = is_problem(empty.client.get("/readyz"), 503, "not-ready")
+    assert "no lmscope tables" in body["checks"]["database"] and "lmscope db upgrade" in body["detail"]
+    r = empty.client.get("/v1/jobs")
+    body = is_problem(r, 503, "database-unavailable")
+    assert "no lmscope tables; create them with `lmscope db upgrade`" in body["detail"] and r.headers["Retry-After"]
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = make_api(database_url=f"postgresql+psycopg://lmscope@127.0.0.1:{port}/lmscope")
+    body = is_problem(down.client.get("/v1/jobs", headers={"Authorization": "Bearer x"}), 503, "database-unavailable")
+    assert body["detail"].startswith("the database does not answer (OperationalError")
+    assert "database" in is_problem(down.client.get("/readyz"), 503, "not-ready")["checks"]
 
 
 def test_metrics_count_requests_and_jobs(api):

@@ -3,7 +3,9 @@
 (a) a job submitted over HTTP runs and its results are readable over HTTP (and a running job is
 cancelled over HTTP); (b) SIGKILL of the worker's child mid-job → retried,
 one set of results, attempts == 2; (c) a message that was never sent → the reaper publishes it;
-(d) Redis restarted with a job queued and no worker running → the job still runs.
+(d) Redis restarted with a job queued and no worker running → the job still runs; (e) a worker refuses to
+start on an unmigrated database; (f) a delivery that finds the database failing gives its message back;
+(g) a reaper that dies is started again.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def delivery(db_url, redis_server, tmp_path, settings_factory):
             return w
 
     Delivery.settings = settings
+    Delivery.env = env
     yield Delivery
     for w in workers:
         w.stop()
@@ -233,3 +236,53 @@ def test_a_queued_job_survives_a_redis_restart(delivery, sessions, make_job, job
     job = wait_for_status(job_row, job_id, timeout=60)
     # Delivered from Redis' AOF: the reaper did not publish it again (it would have set published_at).
     assert job.attempts == 1 and job.published_at == published_at
+
+
+def test_a_worker_refuses_to_start_on_a_database_without_the_schema(delivery, tmp_path):
+    """Started, it would take messages off the queue and drop them (every claim fails)."""
+    log = tmp_path / "unmigrated-worker.log"
+    env = dict(delivery.env, LMSCOPE_DATABASE_URL=f"sqlite:///{tmp_path / 'empty.db'}")
+    worker = CeleryWorker(env, log)
+    try:
+        assert worker.proc.wait(timeout=60) != 0
+    finally:
+        worker.stop()
+    assert "no lmscope tables; create them with `lmscope db upgrade`" in log.read_text()
+    assert " ready." not in log.read_text()
+
+
+def test_a_delivery_that_finds_the_database_failing_puts_its_message_back(delivery, sessions, make_job, job_row,
+                                                                          db_url):
+    """The jobs table is out of reach (renamed) when the message arrives: the message must come back, not
+    be acked and lost; once the table is back, the same message runs the job (the reaper did not republish)."""
+    from sqlalchemy import text
+
+    from lmscope.db.engine import make_engine
+
+    published_at = utcnow()  # recent: the reaper has no reason to publish it again within the test
+    job_id = make_job(params={"steps": 3, "plot": False}, published_at=published_at)
+    worker = delivery.start()
+    engine = make_engine(db_url)
+    with engine.begin() as c:
+        c.execute(text("ALTER TABLE jobs RENAME TO jobs_away"))
+    delivery.publisher.publish(job_id)
+    wait_until(lambda: "giving its message back to the queue" in worker.log_path.read_text(), timeout=60,
+               what="the worker to give the message back")
+    with engine.begin() as c:
+        c.execute(text("ALTER TABLE jobs_away RENAME TO jobs"))
+    engine.dispose()
+    job = wait_for_status(job_row, job_id, timeout=60, worker_log=worker.log_path)
+    assert job.attempts == 1 and job.summary["total"] == 6 and job.published_at == published_at
+
+
+def test_a_reaper_that_dies_is_started_again(delivery):
+    worker = delivery.start()
+
+    def reapers():
+        return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_reaper_of(p, worker.proc.pid)]
+
+    wait_until(lambda: len(reapers()) == 1, timeout=30, what="the worker's reaper")
+    (first,) = reapers()
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: reapers() and reapers() != [first], timeout=30, what="a new reaper")
+    assert "exited with status -9; starting a new one" in worker.log_path.read_text()
