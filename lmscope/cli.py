@@ -235,14 +235,18 @@ def report_final(c: Client, job: dict[str, Any]) -> None:
         click.echo("children: " + ", ".join(f"{counts[s]} {s}" for s in ("succeeded", "failed", "cancelled") if counts.get(s)))
     for key, value in (job.get("summary") or {}).items():
         click.echo(f"  {key}: {summary_value(value)}")
-    if job["status"] == "succeeded" or job.get("summary"):
+    if job["status"] in TERMINAL_STATES:  # a failed or cancelled job keeps the files it wrote too
         artifacts = c.artifacts(job["id"])
         plots = [a for a in artifacts if a["media_type"] == "image/png"]
         if artifacts:
             click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}): "
                        f"lmscope fetch {job['id']} DIR")
-            for a in plots:
-                click.echo(f"  {c.url}{a['url']}")
+            if c.token and plots:  # a browser sends no token: the plots' URLs would answer 401
+                click.echo(f"  plots: {', '.join(a['name'] for a in plots)} (also on {c.url}/#job={job['id']}, "
+                           "with your token in the page's token field)")
+            elif plots:
+                for a in plots:
+                    click.echo(f"  {c.url}{a['url']}")
 
 
 def wait_and_report(c: Client, job_id: int, timeout: float | None) -> None:
@@ -295,11 +299,12 @@ def up(host, port):
 @main.command()
 @click.option("--concurrency", "-c", type=int, default=1, show_default=True, help="job processes (keep 1 per GPU)")
 @click.option("--loglevel", default="info", show_default=True)
-def worker(concurrency, loglevel):
+@click.option("--name", help="node name, e.g. gpu0: the worker is gpu0@HOST (tells two workers of one host apart)")
+def worker(concurrency, loglevel, name):
     """Run a Celery worker (team deployment; one per GPU, CUDA_VISIBLE_DEVICES picks it)."""
     from lmscope.worker.celery_app import run_worker
 
-    run_worker(concurrency=concurrency, loglevel=loglevel)
+    run_worker(concurrency=concurrency, loglevel=loglevel, name=name)
 
 
 @main.group()
@@ -590,13 +595,15 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 @click.option("--children", "with_children", is_flag=True, help="also list sweeps' children (hidden by default)")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="at most this many jobs")
 @click.option("--all", "all_", is_flag=True, help="every job, however many")
+@click.option("--user", help="admins: only this user's jobs")
 @click.option("--json", "as_json", is_flag=True)
-def jobs(kind, status, tag, parent, with_children, limit, all_, as_json):
-    """List your jobs, newest first (a sweep's children only with --children, --parent ID or a child --kind)."""
+def jobs(kind, status, tag, parent, with_children, limit, all_, user, as_json):
+    """List your jobs (an admin: everyone's), newest first (a sweep's children only with --children,
+    --parent ID or a child --kind)."""
     c = client()
     if parent is None and not with_children and (kind is None or kind not in _child_kinds(c)):
         parent = "none"  # one row per sweep, not one per grid point
-    filters = {"kind": kind, "status": status, "tag": tag, "parent": parent}
+    filters = {"kind": kind, "status": status, "tag": tag, "parent": parent, "user": user}
     if all_:
         items, more = list(c.list(page_size=500, **filters)), False
     else:  # one job past the limit tells whether the list was cut off
@@ -630,7 +637,10 @@ def show(job_id, as_json):
     if as_json:
         click.echo(json.dumps(job, indent=2))
         return
-    for key in ("id", "kind", "name", "status", "user", "parent_id", "attempts", "created_at", "started_at", "finished_at"):
+    # published_at on a queued job: handed to the queue (waiting for a worker) or not yet (the reaper sends it)
+    keys = ("id", "kind", "name", "status", "user", "parent_id", "attempts", "created_at",
+            *(("published_at",) if job.get("status") == "queued" else ()), "started_at", "finished_at")
+    for key in keys:
         if job.get(key) is not None:
             click.echo(f"{key:12} {job[key]}")
     if job.get("progress"):

@@ -127,6 +127,31 @@ def test_jobs_says_when_the_list_was_cut_off(api, cli):
     assert len(every.stdout.splitlines()) == 4 and "more" not in every.stderr
 
 
+def test_an_admin_lists_one_users_jobs_and_a_user_cannot(api, cli, live):
+    ann = api.submit(api.user("ann")).get_json()["id"]
+    bob = api.submit(api.user("bob")).get_json()["id"]
+    api.user("root", admin=True)
+    admin = CliRunner(env={"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["root"]})
+
+    def listed(r):
+        assert r.exit_code == 0, r.output
+        return r.stdout.splitlines()[0].split(), [int(line.split()[0]) for line in r.stdout.splitlines()[1:]]
+
+    header, ids = listed(admin.invoke(main, ["jobs"]))
+    assert ids == [bob, ann] and "USER" in header  # everyone's, with whose they are
+    assert listed(admin.invoke(main, ["jobs", "--user", "bob"]))[1] == [bob]
+    refused = cli("jobs", "--user", "bob")
+    assert refused.exit_code == 1 and "admin" in refused.output
+
+
+def test_show_says_whether_a_queued_job_was_handed_to_the_queue(api, cli):
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    api.set_job(job_id, published_at=None)
+    assert "published_at" not in cli("show", str(job_id)).stdout
+    api.set_job(job_id, published_at=utcnow())
+    assert "published_at" in cli("show", str(job_id)).stdout
+
+
 def test_jobs_filter_errors_name_the_valid_values(cli):
     typo = cli("jobs", "--kind", "nrms")
     assert typo.exit_code == 1 and "'nrms'" in typo.stderr and "norms" in typo.stderr
@@ -238,6 +263,19 @@ def test_wait_prints_the_summary_as_json_values(api, cli):
     out = cli("wait", str(job_id)).stdout
     assert "loss_filter: null" in out and "sequence_pct: 46.4\n" in out and "position: last" in out
     assert "ok: true" in out
+
+
+def test_wait_names_a_failed_jobs_plots_without_urls_a_browser_cannot_open(api, cli, live):
+    """With a token the artifact URLs answer 401 in a browser: name the plots and the dashboard page instead."""
+    from lmscope.db.models import Artifact
+
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="time-limit", error_message="too long")
+    with api.sessions.begin() as session:
+        session.add(Artifact(job_id=job_id, name="loss.png", media_type="image/png", size=1, sha256="0" * 64))
+    out = cli("wait", str(job_id)).stdout
+    assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in out  # a failed job's files are listed too
+    assert f"plots: loss.png (also on {live.url}/#job={job_id}" in out and "/artifacts/" not in out
 
 
 def test_the_cli_finds_a_local_server_on_lmscope_port(monkeypatch):
