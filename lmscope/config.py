@@ -73,7 +73,7 @@ def time_limits(hard: int) -> tuple[int, float]:
     return max(1, hard - margin), max(0.5, hard - 2 * margin)
 
 
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _bool(env, name, default: bool) -> bool:
@@ -114,7 +114,8 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
-        env = dict(os.environ if env is None else env)
+        # An empty variable is an unset one (LMSCOPE_DATA_DIR= would otherwise mean the working directory)
+        env = {k: v for k, v in (os.environ if env is None else env).items() if v.strip() != ""}
         # Absolute, so that a relative LMSCOPE_DATA_DIR means the same folder to every component
         # (Flask's send_file, for one, resolves relative paths against the package, not the cwd).
         data_dir = Path(env.get("LMSCOPE_DATA_DIR", Path.home() / ".lmscope")).expanduser().absolute()

@@ -27,12 +27,23 @@ def test_embedded_mode_defaults_to_no_tokens_and_a_broker_turns_them_on():
 
 def test_on_off_words_any_case_and_anything_else_is_refused_by_name():
     for word, on in [("1", True), ("TRUE", True), ("yes", True), ("On", True),
-                     ("0", False), ("False", False), ("no", False), ("OFF", False), ("", False)]:
+                     ("0", False), ("False", False), ("no", False), ("OFF", False)]:
         assert Settings.from_env({"LMSCOPE_AUTH": word}).auth is on, word
     # an explicit word wins over the broker's default either way
     assert Settings.from_env({"LMSCOPE_AUTH": "off", "LMSCOPE_BROKER_URL": "redis://r:6379/0"}).auth is False
     with pytest.raises(ConfigError, match=r"LMSCOPE_AUTH='disabled' is neither on nor off; write LMSCOPE_AUTH=1"):
         Settings.from_env({"LMSCOPE_AUTH": "disabled"})
+
+
+def test_an_empty_variable_is_an_unset_one(tmp_path, monkeypatch):
+    """`LMSCOPE_DATA_DIR=` must not mean the working directory, nor `LMSCOPE_DATABASE_URL=` an unparsable URL."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    empty = Settings.from_env({name: "" for name in ("LMSCOPE_DATA_DIR", "LMSCOPE_DATABASE_URL", "LMSCOPE_ARTIFACT_DIR",
+                                                     "LMSCOPE_MAX_ACTIVE_JOBS", "LMSCOPE_PORT")})
+    assert empty == Settings.from_env({})
+    assert empty.data_dir == tmp_path / ".lmscope" and empty.database_url.startswith("sqlite:///")
+    # and an empty LMSCOPE_AUTH leaves the default: tokens on where there is a broker
+    assert Settings.from_env({"LMSCOPE_AUTH": " ", "LMSCOPE_BROKER_URL": "redis://r:6379/0"}).auth is True
 
 
 def test_a_malformed_number_names_its_variable_and_the_default():
