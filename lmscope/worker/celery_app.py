@@ -42,6 +42,7 @@ load_extra_kinds()
 
 REDELIVER_AFTER_SECONDS = 5.0  # a database outage must not turn into a hot loop of deliveries
 REAPER_CHECK_SECONDS = 5.0
+REAPER_MAX_BACKOFF_SECONDS = 300.0
 
 _reaper = None
 _stopping = threading.Event()
@@ -66,11 +67,14 @@ def _check_database(**_) -> None:
     engine, disposed at once: this process forks the pool's children and must hold no connection."""
     from lmscope.db.engine import make_engine, schema_problem
 
-    engine = make_engine(settings.database_url)
     try:
-        problem = schema_problem(engine)
-    finally:
-        engine.dispose()
+        engine = make_engine(settings.database_url)
+        try:
+            problem = schema_problem(engine)
+        finally:
+            engine.dispose()
+    except Exception as e:  # no driver, an unwritable SQLite folder, …: a worker that starts would drop jobs
+        problem = f"{type(e).__name__}: {e}"
     if problem is not None:  # SystemExit, not an error: Celery's signal dispatch would log and go on
         raise SystemExit(f"lmscope worker cannot start: {problem} (LMSCOPE_DATABASE_URL)")
 
@@ -88,13 +92,20 @@ def _start_reaper_process() -> None:
 
 
 def _watch_reaper() -> None:
-    """A reaper that dies (OOM killer, a bug) is started again: without it lost jobs stay lost."""
-    while not _stopping.wait(REAPER_CHECK_SECONDS):
+    """A reaper that dies (OOM killer, a bug) is started again: without it lost jobs stay lost. One that
+    keeps dying is restarted less and less often (up to every REAPER_MAX_BACKOFF_SECONDS)."""
+    wait = REAPER_CHECK_SECONDS
+    while not _stopping.wait(wait):
         with _reaper_lock:
-            status = _reaper.poll()
-            if status is not None and not _stopping.is_set():
-                log.error("reaper process %s exited with status %s; starting a new one", _reaper.pid, status)
+            if _stopping.is_set() or _reaper.poll() is None:
+                wait = REAPER_CHECK_SECONDS
+                continue
+            log.error("reaper process %s exited with status %s; starting a new one", _reaper.pid, _reaper.returncode)
+            try:
                 _start_reaper_process()
+            except OSError as e:  # no memory or processes left: try again later rather than stop watching
+                log.error("could not start a reaper process: %s", e)
+            wait = min(wait * 2, REAPER_MAX_BACKOFF_SECONDS)
 
 
 @signals.worker_ready.connect
@@ -109,14 +120,19 @@ def _start_reaper(**_) -> None:
 
 @signals.worker_shutting_down.connect
 def _stop_reaper(**_) -> None:
+    # Celery sends this again on a second SIGTERM or Ctrl+C, possibly inside this very call (its signal
+    # handler): only the first stops the reaper, and no lock is held while it waits.
+    if _stopping.is_set():
+        return
     _stopping.set()
-    with _reaper_lock:
-        if _reaper is not None and _reaper.poll() is None:
-            _reaper.terminate()
-            try:
-                _reaper.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                _reaper.kill()
+    with _reaper_lock:  # the watcher has finished any restart; it starts no other now
+        reaper = _reaper
+    if reaper is not None and reaper.poll() is None:
+        reaper.terminate()
+        try:
+            reaper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
 
 
 def worker_argv(concurrency: int = 1, loglevel: str = "info", name: str | None = None) -> list[str]:
