@@ -219,7 +219,13 @@ def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str
     # An attempt that ran keeps the files it wrote, however it ended: a cancelled or timed-out train run
     # its checkpoints, a failed job what it got to (for diagnosis), with or without results.
     keep_files = artifact_dir is not None
-    artifacts = scan_artifacts(artifact_dir) if keep_files else []
+    try:
+        artifacts = scan_artifacts(artifact_dir) if keep_files else []
+    except OSError as e:  # a failed or cancelled job still ends, without its files (an unreadable store)
+        if status == "succeeded":
+            raise
+        log.warning("job %s: its files could not be listed (%s); stored without them", attempt.job_id, e)
+        artifacts = []
     with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
         if done.rowcount != 1:
@@ -317,68 +323,75 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                         deadline=deadline, shares_process=shares_process, cancellable=not after_cancel)
     started = time.perf_counter()
     heartbeat.start()
-    status, values, output = None, {}, None
-    try:
-        with ctx.stage("total"):
-            params = validate_params(attempt.kind, attempt.params, internal=True)
-            output = compute(params, ctx)
-        if not isinstance(output, JobOutput):
-            raise TypeError(f"the {attempt.kind} analysis returned {type(output).__name__}, not JobOutput")
-        status, values = "succeeded", dict(summary=output.summary)
-    except AttemptLost:
-        log.warning("job %s attempt %s lost its row (re-queued elsewhere); stopping", attempt.job_id, attempt.number)
-        return None
-    except WorkerShutdown:
-        # Give the job back without counting the attempt: a sweep parent waits for aggregation again.
-        with session_factory() as session, session.begin():
-            session.execute(update(Job).where(attempt.owned()).values(
-                **give_back_values(attempt.kind, attempts=Job.attempts - 1, heartbeat_at=None)))
-        log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
-        return None
-    except JobCancelled as e:
-        status, output = "cancelled", e.partial  # what the analysis chose to keep, if anything
-        if output is not None:
-            values = dict(summary=output.summary)
-    except Exception as e:
-        status, output = "failed", e.partial if isinstance(e, JobFailed) else None
-        error_type, message = _failure(e)
-        values = dict(error_type=error_type[:64], error_message=message)
-        if output is not None:
-            values["summary"] = output.summary
-        if not isinstance(e, JobFailed):
-            log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
-            ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
+    try:  # the heartbeat goes on while the results are stored (hashing big files takes a while)
+        status, values, output = None, {}, None
+        try:
+            with ctx.stage("total"):
+                params = validate_params(attempt.kind, attempt.params, internal=True)
+                output = compute(params, ctx)
+            if not isinstance(output, JobOutput):
+                raise TypeError(f"the {attempt.kind} analysis returned {type(output).__name__}, not JobOutput")
+            status, values = "succeeded", dict(summary=output.summary)
+        except AttemptLost:
+            log.warning("job %s attempt %s lost its row (re-queued elsewhere); stopping",
+                        attempt.job_id, attempt.number)
+            return None
+        except WorkerShutdown:
+            # Give the job back without counting the attempt: a sweep parent waits for aggregation again.
+            with session_factory() as session, session.begin():
+                session.execute(update(Job).where(attempt.owned()).values(
+                    **give_back_values(attempt.kind, attempts=Job.attempts - 1, heartbeat_at=None)))
+            log.info("job %s returned to the queue (worker shutting down)", attempt.job_id)
+            return None
+        except JobCancelled as e:
+            status, output = "cancelled", e.partial  # what the analysis chose to keep, if anything
+            if output is not None:
+                values = dict(summary=output.summary)
+        except Exception as e:
+            status, output = "failed", e.partial if isinstance(e, JobFailed) else None
+            error_type, message = _failure(e)
+            values = dict(error_type=error_type[:64], error_message=message)
+            if output is not None:
+                values["summary"] = output.summary
+            if not isinstance(e, JobFailed):
+                log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
+                ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
+        if after_cancel:
+            status = "cancelled"  # the results (if compute returned any) are stored with it
+
+        if ctx.last_progress is not None:
+            done, total, stage = ctx.last_progress
+            values.update(progress_done=done, progress_total=total, progress_stage=stage, progress_at=utcnow())
+        values.update(final)
+        if final_summary is not None:
+            values["summary"] = {**(values.get("summary") or {}), **final_summary}
+        values["environment"] = environment_record(device, ctx.timings, time.perf_counter() - started, ctx.environment,
+                                                   attempt=attempt.number, worker=attempt.worker)
+        values["heartbeat_at"] = utcnow()
+        try:
+            stored = _finish_retrying(session_factory, attempt, status, output=output, artifact_dir=folder, **values)
+        except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
+            if isinstance(e, OperationalError):
+                raise  # the database is unreachable: the row stays running and the reaper retries the job
+            if output is None:
+                raise
+            log.exception("job %s: storing results failed", attempt.job_id)
+            error_type, message = _failure(e)
+            if status == "failed":  # the job's own failure stays the reason
+                values.update(error_message=f"{values['error_message']} (storing its partial results failed too: "
+                                            f"{message})", summary=final_summary)
+            else:
+                status = "cancelled" if after_cancel or status == "cancelled" else "failed"
+                values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}",
+                              summary=final_summary)
+            stored = finish(session_factory, attempt, status, artifact_dir=folder, **values)
+        if not stored:
+            log.warning("job %s attempt %s: row taken by another attempt; results discarded",
+                        attempt.job_id, attempt.number)
+            return None
+        return status
     finally:
         heartbeat.stop()
-    if after_cancel:
-        status = "cancelled"  # the results (if compute returned any) are stored with it
-
-    if ctx.last_progress is not None:
-        done, total, stage = ctx.last_progress
-        values.update(progress_done=done, progress_total=total, progress_stage=stage, progress_at=utcnow())
-    values.update(final)
-    if final_summary is not None:
-        values["summary"] = {**(values.get("summary") or {}), **final_summary}
-    values["environment"] = environment_record(device, ctx.timings, time.perf_counter() - started, ctx.environment,
-                                               attempt=attempt.number, worker=attempt.worker)
-    values["heartbeat_at"] = utcnow()
-    try:
-        stored = _finish_retrying(session_factory, attempt, status, output=output, artifact_dir=folder, **values)
-    except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
-        if isinstance(e, OperationalError):
-            raise  # the database is unreachable: the row stays running and the reaper retries the job
-        if output is None:
-            raise
-        log.exception("job %s: storing results failed", attempt.job_id)
-        error_type, message = _failure(e)
-        status = "cancelled" if after_cancel or status == "cancelled" else "failed"
-        values.update(error_type=error_type[:64], error_message=f"storing the results failed: {message}",
-                      summary=final_summary)
-        stored = finish(session_factory, attempt, status, **values)
-    if not stored:
-        log.warning("job %s attempt %s: row taken by another attempt; results discarded", attempt.job_id, attempt.number)
-        return None
-    return status
 
 
 class DatabaseUnavailable(Exception):

@@ -211,6 +211,9 @@ def test_results_are_replaced_not_duplicated_by_a_retry(settings, sessions, make
     ({"steps": -1}, "invalid-params", "steps"),
     ({"colour": "red"}, "invalid-params", "colour"),
     ({"bad_series": True}, "ValueError", "storing the results failed: series 'bad' has 2 x values but 1 y values"),
+    # partial results that cannot be stored: the job's own failure stays the reason
+    ({"fail": "jobfailed", "fail_at": 4, "keep_partial": True, "bad_series": True}, "bad-count",
+     "step 4 refuses to count; use fewer steps (storing its partial results failed too: series 'bad' has 2 x"),
 ])
 def test_failures_are_recorded_not_retried(settings, sessions, make_job, job_row, publisher, params, error_type, message):
     job_id = make_job(params={"plot": False, **params})
@@ -255,6 +258,19 @@ def test_a_failed_job_keeps_the_partial_results_its_analysis_hands_back(settings
     (square,) = series_of(sessions, job_id)
     assert list(square.x) == list(range(1, counted + 1)) and list(square.y) == [x * x for x in square.x]
     assert {"attempt-1.txt", "checkpoints/from-attempt-1.txt"} <= set(artifacts_of(sessions, job_id))
+
+
+def test_a_failed_job_whose_files_cannot_be_listed_still_fails_with_its_own_error(settings, sessions, make_job,
+                                                                                 job_row, publisher, monkeypatch):
+    """An unreadable artifact store (NFS ESTALE) must not leave the row running for the reaper to misreport."""
+    def unreadable(path):
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(runner, "scan_artifacts", unreadable)
+    job_id = make_job(params={"plot": False, "fail": "jobfailed", "fail_at": 2})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert job.error_type == "bad-count" and artifacts_of(sessions, job_id) == {}
 
 
 def test_an_attempt_that_lost_its_row_writes_nothing(settings, sessions, make_job, job_row, publisher):
