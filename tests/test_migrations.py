@@ -60,3 +60,20 @@ def test_downgrading_the_limits_keeps_users_tokens_and_jobs(db_url):
     engine.dispose()
     assert counts == [1, 1, 1] and "max_sweep_points" not in columns
     upgrade(db_url)
+
+
+def test_schema_problem_says_what_to_do_for_each_state_of_the_database(tmp_path):
+    from lmscope.db.engine import head_revision, make_engine, schema_problem
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    engine = make_engine(url)
+    assert "no lmscope tables; create them with `lmscope db upgrade`" in schema_problem(engine)
+    upgrade(url, "0001")
+    assert schema_problem(engine) == (f"the database has schema revision 0001, this lmscope needs {head_revision()}; "
+                                      "run `lmscope db upgrade`")
+    upgrade(url)
+    assert schema_problem(engine) is None
+    with engine.begin() as c:  # migrated by a newer lmscope: upgrading the database is not the fix
+        c.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    assert "9999, which this lmscope does not know" in schema_problem(engine)
+    engine.dispose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+import time
 import typing
 from typing import Any
 
@@ -212,15 +213,19 @@ def register_error_handlers(app: Flask) -> None:
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))
         return problem_response(status, slug, e.name or "Error", detail, headers=headers)
 
+    last_check = [float("-inf"), None]  # (when, schema_problem): one probe per few seconds, not per request
+
     @app.errorhandler(OperationalError)
     @app.errorhandler(ProgrammingError)
     def _database(e: Exception):
-        # Not a bug of this request: the database is down, or not (yet) migrated to this lmscope's schema.
-        problem = schema_problem(app.extensions["lmscope"].engine)
-        if problem is None and isinstance(e, ProgrammingError):
-            return _unexpected(e)  # the schema is right: a bad query, a bug
+        # Not a bug of this request when the database is down, or not (yet) migrated to this lmscope's schema.
+        if time.monotonic() - last_check[0] > 5.0:
+            last_check[:] = [time.monotonic(), schema_problem(app.extensions["lmscope"].engine)]
+        problem = last_check[1]
+        if problem is None and not getattr(e, "connection_invalidated", False):
+            return _unexpected(e)  # the database answers with the right schema: a bad query, a bug
         log.warning("%s %s: the database failed: %s", request.method, request.path, str(e).splitlines()[0])
-        detail = problem or "the database failed to answer; retry shortly"
+        detail = problem or "the connection to the database was lost; retry shortly"
         return problem_response(503, "database-unavailable", "Database unavailable",
                                 f"{detail} (GET /readyz says when the service is ready again)",
                                 headers={"Retry-After": "5"})

@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+CONNECT_TIMEOUT_SECONDS = 10
 
 
 def make_engine(url: str, **kwargs) -> Engine:
@@ -44,6 +45,9 @@ def make_engine(url: str, **kwargs) -> Engine:
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    if u.get_backend_name() == "postgresql" and "connect_timeout" not in u.query:
+        # an unreachable host fails in seconds, not after the kernel's two-minute TCP timeout
+        kwargs.setdefault("connect_args", {"connect_timeout": CONNECT_TIMEOUT_SECONDS})
     return create_engine(url, **kwargs)
 
 
@@ -75,6 +79,13 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
 
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    from alembic.script import ScriptDirectory
+
+    return frozenset(s.revision for s in ScriptDirectory.from_config(alembic_config("sqlite://")).walk_revisions())
+
+
 def schema_revisions(engine: Engine) -> tuple[str | None, str]:
     """(the database's Alembic revision, None for an empty one; the newest this code has)."""
     from alembic.migration import MigrationContext
@@ -96,6 +107,9 @@ def schema_problem(engine: Engine) -> str | None:
         return f"the database does not answer ({type(e).__name__}: {first_line})"
     if current is None:
         return "the database has no lmscope tables; create them with `lmscope db upgrade`"
+    if current not in known_revisions():
+        return (f"the database has schema revision {current}, which this lmscope does not know (a newer "
+                f"lmscope migrated it, this one needs {head}); run the newer lmscope")
     if current != head:
         return f"the database has schema revision {current}, this lmscope needs {head}; run `lmscope db upgrade`"
     return None

@@ -46,6 +46,20 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
     assert "database" in is_problem(down.client.get("/readyz"), 503, "not-ready")["checks"]
 
 
+def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api):
+    """SQLite raises OperationalError for "no such column" too: that must stay a 500 with its traceback logged."""
+    from sqlalchemy import text
+
+    api = make_api(auth=False)
+
+    @api.app.get("/v1/broken")
+    def broken():
+        with api.app.extensions["lmscope"].sessions() as session:
+            session.execute(text("SELECT no_such_column FROM jobs"))
+
+    is_problem(api.client.get("/v1/broken"), 500, "internal-error")
+
+
 def test_metrics_count_requests_and_jobs(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]
