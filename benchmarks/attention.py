@@ -177,7 +177,12 @@ def run(args):
     print("|---|---|---|---|---|---|---|")
     for d in args.dims:
         for n in args.ns:
-            res = bench_options(b, h, n, d, dtype, device, args)
+            try:
+                res = bench_options(b, h, n, d, dtype, device, args)
+            except (RuntimeError, MemoryError) as exc:  # the inputs themselves do not fit
+                if not is_oom(exc):
+                    raise
+                res = {"plain": None, "softcap": None, "window": None}
             t = {name: r[0] if r else None for name, r in res.items()}
 
             def ms(name):

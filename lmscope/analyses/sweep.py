@@ -554,9 +554,8 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         **({"linformer_projection": params.linformer_projection} if "linformer" in references else {}),
         "plots": ["attention_approx.png"],
     }
-    # every child reads the same windows of the same model, so one child's windows are all children's
-    windowed = next(((c.summary or {}).get("sliding_windows") for c in ok if (c.summary or {}).get("sliding_windows")),
-                    None)
+    # the children read the same windows of the same model; their union, should they ever disagree
+    windowed = {k: w for c in ok for k, w in ((c.summary or {}).get("sliding_windows") or {}).items()}
     if windowed:
         summary["sliding_windows"] = windowed
         summary["sliding_window_note"] = sliding_window_note({int(k): w for k, w in windowed.items()}, params.seq_len)
@@ -568,7 +567,7 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
                           + ")",
                     notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
                     timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}),
-                    windows={int(k): w for k, w in (windowed or {}).items()})
+                    windows={int(k): w for k, w in windowed.items()})
     return JobOutput(summary, series)
 
 

@@ -370,6 +370,8 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                     per_step = (time.perf_counter() - loop_start) / (step - start_step)
                     ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
                                                 f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
+                else:  # a cancel or the time limit between reports: stop after this step, not up to 9 later
+                    ctx.check_cancelled()
     except JobCancelled:
         if step >= p.steps:  # the cancel came with the last step: the run is complete
             return results()
