@@ -5,7 +5,7 @@ cancelled over HTTP); (b) SIGKILL of the worker's child mid-job → retried,
 one set of results, attempts == 2; (c) a message that was never sent → the reaper publishes it;
 (d) Redis restarted with a job queued and no worker running → the job still runs; (e) a worker refuses to
 start on an unmigrated database; (f) a delivery that finds the database failing gives its message back;
-(g) a reaper that dies is started again.
+(g) a reaper that dies is started again; (h) the job's own deadline fires before Celery's soft limit.
 """
 
 from __future__ import annotations
@@ -286,3 +286,20 @@ def test_a_reaper_that_dies_is_started_again(delivery):
     os.kill(first, signal.SIGKILL)
     wait_until(lambda: reapers() and reapers() != [first], timeout=30, what="a new reaper")
     assert "exited with status -9; starting a new one" in worker.log_path.read_text()
+
+
+def test_under_celery_the_jobs_own_deadline_comes_before_the_soft_limit(delivery, sessions, make_job, job_row,
+                                                                         tmp_path):
+    """With LMSCOPE_TASK_TIME_LIMIT=20 the job's deadline (18 s) fires at a progress report before Celery's soft
+    limit (19 s) would interrupt it anywhere: the job fails with time-limit and keeps what it counted."""
+    log = tmp_path / "limited-worker.log"
+    worker = CeleryWorker(dict(delivery.env, LMSCOPE_TASK_TIME_LIMIT="20"), log)
+    try:
+        worker.wait_ready()
+        job_id = make_job(params={"steps": 1_000_000, "sleep": 0.001, "plot": False, "keep_partial": True})
+        publish_jobs(delivery.publisher, sessions, [job_id])
+        job = wait_for_status(job_row, job_id, status="failed", timeout=90, worker_log=log)
+    finally:
+        worker.stop()
+    assert job.error_type == "time-limit" and 0 < job.summary["counted"] < 1_000_000
+    assert series_names(sessions, job_id) == ["square"] and "SoftTimeLimitExceeded" not in log.read_text()
