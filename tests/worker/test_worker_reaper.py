@@ -6,7 +6,9 @@ import threading
 from collections import Counter
 from datetime import timedelta
 
-from lmscope.db.models import utcnow
+from sqlalchemy import select
+
+from lmscope.db.models import Artifact, utcnow
 from lmscope.worker import reaper, runner
 from tests.worker.helpers import RecordingPublisher
 
@@ -36,6 +38,9 @@ def test_out_of_attempts_fails_with_a_reason(settings, sessions, make_job, job_r
     parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
     job_id = make_job(status="running", attempts=3, max_attempts=3, worker="gpu-7:4242", heartbeat_at=seen,
                       started_at=seen, parent_id=parent)
+    step = runner.job_dir(settings, job_id) / "checkpoints" / "step-50"  # what the lost attempts wrote
+    step.mkdir(parents=True)
+    (step / "config.json").write_text("{}")
     report = reaper.reap(settings, sessions, publisher, now=now)
 
     assert report["failed"] == [job_id]
@@ -44,6 +49,9 @@ def test_out_of_attempts_fails_with_a_reason(settings, sessions, make_job, job_r
     assert job.error_message.startswith(f"worker lost 3 times; last seen at {seen.isoformat(timespec='seconds')} on gpu-7:4242")
     assert job.finished_at is not None
     assert parent in publisher.published  # its sweep can now be aggregated
+    with sessions() as session:  # its files can be fetched, as any ended job's
+        names = session.execute(select(Artifact.name).where(Artifact.job_id == job_id)).scalars().all()
+    assert names == ["checkpoints/step-50/config.json"]
 
 
 def test_lost_and_never_sent_messages_are_published_again(settings, sessions, make_job, job_row, publisher):
@@ -134,8 +142,14 @@ def test_recover_interrupted_after_a_restart(settings, sessions, make_job, job_r
     again = make_job(status="running", attempts=1, worker="old:1", heartbeat_at=now, started_at=now)
     spent = make_job(status="running", attempts=3, max_attempts=3, worker="old:1", heartbeat_at=now, started_at=now)
     queued = make_job()
+    for job_id in (again, spent):
+        runner.job_dir(settings, job_id).mkdir(parents=True)
+        (runner.job_dir(settings, job_id) / "loss.png").write_bytes(b"png")
     report = reaper.recover_interrupted(settings, sessions)
     assert report == {"requeued": [again], "failed": [spent]}
     assert (job_row(again).status, job_row(again).attempts) == ("queued", 1)
     assert job_row(spent).status == "failed" and "worker lost 3 times" in job_row(spent).error_message
     assert job_row(queued).status == "queued"
+    with sessions() as session:  # the failed job's files are listed; the requeued one's await its next attempt
+        rows = session.execute(select(Artifact.job_id, Artifact.name)).all()
+    assert [tuple(r) for r in rows] == [(spent, "loss.png")]
