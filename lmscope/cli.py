@@ -235,18 +235,24 @@ def report_final(c: Client, job: dict[str, Any]) -> None:
         click.echo("children: " + ", ".join(f"{counts[s]} {s}" for s in ("succeeded", "failed", "cancelled") if counts.get(s)))
     for key, value in (job.get("summary") or {}).items():
         click.echo(f"  {key}: {summary_value(value)}")
-    if job["status"] in TERMINAL_STATES:  # a failed or cancelled job keeps the files it wrote too
-        artifacts = c.artifacts(job["id"])
-        plots = [a for a in artifacts if a["media_type"] == "image/png"]
-        if artifacts:
-            click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}): "
-                       f"lmscope fetch {job['id']} DIR")
-            if c.token and plots:  # a browser sends no token: the plots' URLs would answer 401
-                click.echo(f"  plots: {', '.join(a['name'] for a in plots)} (also on {c.url}/#job={job['id']}, "
-                           "with your token in the page's token field)")
-            elif plots:
-                for a in plots:
-                    click.echo(f"  {c.url}{a['url']}")
+    echo_artifacts(c, job)
+
+
+def echo_artifacts(c: Client, job: dict[str, Any]) -> None:
+    """How many files an ended job kept, how to fetch them, and where its plots are."""
+    if job["status"] not in TERMINAL_STATES:  # a failed or cancelled job keeps the files it wrote too
+        return
+    artifacts = c.artifacts(job["id"])
+    plots = [a for a in artifacts if a["media_type"] == "image/png"]
+    if artifacts:
+        click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}): "
+                   f"lmscope fetch {job['id']} DIR")
+        if c.token and plots:  # a browser sends no token: the plots' URLs would answer 401
+            click.echo(f"  plots: {', '.join(a['name'] for a in plots)} (also on {c.url}/#job={job['id']}, "
+                       "with your token in the page's token field)")
+        elif plots:
+            for a in plots:
+                click.echo(f"  {c.url}{a['url']}")
 
 
 def wait_and_report(c: Client, job_id: int, timeout: float | None) -> None:
@@ -632,8 +638,9 @@ def jobs(kind, status, tag, parent, with_children, limit, all_, user, as_json):
 @click.argument("job_id", type=int)
 @click.option("--json", "as_json", is_flag=True)
 def show(job_id, as_json):
-    """A job's status, progress, params, summary and error."""
-    job = client().get(job_id)
+    """A job's status, progress, params, summary, error and (once it ended) its files."""
+    c = client()
+    job = c.get(job_id)
     if as_json:
         click.echo(json.dumps(job, indent=2))
         return
@@ -651,6 +658,7 @@ def show(job_id, as_json):
     for key in ("params", "summary", "error", "environment"):
         if job.get(key):
             click.echo(f"{key}:\n" + "\n".join("  " + line for line in json.dumps(job[key], indent=2).splitlines()))
+    echo_artifacts(c, job)
 
 
 @main.command()

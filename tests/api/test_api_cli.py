@@ -276,6 +276,7 @@ def test_wait_names_a_failed_jobs_plots_without_urls_a_browser_cannot_open(api, 
     out = cli("wait", str(job_id)).stdout
     assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in out  # a failed job's files are listed too
     assert f"plots: loss.png (also on {live.url}/#job={job_id}" in out and "/artifacts/" not in out
+    assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in cli("show", str(job_id)).stdout
 
 
 def test_the_cli_finds_a_local_server_on_lmscope_port(monkeypatch):
