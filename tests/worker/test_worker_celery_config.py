@@ -32,3 +32,65 @@ def test_celery_settings(settings_factory, time_limit):
 def test_celery_needs_a_broker(settings_factory):
     with pytest.raises(ValueError, match="LMSCOPE_BROKER_URL"):
         make_celery(settings_factory(broker_url=None))
+
+
+REAPER_SUPERVISION = r"""
+import threading, time
+from lmscope.worker import celery_app as app
+
+class FakeReaper:
+    def __init__(self, alive=True):
+        self.alive, self.pid, self.returncode, self.terminated = alive, 4242, None if alive else -9, 0
+    def poll(self):
+        return None if self.alive else self.returncode
+    def terminate(self):
+        self.terminated += 1
+    def wait(self, timeout=None):
+        app._stop_reaper()  # a second SIGTERM arrives while the first stop waits (Celery sends the signal again)
+        self.alive = False
+    def kill(self):
+        pass
+
+# 1. a nested stop returns instead of deadlocking on the lock, and the reaper is stopped once
+app._reaper = reaper = FakeReaper()
+done = threading.Event()
+threading.Thread(target=lambda: (app._stop_reaper(), done.set()), daemon=True).start()
+assert done.wait(5), "the nested stop deadlocked"
+assert reaper.terminated == 1
+
+# 2. a reaper that keeps dying is restarted with a growing pause; a failed start does not stop the watching
+app._stopping.clear()
+app.REAPER_CHECK_SECONDS, app.REAPER_MAX_BACKOFF_SECONDS = 0.05, 0.4
+starts = []
+def start():
+    starts.append(time.monotonic())
+    if len(starts) == 1:
+        raise OSError(12, "Cannot allocate memory")
+    app._reaper = FakeReaper(alive=False)
+app._start_reaper_process = start
+app._reaper = FakeReaper(alive=False)
+watcher = threading.Thread(target=app._watch_reaper, daemon=True)
+watcher.start()
+time.sleep(1.6)
+app._stopping.set()
+watcher.join(2)
+gaps = [b - a for a, b in zip(starts, starts[1:])]
+assert len(starts) >= 4 and not watcher.is_alive(), starts
+assert gaps[0] < gaps[-1] <= 0.4 + 0.1, gaps  # it backs off, up to the cap
+print("ok")
+"""
+
+
+def test_the_reaper_supervision_survives_nested_stops_and_crashing_reapers(tmp_path):
+    """Run in a subprocess: importing the worker module connects Celery signals and builds its app."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, LMSCOPE_BROKER_URL="redis://127.0.0.1:1/0", LMSCOPE_DATA_DIR=str(tmp_path),
+               PYTHONPATH=str(root))
+    result = subprocess.run([sys.executable, "-c", REAPER_SUPERVISION], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
