@@ -670,6 +670,11 @@ def cancel(job_id):
     click.echo(f"job {job_id}: {state}")
 
 
+def series_listing(names: list[str], limit: int = 30) -> str:
+    """The first `limit` series names, and how many there are in all when there are more."""
+    return ", ".join(names[:limit]) + (f", … ({len(names)} in all)" if len(names) > limit else "")
+
+
 @main.command()
 @click.argument("job_id", type=int)
 @click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
@@ -679,9 +684,9 @@ def results(job_id, fmt, series):
     data = client().results(job_id, list(series))
     if data.get("missing"):
         names = data.get("available") or []
-        shown = ", ".join(names[:30]) + (f", … ({len(names)} in all)" if len(names) > 30 else "")
         click.echo(f"no series matched {', '.join(map(repr, data['missing']))}; "
-                   + (f"job {job_id} has: {shown}" if names else f"job {job_id} has no series"), err=True)
+                   + (f"job {job_id} has: {series_listing(names)}" if names else f"job {job_id} has no series"),
+                   err=True)
         if not data["series"]:
             raise SystemExit(1)
     if not data["series"] and not series:
@@ -721,10 +726,9 @@ def compare(job_ids, series, fmt, plot_path, logy):
     c = client().compare(list(job_ids), list(series))
     if c.missing:  # as `lmscope results`: say which exist; nothing matched at all is a failure
         shared = c.shared_series
-        shown = ", ".join(shared[:30]) + (f", … ({len(shared)} in all)" if len(shared) > 30 else "")
         click.echo(f"no job has series {', '.join(map(repr, c.missing))}; "
-                   + (f"the series all of them have: {shown}" if shared else "they have no series in common"),
-                   err=True)
+                   + (f"the series all of them have: {series_listing(shared)}" if shared
+                      else "they have no series in common"), err=True)
         if not c.curves:
             if plot_path:
                 _nothing_to_plot(c, series)

@@ -555,10 +555,10 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         "plots": ["attention_approx.png"],
     }
     # the children read the same windows of the same model; their union, should they ever disagree
-    windowed = {k: w for c in ok for k, w in ((c.summary or {}).get("sliding_windows") or {}).items()}
+    windowed = {int(k): w for c in ok for k, w in ((c.summary or {}).get("sliding_windows") or {}).items()}
     if windowed:
-        summary["sliding_windows"] = windowed
-        summary["sliding_window_note"] = sliding_window_note({int(k): w for k, w in windowed.items()}, params.seq_len)
+        summary["sliding_windows"] = {str(layer): w for layer, w in sorted(windowed.items())}
+        summary["sliding_window_note"] = sliding_window_note(windowed, params.seq_len)
     seeds = len(params.seed_list)
     _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
                     title=f"{params.model} on {params.dataset}: approximations vs exact softmax attention "
@@ -567,7 +567,7 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
                           + ")",
                     notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
                     timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}),
-                    windows={int(k): w for k, w in windowed.items()})
+                    windows=windowed)
     return JobOutput(summary, series)
 
 

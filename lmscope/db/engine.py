@@ -72,18 +72,20 @@ def alembic_config(url: str):
 
 
 @functools.cache
+def _migration_scripts():
+    """This code's migration scripts (read once)."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://"))
+
+
 def head_revision() -> str:
-    """The newest schema revision this code has (read once from the migration scripts)."""
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    """The newest schema revision this code has."""
+    return _migration_scripts().get_current_head()
 
 
-@functools.cache
 def known_revisions() -> frozenset[str]:
-    from alembic.script import ScriptDirectory
-
-    return frozenset(s.revision for s in ScriptDirectory.from_config(alembic_config("sqlite://")).walk_revisions())
+    return frozenset(s.revision for s in _migration_scripts().walk_revisions())
 
 
 def schema_revisions(engine: Engine) -> tuple[str | None, str]:

@@ -23,13 +23,14 @@ import logging
 import threading
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, delete, exists, insert, or_, select, update
+from sqlalchemy import and_, exists, or_, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.config import Settings
-from lmscope.db.models import ACTIVE_STATES, Artifact, Job, utcnow
+from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.queue import Publisher, send_each
-from lmscope.worker.runner import after_terminal, give_back_values, job_dir, lost_message, scan_artifacts
+from lmscope.worker.runner import (after_terminal, files_kept, give_back_values, job_dir, lost_message,
+                                   store_artifacts)
 
 log = logging.getLogger("lmscope.reaper")
 
@@ -57,21 +58,6 @@ def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session
     return sent
 
 
-def _files_of_a_lost_job(settings: Settings, job_id: int) -> list[dict]:
-    """The files a job's lost attempts wrote (a train run's checkpoints), listed like any ended job's."""
-    try:
-        return scan_artifacts(job_dir(settings, job_id))
-    except OSError as e:
-        log.warning("job %s: its files could not be listed (%s); failed without them", job_id, e)
-        return []
-
-
-def _store_files(session: Session, job_id: int, files: list[dict]) -> None:
-    session.execute(delete(Artifact).where(Artifact.job_id == job_id))
-    if files:
-        session.execute(insert(Artifact), [dict(job_id=job_id, created_at=utcnow(), **f) for f in files])
-
-
 def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
          now: datetime | None = None) -> dict[str, list[int]]:
     """One pass. Returns the job ids acted on: requeued, failed, republished, parents."""
@@ -95,11 +81,11 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
             values = dict(status="failed", finished_at=now, error_type="worker-lost",
                           error_message=lost_message(r.attempts, r.heartbeat_at, r.worker))
             key = "failed"
-        files = _files_of_a_lost_job(settings, r.id) if key == "failed" else []
+        files = files_kept(r.id, job_dir(settings, r.id)) if key == "failed" else []
         with session_factory() as session, session.begin():
             changed = session.execute(update(Job).where(still).values(**values)).rowcount == 1
             if changed and key == "failed":
-                _store_files(session, r.id, files)
+                store_artifacts(session, r.id, files)
         if not changed:
             continue  # another reaper got there, or the job came back to life
         report[key].append(r.id)
@@ -164,13 +150,13 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
         else:
             values, key = dict(status="failed", finished_at=utcnow(), error_type="worker-lost",
                                error_message=lost_message(r.attempts, r.heartbeat_at, r.worker)), "failed"
-        files = _files_of_a_lost_job(settings, r.id) if key == "failed" else []
+        files = files_kept(r.id, job_dir(settings, r.id)) if key == "failed" else []
         with session_factory() as session, session.begin():
             if session.execute(update(Job).where((Job.id == r.id) & (Job.attempts == r.attempts) & running)
                                .values(**values)).rowcount == 1:
                 report[key].append(r.id)
                 if key == "failed":
-                    _store_files(session, r.id, files)
+                    store_artifacts(session, r.id, files)
     if rows:
         log.warning("recovered jobs interrupted by the previous run: %s", report)
     return report

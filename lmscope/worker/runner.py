@@ -217,27 +217,38 @@ def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str
     values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
     series = _series_rows(attempt.job_id, output.series) if output is not None else []
     # An attempt that ran keeps the files it wrote, however it ended: a cancelled or timed-out train run
-    # its checkpoints, a failed job what it got to (for diagnosis), with or without results.
-    keep_files = artifact_dir is not None
-    try:
-        artifacts = scan_artifacts(artifact_dir) if keep_files else []
-    except OSError as e:  # a failed or cancelled job still ends, without its files (an unreadable store)
-        if status == "succeeded":
-            raise
-        log.warning("job %s: its files could not be listed (%s); stored without them", attempt.job_id, e)
-        artifacts = []
+    # its checkpoints, a failed job what it got to (for diagnosis), with or without results. Only a
+    # succeeded job must list them; any other still ends when the store cannot be read.
+    artifacts = None
+    if artifact_dir is not None:
+        artifacts = scan_artifacts(artifact_dir) if status == "succeeded" else files_kept(attempt.job_id, artifact_dir)
     with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
         if done.rowcount != 1:
             return False  # nothing was changed; the (empty) transaction commits
-        if output is not None or keep_files:
+        if output is not None:
             session.execute(delete(Series).where(Series.job_id == attempt.job_id))
-            session.execute(delete(Artifact).where(Artifact.job_id == attempt.job_id))
             if series:
                 session.execute(insert(Series), series)
-            if artifacts:
-                session.execute(insert(Artifact), [dict(job_id=attempt.job_id, created_at=utcnow(), **a) for a in artifacts])
+        if artifacts is not None:
+            store_artifacts(session, attempt.job_id, artifacts)
     return True
+
+
+def files_kept(job_id: int, folder: Path) -> list[dict[str, Any]]:
+    """The artifact rows of the files an ended job kept; none, with a warning, if the store cannot be read."""
+    try:
+        return scan_artifacts(folder)
+    except OSError as e:
+        log.warning("job %s: its files could not be listed (%s); it ends without them", job_id, e)
+        return []
+
+
+def store_artifacts(session: Session, job_id: int, rows: list[dict[str, Any]]) -> None:
+    """Replace the job's artifact rows (a retry's files replace an earlier attempt's)."""
+    session.execute(delete(Artifact).where(Artifact.job_id == job_id))
+    if rows:
+        session.execute(insert(Artifact), [dict(job_id=job_id, created_at=utcnow(), **r) for r in rows])
 
 
 def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher, parent_id: int | None) -> None:
