@@ -608,7 +608,7 @@ def test_logits_the_inner_loss_cannot_rebuild_are_refused(tmp_path, documents):
 
 
 def test_an_fp16_overflow_in_the_checked_input_does_not_refuse_the_job(tmp_path, documents):
-    """The logits check skips positions that overflowed: fp16 overflows are counted, not fatal."""
+    """The logits check skips positions whose logits overflowed in fp16: such a model is not refused."""
     lm = tiny("gpt2")
     lm.model.lm_head.weight = torch.nn.Parameter(lm.model.lm_head.weight.detach().clone())  # untied
     lm.model.half()
@@ -616,8 +616,11 @@ def test_an_fp16_overflow_in_the_checked_input_does_not_refuse_the_job(tmp_path,
     with torch.no_grad():  # one early token of the first sample overflows to inf in fp16 at the last block
         lm.model.transformer.wte.weight[lm.tokenizer(first)["input_ids"][3], 0] = 60000.0
         lm.model.transformer.h[-1].mlp.c_proj.bias[0] = 10000.0
+    with torch.no_grad():  # the setup does overflow in the input the check reads
+        ids = torch.tensor(lm.tokenizer(first)["input_ids"][:16])[None]
+        assert not torch.isfinite(lm.model(input_ids=ids).logits).all()
     out, _ = run_job(tmp_path, lm, documents, max_samples=8, loss_filter=None, gram_condition=False)
-    assert out.summary["inner_loss_total"] == 8
+    assert out.summary["samples"] == 8 and out.summary["inner_loss_total"] == 8
 
 
 def test_max_samples_smaller_than_a_batch(gpt2_run, tmp_path, documents):
