@@ -12,7 +12,6 @@ JS exceptions and unhandled promise rejections for the whole session.
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import queue
@@ -57,7 +56,6 @@ class Browser:
                                       f"--window-size={width},{height}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.exceptions: list[str] = []
-        self.console: list[str] = []
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
@@ -119,9 +117,6 @@ class Browser:
             d = params["exceptionDetails"]
             text = (d.get("exception") or {}).get("description") or d.get("text", "")
             self.exceptions.append(f"{text} at {d.get('url', '')}:{d.get('lineNumber')}")
-        elif method == "Runtime.consoleAPICalled":
-            args = " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
-            self.console.append(f"console.{params.get('type')}: {args}")
 
     def send(self, method: str, session: str | None = None, timeout: float = 60, **params) -> dict:
         i = next(self._ids)
@@ -188,15 +183,6 @@ class Browser:
 
     def text(self, selector: str) -> str | None:
         return self.js(f"document.querySelector({json.dumps(selector)})?.textContent ?? null")
-
-    def screenshot(self, path, full_page: bool = False):
-        params: dict = {"format": "png"}
-        if full_page:
-            size = self.page("Page.getLayoutMetrics")["cssContentSize"]
-            params.update(captureBeyondViewport=True,
-                          clip={"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 8000), "scale": 1})
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(self.page("Page.captureScreenshot", **params)["data"]))
 
     def close(self):
         try:
