@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from lmscope.compare import compare
+import pytest
+
+from lmscope.compare import LEGEND_WIDTH, compare, comparison_figure, plot_comparison, plot_formats
 
 
-def _job(job_id, **params):
-    return {"id": job_id, "kind": "entropy", "name": None, "status": "succeeded", "params": params, "summary": {}}
+def _job(job_id, kind="entropy", summary=None, **params):
+    return {"id": job_id, "kind": kind, "name": None, "status": "succeeded", "params": params, "summary": summary or {}}
 
 
 def _series(name, labels, x, y):
@@ -71,8 +73,7 @@ def test_numeric_x_is_aligned_by_value_in_ascending_order():
 # ---------------------------------------------------------------- the plot (read back from the figure)
 
 def _norms_job(job_id, model, **summary):
-    return {"id": job_id, "kind": "norms", "name": None, "status": "succeeded",
-            "params": {"model": model, "dataset": "wikitext-2"}, "summary": summary}
+    return _job(job_id, "norms", summary, model=model, dataset="wikitext-2")
 
 
 def _legend(ax):
@@ -82,8 +83,6 @@ def _legend(ax):
 def test_the_plot_labels_its_axes_and_names_jobs_by_what_differs():
     """x: what x is (norms: the hidden state), y: the series and its unit; the legend names each job by
     the parameter that differs; a label all curves share (unit) is no legend entry."""
-    from lmscope.compare import comparison_figure
-
     c = compare([_norms_job(3, "tiny-gpt2"), _norms_job(4, "tiny-llama")],
                 [[_series("norm.mean", {"unit": "L2 norm"}, [0, 1, 2, 3], [1.0, 1.5, 2.0, 2.2])],
                  [_series("norm.mean", {"unit": "L2 norm"}, [0, 1, 2, 3], [0.5, 0.9, 1.1, 1.4])]])
@@ -98,8 +97,6 @@ def test_the_plot_labels_its_axes_and_names_jobs_by_what_differs():
 
 
 def test_labels_that_vary_go_in_the_legend_and_shared_ones_in_the_title():
-    from lmscope.compare import comparison_figure
-
     def series(base):
         return [_series("rel_error", {"method": "performer", "layer": layer}, [4, 8], [base + layer, base])
                 for layer in (0, 1)]
@@ -113,8 +110,6 @@ def test_labels_that_vary_go_in_the_legend_and_shared_ones_in_the_title():
 
 def test_unknown_series_fractional_x_and_long_differences():
     """An unknown series' x is "x"; fractional x keeps fractional ticks; a long difference is cut."""
-    from lmscope.compare import LEGEND_WIDTH, comparison_figure
-
     long_a, long_b = "a" * 80, "b" * 80
     c = compare([_job(1, note=long_a), _job(2, note=long_b)],
                 [[_series("custom", {}, [0.25, 0.5], [1.0, 2.0])], [_series("custom", {}, [0.25, 0.5], [3.0, 1.0])]])
@@ -129,10 +124,6 @@ def test_unknown_series_fractional_x_and_long_differences():
 
 
 def test_plot_comparison_writes_the_format_its_extension_names(tmp_path):
-    import pytest
-
-    from lmscope.compare import plot_comparison, plot_formats
-
     c = compare([_job(1, model="a"), _job(2, model="b")],
                 [[_series("loss.val", {}, [0, 10], [3.0, 2.0])], [_series("loss.val", {}, [0, 10], [3.5, 2.5])]])
     assert {"png", "pdf", "svg"} <= set(plot_formats()) and "txt" not in plot_formats()

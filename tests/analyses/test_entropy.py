@@ -339,12 +339,18 @@ def test_runtime_refusals_and_cancel(tmp_path, documents):
 
 
 def _sliding(arch: str, window: int) -> LoadedModel:
-    """Tiny Mistral (every layer slides) or Qwen2 (layers ≥ max_window_layers = 1 slide) with a short window."""
+    """Tiny Mistral (every layer slides), Qwen2 (layers ≥ max_window_layers = 1 slide) or GLM-4 (which
+    ignores the window its config carries) with a short window."""
     common = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
                   intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256,
                   eos_token_id=257, pad_token_id=258, initializer_range=0.25, sliding_window=window)
-    config = (MistralConfig(**common) if arch == "mistral"
-              else Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
+    if arch == "glm4":
+        from transformers import Glm4Config
+
+        config = Glm4Config(head_dim=8, **common)
+    else:
+        config = (MistralConfig(**common) if arch == "mistral"
+                  else Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()  # sdpa where the architecture has it
     return LoadedModel(name=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer())
@@ -392,13 +398,13 @@ def test_the_windows_the_layers_receive_set_the_bound(tmp_path, documents, monke
     np.testing.assert_allclose(np.load(tmp_path / "entropy_by_position.npz")["normalized_mean"][0], 1.0, atol=1e-5)
 
 
-def test_causal_dimension_rows_over_sliding_windows_are_refused(tmp_path, documents):
+def test_causal_dimension_rows_over_sliding_windows_and_one_key_windows_are_refused(tmp_path, documents):
     with pytest.raises(JobFailed, match=r"dimension_causal=true .* layer\(s\) \[0, 1\] slide over 8 keys"):
         run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents, num_segments=1, dimension_wise=True,
                 dimension_causal=True)
     out, _ = run_job(tmp_path, {"m": _sliding("mistral", window=8)}, documents, num_segments=1,
                      dimension_wise=True, dimension_segments=1)  # bidirectional rows: the window plays no part
-    assert 0 <= out.summary["near_uniform_pct"] <= 100
+    assert out.summary["sliding_windows"] == {"0": 8, "1": 8} and 0 <= out.summary["near_uniform_pct"] <= 100
     with pytest.raises(JobFailed, match=r"layer\(s\) \[0, 1\] attend over a sliding window of 1 token"):
         run_job(tmp_path, {"m": _sliding("mistral", window=1)}, documents, num_segments=1)
 
@@ -406,13 +412,7 @@ def test_causal_dimension_rows_over_sliding_windows_are_refused(tmp_path, docume
 def test_a_sliding_window_the_model_ignores_changes_nothing(tmp_path, documents):
     """GLM-4 has no sliding window, whatever its config.json says: its rows see keys 0..t, and
     dimension_causal is not refused."""
-    from transformers import Glm4Config
-
-    config = Glm4Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,
-                        intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256,
-                        eos_token_id=257, pad_token_id=258, initializer_range=0.25, sliding_window=8)
-    torch.manual_seed(0)
-    loaded = _zero_queries(LoadedModel("glm4", AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer()))
+    loaded = _zero_queries(_sliding("glm4", window=8))
     out, _ = run_job(tmp_path, {"m": loaded}, documents, num_segments=2, dimension_wise=True, dimension_segments=1,
                      dimension_causal=True)
     assert out.summary["sliding_windows"] == {}

@@ -267,12 +267,11 @@ def test_wait_prints_the_summary_as_json_values(api, cli):
 
 def test_wait_names_a_failed_jobs_plots_without_urls_a_browser_cannot_open(api, cli, live):
     """With a token the artifact URLs answer 401 in a browser: name the plots and the dashboard page instead."""
-    from lmscope.db.models import Artifact
+    from .test_api_results import add_results
 
     job_id = api.submit(api.user("ann")).get_json()["id"]
     api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="time-limit", error_message="too long")
-    with api.sessions.begin() as session:
-        session.add(Artifact(job_id=job_id, name="loss.png", media_type="image/png", size=1, sha256="0" * 64))
+    add_results(api, job_id, {"loss.png": b"\x89PNG"})
     out = cli("wait", str(job_id)).stdout
     assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in out  # a failed job's files are listed too
     assert f"plots: loss.png (also on {live.url}/#job={job_id}" in out and "/artifacts/" not in out

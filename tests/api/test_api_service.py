@@ -46,7 +46,7 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
     assert "database" in is_problem(down.client.get("/readyz"), 503, "not-ready")["checks"]
 
 
-def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api):
+def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api, caplog):
     """SQLite raises OperationalError for "no such column" too: that must stay a 500 with its traceback logged."""
     from sqlalchemy import text
 
@@ -58,6 +58,7 @@ def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api):
             session.execute(text("SELECT no_such_column FROM jobs"))
 
     is_problem(api.client.get("/v1/broken"), 500, "internal-error")
+    assert "unhandled error on GET /v1/broken" in caplog.text and "no_such_column" in caplog.text  # with its traceback
 
 
 def test_metrics_count_requests_and_jobs(api):

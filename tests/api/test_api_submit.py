@@ -80,7 +80,8 @@ def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
     ("inner_loss", "true", True), ("inner_loss", "yes", False),
 ])
 def test_a_quoted_value_is_told_to_drop_its_quotes_only_when_that_would_work(api, field, given, advice):
-    """"5" for an integer: write 5. "5.5" or "nan" without quotes would be refused too: no such advice."""
+    """"5" for an integer: write 5. The advice comes only when JSON would take the value's type without the
+    quotes ("-3" is an integer, whatever the field's limits say); not for "5.5" or "nan"."""
     body = is_problem(api.submit(api.user("ann"), kind="norms", params={"model": "m", "dataset": "d", field: given}),
                       422, "validation-error")
     msg = body["errors"][0]["msg"]

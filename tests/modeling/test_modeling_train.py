@@ -168,8 +168,10 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
 
 
 def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, docs, tmp_path):
-    time_limit = JobFailed("the job ran past its time limit", error_type="time-limit")
-    ctx = FailingContext(tmp_path, datasets={"wiki": docs}, job_id=5, at=59, error=time_limit)
+    def time_limit():
+        return JobFailed("the job ran past its time limit", error_type="time-limit")
+
+    ctx = FailingContext(tmp_path, datasets={"wiki": docs}, job_id=5, at=59, error=time_limit())
     with pytest.raises(JobFailed, match="time limit") as failed:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
     assert failed.value.error_type == "time-limit" and list(ctx.registered) == ["run5@step50"]
@@ -182,8 +184,9 @@ def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, d
 
     # A limit that comes with the last step is a finished run.
     done = run(TrainParams(**{**SMALL, "run_name": None}),
-               FailingContext(tmp_path / "last", datasets={"wiki": docs}, job_id=6, at=150, error=time_limit))
+               FailingContext(tmp_path / "last", datasets={"wiki": docs}, job_id=6, at=150, error=time_limit()))
     assert done.summary["steps"] == 150 and "partial" not in done.summary
+    assert _series(done, "loss.val").y == pytest.approx(list(_series(reference[1], "loss.val").y), rel=1e-5)
 
 
 def test_llama_with_grouped_query_attention_and_a_trained_bpe(docs, tmp_path):

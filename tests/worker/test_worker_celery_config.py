@@ -35,7 +35,7 @@ def test_celery_needs_a_broker(settings_factory):
 
 
 REAPER_SUPERVISION = r"""
-import threading, time
+import threading
 from lmscope.worker import celery_app as app
 
 class FakeReaper:
@@ -58,25 +58,31 @@ threading.Thread(target=lambda: (app._stop_reaper(), done.set()), daemon=True).s
 assert done.wait(5), "the nested stop deadlocked"
 assert reaper.terminated == 1
 
-# 2. a reaper that keeps dying is restarted with a growing pause; a failed start does not stop the watching
-app._stopping.clear()
+# 2. a reaper that keeps dying is restarted with a doubling pause up to the cap, a failed start does not end
+# the watching, and one that stays up brings the pause back to the check interval. No real waiting: the
+# stop event's wait records each pause and says "stop" after eight.
+class Pauses:
+    def __init__(self):
+        self.seen = []
+    def wait(self, seconds):
+        self.seen.append(seconds)
+        return len(self.seen) > 8
+    def is_set(self):
+        return len(self.seen) > 8
+
+app._stopping = pauses = Pauses()
 app.REAPER_CHECK_SECONDS, app.REAPER_MAX_BACKOFF_SECONDS = 0.05, 0.4
 starts = []
 def start():
-    starts.append(time.monotonic())
+    starts.append(1)
     if len(starts) == 1:
         raise OSError(12, "Cannot allocate memory")
-    app._reaper = FakeReaper(alive=False)
+    app._reaper = FakeReaper(alive=len(starts) >= 5)
 app._start_reaper_process = start
 app._reaper = FakeReaper(alive=False)
-watcher = threading.Thread(target=app._watch_reaper, daemon=True)
-watcher.start()
-time.sleep(1.6)
-app._stopping.set()
-watcher.join(2)
-gaps = [b - a for a, b in zip(starts, starts[1:])]
-assert len(starts) >= 4 and not watcher.is_alive(), starts
-assert gaps[0] < gaps[-1] <= 0.4 + 0.1, gaps  # it backs off, up to the cap
+app._watch_reaper()
+assert pauses.seen == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.05, 0.05, 0.05], pauses.seen
+assert len(starts) == 5, starts
 print("ok")
 """
 
@@ -86,11 +92,11 @@ def test_the_reaper_supervision_survives_nested_stops_and_crashing_reapers(tmp_p
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    from tests.worker.conftest import ROOT
+
     env = dict(os.environ, LMSCOPE_BROKER_URL="redis://127.0.0.1:1/0", LMSCOPE_DATA_DIR=str(tmp_path),
-               PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", REAPER_SUPERVISION], env=env, cwd=root, capture_output=True,
+               PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", REAPER_SUPERVISION], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr

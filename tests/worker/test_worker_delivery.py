@@ -116,6 +116,10 @@ def _is_reaper_of(proc: Path, parent: int) -> bool:
     return b"lmscope.worker.reaper" in cmdline and ppid == parent
 
 
+def reaper_pids(worker) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_reaper_of(p, worker.proc.pid)]
+
+
 def series_names(sessions, job_id):
     with sessions() as s:
         return sorted(s.execute(select(Series.name).where(Series.job_id == job_id)).scalars())
@@ -166,8 +170,7 @@ def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, s
     open_files = [os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink()]
     database = make_url(delivery.settings.database_url).database or ""
     assert not [f for f in open_files if database and f.startswith(database)], open_files
-    reaper = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_reaper_of(p, worker.proc.pid)]
-    assert len(reaper) == 1, "the worker's reaper runs in a process of its own"
+    assert len(reaper_pids(worker)) == 1, "the worker's reaper runs in a process of its own"
     env = done["environment"]
     assert env["lmscope"] and env["device"] == "cpu" and env["device_name"] and env["attempt"] == 1
     assert set(env["stages"]) >= {"count", "plot", "total"} and env["wall_seconds"] >= env["stages"]["total"]
@@ -277,14 +280,10 @@ def test_a_delivery_that_finds_the_database_failing_puts_its_message_back(delive
 
 def test_a_reaper_that_dies_is_started_again(delivery):
     worker = delivery.start()
-
-    def reapers():
-        return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_reaper_of(p, worker.proc.pid)]
-
-    wait_until(lambda: len(reapers()) == 1, timeout=30, what="the worker's reaper")
-    (first,) = reapers()
+    wait_until(lambda: len(reaper_pids(worker)) == 1, timeout=30, what="the worker's reaper")
+    (first,) = reaper_pids(worker)
     os.kill(first, signal.SIGKILL)
-    wait_until(lambda: reapers() and reapers() != [first], timeout=30, what="a new reaper")
+    wait_until(lambda: reaper_pids(worker) not in ([], [first]), timeout=30, what="a new reaper")
     assert "exited with status -9; starting a new one" in worker.log_path.read_text()
 
 
