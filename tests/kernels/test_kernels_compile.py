@@ -50,7 +50,7 @@ triton.compile(ASTSource(fn=dk._dim_entropy_fwd, signature=sig(dk._dim_entropy_f
                target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 from lmscope.kernels.favor import triton_kernel as fk
-types = {"PQ": "*fp32", "PK": "*fp32", "V": "*fp32", "Num": "*fp32", "Den": "*fp32"}
+types = {"PQ": "*fp32", "PK": "*fp32", "KM": "*fp32", "V": "*fp32", "Num": "*fp32", "Den": "*fp32"}
 for cfg in fk._kernel.configs:  # every autotune candidate, as the wrapper launches it
     c = dict(BLOCK_M=fk.BLOCK_M, INPUT_PRECISION="tf32x3", INTERPRET=False, **cfg.kwargs)
     k = triton.compile(ASTSource(fn=fk._favor_causal_fwd, signature=sig(fk._favor_causal_fwd, c, types),

@@ -110,6 +110,45 @@ def test_favor_equals_explicit_feature_computation(causal):
     torch.testing.assert_close(out, _explicit_favor(q, k, v, w, causal), atol=1e-10, rtol=1e-8)
 
 
+def _aligned_late_keys(n, late, d, m, seed):
+    """float32 q, k, v [1, 2, n, d] and ω [m, d] whose keys from position ``late`` on are ω's own rows
+    (scaled so x = k·d^(-1/4) = ω_r): their log-features reach ‖ω_r‖²/2 ≈ d/2 = 128 nats at d = 256,
+    while the earlier keys' stay near 0. A single stabiliser over all keys pushes the early keys'
+    features e^-128 down (float32 underflow, or below any eps)."""
+    q, k, v = _qkv(1, 2, n, d, spread=0.5, seed=seed, dtype=torch.float32)
+    w = draw_favor_projection(m, d, seed=seed)
+    k[..., late:, :] = w[: n - late] * d**0.25
+    return q, k, v, w
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_causal_favor_output_depends_only_on_earlier_keys(backend, device):
+    # a query's estimate is built from keys j <= n: the first 20 outputs of a 40-token sequence are
+    # those of the 20-token prefix, whatever the later keys are, and the float64 kernel matrix's
+    if backend == "triton":
+        from tests.kernels.conftest import TRITON_OK
+        from tests.conftest import need
+        need(TRITON_OK, "triton is not installed")
+    q, k, v, w = (t.to(device) for t in _aligned_late_keys(40, 20, 256, 48, seed=3))
+    full = favor_attention(q, k, v, projection=w, causal=True, backend=backend)
+    prefix = favor_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], projection=w, causal=True, backend=backend)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(full[:, :, :20], prefix, rtol=1e-5, atol=1e-6)
+    # float32 log-features of ~128 nats carry ~1e-5 of rounding into every feature
+    assert _rel_err(full, _explicit_favor(q, k, v, w, causal=True)) < 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_favor_is_unbiased_by_stabilising_at_large_norms(causal):
+    # ‖x‖ ≈ 6 and key norms growing along the sequence: features span e^±30; the stabilisers are
+    # factors that cancel and the default adds nothing, so this is still the plain estimator
+    q, k, v = _qkv(1, 2, 150, 16, spread=3.0, seed=8)
+    k = k * torch.linspace(0.3, 1.5, 150, dtype=torch.float64)[:, None]
+    w = draw_favor_projection(64, 16, seed=0, dtype=torch.float64)
+    torch.testing.assert_close(favor_attention(q, k, v, projection=w, causal=causal),
+                               _explicit_favor(q, k, v, w, causal), atol=1e-10, rtol=1e-8)
+
+
 def test_favor_projection_gives_unbiased_softmax_kernel_features():
     # draw_favor_projection's rows must have the distribution that makes positive random features
     # unbiased: with φ(x) = exp(ωx − |x|²/2)/√m built here from its ω, φ(x)·φ(y) is a Monte Carlo

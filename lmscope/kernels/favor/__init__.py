@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..dispatch import check_heads, forward_backend
-from .naive import draw_favor_projection, favor_attention_reference, favor_features
+from .naive import draw_favor_projection, favor_attention_reference, favor_causal_key_features, favor_features
 
 
 def favor_attention(
@@ -20,7 +20,7 @@ def favor_attention(
     seed: int | None = None,
     projection: torch.Tensor | None = None,
     scale: float | None = None,
-    eps: float = 1e-6,
+    eps: float = 0.0,
     backend: str | None = None,
 ) -> torch.Tensor:
     """FAVOR+ estimate [B, H, N, Dv] of softmax(q kᵀ · scale) v; differentiable.
@@ -28,7 +28,8 @@ def favor_attention(
     Give either ``projection`` (ω [m, D], e.g. from :func:`draw_favor_projection`) or
     ``num_features`` and ``seed`` (the projection is then drawn from the seed). k, v may have
     fewer heads (grouped-query). causal: query n averages over keys j <= n (prefix sums).
-    scale defaults to 1/sqrt(D); ``eps`` is the positivity stabiliser added to every feature.
+    scale defaults to 1/sqrt(D). ``eps`` is added to every stabilised feature: 0 gives the estimator
+    itself; the Performer code's 1e-6 biases it where the features are small (see ``favor_features``).
     backend: None (Triton on CUDA, the reference elsewhere and whenever gradients are needed), "triton"
     (forward only: the causal prefix sums run in the Triton kernel; the features, and the two matmuls
     of the non-causal form, are PyTorch on both backends) or "reference".
@@ -58,9 +59,10 @@ def favor_attention(
 
         with torch.no_grad():
             phi_q = favor_features(q.float(), projection, scale=scale, is_query=True, eps=eps)
-            phi_k = favor_features(k.float(), projection, scale=scale, is_query=False, eps=eps)
-            return favor_causal_triton(phi_q, phi_k, v).to(q.dtype)
+            phi_k, key_max = favor_causal_key_features(k.float(), projection, scale=scale, eps=eps)
+            return favor_causal_triton(phi_q, phi_k, key_max, v).to(q.dtype)
     return favor_attention_reference(q, k, v, projection, causal=causal, scale=scale, eps=eps)
 
 
-__all__ = ["draw_favor_projection", "favor_attention", "favor_attention_reference", "favor_features"]
+__all__ = ["draw_favor_projection", "favor_attention", "favor_attention_reference", "favor_causal_key_features",
+           "favor_features"]

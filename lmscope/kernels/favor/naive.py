@@ -47,24 +47,43 @@ def draw_favor_projection(
     return (omega * norms[:, None]).to(device=device, dtype=dtype)
 
 
+def favor_log_features(x: torch.Tensor, projection: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """log(√m · φ(x·scale^(1/2))) = ωᵀx − ‖x‖²/2 for every feature [..., N, m]."""
+    x = x * scale**0.5
+    return torch.matmul(x, projection.transpose(-1, -2).to(x.dtype)) - 0.5 * (x * x).sum(dim=-1, keepdim=True)
+
+
 def favor_features(
-    x: torch.Tensor, projection: torch.Tensor, *, scale: float, is_query: bool, eps: float = 1e-6
+    x: torch.Tensor, projection: torch.Tensor, *, scale: float, is_query: bool, eps: float = 0.0
 ) -> torch.Tensor:
     """Positive random features φ(x·scale^(1/2)) [..., N, m], stabilised.
 
     Stabilisation subtracts a max before exp: per row for queries, per (batch, head) over all keys
-    and features for keys (as in the Performer code). Both factors cancel between numerator and
-    denominator of the attention, so they are detached; ``eps`` keeps every feature positive.
+    and features for keys (as in the Performer code). Each is one factor shared by everything it
+    multiplies, so it cancels between numerator and denominator of the attention (and is detached).
+    For causal attention the keys take :func:`favor_causal_key_features` instead. ``eps`` is added to
+    every stabilised feature; the Performer code adds 1e-6, which is not a constant factor: it biases
+    the estimate wherever the features are small (large ‖x‖), so the default is 0.
     """
-    x = x * scale**0.5
-    proj = torch.matmul(x, projection.transpose(-1, -2).to(x.dtype))  # ωᵀx for every feature
-    sq = 0.5 * (x * x).sum(dim=-1, keepdim=True)
-    if is_query:
-        stab = proj.amax(dim=-1, keepdim=True)
-    else:
-        stab = proj.amax(dim=(-1, -2), keepdim=True)
-    m = projection.shape[0]
-    return (torch.exp(proj - sq - stab.detach()) + eps) / math.sqrt(m)
+    logits = favor_log_features(x, projection, scale=scale)
+    stab = logits.amax(dim=-1, keepdim=True) if is_query else logits.amax(dim=(-1, -2), keepdim=True)
+    return (torch.exp(logits - stab.detach()) + eps) / math.sqrt(projection.shape[0])
+
+
+def favor_causal_key_features(
+    k: torch.Tensor, projection: torch.Tensor, *, scale: float, eps: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key features for causal FAVOR+: (φ(k_j)·e^(−M_j) [..., N, m], M [..., N]).
+
+    M_j is the running max of the log-features over keys 1..j (detached). Query n combines the keys
+    j <= n with the one factor e^(−M_n), which cancels in its ratio: φ(k_j)e^(−M_j) · e^(M_j − M_n),
+    every factor <= 1. A single max over all keys would also cancel in exact arithmetic, but through
+    underflow and ``eps`` a later key with large features would change an earlier query's output;
+    with M the output at n depends on keys j <= n only.
+    """
+    logits = favor_log_features(k, projection, scale=scale)
+    running_max = torch.cummax(logits.amax(dim=-1), dim=-1).values.detach()
+    return (torch.exp(logits - running_max.unsqueeze(-1)) + eps) / math.sqrt(projection.shape[0]), running_max
 
 
 def favor_attention_reference(
@@ -75,7 +94,7 @@ def favor_attention_reference(
     *,
     causal: bool,
     scale: float,
-    eps: float = 1e-6,
+    eps: float = 0.0,
     chunk: int = 64,
 ) -> torch.Tensor:
     """FAVOR+ attention [B, H, N, Dv] in the dtype of q (computed in at least float32)."""
@@ -83,8 +102,8 @@ def favor_attention_reference(
     work = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(work), k.to(work), v.to(work)
     phi_q = favor_features(qf, projection, scale=scale, is_query=True, eps=eps)  # [B,H,N,m]
-    phi_k = favor_features(kf, projection, scale=scale, is_query=False, eps=eps)
     if not causal:
+        phi_k = favor_features(kf, projection, scale=scale, is_query=False, eps=eps)
         kv = torch.matmul(phi_k.transpose(-1, -2), vf)  # [B,H,m,Dv]
         z = phi_k.sum(dim=-2)  # [B,H,m]
         num = torch.matmul(phi_q, kv)
@@ -93,17 +112,28 @@ def favor_attention_reference(
 
     # Causal: prefix sums S_n = Σ_{j<=n} φ(k_j) v_jᵀ, z_n = Σ_{j<=n} φ(k_j), done per chunk of
     # positions (state carried across chunks, masked quadratic form inside a chunk) so memory is
-    # O(N·(m + chunk) + m·Dv) instead of the O(N·m·Dv) of a full cumsum.
+    # O(N·(m + chunk) + m·Dv) instead of the O(N·m·Dv) of a full cumsum. Query n sees every key in
+    # units of e^(−M_n) (favor_causal_key_features): key j's features are scaled by e^(M_j − M_n)
+    # inside the chunk, and the state, kept in units of the previous chunk's last M, by e^(M_prev − M_n).
+    phi_k, key_max = favor_causal_key_features(kf, projection, scale=scale, eps=eps)
     n = q.shape[2]
     state = torch.zeros(*phi_k.shape[:2], phi_k.shape[-1], vf.shape[-1], dtype=work, device=q.device)
     zsum = torch.zeros(*phi_k.shape[:2], phi_k.shape[-1], dtype=work, device=q.device)
+    m_prev = torch.full(phi_k.shape[:2], -math.inf, dtype=work, device=q.device)  # nothing carried yet
     outs = []
     for s0 in range(0, n, chunk):
         pq, pk, vc = phi_q[:, :, s0 : s0 + chunk], phi_k[:, :, s0 : s0 + chunk], vf[:, :, s0 : s0 + chunk]
-        a = torch.tril(torch.matmul(pq, pk.transpose(-1, -2)))  # [B,H,c,c], j <= i inside the chunk
-        num = torch.matmul(pq, state) + torch.matmul(a, vc)
-        den = torch.matmul(pq, zsum.unsqueeze(-1)) + a.sum(dim=-1, keepdim=True)
+        mc = key_max[:, :, s0 : s0 + chunk]  # [B,H,c], non-decreasing
+        rescale = torch.exp((mc.unsqueeze(-2) - mc.unsqueeze(-1)).clamp(max=0))  # e^(M_j − M_i), j <= i
+        a = torch.tril(torch.matmul(pq, pk.transpose(-1, -2)) * rescale)  # [B,H,c,c], j <= i inside the chunk
+        carry = torch.exp(m_prev.unsqueeze(-1) - mc).unsqueeze(-1)  # [B,H,c,1]; 0 for the first chunk
+        num = carry * torch.matmul(pq, state) + torch.matmul(a, vc)
+        den = carry * torch.matmul(pq, zsum.unsqueeze(-1)) + a.sum(dim=-1, keepdim=True)
         outs.append(num / den)
-        state = state + torch.matmul(pk.transpose(-1, -2), vc)
-        zsum = zsum + pk.sum(dim=-2)
+        m_end = mc[:, :, -1]
+        pk_end = pk * torch.exp(mc - m_end.unsqueeze(-1)).unsqueeze(-1)  # the chunk's keys in units of e^(−m_end)
+        decay = torch.exp(m_prev - m_end)
+        state = decay[..., None, None] * state + torch.matmul(pk_end.transpose(-1, -2), vc)
+        zsum = decay.unsqueeze(-1) * zsum + pk_end.sum(dim=-2)
+        m_prev = m_end
     return torch.cat(outs, dim=2).to(q.dtype)
