@@ -253,14 +253,22 @@ def hidden_states(parts: ModelParts, input_ids, attention_mask) -> tuple[list[to
     return list(out.hidden_states[:L]), call["call"]
 
 
-def _tile(obj, batch: int, times: int):
-    """Repeat every per-sample tensor (first dim = batch) `times` along the batch axis (layer-major)."""
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0 and obj.shape[0] == batch:
-        return obj.repeat(times, *[1] * (obj.dim() - 1))
+def _tile(obj, batch: int, times: int, name: str | None = None):
+    """Repeat every per-sample tensor (first dim = batch) `times` along the batch axis (layer-major).
+
+    BLOOM's ``alibi`` is per sample and head, flattened batch-major to [batch·heads, 1, T]: it is
+    repeated as [batch, heads, …] so that row (l·batch + b)·heads + h stays sample b's head h.
+    """
+    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        if name == "alibi" and obj.shape[0] % batch == 0:
+            per_sample = obj.reshape(batch, -1, *obj.shape[1:])
+            return per_sample.repeat(times, *[1] * (per_sample.dim() - 1)).flatten(0, 1)
+        if obj.shape[0] == batch:
+            return obj.repeat(times, *[1] * (obj.dim() - 1))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_tile(o, batch, times) for o in obj)
     if isinstance(obj, dict):
-        return {k: _tile(v, batch, times) for k, v in obj.items()}
+        return {k: _tile(v, batch, times, k) for k, v in obj.items()}
     return obj
 
 

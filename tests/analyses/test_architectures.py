@@ -31,10 +31,10 @@ from tests.analyses.conftest import eager_entropies
 
 V = BYTE_VOCAB_SIZE
 IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
-SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
              max_position_embeddings=128, initializer_range=0.2, **IDS)
 CONFIGS = {
-    "gpt2": lambda: T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+    "gpt2": lambda: T.GPT2Config(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128,
                                  initializer_range=0.2, bos_token_id=256, eos_token_id=257),
     "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
     "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None),
@@ -55,14 +55,14 @@ CONFIGS = {
     "olmo3": lambda: T.Olmo3Config(**SMALL),
     "smollm3": lambda: T.SmolLM3Config(**SMALL, num_key_value_heads=2),
     "phi": lambda: T.PhiConfig(**SMALL),
-    "gpt_bigcode": lambda: T.GPTBigCodeConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+    "gpt_bigcode": lambda: T.GPTBigCodeConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128,
                                               initializer_range=0.2, bos_token_id=256, eos_token_id=257),
     "starcoder2": lambda: T.Starcoder2Config(**SMALL, num_key_value_heads=2),
-    "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    "falcon": lambda: T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                      initializer_range=0.2, bos_token_id=256, eos_token_id=257),
-    "gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=128,
+    "gptj": lambda: T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=128,
                                  initializer_range=0.2, bos_token_id=256, eos_token_id=257),
-    "bloom": lambda: T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2,
+    "bloom": lambda: T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=3, n_head=4, initializer_range=0.2,
                                    bos_token_id=256, eos_token_id=257, pad_token_id=258),
 }
 SEQ_LEN = 20
@@ -85,23 +85,44 @@ def loaded(request):
     return LoadedModel(request.param, model, byte_tokenizer(), model_info(model))
 
 
+def _run_last_block_on(model, ids, h):
+    """The model's logits with the last block's input replaced by h [1, T, D]: LM-head(final-norm(
+    block_L(h))) with everything the model does there (logit caps and scales, ALiBi, rotary, masks)."""
+    base = model.base_model
+    last = (base.h if hasattr(base, "h") else base.layers)[-1]
+
+    def replace(module, args, kwargs):
+        if args:
+            return (h,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": h}
+
+    handle = last.register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        return model(input_ids=ids).logits[0, -1]
+    finally:
+        handle.remove()
+
+
 def test_norms_match_each_sample_read_alone(loaded, documents, tmp_path):
     ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"d": documents})
     out = norms.run(NormsParams(model="m", dataset="d", max_samples=6, max_tokens=24, batch_size=3,
                                 gram_samples=3, pca_samples=3), ctx)
     saved = np.load(tmp_path / "trajectories.npz")
-    expected, own_loss = [], []
+    L = loaded.model.config.num_hidden_layers
+    expected, losses = [], []
     with torch.no_grad():
         for doc_id in saved["doc_ids"]:
             tokens = loaded.tokenizer(documents[doc_id])["input_ids"][:25]  # max_tokens + 1
-            ids, label = tokens[:-1], tokens[-1]
-            result = loaded.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-            expected.append([h[0, -1].norm().item() for h in result.hidden_states[:2]])  # h_0, h_1 (L = 2)
-            own_loss.append(torch.nn.functional.cross_entropy(result.logits[0, -1], torch.tensor(label)).item())
+            ids, label = torch.tensor([tokens[:-1]]), torch.tensor(tokens[-1])
+            hidden = loaded.model(input_ids=ids, output_hidden_states=True).hidden_states
+            expected.append([h[0, -1].norm().item() for h in hidden[:L]])  # h_0 … h_{L-1}
+            # eq. 14 at every layer l: the last block run on h_l (several layers share one batched
+            # call in the job: per-sample tensors such as BLOOM's ALiBi must follow)
+            losses.append([torch.nn.functional.cross_entropy(_run_last_block_on(loaded.model, ids, hidden[layer]),
+                                                             label).item() for layer in range(L)])
     np.testing.assert_allclose(saved["norms"], expected, rtol=1e-4)
     assert out.summary["samples"] == 6 and np.isfinite(out.summary["inner_loss_final_mean"])
-    # eq. 14 at l = L-1 runs the last block on h_{L-1}: the model's own loss, logit caps and scales included
-    np.testing.assert_allclose(saved["inner_loss"][:, -1], own_loss, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(saved["inner_loss"], losses, rtol=1e-4, atol=1e-5)
 
 
 def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
@@ -139,6 +160,6 @@ def test_the_fused_kernel_runs_every_interface_architecture_like_eager(loaded, d
         want = eager(input_ids=ids, attention_mask=mask).logits
         with EntropyCollector(model, backend="triton") as col:
             got = model(input_ids=ids, attention_mask=mask).logits
-    assert col.backends == {"triton"} and col.layers == [0, 1]
+    assert col.backends == {"triton"} and col.layers == [0, 1, 2]
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
