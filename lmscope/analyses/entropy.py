@@ -185,6 +185,12 @@ class DimensionStats:
         self.near = torch.zeros(layers, heads, dtype=torch.int64, device=device)
         self.rows = torch.zeros(layers, heads, dtype=torch.int64, device=device)
         self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
+        self.own_scales: dict[int, float] = {}  # layers whose own softmax scale is not 1/sqrt(d)
+
+    def note_scale(self, layer: int, own: float, head_dim: int) -> None:
+        """The rows use 1/sqrt(d), as the definition says; remember a layer whose attention scales otherwise."""
+        if not math.isclose(own, head_dim**-0.5, rel_tol=1e-6):
+            self.own_scales[layer] = own
 
     def add(self, layer: int, entropy: torch.Tensor) -> None:
         """entropy: [B, H, D, N] nats, one row per (window, head, dimension, query)."""
@@ -204,6 +210,7 @@ class DimensionStats:
             "near_uniform_pct_all": float(100.0 * self.near.sum() / self.rows.sum()),
             "hist_counts": self.hist.cpu().numpy(),
             "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
+            "own_scales": dict(sorted(self.own_scales.items())),
         }
 
 
@@ -330,8 +337,9 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                 check(col)
                 for layer in col.layers:
                     q, k, _ = col.qkv[layer]  # after RoPE; k keeps the model's H_kv heads (GQA)
-                    # scale None = 1/sqrt(head dim): the note's softmax(q_i k_iᵀ/√d)
+                    # scale None = 1/sqrt(head dim): the note's softmax(q_i k_iᵀ/√d), whatever the model's own
                     dim_stats.add(layer, dimension_entropy(q, k, causal=params.dimension_causal))
+                    dim_stats.note_scale(layer, col.scaling[layer], q.shape[-1])
                 col.clear()  # drop this batch's q, k, v before the next forward
                 report(name)
     return stats.result(), (dim_stats.result() if dim_stats else None)
@@ -366,9 +374,18 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
 
     results, dim_results, windows_used = [], [], []
     backends: set[str] = set()
+    first_shape = None
     for i, name in enumerate(names):
         with ctx.stage("load_model"):
             loaded = ctx.load_model(name, dtype=params.dtype)
+        # the series follow each (layer, head) across the models: they must have the same ones
+        config = loaded.model.config
+        shape = (getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None))
+        first_shape = first_shape or (names[0], shape)
+        if shape != first_shape[1]:
+            raise JobFailed(f"model {name!r} has {shape[0]} layers × {shape[1]} heads but {first_shape[0]!r} has "
+                            f"{first_shape[1][0]} × {first_shape[1][1]}; one entropy job follows the same heads "
+                            "across its models (checkpoints of one run): submit one job per architecture")
         if params.seq_len is None:  # not given: 512, or the (first) model's context when shorter
             max_pos = max_positions(loaded.model.config)
             params = params.model_copy(update={"seq_len": min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)})
@@ -453,6 +470,11 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             f"H >= ln({n}) - {params.near_uniform_margin} = {math.log(n) - params.near_uniform_margin:.4f} nats "
             "(bidirectional rows)")
         summary["dimension_segments_used"] = min(windows_used[-1], params.dimension_segments)
+        if d["own_scales"]:
+            summary["dimension_scale_note"] = (
+                "the dimension-wise rows use 1/sqrt(head size), as defined; these layers scale their own scores "
+                "otherwise (GPT-2's scale_attn_by_inverse_layer_idx, Gemma's query_pre_attn_scalar, ...): "
+                + ", ".join(f"layer {layer}: {scale:.4g}" for layer, scale in d["own_scales"].items()))
     return JobOutput(summary=summary, series=series)
 
 

@@ -224,6 +224,19 @@ def _qk_per_layer(loaded: LoadedModel, windows: torch.Tensor) -> list[tuple[torc
     return qk
 
 
+def test_dimension_wise_rows_say_when_the_model_scales_its_scores_otherwise(tmp_path, documents):
+    # GPT-2 with scale_attn_by_inverse_layer_idx scales layer l's scores by 1/(sqrt(d)·(l + 1)); the
+    # dimension-wise rows keep the defined 1/sqrt(d), and the summary says where the two differ
+    plain = run_job(tmp_path / "plain", {"m": tiny_model("gpt2")}, documents, num_segments=1, dimension_wise=True)[0]
+    assert "dimension_scale_note" not in plain.summary
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
+                        scale_attn_by_inverse_layer_idx=True)
+    scaled = LoadedModel("m", AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer())
+    out = run_job(tmp_path / "scaled", {"m": scaled}, documents, num_segments=1, dimension_wise=True)[0]
+    head_dim = 32 // 4
+    assert out.summary["dimension_scale_note"].endswith(f"layer 1: {1 / (math.sqrt(head_dim) * 2):.4g}")
+
+
 @pytest.mark.parametrize("arch,causal", [("gpt2", False), ("llama", True)])
 def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
     loaded = tiny_model(arch)
@@ -283,6 +296,14 @@ def test_models_list_form(tmp_path, documents):
     (s,) = series(out, "entropy.mean", layer=1, head=3)
     ref_b = eager_entropies(b, token_windows(b.tokenizer, documents, SEQ_LEN, 1))
     assert list(s.x) == [0, 1] and s.y[0] == pytest.approx(ref_b[1, :, 3].mean(), abs=2e-5)
+
+
+def test_models_of_different_shapes_fail_the_job_naming_both(tmp_path, documents):
+    # a model whose shape the server did not record gets here (the API refuses the rest at submit)
+    deeper = tiny_model("llama")
+    deeper.model.config.num_hidden_layers = 3  # as a 3-layer checkpoint would say
+    with pytest.raises(JobFailed, match=r"'b' has 3 layers × 4 heads but 'a' has 2 × 4"):
+        run_job(tmp_path, {"a": tiny_model("llama"), "b": deeper}, documents, models=["a", "b"], num_segments=1)
 
 
 def test_checkpoint_list_rules():

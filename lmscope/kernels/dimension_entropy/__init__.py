@@ -22,7 +22,8 @@ def dimension_entropy(
 
     q: [B, H, N, D], k: [B, H_kv, N, D] (H a multiple of H_kv). Entry [b, h, i, n] is the entropy
     of softmax_m(scale * q[b,h,n,i] * k[b,h_kv,m,i]) over the keys m visible to query n (m <= n
-    when causal). scale defaults to 1/sqrt(D), as in the model's own attention.
+    when causal). scale defaults to 1/sqrt(D), the usual attention scale (a model may scale its own
+    scores otherwise: GPT-2's scale_attn_by_inverse_layer_idx, Gemma's query_pre_attn_scalar).
     """
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
