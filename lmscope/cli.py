@@ -157,11 +157,20 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
         if not isinstance(loaded, dict):
             raise click.BadParameter(f"{params_file} must hold a JSON object", param_hint="--params")
         params = loaded
+    given: list[str] = []
     for pair in pairs:
         key, sep, raw = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not key=value (e.g. --param model=tiny-gpt2)", param_hint="--param")
-        set_dotted(params, key.strip(), parse_param(raw, schema, key.strip()))
+        # `-p model.x=1 -p model=m` would drop model.x unseen (the other order fails in set_dotted);
+        # replacing an object that came from --params is fine: the file is the base.
+        nested = next((g for g in given if g.startswith(key + ".")), None)
+        if nested:
+            raise click.BadParameter(f"{key!r} is given a value and also {nested!r}; give {key}=VALUE or "
+                                     f"{key}.FIELD=VALUE, not both", param_hint="--param")
+        set_dotted(params, key, parse_param(raw, schema, key))
+        given.append(key)
     return params
 
 
@@ -290,16 +299,25 @@ def main():
 
 # ---------------------------------------------------------------- server side
 
+PORTS = click.IntRange(0, 65535)  # 0: the system picks a free port, which the ready line shows
+
+
 @main.command()
 @click.option("--host", default=None, help="address to bind (default LMSCOPE_HOST or 127.0.0.1)")
-@click.option("--port", type=int, default=None, help="port (default LMSCOPE_PORT or 8765)")
+@click.option("--port", type=PORTS, default=None, help="port (default LMSCOPE_PORT or 8765; 0 picks a free one)")
 def up(host, port):
     """Run the embedded service: API + worker in one process, SQLite, no other server."""
     from lmscope.config import Settings
     from lmscope.worker.embedded import serve
 
     overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
-    serve(Settings.from_env(**overrides))
+    settings = Settings.from_env(**overrides)
+    # --port is checked by click; LMSCOPE_PORT only as a whole number (config._int). Out of range, the
+    # socket layer either raised OverflowError or quietly bound another port (70000 → 4464).
+    if port is None and settings.port not in range(PORTS.min, PORTS.max + 1):
+        raise click.ClickException(f"LMSCOPE_PORT={settings.port} is not a port (0 to 65535); write e.g. "
+                                   "LMSCOPE_PORT=8765 (the default), or LMSCOPE_PORT=0 for a free one")
+    serve(settings)
 
 
 @main.command()
@@ -532,6 +550,30 @@ def user_list():
 
 # ---------------------------------------------------------------- jobs
 
+def _timeout(ctx, param, value: float | None) -> float | None:
+    """Seconds to watch: 0 or more (a negative one used to end at once with "still running after -5.0 s")."""
+    if value is not None and not value >= 0:  # `not >=` refuses nan too, which would never time out
+        raise click.BadParameter(f"{value} is not a number of seconds 0 or more; write e.g. --timeout 600")
+    return value
+
+
+def _idempotency_key(ctx, param, value: str | None) -> str | None:
+    """The key as the API takes it (1 to 200 printable characters), refused here rather than sent wrong.
+
+    An empty key used to send no key at all (no protection against a double submit), and one that a
+    header cannot carry (a newline, €) a traceback. Surrounding spaces are dropped, as HTTP would.
+    """
+    if value is None:
+        return None
+    key = value.strip()
+    if not key:
+        raise click.BadParameter("the key is empty; give one (e.g. a run name) or leave the option out")
+    if len(key) > 200 or not key.isprintable() or max(map(ord, key)) > 0xFF:
+        raise click.BadParameter(f"{key[:40]!r}{'…' if len(key) > 40 else ''} is not 1 to 200 printable "
+                                 "Latin-1 characters; use letters, digits and -_.: (e.g. run-2024-06-01)")
+    return key
+
+
 @main.command()
 @click.argument("kind")
 @click.option("--param", "-p", "pairs", multiple=True, metavar="KEY=VALUE",
@@ -540,9 +582,11 @@ def user_list():
 @click.option("--params", "params_file", type=click.Path(exists=True, dir_okay=False), help="a JSON file of parameters")
 @click.option("--name", help="a label for the job")
 @click.option("--tag", "tags", multiple=True, help="a tag (repeatable)")
-@click.option("--idempotency-key", help="resubmitting with the same key returns the first job")
+@click.option("--idempotency-key", callback=_idempotency_key,
+              help="resubmitting with the same key returns the first job")
 @click.option("--wait", "wait_", is_flag=True, help="show progress until the job finishes")
-@click.option("--timeout", type=float, default=None, help="with --wait: stop watching after this many seconds")
+@click.option("--timeout", type=float, default=None, callback=_timeout,
+              help="with --wait: stop watching after this many seconds")
 def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout):
     """Submit a job of KIND (see `lmscope kinds`)."""
     c = client()
@@ -571,7 +615,7 @@ def kind_schema(c: Client, kind: str) -> dict[str, Any] | None:
 
 @main.command()
 @click.argument("job_id", type=int)
-@click.option("--timeout", type=float, default=None)
+@click.option("--timeout", type=float, default=None, callback=_timeout, help="stop watching after this many seconds")
 def wait(job_id, timeout):
     """Show a job's progress until it finishes."""
     wait_and_report(client(), job_id, timeout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import unicodedata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import quote
@@ -56,7 +57,16 @@ class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 60.0,
                  session: requests.Session | None = None):
         self.url = (url or os.environ.get("LMSCOPE_URL") or default_url()).rstrip("/")
-        self.token = token if token is not None else os.environ.get("LMSCOPE_TOKEN")
+        source = "the token" if token is not None else "LMSCOPE_TOKEN"
+        token = token if token is not None else os.environ.get("LMSCOPE_TOKEN")
+        # A pasted token often brings a newline or spaces along; inside, they mean a broken copy.
+        self.token = token.strip() if token else token
+        bad = _unsendable(self.token or "")
+        if bad:  # requests would raise InvalidHeader or UnicodeEncodeError on the first request
+            raise LmscopeError(0, {"title": "Invalid API token",
+                                   "detail": f"{source} holds a character a header cannot carry ({bad}); "
+                                             "copy the token again (it looks like lms_ followed by letters, "
+                                             "digits, - and _)"})
         self.timeout = timeout
         self.http = session or requests.Session()
         if self.token:
@@ -256,6 +266,15 @@ class Client:
     def me(self) -> dict[str, Any]:
         """Who the token belongs to: name, admin flag, active jobs and limits."""
         return self._json("GET", "/v1/me")
+
+
+def _unsendable(text: str) -> str | None:
+    """Where `text` has a character no HTTP header can carry (a control character, or one outside
+    Latin-1), e.g. "'\\n' at position 12"; None when it can be sent."""
+    for i, ch in enumerate(text):
+        if ord(ch) > 0xFF or unicodedata.category(ch) == "Cc":
+            return f"{ch!r} at position {i}"
+    return None
 
 
 def _problem_of(response: requests.Response) -> dict[str, Any]:

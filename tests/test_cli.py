@@ -58,6 +58,10 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
     for bad in (("novalue",), ("=3",), ("a=1", "a.b=2"), ("a..b=1",)):
         with pytest.raises(click.BadParameter):
             build_params(bad, None)
+    # the other order used to drop model.x unseen; a --params object is still the base -p replaces
+    with pytest.raises(click.BadParameter, match="'model' is given a value and also 'model.x'"):
+        build_params(("model.x=1", "model=tiny-gpt2"), None)
+    assert build_params(("train=3",), str(f)) == {"model": "a", "train": 3}
     f.write_text("[1]")
     with pytest.raises(click.BadParameter):
         build_params((), str(f))
@@ -102,6 +106,70 @@ def test_up_is_quiet_and_names_the_dashboard_and_docs(sqlite_url, settings_facto
     assert not [r for r in caplog.records if r.name.startswith("alembic") and r.levelno < logging.WARNING]
     out = capsys.readouterr().out
     assert "http://127.0.0.1:18765/ " in out and "http://127.0.0.1:18765/docs" in out
+
+
+def test_up_refuses_a_port_out_of_range_naming_the_flag_or_variable(monkeypatch):
+    """-1 was an OverflowError traceback; 65536 and 70000 (also as LMSCOPE_PORT) quietly bound another port."""
+    import lmscope.worker.embedded
+
+    served = []
+    monkeypatch.setattr(lmscope.worker.embedded, "serve", served.append)
+    monkeypatch.delenv("LMSCOPE_PORT", raising=False)
+    for port in ("-1", "65536", "70000"):
+        r = CliRunner().invoke(main, ["up", "--port", port])
+        assert r.exit_code == 2 and f"Invalid value for '--port': {port} is not in the range 0<=x<=65535" in r.output
+    r = CliRunner(env={"LMSCOPE_PORT": "70000"}).invoke(main, ["up"])
+    assert r.exit_code == 1 and "LMSCOPE_PORT=70000 is not a port (0 to 65535)" in r.output
+    assert isinstance(r.exception, SystemExit) and served == []
+    assert CliRunner(env={"LMSCOPE_PORT": "70000"}).invoke(main, ["up", "--port", "0"]).exit_code == 0
+    assert [s.port for s in served] == [0]  # --port wins over the variable; 0 picks a free port
+
+
+def test_up_on_port_0_names_the_port_it_got(sqlite_url, settings_factory, monkeypatch, capsys):
+    import werkzeug.serving
+
+    from lmscope.worker.embedded import serve
+
+    real, made = werkzeug.serving.make_server, []
+
+    def make_server(*args, **kwargs):  # a real bind, but serve_forever returns at once
+        made.append(real(*args, **kwargs))
+        made[-1].serve_forever = lambda: None
+        return made[-1]
+
+    monkeypatch.setattr(werkzeug.serving, "make_server", make_server)
+    serve(settings_factory(database_url=sqlite_url, auth=False, port=0))
+    assert made[0].port != 0 and f"dashboard http://127.0.0.1:{made[0].port}/ " in capsys.readouterr().out
+    # an IPv6 address is written in brackets in a URL (http://::1:8765/ is not one)
+    try:
+        serve(settings_factory(database_url=sqlite_url, auth=False, port=0, host="::1"))
+    except SystemExit as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    assert f"dashboard http://[::1]:{made[-1].port}/ " in capsys.readouterr().out
+
+
+def test_a_token_a_header_cannot_carry_is_one_line_not_a_traceback(monkeypatch):
+    """requests raised InvalidHeader (a newline) or UnicodeEncodeError (€) from the first request."""
+    monkeypatch.setenv("LMSCOPE_URL", "http://127.0.0.1:9")
+    for token, shown in (("lms_ab\ncd", "'\\n' at position 6"), ("lms_€x", "'€' at position 4")):
+        r = CliRunner(env={"LMSCOPE_TOKEN": token}).invoke(main, ["jobs"])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+        assert r.output.strip() == (f"Error: Invalid API token: LMSCOPE_TOKEN holds a character a header cannot "
+                                    f"carry ({shown}); copy the token again (it looks like lms_ followed by "
+                                    "letters, digits, - and _)")
+        assert token not in r.output  # a secret: only the bad character is shown
+
+
+def test_submit_refuses_a_negative_timeout_and_an_empty_idempotency_key(monkeypatch):
+    """-5 was taken ("still running after -5.0 s"); '' sent no key at all; a newline or € was a traceback."""
+    monkeypatch.setenv("LMSCOPE_URL", "http://127.0.0.1:9")  # nothing listens: the refusal comes first
+    for args in (["submit", "probe", "--wait", "--timeout", "-5"], ["wait", "1", "--timeout", "nan"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "Invalid value for '--timeout'" in r.output and "0 or more" in r.output, args
+    for key, says in (("", "the key is empty"), ("  ", "the key is empty"), ("a\nb", "not 1 to 200 printable"),
+                      ("€", "not 1 to 200 printable"), ("k" * 201, "not 1 to 200 printable")):
+        r = CliRunner().invoke(main, ["submit", "probe", "--idempotency-key", key])
+        assert r.exit_code == 2 and "Invalid value for '--idempotency-key'" in r.output and says in r.output, key
 
 
 def test_server_commands_exist():

@@ -169,6 +169,11 @@ def serve(settings: Settings) -> None:
         _serve_holding_the_data_dir(settings)
 
 
+def url_host(host: str) -> str:
+    """The host as a URL writes it: an IPv6 address in brackets (http://[::1]:8765/)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _serve_holding_the_data_dir(settings: Settings) -> None:
     from werkzeug.serving import make_server
 
@@ -189,7 +194,7 @@ def _serve_holding_the_data_dir(settings: Settings) -> None:
     try:
         server = make_server(settings.host, settings.port, app, threaded=True)
     except (OSError, SystemExit):  # werkzeug prints why (e.g. the port is in use) and exits
-        raise SystemExit(f"cannot listen on {settings.host}:{settings.port}: give another port with --port or "
+        raise SystemExit(f"cannot listen on {url_host(settings.host)}:{settings.port}: give another port with --port or "
                          "LMSCOPE_PORT; no job was touched") from None
     recovered = recover_interrupted(settings, sessions)
     worker = EmbeddedWorker(settings, sessions, publisher).start()
@@ -200,7 +205,7 @@ def _serve_holding_the_data_dir(settings: Settings) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     previous = {s: signal.signal(s, _shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
-    base = f"http://{settings.host}:{server.port}"
+    base = f"http://{url_host(settings.host)}:{server.port}"
     print(f"lmscope up: dashboard {base}/  API docs {base}/docs  (data in {settings.data_dir}; "
           f"{len(recovered['requeued'])} interrupted job(s) re-queued)", flush=True)
     if settings.auth:

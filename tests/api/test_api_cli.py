@@ -232,6 +232,8 @@ def test_resubmitting_with_an_idempotency_key_says_nothing_new_was_queued(api, c
     assert f"submitted job {job_id} (probe)" in first.stderr
     assert f"already submitted with this idempotency key: job {job_id} (probe, queued)" in again.stderr
     assert int(again.stdout) == job_id and len(api.jobs()) == 1
+    spaced = cli("submit", "probe", "-p", "model=m", "--idempotency-key", " k1")  # was an InvalidHeader traceback
+    assert spaced.exit_code == 0 and int(spaced.stdout) == job_id, spaced.output
 
 
 def test_results_of_a_job_without_series_say_why(api, cli):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 
@@ -51,6 +52,23 @@ def test_client_defaults_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("LMSCOPE_TOKEN", "lms_x")
     c = Client()
     assert c.url == "http://example.invalid:1" and c.http.headers["Authorization"] == "Bearer lms_x"
+
+
+def test_a_token_a_header_cannot_carry_is_refused_up_front(api, live, monkeypatch):
+    """A control character or one outside Latin-1 raised InvalidHeader / UnicodeEncodeError at the first
+    request; a token pasted with its newline (or spaces) works."""
+    for token, shown in (("lms_a\rb", r"'\r' at position 5"), ("lms_\x1b[0m", r"'\x1b' at position 4"),
+                         ("lms_€", "'€' at position 4")):
+        says = f"the token holds a character a header cannot carry ({shown})"
+        with pytest.raises(LmscopeError, match=re.escape(says)):
+            Client(live.url, token)
+        monkeypatch.setenv("LMSCOPE_TOKEN", token)
+        with pytest.raises(LmscopeError, match="LMSCOPE_TOKEN holds a character .*copy the token again") as e:
+            Client(live.url)
+        assert e.value.status == 0
+    api.user("ann")
+    monkeypatch.setenv("LMSCOPE_TOKEN", f" {api.tokens['ann']}\r\n")
+    assert Client(live.url).me()["name"] == "ann"
 
 
 def test_submit_list_cancel_and_idempotency(api, ann):
