@@ -223,6 +223,26 @@ def safetensors_parameter_count(path: Path) -> int:
     return total
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# A directory without tokenizer files may name lmscope's byte tokenizer here: {"tokenizer": "bytes"}.
+LMSCOPE_MANIFEST = "lmscope.json"
+
+
+def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
+    """How a model directory's tokenizer loads: "files" (Hugging Face's, saved beside the weights),
+    "bytes" (lmscope's byte tokenizer: named in lmscope.json, or implied by the byte vocabulary, as in
+    a training run's checkpoints), or None: there is none."""
+    try:
+        named = json.loads((path / LMSCOPE_MANIFEST).read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError):  # no manifest, or not a JSON object
+        named = None
+    if named == "bytes":
+        return "bytes"
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        return "files"
+    return "bytes" if vocab_size == BYTE_VOCAB_SIZE else None
+
+
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     """Check that `path` is a causal-LM Hugging Face directory under one of `roots`; return its facts.
 
@@ -264,6 +284,9 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
         raise CatalogError(f"{path} has no weights (*.safetensors or *.bin)")
     facts = config_facts(config)
     facts.path = str(resolved)
+    if tokenizer_source(resolved, facts.vocab_size) is None:
+        raise CatalogError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save it into the model "
+                           "directory with tokenizer.save_pretrained(path)")
     st = [w for w in weights if w.suffix == ".safetensors"]
     if st:
         try:
@@ -311,20 +334,31 @@ def parse_documents(data: bytes, fmt: str) -> list[str]:
     if fmt in ("text", "lines"):
         return split_documents(text, fmt)
     if fmt == "jsonl":
-        docs = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CatalogError(f"line {i} is not JSON ({e.msg}); each line must be an object like {{\"text\": \"...\"}}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise CatalogError(f"line {i} has no string field 'text'; each line must be an object like {{\"text\": \"...\"}}")
-            if obj["text"].strip():
-                docs.append(obj["text"])
-        return docs
+        return _jsonl_documents(text)
     raise CatalogError(f"unknown format {fmt!r}; use one of: {', '.join(DATASET_FORMATS)}")
+
+
+def _jsonl_documents(text: str) -> list[str]:
+    like = 'each line must be an object like {"text": "..."}'
+    docs = []
+    # Lines end at \n only: JSON strings may hold U+2028 and friends, which str.splitlines() splits on.
+    for i, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = strict_json.loads(line)
+        except strict_json.StrictJsonError as e:
+            raise CatalogError(f"line {i} is not JSON ({e}); {like}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise CatalogError(f"line {i} has no string field 'text'; {like}")
+        try:
+            obj["text"].encode("utf-8")
+        except UnicodeEncodeError as e:  # "\ud800": valid JSON, but no character a tokenizer can read
+            raise CatalogError(f"line {i}: its text holds a lone surrogate ({obj['text'][e.start]!r} at character "
+                               f"{e.start}); write the character itself, or a surrogate pair") from None
+        if obj["text"].strip():
+            docs.append(obj["text"])
+    return docs
 
 
 def read_documents(path: Path, fmt: str) -> list[str]:

@@ -32,6 +32,7 @@ ENV_VARS = {
     "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/..., else data/...)",
     "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton | reference",
     "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
+    "LMSCOPE_ALLOWED_HOSTS": "comma-separated host names a server without authentication answers to besides IP addresses and localhost (e.g. gpubox); other names are refused, so a web page cannot reach it through DNS rebinding",
     "LMSCOPE_HOST": "address `lmscope up` binds (default 127.0.0.1; gunicorn takes its own --bind)",
     "LMSCOPE_PORT": "port `lmscope up` listens on (default 8765)",
     "LMSCOPE_URL": "where the client and CLI find the API (default http://127.0.0.1:$LMSCOPE_PORT, or :8765)",
@@ -106,6 +107,7 @@ class Settings:
     wikitext2_path: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8765
+    allowed_hosts: tuple[str, ...] = ()
 
     @property
     def embedded(self) -> bool:
@@ -141,6 +143,7 @@ class Settings:
             wikitext2_path=Path(wikitext) if wikitext else default_wikitext,
             host=env.get("LMSCOPE_HOST", "127.0.0.1"),
             port=_int(env, "LMSCOPE_PORT", 8765),
+            allowed_hosts=tuple(h.strip().lower() for h in env.get("LMSCOPE_ALLOWED_HOSTS", "").split(",") if h.strip()),
         )
         values.update(overrides)
         return cls(**values)

@@ -1,8 +1,9 @@
 """JSON as RFC 8259 defines it, and no more: how request bodies, model configs and `-p` values are read.
 
-Python's `json` also takes NaN, Infinity and -Infinity, reads 1e400 as inf and fails with a
-RecursionError on deep nesting. A value like that, once stored, makes every later answer invalid JSON
-(the dashboard's JSON.parse refuses it), so each is refused here with a message saying what to change.
+Python's `json` also takes NaN, Infinity and -Infinity, reads 1e400 as inf, keeps the last of two
+equal keys without a word and fails with a RecursionError on deep nesting. A value like that, once stored, makes
+every later answer invalid JSON (the dashboard's JSON.parse refuses it) or means something the sender
+did not see, so each is refused here with a message saying what to change.
 Standard library only: the CLI, the catalog and the API all use it.
 """
 
@@ -35,8 +36,21 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise StrictJsonError(f"the key {twice!r} appears twice in one object; give it once")
+    return obj
+
+
 def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse `text` (bytes must be UTF-8); raises StrictJsonError (NonFiniteNumber for NaN and friends)."""
+    """Parse `text` (bytes must be UTF-8); raises StrictJsonError (NonFiniteNumber for NaN and friends).
+
+    Integers may be of any size (up to Python's 4300 digits): a float parameter refuses one that is
+    not finite as a float (lmscope.params).
+    """
     if isinstance(text, (bytes, bytearray)):
         try:
             text = bytes(text).decode("utf-8")
@@ -45,7 +59,8 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     if not text.strip():
         raise StrictJsonError("it is empty")
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                           object_pairs_hook=_unique_keys)
     except StrictJsonError:
         raise
     except json.JSONDecodeError as e:

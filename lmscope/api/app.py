@@ -6,8 +6,9 @@ import logging
 import time
 
 from flask import Flask, g, request
+from werkzeug.routing import IntegerConverter
 
-from lmscope.api.auth import authenticate
+from lmscope.api.auth import authenticate, check_browser_request
 from lmscope.api.errors import register_error_handlers
 from lmscope.api.inputs import check_request
 from lmscope.api.metrics import RequestMetrics
@@ -32,6 +33,13 @@ def upsert_builtins(settings: Settings, sessions) -> None:
         log.exception("could not upsert the built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
 
 
+class AsciiIntegerConverter(IntegerConverter):
+    """`<int:job_id>` as ASCII digits without leading zeros: werkzeug's `\\d+` also matches "٣" (job 3)
+    and "01" (job 1), where the query parameters refuse such integers."""
+
+    regex = r"(?:0|[1-9][0-9]*)"
+
+
 def create_app(settings: Settings | None = None, publisher: Publisher | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask("lmscope.api", static_folder=None)  # /docs reads its page itself; no /static route
@@ -40,6 +48,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
     # `//` in a path (an artifact named `%2Fetc%2Fpasswd`) is a 404 problem, not an HTML redirect to another
     # path; set before the blueprints' rules are bound to the map.
     app.url_map.merge_slashes = False
+    app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     app.extensions["lmscope"] = ApiState(settings=settings, engine=engine, sessions=sessions,
@@ -54,6 +63,8 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
     @app.before_request
     def _authenticate():
         g.started = time.perf_counter()
+        check_browser_request(request.method, request.headers, auth_enabled=settings.auth,
+                              allowed_hosts=settings.allowed_hosts)
         if request.path.startswith("/v1/"):
             g.caller = authenticate(request.headers.get("Authorization"), auth_enabled=settings.auth, sessions=sessions)
             check_request(app.view_functions.get(request.endpoint) if request.endpoint else None)

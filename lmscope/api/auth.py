@@ -8,9 +8,11 @@ With `LMSCOPE_AUTH=0` (the embedded single-user mode) every request acts as the 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 from flask import g
 from sqlalchemy import select, update
@@ -134,6 +136,55 @@ def authenticate(auth_header: str | None, *, auth_enabled: bool, sessions: sessi
                       "this token is unknown or was revoked; ask an admin for a new one "
                       "(`lmscope user token NAME`)", headers={"WWW-Authenticate": 'Bearer realm="lmscope", error="invalid_token"'})
     return caller
+
+
+def _host_name(host: str) -> str | None:
+    """The name in a Host header ("127.0.0.1:8765" → "127.0.0.1", "[::1]:80" → "::1"), or None if unreadable."""
+    try:
+        return urlsplit("//" + host).hostname
+    except ValueError:
+        return None
+
+
+def _is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def check_browser_request(method: str, headers, *, auth_enabled: bool, allowed_hosts: tuple[str, ...] = ()) -> None:
+    """Without authentication, keep other web sites out (403 problems).
+
+    Every request acts as the admin `local` then, so a page the user happens to visit could use the
+    API through the user's browser: post a job or cancel one with a "simple" cross-site request (no
+    preflight: a form, or text/plain), or read results through DNS rebinding (a name of its own that
+    resolves to 127.0.0.1). So requests must be addressed to an IP address, localhost or a name in
+    LMSCOPE_ALLOWED_HOSTS; and a request that changes something must not come from another origin
+    (browsers say where a request comes from in Origin; curl and the client send none). With tokens
+    a page has no credentials to send, and none of this applies.
+    """
+    if auth_enabled:
+        return
+    host = headers.get("Host", "")
+    name = _host_name(host)
+    if name is None or not (_is_ip_address(name) or name == "localhost" or name in allowed_hosts):
+        raise Problem(403, "host-not-allowed", "Host not allowed",
+                      f"this server runs without authentication (LMSCOPE_AUTH=0) and answers only requests "
+                      f"addressed to an IP address or localhost, not to {host!r}: address it as "
+                      f"http://127.0.0.1:<port>, list the name in the server's LMSCOPE_ALLOWED_HOSTS, or turn "
+                      "authentication on (LMSCOPE_AUTH=1)")
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return
+    origin = headers.get("Origin")
+    cross = (origin is not None and (origin == "null" or urlsplit(origin).netloc.lower() != host.lower())) or (
+        origin is None and headers.get("Sec-Fetch-Site") == "cross-site")
+    if cross:
+        raise Problem(403, "cross-origin-request", "Cross-origin request refused",
+                      f"a page from {origin or 'another site'} may not change anything on a server without "
+                      f"authentication (it would act as you); use this server's own dashboard at http://{host}/, "
+                      "the CLI or the Python client, or turn authentication on (LMSCOPE_AUTH=1)")
 
 
 def current_caller() -> Caller:

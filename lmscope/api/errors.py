@@ -122,7 +122,7 @@ _TYPE_HINTS = {
     "float_type": "a number, e.g. 0.5", "float_parsing": "a number, e.g. 0.5",
     "bool_type": "true or false", "bool_parsing": "true or false",
     "string_type": "a string", "list_type": 'a list, e.g. ["a", "b"]',
-    "dict_type": 'an object, e.g. {"epochs": 50}', "model_type": 'an object, e.g. {"epochs": 50}',
+    "dict_type": 'an object, {"field": value, ...}', "model_type": 'an object, {"field": value, ...}',
 }
 
 
@@ -205,9 +205,12 @@ def register_error_handlers(app: Flask) -> None:
             detail = f"there is nothing at {request.path}; see /openapi.json or /docs for the endpoints"
         elif status == 405 and allowed:
             detail = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"
-        elif status == 413:
+        elif status == 413 and request.path.startswith("/v1/datasets"):
             detail = (f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes; send a smaller "
                       "file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)")
+        elif status == 413:
+            detail = (f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes (the upload limit, "
+                      "LMSCOPE_MAX_UPLOAD_BYTES); a request here is a few kilobytes: check what is being sent")
         else:
             detail = e.description or e.name
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))

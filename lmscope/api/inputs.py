@@ -62,6 +62,9 @@ def refuse_bad_strings(value: Any, loc: tuple = ()) -> None:
 def json_body(example: str) -> Any:
     """The request body as strict JSON (lmscope.strict_json): 400 invalid-json saying what is wrong, or 422
     naming a string that holds a control character. `example` shows a good body."""
+    if request.content_encoding not in (None, "", "identity"):  # gzip bytes would be "not UTF-8"
+        raise Problem(415, "unsupported-media-type", "Compressed body",
+                      f"the body is sent with Content-Encoding: {request.content_encoding}; send the JSON uncompressed")
     try:
         value = strict_json.loads(request.get_data(cache=True))
     except strict_json.StrictJsonError as e:

@@ -8,6 +8,7 @@ bytes are decoded and split into documents *before* anything is stored, so a bad
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -82,6 +83,11 @@ def register_model():
         body = RegisterModelBody.model_validate(raw)
     except ValidationError as e:
         raise validation_problem(e, model=RegisterModelBody) from None
+    if re.search(r"@step\d+$", body.name):  # a running train job would fail when it reaches that step
+        msg = (f"{body.name!r} is a training run's checkpoint name (<run>@step<N>, registered by `train` jobs); "
+               "choose a name without the @step<N> ending")
+        raise Problem(422, "validation-error", "Invalid request", msg,
+                      errors=[{"loc": ["name"], "msg": msg, "type": "checkpoint_name"}])
     try:
         facts = inspect_model_dir(Path(body.path), st.settings.model_dirs)
     except CatalogError as e:

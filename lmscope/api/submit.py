@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -23,7 +24,19 @@ from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
 
-Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True)]
+# A job's name and tags are one line each in every listing: no tab, line break, or bidi control that
+# makes it display as something else (U+202E turns "gpj.exe" around).
+_NOT_ONE_LINE = re.compile(r"[\t\n\r\u202a-\u202e\u2066-\u2069]")
+
+
+def _one_line(text: str | None) -> str | None:
+    if text is not None and (bad := _NOT_ONE_LINE.search(text)):
+        raise ValueError(f"holds U+{ord(bad.group()):04X} at character {bad.start()}: names and tags are one line "
+                         "of plain text (no tab, line break or direction control)")
+    return text
+
+
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, strip_whitespace=True), AfterValidator(_one_line)]
 
 
 class SubmitBody(BaseModel):
@@ -33,7 +46,7 @@ class SubmitBody(BaseModel):
 
     kind: str = Field(description="the job kind; GET /v1/kinds lists them")
     params: dict[str, Any] = Field(default_factory=dict, description="the kind's parameters")
-    name: str | None = Field(None, max_length=200, description="a label for people")
+    name: Annotated[str | None, AfterValidator(_one_line)] = Field(None, max_length=200, description="a label for people")
     tags: list[Tag] = Field(default_factory=list, max_length=32, description="free-form labels to filter by")
 
 
@@ -177,6 +190,25 @@ def check_layers(session: Session, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "layer_out_of_range"} for m, loc in errors.items()])
 
 
+def check_same_shapes(session: Session, parsed: list) -> None:
+    """Models a job compares head by head must have the same layers × heads (as far as recorded)."""
+    for p in parsed:
+        asked = p.models_compared()
+        if asked is None:
+            continue
+        field, names = asked
+        shapes = {row.name: (row.num_layers, row.num_heads) for row in session.execute(
+            select(Model.name, Model.num_layers, Model.num_heads).where(Model.name.in_(names)))}
+        known = [(name, shapes[name]) for name in names if None not in shapes.get(name, (None, None))]
+        other = next((item for item in known if item[1] != known[0][1]), None)
+        if other is not None:
+            (first, (l0, h0)), (name, (l1, h1)) = known[0], other
+            msg = (f"model {name!r} has {l1} layers × {h1} heads but {first!r} has {l0} × {h0}; one job follows "
+                   "the same heads across its models (e.g. checkpoints of one run): submit one job per architecture")
+            raise Problem(422, "validation-error", "Models differ in shape", msg,
+                          errors=[{"loc": ["params", field], "msg": msg, "type": "models_differ"}])
+
+
 def check_model_names(session: Session, parsed: list) -> None:
     """The models a job will register (a train run's `<run_name>@step<N>`) must not clash with any model
     or with an active job that registers the same names: refused now, not at its first checkpoint."""
@@ -280,6 +312,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     check_refs(session, caller, [params, *child_params])
     check_context(session, [params, *child_params])
     check_layers(session, [params, *child_params])
+    check_same_shapes(session, [params])
     check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)
 

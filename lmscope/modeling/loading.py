@@ -13,7 +13,6 @@ GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels swit
 from __future__ import annotations
 
 import gc
-import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -23,7 +22,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lmscope.catalog import BUILTIN_MODELS, BYTE_VOCAB_SIZE, safetensors_parameter_count
+from lmscope.catalog import (BUILTIN_MODELS, TOKENIZER_FILES, safetensors_parameter_count,
+                             tokenizer_source)
 from lmscope.modeling.loaded import LoadedModel
 from lmscope.modeling.tokenization import byte_tokenizer
 
@@ -37,8 +37,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 BUILTIN_SEED = 0
 # None: transformers picks sdpa where the architecture has it, else eager (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2)
 DEFAULT_ATTENTION: str | None = None
-# A directory may name its tokenizer here instead of shipping tokenizer files: {"tokenizer": "bytes"}.
-LMSCOPE_MANIFEST = "lmscope.json"
 
 
 class ModelLoadError(ValueError):
@@ -71,15 +69,12 @@ def _load_builtin(name: str, attn_implementation: str | None):
 
 
 def _load_tokenizer(path: Path, vocab_size: int | None):
-    manifest = path / LMSCOPE_MANIFEST
-    if manifest.is_file() and json.loads(manifest.read_text()).get("tokenizer") == "bytes":
-        return byte_tokenizer()
-    has_files = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"))
-    if has_files:
+    source = tokenizer_source(path, vocab_size)
+    if source == "files":
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if vocab_size == BYTE_VOCAB_SIZE:
+    if source == "bytes":
         return byte_tokenizer()
-    raise ModelLoadError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+    raise ModelLoadError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
                          "save the tokenizer into the model directory with tokenizer.save_pretrained(path)")
 
 

@@ -46,8 +46,12 @@ def validate_params(kind: str, raw: dict[str, Any] | None, *, internal: bool = F
 
 
 def whole_floats_as_ints(value: Any) -> Any:
-    """5.0 → 5 anywhere in a JSON value: the canonical form of a submission (validation, idempotency)."""
-    if isinstance(value, float) and value.is_integer():
+    """5.0 → 5 anywhere in a JSON value: the canonical form of a submission (validation, idempotency).
+
+    Only where the float is that integer exactly (|x| <= 2**53): 1e300 stays a float, which an integer
+    field refuses, rather than becoming a 301-digit count.
+    """
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
         return int(value)
     if isinstance(value, dict):
         return {k: whole_floats_as_ints(v) for k, v in value.items()}

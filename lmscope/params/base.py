@@ -23,9 +23,10 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class JobParams(BaseModel):
-    """Parameters of one job kind. Unknown fields are an error (422 naming the field)."""
+    """Parameters of one job kind. Unknown fields are an error (422 naming the field), and so is a
+    float that is not finite: JSON has no inf, but an integer like 10**400 becomes one as a float."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def model_refs(self) -> list[str]:
         """Registered model names this job reads (checked at submit)."""
@@ -47,6 +48,11 @@ class JobParams(BaseModel):
     def layers_read(self) -> tuple[str, str, list[int]] | None:
         """(field, model, layer indices) when the job reads given layers of a registered model; checked
         at submit against the model's number of layers."""
+        return None
+
+    def models_compared(self) -> tuple[str, list[str]] | None:
+        """(field, models) when the job follows the same layers and heads across several models;
+        checked at submit: their recorded numbers of layers and heads must agree."""
         return None
 
     def stored(self) -> dict[str, Any]:

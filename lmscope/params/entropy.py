@@ -65,3 +65,6 @@ class EntropyParams(JobParams):
 
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.seq_len is not None else None
+
+    def models_compared(self) -> tuple[str, list[str]] | None:
+        return ("models", list(self.models)) if self.models and len(self.models) > 1 else None

@@ -88,7 +88,7 @@ def effective_latent_dim(architecture: str, latent_dim: int | None, token_dim: i
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TrainSettings(_Strict):

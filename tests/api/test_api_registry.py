@@ -10,6 +10,7 @@ import struct
 import pytest
 from sqlalchemy import select
 
+from lmscope.catalog import CatalogError, parse_documents
 from lmscope.db.models import Dataset
 
 from .conftest import is_problem
@@ -18,8 +19,10 @@ SHAPES = {"transformer.wte.weight": [10, 4], "transformer.h.0.attn.c_attn.weight
 
 
 def write_hf_dir(path, shapes=SHAPES):
-    """A minimal Hugging Face GPT-2 directory: config.json + a hand-written .safetensors file."""
+    """A minimal Hugging Face GPT-2 directory: config.json, a hand-written .safetensors file and a
+    (stand-in) tokenizer.json."""
     path.mkdir(parents=True)
+    (path / "tokenizer.json").write_text("{}")
     (path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_head": 2, "n_embd": 4,
         "vocab_size": 10, "torch_dtype": "float32"}))
@@ -54,6 +57,11 @@ def test_admin_registers_a_model_directory(api, tmp_path):
     assert api.submit(api.user("ann"), params={"model": "gpt2-mini"}).status_code == 202
     is_problem(api.client.post("/v1/models", headers=admin, json={"name": "gpt2-mini", "path": str(model_dir)}),
                409, "name-taken")
+    # a training run's checkpoint name: the run would fail with name-taken when it got to that step
+    for name in ("run7@step250", "my-run@step0"):
+        body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": name, "path": str(model_dir)}),
+                          422, "validation-error")
+        assert body["errors"][0]["loc"] == ["name"] and "@step<N>" in body["detail"]
 
 
 def test_model_registration_is_admin_only(api, tmp_path):
@@ -118,6 +126,13 @@ def test_unusable_model_directories_are_422_naming_what_is_wrong(api, tmp_path):
         model_dir = write_hf_dir(tmp_path / "models" / f"w{i}")
         (model_dir / "model.safetensors").write_bytes(weights)
         refused(model_dir, "model.safetensors is not a safetensors file")
+    # no tokenizer: it was registered, and every job on it failed at load ("has no tokenizer")
+    model_dir = write_hf_dir(tmp_path / "models" / "no-tokenizer")
+    (model_dir / "tokenizer.json").unlink()
+    refused(model_dir, "has no tokenizer", "save_pretrained")
+    (model_dir / "lmscope.json").write_text('{"tokenizer": "bytes"}')  # lmscope's byte tokenizer, named
+    r = api.client.post("/v1/models", headers=admin, json={"name": "bytes-model", "path": str(model_dir)})
+    assert r.status_code == 201, r.get_json()
     # a NUL in the path is refused with the body's other strings that cannot be stored
     body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "bad", "path": "/tmp/a\x00b"}),
                       422, "validation-error")
@@ -179,12 +194,26 @@ def test_bad_files_are_422_saying_where(api):
     body = is_problem(api.client.post("/v1/datasets?name=j&format=jsonl", headers=h, data=jsonl, content_type="text/plain"),
                       422, "invalid-dataset")
     assert "line 2" in body["detail"] and "'text'" in body["detail"]
+    # each line is strict JSON (these were a 500, or stored and then failed every job in the tokenizer)
+    for i, (data, says) in enumerate(((b'{"text": "ok"}\n{"text": ' + b"[" * 1000 + b"\n", "line 2 is not JSON"),
+                                      (b'{"text": "ok", "text": "again"}', "appears twice"),
+                                      (b'{"text": "ok", "score": NaN}', "NaN"),
+                                      (b'{"text": "hello \\ud800 world"}', "lone surrogate"))):
+        body = is_problem(api.client.post(f"/v1/datasets?name=bad{i}&format=jsonl", headers=h, data=data,
+                                          content_type="text/plain"), 422, "invalid-dataset")
+        assert says in body["detail"], body["detail"]
+    with pytest.raises(CatalogError, match="line 1 is not JSON .a number has too many digits"):  # past the upload limit here
+        parse_documents(b'{"text": "ok", "n": ' + b"1" * 5000 + b"}", "jsonl")
     body = is_problem(api.client.post("/v1/datasets?name=f&format=csv", headers=h, data=b"a", content_type="text/plain"),
                       422, "validation-error")
     assert "jsonl" in body["detail"]
     is_problem(api.client.post("/v1/datasets?name=blank", headers=h, data=b"\n\n \n", content_type="text/plain"),
                422, "invalid-dataset")
     assert stored_files(api) == []
+    # U+2028 is a character inside a JSON string, not a line break
+    r = api.client.post("/v1/datasets?name=ls&format=jsonl", headers=h, content_type="text/plain",
+                        data='{"text": "one\u2028line"}\n{"text": "two"}\n'.encode())
+    assert r.status_code == 201 and r.get_json()["documents"] == 2, r.get_json()
 
 
 def test_a_missing_builtin_corpus_is_logged_not_silent(settings_factory, sqlite_url, tmp_path, caplog):

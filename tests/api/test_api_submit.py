@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 
 import pytest
+from sqlalchemy import select
 
-from lmscope.db.models import Model
+from lmscope.db.models import Dataset, Model
 from lmscope.params import KINDS
 
 from .conftest import is_problem, small_sweep
@@ -168,7 +170,9 @@ def test_bodies_are_strict_json_on_every_json_endpoint(api):
                      '{"kind": "probe", "params": {"model": "m", "x": %s}}' % ("[" * 5000 + "]" * 5000): "32 deep",
                      norms % "NaN": "NaN is not a JSON number", norms % "Infinity": "Infinity is not a JSON number",
                      norms % "-Infinity": "-Infinity is not a JSON number", norms % "1e400": "1e400 is too large",
-                     "": "empty", probe[:-1]: "line 1", "\xff": "not UTF-8"},
+                     "": "empty", probe[:-1]: "line 1", "\xff": "not UTF-8",
+                     # the last "kind" used to win without a word
+                     '{"kind": "probe", "kind": "norms", "params": {"model": "m"}}': "'kind' appears twice"},
         "/v1/models": {"not json": "line 1", "[" * 60_000: "32 deep", '{"name": "x", "path": NaN}': "NaN"},
     }
     for path, cases in bodies.items():
@@ -179,9 +183,36 @@ def test_bodies_are_strict_json_on_every_json_endpoint(api):
             body = is_problem(r, 400, "invalid-json")
             assert says in body["detail"] and "JSON object like" in body["detail"], (path, data[:40], body["detail"])
     assert api.jobs() == [] and api.publisher.published == []
+    # an integer literal past a double's range became inf in a float parameter (stored as Infinity),
+    # and 1e300 a 301-digit count in an integer one
+    attention = '{"kind": "sweep", "params": {"study": "attention", "model": "m", "dataset": "d", "features": [1e300]}}'
+    for data, loc in ((norms % ("1" + "0" * 400), ["params", "loss_filter"]), (attention, ["params", "features", 0])):
+        body = is_problem(api.client.post("/v1/jobs", headers=h, data=data, content_type="application/json"),
+                          422, "validation-error")
+        assert body["errors"][0]["loc"] == loc, body["errors"]
+    # gzip bytes were "not UTF-8: byte 1 is b'\\x8b'"
+    body = is_problem(api.client.post("/v1/jobs", headers={**h, "Content-Encoding": "gzip"},
+                                      data=gzip.compress(probe.encode()), content_type="application/json"),
+                      415, "unsupported-media-type")
+    assert "uncompressed" in body["detail"]
+    assert api.jobs() == []
     assert api.client.post("/v1/jobs", headers=h, data=norms % "2.5").status_code == 202  # finite: fine
     listed = api.client.get("/v1/jobs", headers=h).get_data(as_text=True)
     assert json.loads(listed, parse_constant=lambda c: pytest.fail(f"{c} in the job list"))
+
+
+def test_names_and_tags_are_one_line_of_text(api):
+    """A name with a line break broke `lmscope jobs` rows; U+202E displayed "gpj.exe" reversed."""
+    h = api.user("ann")
+    for body, loc, code in (({"name": "two\nlines"}, ["name"], "U+000A"), ({"name": "x\u202egpj.exe"}, ["name"], "U+202E"),
+                            ({"tags": ["ok", "a\tb"]}, ["tags", 1], "U+0009")):
+        r = api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"}, **body})
+        problem = is_problem(r, 422, "validation-error")
+        assert problem["errors"][0]["loc"] == loc and code in problem["errors"][0]["msg"], problem
+    assert api.jobs() == []
+    ok = api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"}, "name": "a b – ü",
+                                                      "tags": ["x y"]})
+    assert ok.status_code == 202
 
 
 def test_strings_that_cannot_be_stored_are_refused_naming_the_field(api):
@@ -230,6 +261,40 @@ def test_without_auth_requests_act_as_the_local_admin(make_api):
     job = api.client.post("/v1/jobs", json={"kind": "probe", "params": {"model": "m"}}).get_json()
     assert job["user"] == "local"
     assert api.client.post("/v1/models", json={"name": "x", "path": "/nowhere"}).status_code == 422  # admin: not 403
+
+
+def test_without_auth_other_web_sites_cannot_use_the_api(make_api, tmp_path):
+    """Every request is the admin then: a page the user visits must not submit, cancel or upload through
+    the browser (a cross-site form or text/plain POST needs no preflight), nor read results by DNS
+    rebinding (its own name resolving to 127.0.0.1). Nothing they try may change anything."""
+    api = make_api(auth=False, allowed_hosts=("gpubox",))
+    api.add_model("m")
+    job = {"kind": "probe", "params": {"model": "m"}}
+    own = api.client.post("/v1/jobs", json=job, headers={"Origin": "http://localhost"})  # the dashboard's own page
+    assert own.status_code == 202
+    job_id = own.get_json()["id"]
+    for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"}, {"Origin": "http://localhost:9999"},
+                    {"Sec-Fetch-Site": "cross-site"}):
+        body = is_problem(api.client.post("/v1/jobs", data=json.dumps(job), content_type="text/plain", headers=headers),
+                          403, "cross-origin-request")
+        assert "LMSCOPE_AUTH=1" in body["detail"]
+        is_problem(api.client.post(f"/v1/jobs/{job_id}/cancel", headers=headers), 403, "cross-origin-request")
+        is_problem(api.client.post("/v1/datasets?name=x", data=b"some text", content_type="text/plain",
+                                   headers=headers), 403, "cross-origin-request")
+    assert [j.status for j in api.jobs()] == ["queued"]
+    with api.sessions() as session:
+        assert session.scalar(select(Dataset).where(Dataset.name == "x")) is None
+    # a page may still link to it (GET), but only under an address that is not its own name
+    assert api.client.get(f"/v1/jobs/{job_id}", headers={"Origin": "http://evil.example"}).status_code == 200
+    for host in ("evil.example", "evil.example:8765", "127.0.0.1.evil.example"):
+        body = is_problem(api.client.get(f"/v1/jobs/{job_id}", headers={"Host": host}), 403, "host-not-allowed")
+        assert "LMSCOPE_ALLOWED_HOSTS" in body["detail"]
+        is_problem(api.client.get("/", headers={"Host": host}), 403, "host-not-allowed")
+    for host in ("127.0.0.1:8765", "[::1]:8765", "10.1.2.3", "localhost:8765", "GPUBOX:8765"):
+        assert api.client.get(f"/v1/jobs/{job_id}", headers={"Host": host}).status_code == 200, host
+    # with tokens a page has nothing to send, and a proxy may use any name: none of this applies
+    authed = make_api(auth=True)
+    assert authed.client.get("/v1/jobs", headers={**authed.user("ann"), "Host": "lmscope.team"}).status_code == 200
 
 
 def test_quota_counts_active_top_level_jobs(api):
@@ -325,6 +390,19 @@ def test_layers_a_model_does_not_have_are_refused_at_submit(api):
     assert [e["loc"] for e in body["errors"]] == [["params", "layers"]]  # once, though every child reads it
     assert api.jobs() == []
     assert api.submit(h, kind="sweep", params={**attention, "layers": [0, 1]}).status_code == 202
+
+
+def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):
+    """The job follows each (layer, head) across its models: a 2-layer and a 3-layer model failed in
+    the worker with an IndexError, after measuring the first."""
+    h = api.user("ann")
+    api.add_model("deeper", layers=3)
+    api.add_model("unknown-shape", layers=None, heads=None)  # not recorded: the worker checks it
+    body = is_problem(api.submit(h, kind="entropy", params={"models": ["m", "unknown-shape", "deeper"], "dataset": "d"}),
+                      422, "validation-error")
+    assert "model 'deeper' has 3 layers × 2 heads but 'm' has 2 × 2" in body["detail"]
+    assert body["errors"][0]["loc"] == ["params", "models"] and api.jobs() == []
+    assert api.submit(h, kind="entropy", params={"models": ["m", "unknown-shape"], "dataset": "d"}).status_code == 202
 
 
 def test_sweep_inserts_parent_and_children_and_publishes_the_children(api):
