@@ -316,7 +316,7 @@ def up(host, port):
     # socket layer either raised OverflowError or quietly bound another port (70000 → 4464).
     if port is None and settings.port not in range(PORTS.min, PORTS.max + 1):
         raise click.ClickException(f"LMSCOPE_PORT={settings.port} is not a port (0 to 65535); write e.g. "
-                                   "LMSCOPE_PORT=8765 (the default), or LMSCOPE_PORT=0 for a free one")
+                                   "LMSCOPE_PORT=8765 (the default); `lmscope up --port 0` picks a free one")
     serve(settings)
 
 

@@ -37,7 +37,7 @@ class AsciiIntegerConverter(IntegerConverter):
     """`<int:job_id>` as ASCII digits without leading zeros: werkzeug's `\\d+` also matches "٣" (job 3)
     and "01" (job 1), where the query parameters refuse such integers."""
 
-    regex = r"(?:0|[1-9][0-9]*)"
+    regex = r"(?:0|[1-9][0-9]{0,99})"  # longer is no route (past 4300 digits int() raised: a 500)
 
 
 def create_app(settings: Settings | None = None, publisher: Publisher | None = None) -> Flask:

@@ -178,8 +178,16 @@ def check_browser_request(method: str, headers, *, auth_enabled: bool, allowed_h
     if method in ("GET", "HEAD", "OPTIONS"):
         return
     origin = headers.get("Origin")
-    cross = (origin is not None and (origin == "null" or urlsplit(origin).netloc.lower() != host.lower())) or (
-        origin is None and headers.get("Sec-Fetch-Site") == "cross-site")
+    if origin is not None:
+        # the page's own origin; or one of the allowed names, for a proxy that rewrites Host to localhost
+        try:
+            parts = urlsplit(origin)
+            same = origin != "null" and (parts.netloc.lower() == host.lower() or parts.hostname in allowed_hosts)
+        except ValueError:
+            same = False
+        cross = not same
+    else:
+        cross = headers.get("Sec-Fetch-Site") == "cross-site"
     if cross:
         raise Problem(403, "cross-origin-request", "Cross-origin request refused",
                       f"a page from {origin or 'another site'} may not change anything on a server without "

@@ -24,9 +24,10 @@ from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
 
-# A job's name and tags are one line each in every listing: no tab, line break, or bidi control that
-# makes it display as something else (U+202E turns "gpj.exe" around).
-_NOT_ONE_LINE = re.compile(r"[\t\n\r\u202a-\u202e\u2066-\u2069]")
+# A job's name and tags are one line each in every listing: no tab, line break (also NEL, U+2028/9),
+# C1 control (U+009B starts a terminal escape) or direction control that makes it display as
+# something else (U+202E turns "gpj.exe" around).
+_NOT_ONE_LINE = re.compile(r"[\t\n\r\x80-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def _one_line(text: str | None) -> str | None:

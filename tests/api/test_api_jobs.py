@@ -187,7 +187,7 @@ def test_ids_past_the_id_column_are_unknown_jobs_not_errors(api):
     job_id = api.submit(h).get_json()["id"]
     assert api.client.get(f"/v1/jobs/{job_id}", headers=h).status_code == 200
     # ids are ASCII digits as written by the API: not "٣" (Arabic-Indic 3) nor "01" for job 1
-    for other in (chr(0x0660 + job_id), f"0{job_id}", f"+{job_id}"):
+    for other in (chr(0x0660 + job_id), f"0{job_id}", f"+{job_id}", "9" * 5000):  # 5000 digits: int() raised
         is_problem(api.client.get(f"/v1/jobs/{other}", headers=h), 404, "not-found")
     for big in (2**31, 2**63, 99999999999999999999):
         for path in (f"/v1/jobs/{big}", f"/v1/jobs/{big}/results", f"/v1/jobs/{big}/artifacts",

@@ -205,7 +205,8 @@ def test_names_and_tags_are_one_line_of_text(api):
     """A name with a line break broke `lmscope jobs` rows; U+202E displayed "gpj.exe" reversed."""
     h = api.user("ann")
     for body, loc, code in (({"name": "two\nlines"}, ["name"], "U+000A"), ({"name": "x\u202egpj.exe"}, ["name"], "U+202E"),
-                            ({"tags": ["ok", "a\tb"]}, ["tags", 1], "U+0009")):
+                            ({"tags": ["ok", "a\tb"]}, ["tags", 1], "U+0009"), ({"name": "a\x85b"}, ["name"], "U+0085"),
+                            ({"name": "a\x9b31mred"}, ["name"], "U+009B"), ({"tags": ["a\u2028b"]}, ["tags", 0], "U+2028")):
         r = api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"}, **body})
         problem = is_problem(r, 422, "validation-error")
         assert problem["errors"][0]["loc"] == loc and code in problem["errors"][0]["msg"], problem
@@ -281,7 +282,7 @@ def test_without_auth_other_web_sites_cannot_use_the_api(make_api, tmp_path):
         is_problem(api.client.post(f"/v1/jobs/{job_id}/cancel", headers=headers), 403, "cross-origin-request")
         is_problem(api.client.post("/v1/datasets?name=x", data=b"some text", content_type="text/plain",
                                    headers=headers), 403, "cross-origin-request")
-    assert [j.status for j in api.jobs()] == ["queued"]
+    assert [j.status for j in api.jobs()] == ["queued"]  # none of those cancels counted
     with api.sessions() as session:
         assert session.scalar(select(Dataset).where(Dataset.name == "x")) is None
     # a page may still link to it (GET), but only under an address that is not its own name
@@ -292,6 +293,10 @@ def test_without_auth_other_web_sites_cannot_use_the_api(make_api, tmp_path):
         is_problem(api.client.get("/", headers={"Host": host}), 403, "host-not-allowed")
     for host in ("127.0.0.1:8765", "[::1]:8765", "10.1.2.3", "localhost:8765", "GPUBOX:8765"):
         assert api.client.get(f"/v1/jobs/{job_id}", headers={"Host": host}).status_code == 200, host
+    # a proxy that rewrites Host to localhost, for a page served under an allowed name
+    proxied = api.client.post(f"/v1/jobs/{job_id}/cancel", headers={"Host": "localhost:8765",
+                                                                  "Origin": "https://gpubox"})
+    assert proxied.status_code == 202 and proxied.get_json()["status"] == "cancelled", proxied.get_json()
     # with tokens a page has nothing to send, and a proxy may use any name: none of this applies
     authed = make_api(auth=True)
     assert authed.client.get("/v1/jobs", headers={**authed.user("ann"), "Host": "lmscope.team"}).status_code == 200
