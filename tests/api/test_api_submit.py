@@ -234,7 +234,7 @@ def test_strings_that_cannot_be_stored_are_refused_naming_the_field(api):
         assert is_problem(r, 422, "validation-error")["errors"][0]["loc"] == ["name"]
     assert api.jobs() == []
     # free text keeps its tabs and line breaks
-    ok = api.submit(h, params={"model": "m", "prompt": "one\ttwo\nthree"}, name="a\nb")
+    ok = api.submit(h, params={"model": "m", "prompt": "one\ttwo\nthree"}, name="a b")  # a name is one line
     assert ok.status_code == 202 and ok.get_json()["params"]["prompt"] == "one\ttwo\nthree"
 
 
