@@ -1,9 +1,9 @@
 """JSON as RFC 8259 defines it, and no more: how request bodies, model configs and `-p` values are read.
 
 Python's `json` also takes NaN, Infinity and -Infinity, reads 1e400 as inf, keeps the last of two
-equal keys without a word and fails with a RecursionError on deep nesting. A value like that, once stored, makes
-every later answer invalid JSON (the dashboard's JSON.parse refuses it) or means something the sender
-did not see, so each is refused here with a message saying what to change.
+equal keys without a word and fails with a RecursionError on deep nesting. A value like that, once
+stored, makes every later answer invalid JSON (the dashboard's JSON.parse refuses it) or means
+something the sender did not see, so each is refused here with a message saying what to change.
 Standard library only: the CLI, the catalog and the API all use it.
 """
 

@@ -205,12 +205,12 @@ def register_error_handlers(app: Flask) -> None:
             detail = f"there is nothing at {request.path}; see /openapi.json or /docs for the endpoints"
         elif status == 405 and allowed:
             detail = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"
-        elif status == 413 and request.path.startswith("/v1/datasets"):
-            detail = (f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes; send a smaller "
-                      "file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)")
         elif status == 413:
-            detail = (f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes (the upload limit, "
-                      "LMSCOPE_MAX_UPLOAD_BYTES); a request here is a few kilobytes: check what is being sent")
+            advice = ("send a smaller file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)"
+                      if request.path.startswith("/v1/datasets") else
+                      "the limit is the upload limit, LMSCOPE_MAX_UPLOAD_BYTES; a request here is a few kilobytes: "
+                      "check what is being sent")
+            detail = f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes; {advice}"
         else:
             detail = e.description or e.name
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))

@@ -11,9 +11,10 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
 from flask import Blueprint, request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -30,10 +31,17 @@ bp = Blueprint("registry", __name__, url_prefix="/v1")
 
 
 
+def _not_a_checkpoint_name(name: str) -> str:
+    if re.search(r"@step\d+$", name):  # a running train job would fail when it reaches that step
+        raise ValueError(f"{name!r} is a training run's checkpoint name (<run>@step<N>, registered by `train` "
+                         "jobs); choose a name without the @step<N> ending")
+    return name
+
+
 class RegisterModelBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN, description="the name jobs use, e.g. gpt2-small")
+    name: Annotated[str, AfterValidator(_not_a_checkpoint_name)] = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN, description="the name jobs use, e.g. gpt2-small")
     path: str = Field(min_length=1, description="a Hugging Face directory under one of LMSCOPE_MODEL_DIRS")
 
 
@@ -83,11 +91,6 @@ def register_model():
         body = RegisterModelBody.model_validate(raw)
     except ValidationError as e:
         raise validation_problem(e, model=RegisterModelBody) from None
-    if re.search(r"@step\d+$", body.name):  # a running train job would fail when it reaches that step
-        msg = (f"{body.name!r} is a training run's checkpoint name (<run>@step<N>, registered by `train` jobs); "
-               "choose a name without the @step<N> ending")
-        raise Problem(422, "validation-error", "Invalid request", msg,
-                      errors=[{"loc": ["name"], "msg": msg, "type": "checkpoint_name"}])
     try:
         facts = inspect_model_dir(Path(body.path), st.settings.model_dirs)
     except CatalogError as e:
