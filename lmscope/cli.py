@@ -39,10 +39,11 @@ class ApiFailure(click.ClickException):
     def show(self, file=None):
         errors = self.error.errors
         detail = self.error.problem.get("detail") or ""
-        # A validation problem's detail only joins its field errors ("fix these fields: loc: msg; ...",
-        # lmscope.api.errors.validation_problem): show the title and each field once, with its place.
+        # Where the detail only joins the field errors (a validation problem's "fix these fields: loc: msg;
+        # ...", or an unknown reference's "msg; msg"), show the title and each field once, with its place.
         # Any other detail says more (e.g. the valid values) and is shown whole.
-        only_fields = bool(errors) and detail.startswith("fix these fields: ")
+        only_fields = bool(errors) and (detail.startswith("fix these fields: ")
+                                        or detail == "; ".join(str(e.get("msg")) for e in errors))
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
         click.echo(f"Error: {title}" if only_fields else f"Error: {self.error}", err=True)
         for e in errors:
@@ -142,6 +143,32 @@ def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def bundled_examples() -> list[str]:
+    """The example parameter files shipped in lmscope/examples/, by name without .json."""
+    from importlib import resources
+
+    return sorted(f.name[:-5] for f in resources.files("lmscope.examples").iterdir() if f.name.endswith(".json"))
+
+
+def params_file_bytes(value: str) -> bytes:
+    """--params: a JSON file, or `example:NAME` for a bundled one (works from any directory)."""
+    if value.startswith("example:"):
+        name = value[len("example:"):].removesuffix(".json")
+        if name not in bundled_examples():
+            raise click.BadParameter(f"no bundled example {name!r}; they are {', '.join(bundled_examples())}",
+                                     param_hint="--params")
+        from importlib import resources
+
+        return resources.files("lmscope.examples").joinpath(f"{name}.json").read_bytes()
+    path = Path(value)
+    if not path.is_file():
+        stem = path.name.removesuffix(".json")
+        hint = (f"; the bundled example is --params example:{stem} (the path {value} works only from a checkout's "
+                "root)" if stem in bundled_examples() else "")
+        raise click.BadParameter(f"file {value!r} does not exist" + hint, param_hint="--params")
+    return path.read_bytes()
+
+
 def build_params(pairs: tuple[str, ...], params_file: str | None,
                  schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """--params FILE first, then each --param key=value on top (dotted keys make nested objects).
@@ -151,7 +178,7 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
     params: dict[str, Any] = {}
     if params_file:
         try:
-            loaded = strict_json.loads(Path(params_file).read_bytes())
+            loaded = strict_json.loads(params_file_bytes(params_file))
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"cannot read {params_file}: {e}", param_hint="--params") from None
         if not isinstance(loaded, dict):
@@ -579,7 +606,8 @@ def _idempotency_key(ctx, param, value: str | None) -> str | None:
 @click.option("--param", "-p", "pairs", multiple=True, metavar="KEY=VALUE",
               help="a parameter; VALUE is JSON if it parses, else a string (a string field always keeps the "
                    "text: model=123); dotted keys nest (train.epochs=5)")
-@click.option("--params", "params_file", type=click.Path(exists=True, dir_okay=False), help="a JSON file of parameters")
+@click.option("--params", "params_file", metavar="FILE|example:NAME",
+              help="a JSON file of parameters, or a bundled example (example:fig2; see lmscope/examples/)")
 @click.option("--name", help="a label for the job")
 @click.option("--tag", "tags", multiple=True, help="a tag (repeatable)")
 @click.option("--idempotency-key", callback=_idempotency_key,

@@ -32,7 +32,13 @@ TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 def default_url() -> str:
     """Without LMSCOPE_URL: the local `lmscope up`, on LMSCOPE_PORT when that is set."""
     port = os.environ.get("LMSCOPE_PORT", "").strip()
-    return f"http://127.0.0.1:{port}" if port else DEFAULT_URL
+    if not port:
+        return DEFAULT_URL
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise LmscopeError(0, {"title": "Invalid LMSCOPE_PORT",
+                               "detail": f"LMSCOPE_PORT={port!r} is not a port (1 to 65535); write e.g. "
+                                         "LMSCOPE_PORT=8765 (the default), or set LMSCOPE_URL to the API's address"})
+    return f"http://127.0.0.1:{int(port)}"
 
 
 class LmscopeError(Exception):

@@ -67,6 +67,20 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
         build_params((), str(f))
 
 
+def test_bundled_examples_are_found_from_any_directory(tmp_path, monkeypatch):
+    """The docs' `--params lmscope/examples/fig2.json` only worked from a checkout's root."""
+    monkeypatch.chdir(tmp_path)
+    on_disk = json.loads((ROOT / "lmscope" / "examples" / "fig2.json").read_text())
+    assert build_params(("train.epochs=3",), "example:fig2") == {**on_disk, "train": {**on_disk["train"], "epochs": 3}}
+    assert build_params((), "example:fig2.json") == on_disk
+    with pytest.raises(click.BadParameter, match="--params example:fig2 .*works only from a checkout's root"):
+        build_params((), "lmscope/examples/fig2.json")
+    with pytest.raises(click.BadParameter, match="no bundled example 'fig3'; they are .*fig2, fig2_full"):
+        build_params((), "example:fig3")
+    with pytest.raises(click.BadParameter, match="file 'mine.json' does not exist$"):
+        build_params((), "mine.json")
+
+
 def test_string_fields_keep_the_text_of_their_values():
     """With the kind's schema (GET /v1/kinds), `model=123` stays "123"; other fields still parse as JSON."""
     from lmscope.params import KINDS

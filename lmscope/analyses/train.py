@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -393,9 +394,11 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     steps = [s for s, _ in history["train"]]
     losses = [l for _, l in history["train"]]
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
-    window = 20  # trailing mean, so the trend is visible through batch noise
-    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
-    ax.plot(steps, smooth, color="tab:blue", label=f"train (mean of last {window} steps)")
+    # The trend through batch noise: a centred running median, so one spiky batch neither lifts the
+    # line for the next steps nor makes it drop when it leaves the window (a trailing mean did both).
+    half = 10
+    smooth = [statistics.median(losses[max(0, i - half):i + half + 1]) for i in range(len(losses))]
+    ax.plot(steps, smooth, color="tab:blue", label=f"train (running median of {2 * half + 1} steps)")
     ax.plot([s for s, _ in history["val"]], [l for _, l in history["val"]], "o-", color="tab:orange", ms=3,
             label="validation")
     ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline {baseline:.2f}")

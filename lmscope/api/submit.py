@@ -115,6 +115,23 @@ def _field_holding(parsed: list, value) -> list:
     return ["params"]
 
 
+def _training_run_hint(session: Session, caller: Caller, name: str) -> str:
+    """For a `train` run's name: its checkpoints are the models, `run@step<N>`; say which exist."""
+    rows = session.execute(select(Model.name, Model.step, Model.job_id)
+                           .where(Model.source == "checkpoint", Model.name.startswith(f"{name}@step", autoescape=True))
+                           .order_by(Model.step)).all()
+    rows = [r for r in rows if r.name == f"{name}@step{r.step}"]
+    if not rows:
+        return ""
+    shown = [r.name for r in rows] if len(rows) <= 4 else [rows[0].name, "…", rows[-1].name]
+    job = rows[-1].job_id
+    if job is not None and not caller.can_see(session.get(Job, job).user_id):
+        job = None
+    return (f"; {name!r} is a training run, whose checkpoints are the models: {', '.join(shown)} "
+            f"({len(rows)}); name one of them"
+            + (f", or give train_job={job} to an entropy job for all of them" if job is not None else ""))
+
+
 def check_refs(session: Session, caller: Caller, parsed: list) -> None:
     """Every model, dataset and train job the params name must exist (and the job be visible)."""
     models = sorted({m for p in parsed for m in p.model_refs()})
@@ -128,9 +145,10 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
         missing = [n for n in names if n not in known]
         everything = list(session.scalars(select(table.name))) if missing else []
         for n in missing:
+            run = _training_run_hint(session, caller, n) if table is Model else ""
             errors.append((_field_holding(parsed, n), f"{what} {n!r} is not registered"
-                           + did_you_mean(n, everything)
-                           + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)"))
+                           + (run or did_you_mean(n, everything)
+                              + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)")))
     for job_id in jobs:
         ref = session.get(Job, job_id)
         if ref is None or not caller.can_see(ref.user_id):

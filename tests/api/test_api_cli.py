@@ -224,6 +224,15 @@ def test_a_filter_error_keeps_the_apis_advice(cli):
     assert "unknown status 'bogus'; use one of queued, running" in r.stderr  # not only "query.status: unknown status"
 
 
+def test_an_unknown_model_is_said_once_with_the_field_it_is_in(cli):
+    """The detail of an unknown reference only joins its field messages: it was printed twice."""
+    r = cli("submit", "probe", "-p", "model=nope")
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == "Error: Unknown model, dataset or job", lines
+    assert len(lines) == 2 and lines[1].startswith("  params.model: ") and "'nope'" in lines[1], lines
+
+
 def test_resubmitting_with_an_idempotency_key_says_nothing_new_was_queued(api, cli):
     first = cli("submit", "probe", "-p", "model=m", "--idempotency-key", "k1")
     again = cli("submit", "probe", "-p", "model=m", "--idempotency-key", "k1")
@@ -288,6 +297,18 @@ def test_the_cli_finds_a_local_server_on_lmscope_port(monkeypatch):
     assert Client().url == "http://127.0.0.1:8799"
     monkeypatch.setenv("LMSCOPE_URL", "http://gpu-box:9000/")
     assert Client().url == "http://gpu-box:9000"  # an explicit URL wins
+
+
+def test_an_unreadable_lmscope_port_is_named_by_client_commands(monkeypatch):
+    """LMSCOPE_PORT=80a made `lmscope jobs` blame LMSCOPE_URL (an address it had built from the port)."""
+    monkeypatch.delenv("LMSCOPE_URL", raising=False)
+    for bad in ("80a", "0", "70000", "٣"):
+        monkeypatch.setenv("LMSCOPE_PORT", bad)
+        r = CliRunner().invoke(main, ["jobs"])
+        assert r.exit_code == 1 and f"LMSCOPE_PORT={bad!r} is not a port" in r.output, r.output
+        assert "LMSCOPE_URL" not in r.output.split("is not a port")[0]
+    monkeypatch.setenv("LMSCOPE_URL", "http://127.0.0.1:9")  # with an address the port is not read
+    assert "LMSCOPE_PORT" not in CliRunner().invoke(main, ["jobs"]).output
 
 
 def _two_norms_like_jobs(api):

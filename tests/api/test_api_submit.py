@@ -106,6 +106,27 @@ def test_unknown_kind_lists_the_kinds(api):
     assert child["errors"][0]["type"] == "child_kind" and not api.jobs()
 
 
+def test_a_training_runs_name_points_to_its_checkpoints(api):
+    """`-p model=my-run` only suggested 'my-run@step60'; the run's checkpoints and train_job say more."""
+    from lmscope.db.models import Model
+
+    ann, bob = api.user("ann"), api.user("bob")
+    run = api.submit(ann, kind="train", params={"dataset": "d", "run_name": "my_run"}).get_json()["id"]
+    with api.sessions.begin() as session:
+        for step in (300, 100, 200):  # registered out of order: listed by step
+            session.add(Model(name=f"my_run@step{step}", source="checkpoint", job_id=run, step=step))
+        session.add(Model(name="myXrun@step5", source="checkpoint", job_id=run, step=5))  # '_' is no wildcard
+    body = is_problem(api.submit(ann, kind="norms", params={"model": "my_run", "dataset": "d"}), 422,
+                      "unknown-reference")
+    assert ("'my_run' is a training run, whose checkpoints are the models: my_run@step100, my_run@step200, "
+            f"my_run@step300 (3); name one of them, or give train_job={run} to an entropy job") in body["detail"]
+    assert body["errors"][0]["loc"] == ["params", "model"]
+    # Another user is told about the checkpoints (model names are global) but not the job id.
+    other = is_problem(api.submit(bob, kind="norms", params={"model": "my_run", "dataset": "d"}), 422,
+                       "unknown-reference")
+    assert "my_run@step100" in other["detail"] and "train_job" not in other["detail"]
+
+
 def test_unknown_model_or_dataset_is_refused_at_submit(api):
     h = api.user("ann")
     body = is_problem(api.submit(h, kind="norms", params={"model": "ghost", "dataset": "nowhere"}), 422, "unknown-reference")
