@@ -10,7 +10,10 @@ For each head dim D and length N (B·H = 32, causal, bf16 by default) it times
 and records peak memory (CUDA only) and which lengths ran out of memory. Output: a markdown table
 with the ratios kernel/sdpa and eager/kernel, then the longest N each method managed.
 
-A second table (skip it with --no-options) times the kernel's options against the plain kernel on
+On CUDA a second table times SDPA with each backend pinned (flash, cuDNN, memory-efficient) at
+N = 4096 and the longest N, so the `sdpa` column's backend is known.
+
+A third table (skip it with --no-options) times the kernel's options against the plain kernel on
 the same inputs: Gemma 2's soft-capping (softcap=50) and a causal sliding window of N/4 keys.
 """
 
@@ -170,6 +173,8 @@ def run(args):
     print()
     print("longest N run: " + ", ".join(f"{k} {v}" for k, v in longest.items()))
     print("goals on a GPU: kernel/sdpa <= 1.25; eager/kernel >= 5 at N = 4096; kernel memory linear in N")
+    if device.type == "cuda":
+        sdpa_backends_table(b, h, dtype, device, args, [n for n in args.ns if n >= 4096][:1] + args.ns[-1:])
     if not args.options:
         return
     print()
@@ -194,6 +199,38 @@ def run(args):
             print(f"| {d} | {n} | {ms('plain')} | {ms('softcap')} | {ms('window')} "
                   f"| {per_plain('softcap')} | {per_plain('window')} |")
     print("a causal window of N/4 keys reads about 7/16 of the causal triangle's key blocks")
+
+
+def sdpa_backends_table(b, h, dtype, device, args, ns):
+    """Which SDPA backend the `sdpa` column is: each one pinned in turn, on the same inputs.
+
+    At short N every column (the kernel's too) is bounded by host time per call (~50 us of Python
+    in the kernel's wrapper), not by the GPU: read the ratios at N >= 4096.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = [name for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, name)]
+    print()
+    print("| D | N | sdpa (default) ms | " + " | ".join(f"{name.split('_')[0].lower()} ms" for name in names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for d in args.dims:
+        for n in sorted(set(ns)):
+            q, k, v = random_qkv(b, h, n, d, dtype, device, seed=0)
+            row = []
+            for name in [None] + names:
+                try:
+                    if name is None:
+                        t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, args.reps, args.warmup)
+                    else:
+                        with sdpa_kernel(getattr(SDPBackend, name)):  # pinned for the whole timing, not per call
+                            t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device,
+                                      args.reps, args.warmup)
+                    row.append(f"{t[0] * 1e3:.3f}")
+                except RuntimeError as exc:  # this backend cannot take this shape / device, or OOM
+                    row.append("OOM" if is_oom(exc) else "n/a")
+            print(f"| {d} | {n} | " + " | ".join(row) + " |")
+            del q, k, v
+            torch.cuda.empty_cache()
 
 
 def main(argv=None):

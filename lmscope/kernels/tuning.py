@@ -1,14 +1,25 @@
 """Autotuning where it means something: on a GPU.
 
 Under ``TRITON_INTERPRET=1`` the autotuner would "benchmark" every config on the CPU, so the bare
-kernel runs there with fixed blocks instead.
+kernel runs there with fixed blocks instead. ``LMSCOPE_AUTOTUNE=0`` keeps only each kernel's first
+candidate on a GPU too: one compile per shape instead of one per candidate, for test runs that check
+correctness and must fit a short GPU session.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 from .dispatch import interpreting
+
+AUTOTUNE_ENV_VAR = "LMSCOPE_AUTOTUNE"
+
+
+def autotuning() -> bool:
+    """False when ``LMSCOPE_AUTOTUNE`` is 0 / false / no / off (read at every launch that tunes)."""
+    return os.environ.get(AUTOTUNE_ENV_VAR, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def autotune_on_gpu(fn, *, configs: list, key: list[str], interpreter_blocks: dict[str, int],
@@ -17,5 +28,12 @@ def autotune_on_gpu(fn, *, configs: list, key: list[str], interpreter_blocks: di
     pruned by ``prune``) when compiled; the bare kernel with ``interpreter_blocks`` under the interpreter."""
     if interpreting():
         return fn, dict(interpreter_blocks)
-    prune_by = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by)(fn), {}
+
+    def candidates(configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs) if prune is not None else list(configs)
+        return kept if autotuning() else kept[:1]
+
+    # cache_results: the timings go to Triton's cache directory, so a new process (the next benchmark,
+    # a restarted worker) does not tune the same shapes again
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": candidates},
+                           cache_results=True)(fn), {}

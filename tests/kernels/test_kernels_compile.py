@@ -17,54 +17,116 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
+import os
+import sys
+import time
+
+import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from lmscope.kernels.attention_entropy import triton_kernel as tk
-from lmscope.kernels.dimension_entropy import triton_kernel as dk
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import native_specialize_impl
+
+from lmscope.kernels.attention_entropy.triton_kernel import attention_with_entropy_triton
+from lmscope.kernels.dimension_entropy.triton_kernel import dimension_entropy_triton
+from lmscope.kernels.favor.triton_kernel import favor_causal_triton
 
 target = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY = 227 * 1024  # an H100's, per block
 
-def sig(fn, constexprs, types):
-    # a constexpr left out would be compiled as a runtime i32: a variant no launch ever builds
-    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
-    assert not missing, f"{fn.__name__}: give the constexprs {missing}"
-    return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
 
-# both precisions; soft-capping and the sliding window off and on (they add code to every key block)
-for dt, prec, options in (("bf16", None, False), ("bf16", None, True), ("fp32", "ieee", True)):
-    cfg = tk._prune(tk._configs(), {}, BLOCK_D=64, BLOCK_DV=64, INPUT_PRECISION=prec)[0]
-    c = dict(HEAD_DIM=64, HEAD_DIM_V=64, BLOCK_D=64, BLOCK_DV=64, CAUSAL=True, HAS_KPM=True,
-             SOFTCAP=options, WINDOW=options, INPUT_PRECISION=prec, INTERPRET=False, **cfg.kwargs)
-    types = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "Out": "*" + dt, "Ent": "*fp32", "Lse": "*fp32",
-             "KPM": "*i8", "qk_scale": "fp32", "cap_log2": "fp32"}
-    k = triton.compile(ASTSource(fn=tk._attn_entropy_fwd, signature=sig(tk._attn_entropy_fwd, c, types),
-                                 constexprs=c), target=target,
-                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert "mma" in k.asm["ptx"] or dt == "fp32", "bf16 attention should use tensor cores"
+class Launched(Exception):
+    pass
 
-cfg = dk._configs()[0]
-c = dict(CAUSAL=True, INTERPRET=False, **cfg.kwargs)
-types = {"Q": "*bf16", "K": "*bf16", "KMAX": "*bf16", "KMIN": "*bf16", "Out": "*fp32", "qk_scale": "fp32"}
-triton.compile(ASTSource(fn=dk._dim_entropy_fwd, signature=sig(dk._dim_entropy_fwd, c, types), constexprs=c),
-               target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
-from lmscope.kernels.favor import triton_kernel as fk
-types = {"PQ": "*fp32", "PK": "*fp32", "KM": "*fp32", "V": "*fp32", "Num": "*fp32", "Den": "*fp32"}
-for cfg in fk._kernel.configs:  # every autotune candidate, as the wrapper launches it
-    c = dict(BLOCK_M=fk.BLOCK_M, INPUT_PRECISION="tf32x3", INTERPRET=False, **cfg.kwargs)
-    k = triton.compile(ASTSource(fn=fk._favor_causal_fwd, signature=sig(fk._favor_causal_fwd, c, types),
-                                 constexprs=c), target=target,
-                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert k.metadata.shared <= 227 * 1024, k.metadata.shared  # fits an H100's shared memory
-    assert "mma" in k.asm["ptx"], "3xTF32 FAVOR+ should use tensor cores"
+def capture(self, *args, **kwargs):  # stands in for the autotuner's launch: keep what it was given
+    raise Launched(self, args, kwargs)
+
+
+Autotuner.run = capture
+
+
+def compile_launch(name, call, every_candidate=False):
+    # Compile for sm_90 what `call` launches, specialised as a launch specialises it: pointers 16-byte
+    # aligned and ints divisible by 16 get divisibility hints (vectorised loads, cp.async pipelining),
+    # ints equal to 1 become constants. Without the hints the compiler builds a kernel no launch runs.
+    try:
+        call()
+        raise AssertionError(f"{name}: nothing was launched")
+    except Launched as launched:
+        tuner, args, kwargs = launched.args
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    configs = tuner.prune_configs(kwargs)  # the kernel's own pruning: the candidates a GPU would tune
+    assert configs, name
+    fn = tuner.fn
+    for cfg in configs if every_candidate else configs[:1]:
+        values = {**dict(zip(fn.arg_names, args)), **kwargs, **cfg.kwargs}
+        signature, constexprs, attrs = {}, {}, {}
+        for i, p in enumerate(fn.params):
+            value = values[p.name]
+            kind, spec = ("constexpr", None) if p.is_constexpr else native_specialize_impl(
+                BaseBackend, value, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            signature[p.name] = kind
+            if kind == "constexpr":
+                constexprs[p.name] = value
+            elif spec and "D" in spec:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        t0 = time.time()
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                           target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        ptx = k.asm["ptx"]
+        print(f"{name} {cfg}: shared {k.metadata.shared} B, cp.async {'cp.async' in ptx}, "
+              f"mma {'mma' in ptx}, {time.time() - t0:.1f} s", flush=True)
+        assert k.metadata.shared <= SHARED_MEMORY, (name, cfg, k.metadata.shared)
+        yield k, ptx
+
+
+def qkv(b, h, hk, n, d, dtype, hf_layout=False):
+    if hf_layout:  # transformers hands q as [B, N, H, D].transpose(1, 2)
+        return (torch.empty(b, n, h, d, dtype=dtype).transpose(1, 2),
+                torch.empty(b, n, hk, d, dtype=dtype).transpose(1, 2),
+                torch.empty(b, n, hk, d, dtype=dtype).transpose(1, 2))
+    return torch.empty(b, h, n, d, dtype=dtype), torch.empty(b, hk, n, d, dtype=dtype), torch.empty(b, hk, n, d, dtype=dtype)
+
+
+# bf16 at every head-dim bucket with every candidate tile; the soft cap, window and padding mask (they add
+# code to every key block); GQA in transformers' layout; fp32 (exact dot products, no tensor cores).
+cases = [
+    ("attention bf16 D=64", dict(d=64), True),
+    ("attention bf16 D=128", dict(d=128), True),
+    ("attention bf16 D=256", dict(d=256), True),
+    ("attention bf16 D=128 softcap+window+mask", dict(d=128, options=True), False),
+    ("attention bf16 D=128 GQA, transformers layout", dict(d=128, hk=2, hf_layout=True), False),
+    ("attention fp32 D=64", dict(d=64, dtype=torch.float32), False),
+]
+for name, case, every in cases:
+    d, dtype, options = case["d"], case.get("dtype", torch.bfloat16), case.get("options", False)
+    q, k, v = qkv(1, 8, case.get("hk", 8), 1024, d, dtype, case.get("hf_layout", False))
+    mask = torch.ones(1, 1024, dtype=torch.bool) if options else None
+    call = lambda: attention_with_entropy_triton(q, k, v, causal=True, scale=d ** -0.5, key_padding_mask=mask,
+                                                 softcap=50.0 if options else None, window=256 if options else None)
+    for kernel, ptx in compile_launch(name, call, every):
+        if dtype == torch.bfloat16:
+            assert "mma" in ptx, f"{name}: bf16 attention should use tensor cores"
+            assert "cp.async" in ptx, f"{name}: key/value loads should be pipelined"
+
+q, k, _ = qkv(1, 8, 8, 1024, 64, torch.bfloat16)
+for causal in (True, False):
+    list(compile_launch(f"dimension entropy causal={causal}", lambda: dimension_entropy_triton(q, k, causal=causal, scale=0.125)))
+
+phi_q, phi_k = torch.empty(1, 8, 1024, 256), torch.empty(1, 8, 1024, 256)
+key_max, v = torch.empty(1, 8, 1024), torch.empty(1, 8, 1024, 64)
+for kernel, ptx in compile_launch("favor+ causal", lambda: favor_causal_triton(phi_q, phi_k, key_max, v), True):
+    assert "mma" in ptx, "3xTF32 FAVOR+ should use tensor cores"
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90(triton_backend, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LMSCOPE_AUTOTUNE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,

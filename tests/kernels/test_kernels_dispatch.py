@@ -88,3 +88,25 @@ def test_import_is_light_and_works_without_triton():
     )
     proc = _run(code)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_lmscope_autotune_0_keeps_only_each_kernels_first_candidate(monkeypatch):
+    """The GPU test run compiles one tile per shape instead of tuning all (it must fit a short session)."""
+    import triton
+
+    from lmscope.kernels import tuning
+    from lmscope.kernels.attention_entropy import triton_kernel as tk
+
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # build the autotuned kernel a GPU gets
+    tuner, extra = tuning.autotune_on_gpu(tk._attn_entropy_fwd, configs=tk._configs(), key=["HEAD_DIM"],
+                                         interpreter_blocks={"BLOCK_M": 32, "BLOCK_N": 32}, prune=tk._prune)
+    assert isinstance(tuner, triton.runtime.autotuner.Autotuner) and extra == {}
+    kwargs = dict(BLOCK_D=128, BLOCK_DV=128, INPUT_PRECISION=None)
+    every = tk._prune(tk._configs(), {}, **kwargs)
+    assert len(every) == 4
+    for off in ("0", "off", " False "):
+        monkeypatch.setenv("LMSCOPE_AUTOTUNE", off)
+        assert tuner.early_config_prune(tuner.configs, {}, **kwargs) == every[:1]
+    for on in ("1", ""):
+        monkeypatch.setenv("LMSCOPE_AUTOTUNE", on)
+        assert tuner.early_config_prune(tuner.configs, {}, **kwargs) == every

@@ -224,8 +224,9 @@ def _attn_entropy_fwd(
     tl.store(Lse + row, lse, mask=offs_m < N_Q)
 
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per input kind and head-dim bucket: the
-# tiles that ptxas compiles for sm_90 without (or with few) register spills.
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per input kind and head-dim bucket. The bf16 ones
+# compile for sm_90 (as launched: aligned, pipelined) without register spills; the fp32 ones (exact
+# FMA dot products) spill 0.5-1.2 KB at D = 128, where 3xTF32 would not: to be timed on a GPU.
 _TILES = {
     (False, 64): [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)],
     (False, 128): [(128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 8, 2)],
