@@ -229,7 +229,7 @@ def sdpa_backends_table(b, h, dtype, device, args, ns):
                 except RuntimeError as exc:  # this backend cannot take this shape / device, or OOM
                     row.append("OOM" if is_oom(exc) else "n/a")
             print(f"| {d} | {n} | " + " | ".join(row) + " |")
-            del q, k, v
+            q = k = v = None  # free them before the next shape
             torch.cuda.empty_cache()
 
 
