@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,6 +160,25 @@ def _split_mask(
     return causal, (None if bool(kpm.all()) else kpm), None, nk
 
 
+# transformers builds one mask per forward pass (one per kind of layer) and hands the same tensor to
+# every layer: read it once, not once per layer (each reading is several host syncs and passes over
+# [B, 1, Nq, Nk]). Entries hold the mask weakly and are keyed by its version counter, so a freed or
+# modified mask is read again; only compact results (a [B, Nk] padding mask) are kept.
+_SPLIT_MASKS: list[tuple[weakref.ref, tuple, tuple]] = []
+
+
+def _split_mask_once(mask: torch.Tensor, batch: int, nq: int, nk: int, window: int | None):
+    """``_split_mask``, remembered for the last few masks seen."""
+    key = (mask._version, batch, nq, nk, window)
+    for ref, seen_key, result in list(_SPLIT_MASKS):
+        if ref() is mask and seen_key == key:
+            return result
+    result = _split_mask(mask, batch, nq, nk, window)
+    if result[2] is None:  # an explicit mask (a view of this one) is not worth keeping alive
+        _SPLIT_MASKS[:] = [e for e in _SPLIT_MASKS if e[0]() is not None][-3:] + [(weakref.ref(mask), key, result)]
+    return result
+
+
 def lmscope_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -198,7 +218,7 @@ def lmscope_attention_forward(
         # transformers hands no mask when the window covers every key (the sdpa mask builder skips it)
         window = kwargs.get("sliding_window")
         window = int(window) if window is not None and is_causal and nk > window else None
-        causal, kpm, explicit, keys = _split_mask(attention_mask, b, nq, nk, window)
+        causal, kpm, explicit, keys = _split_mask_once(attention_mask, b, nq, nk, window)
         if keys < nk:
             key, value = key[:, :, :keys], value[:, :, :keys]
 

@@ -303,3 +303,34 @@ def test_attention_sinks_are_refused():
                                     num_experts_per_tok=1, max_position_embeddings=64, layer_types=["full_attention"])
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     assert "s_aux" in lmscope_attention_unsupported(model)
+
+
+def test_a_forward_pass_reads_its_mask_once_not_once_per_layer(device, monkeypatch):
+    """Every layer gets the same mask tensor; reading it costs host syncs and passes over [B,1,N,N]."""
+    from lmscope.kernels import hf
+
+    reads = []
+    real = hf._split_mask
+    monkeypatch.setattr(hf, "_split_mask", lambda *a: reads.append(a[0]) or real(*a))
+    torch.manual_seed(0)
+    model = _eager(transformers.LlamaConfig(**{**LLAMA_LIKE, "num_hidden_layers": 4})).to(device)
+    ids, mask = _batch(device=device)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, output_attentions=True)
+        with EntropyCollector(model) as col:
+            got = model(ids, attention_mask=mask)
+            assert len(reads) == 1  # 4 layers, one reading
+            again = model(ids, attention_mask=mask)  # a new pass builds a new mask: read again
+            assert len(reads) == 2
+            # a mask changed in place is read again (its version counter moved)
+            stored = reads[-1]
+            before = hf._split_mask_once(stored, 3, ids.shape[1], ids.shape[1], None)
+            stored[0, ..., 0] = ~stored[0, ..., 0] if stored.dtype == torch.bool else torch.finfo(stored.dtype).min
+            assert hf._split_mask_once(stored, 3, ids.shape[1], ids.shape[1], None) is not before
+            assert len(reads) == 3
+    valid = mask.bool()
+    torch.testing.assert_close(got.logits[valid], ref.logits[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again.logits, got.logits, atol=0, rtol=0)
+    for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
+        rows = valid[:, None, :].expand_as(ent)
+        torch.testing.assert_close(ent.double()[rows], want[rows], atol=2e-5, rtol=0)
