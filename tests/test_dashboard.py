@@ -248,8 +248,16 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     wait_refreshes(page, 2)
     error = page.text("#submit-error")
     assert "params.modell" in error and "did you mean 'model'" in error, error
+    assert "fix these fields" not in error  # that detail only repeats the field lines: said once
     assert page.js("document.getElementById('submit-error').closest('form') === document.getElementById('submit-form')")
     assert page.js("document.getElementById('submit-error').getBoundingClientRect().height > 0")  # visible
+    # A problem whose detail says more than its field message: both are shown.
+    page.js("document.getElementById('kind').value = 'norm'")
+    page.click("#submit")
+    page.wait("document.getElementById('submit-error').textContent.startsWith('Unknown job kind')")
+    error = page.text("#submit-error")
+    assert "unknown kind; known kinds:" in error and "did you mean 'norms'?" in error, error
+    page.js("document.getElementById('kind').value = 'probe'")
 
     # Editing a field clears it; a good submit with a name and tags shows the new job.
     page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "tiny-gpt2"}';
@@ -306,6 +314,9 @@ def test_finished_jobs_say_how_they_ended_and_show_files_as_downloads(page, url,
     failed = api(url, f"/v1/jobs/{jobs['failed']}")
     open_job(page, url, jobs["failed"])
     assert page.text("#progress-text").startswith("failed") and failed["error"]["message"] in page.text("#job-error")
+    # The whole message is in view, its advice at the end included: it wraps in its box, no sideways scroll.
+    assert failed["error"]["message"].endswith("lower min_words or pick a larger dataset")
+    assert page.js("(e => e.scrollWidth <= e.clientWidth && e.getBoundingClientRect().height > 40)($('job-error'))")
     assert "Plots" not in page.js("[...document.querySelectorAll('#detail h3')].map(h => h.textContent)")
 
     # A running job that was asked to stop says so, not its last stage.
@@ -337,7 +348,19 @@ def test_sweep_points_open_link_back_and_compare(page, url, jobs):
     open_job(page, url, sweep)
     page.wait("document.querySelectorAll('#children tbody tr').length === 2")
     assert page.js("[...document.querySelectorAll('#children thead th')].map(t => t.textContent)")[1:] == \
-        ["id", "status", "name"]
+        ["id", "status", "name", "best val error"]
+    # Each finished grid point's result, as its summary has it.
+    for child in (c1, c2):
+        best = api(url, f"/v1/jobs/{child}")["summary"]["best_val_error"]
+        assert float(page.text(f'#children tr[data-id="{child}"] td.result')) == pytest.approx(best, rel=1e-5)
+    # The sweep's best line per configuration: a table, a column per field.
+    best = api(url, f"/v1/jobs/{sweep}")["summary"]["best"]
+    assert page.js("[...document.querySelectorAll('#summary-table-best thead th')].map(t => t.textContent)") == list(best[0])
+    cells = page.js("[...document.querySelectorAll('#summary-table-best tbody tr')].map(r => [...r.cells].map(c => c.textContent))")
+    assert len(cells) == len(best)
+    for row, line in zip(cells, best):
+        assert row[list(line).index("architecture")] == line["architecture"]
+        assert float(row[list(line).index("best_val_error")]) == pytest.approx(line["best_val_error"], rel=1e-5)
     page.click(f'#children tr[data-id="{c2}"] td.name')
     wait_job(page, c2)
     child = api(url, f"/v1/jobs/{c2}")
@@ -402,6 +425,91 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     assert "no series" in page.text("#no-shared")
 
 
+def label_text(labels: dict, keys) -> str:
+    """`k=v, ...` as the charts (and `lmscope compare --plot`) write labels."""
+    def value(v):
+        return "-" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+    return ", ".join(f"{k}={value(labels[k])}" for k in keys)
+
+
+def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
+    # The sweep's mean curves against one of its grid points: val_error per latent_dim, the point has one of them.
+    sweep, c1 = jobs["sweep"], jobs["children"][0]
+    expected = api(url, f"/v1/compare?jobs={sweep},{c1}&series=val_error")
+    curves = expected["series"]
+    assert [sorted(c["jobs"]) for c in curves] == [sorted([str(sweep), str(c1)]), [str(sweep)]]
+    keys = list(dict.fromkeys(k for c in curves for k in c["labels"]))
+    varying = [k for k in keys if len({json.dumps(c["labels"].get(k)) for c in curves}) > 1]
+    assert varying == ["latent_dim"]
+    page.goto(f"{url}/#compare={sweep},{c1}&series=val_error")
+    page.wait("document.querySelectorAll('svg.chart polyline').length === 3")
+    lines = page.js("""[...document.querySelectorAll('svg.chart polyline')].map(p => ({
+        job: p.dataset.job, curve: Number(p.dataset.curve), stroke: getComputedStyle(p).stroke,
+        dash: getComputedStyle(p).strokeDasharray }))""")
+    # A colour per job and a line style per curve (label set), whichever job draws it; all different.
+    for key, look in (("job", "stroke"), ("curve", "dash")):
+        seen = {}
+        for line in lines:
+            seen.setdefault(line[key], set()).add(line[look])
+        assert all(len(v) == 1 for v in seen.values()), (key, lines)
+        assert len({v.pop() for v in seen.values()}) == len(seen) == 2, (key, lines)
+    # The legend names what varies, a line in each curve's style; what the curves share is said once, under the title.
+    legend = page.js("""[...document.querySelectorAll('svg.chart text.legend-style')].map(t => ({ text: t.textContent,
+        dash: getComputedStyle(t.previousElementSibling).strokeDasharray }))""")
+    assert [e["text"] for e in legend] == [label_text(c["labels"], varying) for c in curves]
+    assert [e["dash"] for e in legend] == [next(ln["dash"] for ln in lines if ln["curve"] == i) for i in range(2)]
+    shared = [k for k in keys if k not in varying]
+    assert page.text("svg.chart text.subtitle") == label_text(curves[0]["labels"], shared)
+    # x is the epoch: whole-number ticks only.
+    xs = page.js("[...document.querySelectorAll('svg.chart text.tick.x')].map(t => t.textContent)")
+    assert len(xs) >= 2 and all(re.fullmatch(r"\d+", x) for x in xs), xs
+
+    # log x beside log y, both in the address
+    page.click("#logx")
+    page.wait(f"location.hash === '#compare={sweep},{c1}&series=val_error&logx=1'")
+    page.wait("document.querySelector('svg.chart text.axis-title')?.textContent === 'epoch (log)'")
+    page.click("#logy")
+    page.wait(f"location.hash === '#compare={sweep},{c1}&series=val_error&logx=1&logy=1'")
+    page.wait("[...document.querySelectorAll('svg.chart text.axis-title')].map(t => t.textContent).join()"
+              " === 'epoch (log),val_error (log)'")
+    assert page.js("$('logx').checked && $('logy').checked")
+
+
+def test_finished_job_draws_a_picked_series_loaded_only_then(page, url, jobs):
+    sweep, c1 = jobs["sweep"], jobs["children"][0]
+    results = api(url, f"/v1/jobs/{sweep}/results")["series"]
+    load(page, f"{url}/#job={sweep}")
+    page.wait("document.querySelectorAll('#job-series option').length > 1")
+    assert page.js("[...document.querySelectorAll('#job-series option')].map(o => o.value)")[1:] == \
+        sorted({s["name"] for s in results})
+    asked = page.js("performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('/results'))")
+    assert asked == [f"{url}/v1/jobs/{sweep}/results?series="], asked  # the names, no curve
+
+    set_filter(page, "job-series", "best_val_error")
+    page.wait(f"location.hash === '#job={sweep}&series=best_val_error'")
+    page.wait("document.querySelectorAll('#job-chart svg polyline').length > 0")
+    assert page.js("document.querySelectorAll('#job-chart svg polyline').length") == \
+        len([s for s in results if s["name"] == "best_val_error"])
+    # x named as the compare API names it
+    x_meaning = api(url, f"/v1/compare?jobs={sweep},{c1}&series=best_val_error")["series"][0]["x_meaning"]
+    assert page.text("#job-chart text.axis-title") == x_meaning == "latent dimension d′"
+
+    # log x (d′ is read log-log): 1, 2, 5, 10 — as far apart as their ratios — and no refetch.
+    page.js("performance.clearResourceTimings(); true")
+    page.click("#logx")
+    page.wait(f"location.hash === '#job={sweep}&series=best_val_error&logx=1'")
+    page.wait("document.querySelector('#job-chart text.axis-title')?.textContent.endsWith('(log)')")
+    at = dict(page.js("[...document.querySelectorAll('#job-chart text.tick.x')].map(t => [t.textContent, Number(t.getAttribute('x'))])"))
+    assert {"1", "2", "5", "10"} <= set(at), at
+    assert at["2"] > at["1"] and at["2"] - at["1"] == pytest.approx(at["10"] - at["5"], abs=0.2), at
+    assert fetched(page, "/results") == 0
+
+    # The address draws it again after a reload.
+    load(page, f"{url}/#job={sweep}&series=best_val_error&logx=1")
+    page.wait("document.querySelector('#job-chart text.axis-title')?.textContent === 'latent dimension d′ (log)'")
+    assert page.js("$('job-series').value === 'best_val_error' && $('logx').checked && !$('logy').checked")
+
+
 def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     page.goto(f"{url}/")
     page.wait("document.querySelectorAll('#jobs tr.job').length > 0 && document.querySelectorAll('#f-kind option').length > 1")
@@ -429,6 +537,34 @@ def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     assert page.js(f"document.querySelector('{row} td.created').textContent").endswith(("ago", "just now"))
     # The list fits its panel at desktop width: no sideways scroll.
     assert page.js("(() => { const s = document.querySelector('#list-panel .scroll'); return s.scrollWidth <= s.clientWidth; })()")
+
+
+def test_list_says_what_each_job_ran_on_and_why_it_failed(page, url, jobs):
+    page.resize(1000, 800)  # a laptop window: every column in view, "created" too
+    load(page, f"{url}/")
+    page.wait(f"document.querySelector('#jobs tr.job[data-id=\"{jobs['failed']}\"] td.on')?.textContent")
+    on = {key: page.text(f'#jobs tr.job[data-id="{jobs[key]}"] td.on') for key in ("a", "b", "failed", "train", "sweep")}
+    assert on == {"a": "tiny-gpt2", "b": "tiny-llama", "failed": "tiny-gpt2 · wikitext-2", "train": "wikitext-2",
+                  "sweep": "sumformer study · fig2_poly"}
+    # Several models, a train job's checkpoints (a link to that job), a grid point.
+    assert page.js("subject({ kind: 'entropy', params: { models: ['r@step1', 'r@step2', 'r@step3'], dataset: 'd' } })"
+                   ".join('')") == "r@step1 … r@step3 (3 models) · d"
+    assert page.js("(([a, , d]) => [a.getAttribute('href'), a.textContent, d])"
+                   "(subject({ kind: 'entropy', params: { train_job: 7, dataset: 'd' } }))") == ["#job=7", "train job 7", "d"]
+    assert page.js("subject({ kind: 'sumformer_fit', params: { architecture: 'poly_sumformer', target: 'fig2_poly' } })"
+                   ".join('')") == "poly_sumformer · fig2_poly"
+
+    # A failed row says why on hover, and to a screen reader; other rows have no tooltip.
+    error = api(url, f"/v1/jobs/{jobs['failed']}")["error"]
+    row = f'#jobs tr.job[data-id="{jobs["failed"]}"]'
+    assert page.js(f"document.querySelector('{row}').title") == f"{error['type']}: {error['message']}"
+    assert error["message"] in page.text(f"{row} td.status")
+    assert page.js(f"document.querySelector('#jobs tr.job[data-id=\"{jobs['a']}\"]').hasAttribute('title')") is False
+
+    # At 1000 px the table fits its panel: no sideways scroll, every "created" cell inside it.
+    assert page.js("""(() => { const s = document.querySelector('#list-panel .scroll'), box = s.getBoundingClientRect();
+        return s.scrollWidth <= s.clientWidth && [...document.querySelectorAll('#jobs td.created')].every(
+            c => c.textContent && c.getBoundingClientRect().right <= box.right + 0.5); })()""")
 
 
 
