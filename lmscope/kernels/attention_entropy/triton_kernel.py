@@ -146,6 +146,10 @@ def _attn_entropy_fwd(
     INPUT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        # the last query blocks see the most keys: start them first (as FlashAttention-2 does), so the
+        # launch does not end on a few long blocks while the other SMs idle
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
