@@ -144,23 +144,30 @@ def make_publisher(settings: "Settings") -> Publisher:
 # ---------------------------------------------------------------- publish + record
 
 def send_each(publisher: Publisher, job_ids: Iterable[int]) -> tuple[list[int], list[int]]:
-    """Publish each id; returns (sent, failed). A failure is logged, not raised (the reaper retries)."""
-    sent, failed = [], []
-    for job_id in job_ids:
+    """Publish the ids in order; returns (sent, not sent). A failure is logged, not raised (the reaper retries).
+
+    The first failure stops the round: the broker is down (each try costs the publish retry policy,
+    about a second), and trying every id of a 128-point sweep would keep the API's answer (or a reaper
+    pass) waiting for minutes. The ids not tried are returned as not sent, to be published later.
+    """
+    ids = list(job_ids)
+    for i, job_id in enumerate(ids):
         try:
             publisher.publish(job_id)
-            sent.append(job_id)
         except Exception as e:  # broker down: the reaper will retry
-            log.warning("could not publish job %s (%s: %s); the reaper will retry", job_id, type(e).__name__, e)
-            failed.append(job_id)
-    return sent, failed
+            rest = len(ids) - i - 1
+            log.warning("could not publish job %s (%s: %s)%s; the reaper will retry", job_id, type(e).__name__, e,
+                        f"; {rest} more left unpublished without trying" if rest else "")
+            return ids[:i], ids[i:]
+    return ids, []
 
 
 def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]", job_ids: Iterable[int]) -> list[int]:
     """Publish each id, then set ``published_at`` for those the queue accepted.
 
     Returns the ids that were published. A failure is logged, not raised: the committed row stays
-    queued with ``published_at`` NULL and the reaper publishes it later.
+    queued with ``published_at`` NULL and the reaper publishes it later; so do the ids after it, which
+    are not tried (``send_each``).
     """
     from sqlalchemy import update
 

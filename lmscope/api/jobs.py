@@ -202,7 +202,10 @@ def get_job(job_id: int):
 
 @bp.post("/jobs/<int:job_id>/cancel")
 def cancel_job(job_id: int):
-    """Cancel: a queued job now, a running one at its next batch boundary, a sweep with all its children."""
+    """Cancel: a queued job now, a running one at its next batch boundary, a sweep with all its children.
+
+    409 `job-finished` for a finished job, 409 `job-finishing` for a sweep that is aggregating its children's
+    results (no child left to cancel; it ends within moments with its results)."""
     st, caller = state(), current_caller()
     now = utcnow()
     notify_parent = None
@@ -213,11 +216,25 @@ def cancel_job(job_id: int):
                           f"job {job_id} has already finished ({job.status}); only queued or running jobs can be cancelled")
         # Conditional updates: the worker's claim (`WHERE status='queued'`) and ours cannot both win.
         if is_parent_kind(job.kind):
+            # A sweep whose aggregation a worker has claimed (all its children are done) is no longer
+            # cancellable: the aggregation is short and ends with its results. Conditional on the same
+            # `waiting_children` the claim clears, so either the aggregation sees the cancel or we see it
+            # claimed. A repeated cancel of a sweep already cancelling is accepted (nothing changes).
+            asked = session.execute(update(Job).where(
+                Job.id == job_id, Job.status == "running",
+                Job.waiting_children.is_(True) | Job.cancel_requested.is_(True)).values(cancel_requested=True)).rowcount
+            if not asked:
+                session.refresh(job)
+                if job.status in TERMINAL_STATES:
+                    raise Problem(409, "job-finished", "Job already finished",
+                                  f"job {job_id} finished while it was being cancelled")
+                raise Problem(409, "job-finishing", "Sweep is finishing",
+                              f"sweep {job_id} has no child left to run and is aggregating their results; it can no "
+                              f"longer be cancelled and ends within moments (GET /v1/jobs/{job_id})")
             session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "queued")
                             .values(status="cancelled", cancel_requested=True, finished_at=now))
             session.execute(update(Job).where(Job.parent_id == job_id, Job.status == "running")
                             .values(cancel_requested=True))
-            session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
             refresh_sweep_progress(session, job_id)
             notify_parent = job_id
         else:

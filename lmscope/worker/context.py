@@ -48,7 +48,8 @@ def model_cache():
 class WorkerContext:
     def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
                  *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
-                 deadline: float | None = None, shares_process: bool = False, cancellable: bool = True):
+                 deadline: float | None = None, shares_process: bool = False, cancellable: bool = True,
+                 fixed_progress: tuple[int, int] | None = None):
         self.job_id = attempt.job_id
         self.attempt = attempt.number
         self.artifact_dir = Path(artifact_dir)
@@ -67,15 +68,21 @@ class WorkerContext:
         self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
         self._written: tuple[int, int, str | None] | None = None
         self._cancel_requested = False
-        self._cancellable = cancellable  # False: the work is what a cancel leaves to do (a sweep's partial results)
+        # False: a cancel does not stop the work (a sweep's aggregation: short, and what a cancel leaves to do)
+        self._cancellable = cancellable
+        # (done, total) that progress reports keep (a sweep parent aggregating: its children's count); they
+        # then change only the stage, so the parent's progress never goes backwards
+        self._fixed_progress = fixed_progress
         self._stages: list[str] = []
 
     # ------------------------------------------------------------ progress and cancel
 
     def progress(self, done: int, total: int, stage: str | None = None) -> None:
         stage = stage if stage is not None else (self._stages[-1] if self._stages else None)
-        self.last_progress = (int(done), int(total), stage)
         final = total is not None and done >= total
+        if self._fixed_progress is not None:
+            done, total = self._fixed_progress
+        self.last_progress = (int(done), int(total), stage)
         if final or time.monotonic() - self._last_write >= self._interval:
             self.flush_progress()
         self.check_cancelled()

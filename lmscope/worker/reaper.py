@@ -4,9 +4,12 @@ One pass (``reap``) does four things, each with conditional UPDATEs so that any 
 (a reaper process beside every Celery worker, or the embedded worker between jobs) can run at once and
 each job is acted on by exactly one of them:
 
-1. running jobs whose heartbeat is older than ``stale_after_seconds``: back to ``queued`` and
-   published again while ``attempts < max_attempts``, else ``failed`` ("worker lost N times; last
-   seen at ..."). A sweep parent stuck in its aggregation waits for its aggregation again.
+1. running jobs whose heartbeat is older than ``stale_after_seconds``: ``failed`` with ``time-limit``
+   when the attempt had run into the hard time limit (the limit killed its process: a retry would be
+   killed again), else back to ``queued`` and published again while ``attempts < max_attempts``,
+   else ``failed`` ("worker lost N times; last seen at ..."). A sweep parent stuck in its aggregation
+   waits for its aggregation again. Not within ``stale_after_seconds`` of a database outage (nobody
+   could write a heartbeat during it; see ``ReaperPasses``).
 2. queued jobs never published (``published_at`` NULL for ``unpublished_after_seconds``) or
    published so long ago that the message must be lost (``REPUBLISH_FACTOR`` × the larger of the two
    thresholds): published again. A duplicate message is harmless: the claim drops it.
@@ -30,7 +33,7 @@ from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.queue import Publisher, send_each
 from lmscope.worker.runner import (after_terminal, files_kept, give_back_values, job_dir, lost_message,
-                                   store_artifacts)
+                                   ran_into_time_limit, store_artifacts, time_limit_values)
 
 log = logging.getLogger("lmscope.reaper")
 
@@ -59,8 +62,11 @@ def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session
 
 
 def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
-         now: datetime | None = None) -> dict[str, list[int]]:
-    """One pass. Returns the job ids acted on: requeued, failed, republished, parents."""
+         now: datetime | None = None, database_back_at: datetime | None = None) -> dict[str, list[int]]:
+    """One pass. Returns the job ids acted on: requeued, failed, republished, parents.
+
+    ``database_back_at``: when the database answered again after an outage (``ReaperPasses``). Until
+    ``stale_after_seconds`` after it, no worker is called lost: heartbeats could not be written before."""
     now = now or utcnow()
     report: dict[str, list[int]] = {"requeued": [], "failed": [], "republished": [], "parents": []}
     stale_cut = now - timedelta(seconds=settings.stale_after_seconds)
@@ -68,13 +74,18 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
     # 1. lost workers
     stale = (Job.status == "running") & Job.waiting_children.is_(False) & or_(
         Job.heartbeat_at < stale_cut, and_(Job.heartbeat_at.is_(None), Job.started_at < stale_cut))
-    with session_factory() as session:
-        rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at, Job.worker,
-                                      Job.parent_id).where(stale).order_by(Job.id)).all()
+    rows = []
+    if database_back_at is None or database_back_at < stale_cut:
+        with session_factory() as session:
+            rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at,
+                                          Job.started_at, Job.worker, Job.parent_id).where(stale).order_by(Job.id)).all()
     to_publish, failed_children = [], []
     for r in rows:
         still = (Job.id == r.id) & (Job.attempts == r.attempts) & stale  # re-checked atomically
-        if r.attempts < r.max_attempts:
+        if ran_into_time_limit(settings, r.kind, r.started_at, r.heartbeat_at or now):
+            # The hard limit killed it (a long call the soft limit could not interrupt): not retried.
+            values, key = time_limit_values(settings, r.attempts, now), "failed"
+        elif r.attempts < r.max_attempts:
             values = give_back_values(r.kind, published_at=now)  # published right below
             key = "requeued"
         else:
@@ -89,8 +100,8 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
         if not changed:
             continue  # another reaper got there, or the job came back to life
         report[key].append(r.id)
-        log.warning("job %s: worker %s stale since %s → %s (attempt %s of %s)", r.id, r.worker, r.heartbeat_at,
-                    key, r.attempts, r.max_attempts)
+        log.warning("job %s: worker %s stale since %s → %s%s (attempt %s of %s)", r.id, r.worker, r.heartbeat_at,
+                    key, f" ({values['error_type']})" if key == "failed" else "", r.attempts, r.max_attempts)
         if key == "requeued":
             to_publish.append(r.id)
         elif r.parent_id is not None:
@@ -162,6 +173,50 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
     return report
 
 
+class ReaperPasses:
+    """A reaper's passes, one after another, and what they remember between them.
+
+    During a database outage no worker can write a heartbeat, so when the database is back every running
+    job's heartbeat looks stale, healthy ones too. After a pass that failed (or a gap between two passes
+    longer than ``stale_after_seconds``: the reaper was stopped or starved), the moment the database
+    answered again stands in for every heartbeat older than it: no worker is called lost until
+    ``stale_after_seconds`` after that moment, time enough for live attempts to beat again.
+    A failure is logged with its traceback once per outage, then one line per pass.
+    """
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher):
+        self.settings = settings
+        self.session_factory = session_factory
+        self.publisher = publisher
+        self.failing = False
+        self.last_pass: datetime | None = None  # when the last pass that worked started
+        self.database_back_at: datetime | None = None  # when the database answered again after an outage
+
+    def run_pass(self, now: datetime | None = None) -> dict[str, list[int]] | None:
+        """One pass; its report, or None if it failed (it is tried again at the next)."""
+        now = now or utcnow()
+        gap = self.last_pass is not None and (now - self.last_pass).total_seconds() > self.settings.stale_after_seconds
+        if self.failing or gap:
+            self.database_back_at = now  # (set again at every pass until one works)
+        try:
+            report = reap(self.settings, self.session_factory, self.publisher, now=now,
+                          database_back_at=self.database_back_at)
+        except Exception as e:  # the database may be briefly unreachable; try again next pass
+            if not self.failing:
+                log.exception("reaper pass failed; retrying every %.1f s", reap_interval(self.settings))
+            else:  # the traceback once per outage, not every few seconds
+                log.warning("reaper pass failed again: %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0])
+            self.failing = True
+            return None
+        if self.failing or gap:
+            log.info("reaper passes work again%s; no worker is called lost before %s (heartbeats could not be "
+                     "written meanwhile)", "" if self.failing else f" after a gap since {self.last_pass}",
+                     now + timedelta(seconds=self.settings.stale_after_seconds))
+        self.failing = False
+        self.last_pass = now
+        return report
+
+
 def run_reaper_process(parent_pid: int) -> None:
     """A Celery worker's reaper, in a process of its own (``python -m lmscope.worker.reaper``).
 
@@ -186,29 +241,17 @@ def run_reaper_process(parent_pid: int) -> None:
         ensure_builtins(settings, sessions)
     except Exception:
         log.exception("could not upsert built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
-    publisher = CeleryPublisher(settings=settings)
+    passes = ReaperPasses(settings, sessions, CeleryPublisher(settings=settings))
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     interval = reap_interval(settings)
     log.info("reaper running every %.1f s (pid %s, worker %s)", interval, os.getpid(), parent_pid)
-    failing = False
     while not stopping.wait(interval):
         if os.getppid() != parent_pid:
             log.info("the worker (pid %s) is gone; the reaper stops", parent_pid)
             return
-        try:
-            reap(settings, sessions, publisher)
-        except Exception as e:  # the database may be briefly unreachable; try again next pass
-            if not failing:
-                log.exception("reaper pass failed; retrying every %.1f s", interval)
-            else:  # the traceback once per outage, not every few seconds
-                log.warning("reaper pass failed again: %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0])
-            failing = True
-        else:
-            if failing:
-                log.info("reaper passes work again")
-            failing = False
+        passes.run_pass()
 
 
 if __name__ == "__main__":

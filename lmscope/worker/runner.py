@@ -9,7 +9,9 @@ The same function serves the Celery task and the embedded worker thread. Its rul
 - A redelivered message whose row is still ``running`` is dropped, unless the row's worker is a
   process on *this* host that no longer exists (the Celery child was SIGKILLed and
   ``task_reject_on_worker_lost`` put the message back at once): then the attempt is taken over at
-  once instead of waiting ``stale_after_seconds`` for the reaper.
+  once instead of waiting ``stale_after_seconds`` for the reaper. A takeover with no attempt left fails
+  the job (``worker-lost``), and one whose attempt ran until the hard time limit (the limit killed it)
+  fails it with ``time-limit``: never retried, since every attempt would be killed the same way.
 - Results go in one transaction that first re-checks ownership, deletes what an earlier attempt
   wrote and inserts the new series and artifact rows: a retry never duplicates anything.
 - A Python exception fails the job (not retried); retries are for lost workers only.
@@ -108,48 +110,93 @@ def worker_gone_here(worker: str | None) -> bool:
 
 @dataclass
 class Finished:
-    """The claim ended the job without running it (cancelled before start, out of attempts)."""
+    """The claim ended the job without running it (cancelled before start, out of attempts or time)."""
 
     status: str
     parent_id: int | None
 
 
-def claim(session_factory: sessionmaker[Session], job_id: int, worker: str) -> Attempt | Finished | None:
-    """Make the row ours (atomically), or say why not. None: nothing to do (ack and drop)."""
+def time_limit_slack(settings: Settings) -> float:
+    """How far short of the hard time limit an attempt's last heartbeat may be when the limit killed it:
+    two heartbeat intervals (the heartbeat thread writes once per interval, and the claim that sets
+    ``started_at`` comes a little after Celery starts the task's clock); at most a quarter of the limit."""
+    return min(2 * settings.heartbeat_seconds, settings.task_time_limit / 4)
+
+
+def ran_into_time_limit(settings: Settings | None, kind: str, started_at, last_seen) -> bool:
+    """True when a lost attempt ran until the hard time limit (``LMSCOPE_TASK_TIME_LIMIT``): its worker
+    process was most likely killed by that limit (a long call that reports no progress cannot be
+    interrupted by the soft limit), and another attempt would only be killed again. ``last_seen``: the
+    attempt's last heartbeat (or now). A sweep parent's ``started_at`` is the sweep's, not its
+    aggregation's: never judged here."""
+    limit = settings.task_time_limit if settings is not None else None
+    if not limit or started_at is None or last_seen is None or is_parent_kind(kind):
+        return False
+    return (last_seen - started_at).total_seconds() >= limit - time_limit_slack(settings)
+
+
+def time_limit_values(settings: Settings, attempts: int, now) -> dict[str, Any]:
+    """UPDATE values that fail a job killed by the hard time limit (it is not retried)."""
+    limit = settings.task_time_limit
+    return dict(status="failed", finished_at=now, error_type="time-limit", error_message=(
+        f"the job ran into the hard time limit (LMSCOPE_TASK_TIME_LIMIT={limit:g} s) and its worker process was "
+        f"killed (attempt {attempts}): it did not stop at a progress report before the limit (a long call "
+        "without progress reports cannot be interrupted). Not retried; use smaller parameters, or ask an "
+        "operator to raise LMSCOPE_TASK_TIME_LIMIT"))
+
+
+def claim(session_factory: sessionmaker[Session], job_id: int, worker: str, *,
+          settings: Settings | None = None) -> Attempt | Finished | None:
+    """Make the row ours (atomically), or say why not. None: nothing to do (ack and drop).
+
+    ``settings`` (the time limit, the artifact store): a job ended here without running (cancelled,
+    out of attempts, killed by the time limit) lists the files its earlier attempts kept."""
     now = utcnow()
-    with session_factory() as session, session.begin():
+    with session_factory() as session:
         row = session.execute(select(Job.status, Job.attempts, Job.max_attempts, Job.worker, Job.heartbeat_at,
-                                     Job.cancel_requested, Job.kind, Job.params, Job.parent_id)
+                                     Job.started_at, Job.cancel_requested, Job.kind, Job.params, Job.parent_id)
                               .where(Job.id == job_id)).one_or_none()
-        if row is None:
-            return None  # (execute logs a missing id)
-        if row.status == "queued":
-            same = (Job.status == "queued")
-        elif row.status == "running" and worker_gone_here(row.worker):  # (execute never claims a sweep parent)
-            same = (Job.status == "running") & (Job.worker == row.worker)
-            log.warning("job %s: its worker %s is gone; taking over", job_id, row.worker)
-        else:
-            return None  # running elsewhere, or already finished: a duplicate delivery
-        same = (Job.id == job_id) & same & (Job.attempts == row.attempts)
+    if row is None:
+        return None  # (execute logs a missing id)
+    if row.status == "queued":
+        same = (Job.status == "queued")
+    elif row.status == "running" and worker_gone_here(row.worker):  # (execute never claims a sweep parent)
+        same = (Job.status == "running") & (Job.worker == row.worker)
+        log.warning("job %s: its worker %s is gone; taking over", job_id, row.worker)
+    else:
+        return None  # running elsewhere, or already finished: a duplicate delivery
+    # Every write below is conditional on the row being as read: a concurrent claim makes it change nothing.
+    same = (Job.id == job_id) & same & (Job.attempts == row.attempts)
 
-        if row.cancel_requested:
-            done = session.execute(update(Job).where(same).values(status="cancelled", finished_at=now, worker=worker))
-            return Finished("cancelled", row.parent_id) if done.rowcount == 1 else None
-        if row.attempts >= row.max_attempts:
-            message = (lost_message(row.attempts, row.heartbeat_at, row.worker) if row.status == "running" else
-                       f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})")
-            done = session.execute(update(Job).where(same).values(
-                status="failed", finished_at=now, error_type="worker-lost", error_message=message))
-            return Finished("failed", row.parent_id) if done.rowcount == 1 else None
+    ending = None  # values that end the job here, without running it
+    if row.cancel_requested:
+        ending = dict(status="cancelled", finished_at=now, worker=worker)
+    elif row.status == "running" and ran_into_time_limit(settings, row.kind, row.started_at, row.heartbeat_at or now):
+        log.warning("job %s: its attempt %s ran into the hard time limit; failing it (time-limit)", job_id, row.attempts)
+        ending = time_limit_values(settings, row.attempts, now)
+    elif row.attempts >= row.max_attempts:
+        message = (lost_message(row.attempts, row.heartbeat_at, row.worker) if row.status == "running" else
+                   f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})")
+        ending = dict(status="failed", finished_at=now, error_type="worker-lost", error_message=message)
+    if ending is not None:
+        # Listed before the transaction (hashing checkpoints takes a while; SQLite would be locked meanwhile).
+        files = files_kept(job_id, job_dir(settings, job_id)) if settings is not None else None
+        with session_factory() as session, session.begin():
+            if session.execute(update(Job).where(same).values(**ending)).rowcount != 1:
+                return None
+            if files is not None:
+                store_artifacts(session, job_id, files)
+        return Finished(ending["status"], row.parent_id)
 
+    with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(same).values(
             status="running", attempts=Job.attempts + 1, started_at=now, heartbeat_at=now, worker=worker,
             finished_at=None, error_type=None, error_message=None, summary=None,
-            progress_done=None, progress_total=None, progress_stage=None, progress_at=None))
-        if done.rowcount != 1:
-            return None  # someone else claimed it between our read and our write
-        return Attempt(job_id=job_id, number=row.attempts + 1, worker=worker, kind=row.kind,
-                       params=dict(row.params or {}), parent_id=row.parent_id, max_attempts=row.max_attempts)
+            progress_done=None, progress_total=None, progress_stage=None, progress_at=None)).rowcount == 1
+    if not done:
+        return None  # someone else claimed it between our read and our write
+    return Attempt(job_id=job_id, number=row.attempts + 1, worker=worker, kind=row.kind,
+                   params=dict(row.params or {}), parent_id=row.parent_id, max_attempts=row.max_attempts)
 
 
 # ---------------------------------------------------------------- results
@@ -311,13 +358,16 @@ def record_start_environment(session_factory: sessionmaker[Session], attempt: At
 
 def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionmaker[Session],
                  compute, shutdown: threading.Event | None, *, shares_process: bool = False,
-                 final_values: dict[str, Any] | None = None, after_cancel: bool = False) -> str | None:
+                 final_values: dict[str, Any] | None = None, after_cancel: bool = False,
+                 cancellable: bool = True, fixed_progress: tuple[int, int] | None = None) -> str | None:
     """Heartbeat + context around ``compute(params, ctx) -> JobOutput``; store the outcome.
 
     ``final_values``: written with the terminal status whatever it is (after the attempt's own progress);
     a ``summary`` in it is merged into the job's summary. ``after_cancel``: the job is already cancelled
     and ``compute`` saves what it can; its results are stored, and the status is ``cancelled`` whatever
-    the outcome."""
+    the outcome. ``cancellable=False``: a cancel requested meanwhile does not stop ``compute`` (a sweep's
+    aggregation). ``fixed_progress``: (done, total) that the job's progress reports keep; they change
+    only the stage (a sweep parent's progress stays its children's count while it aggregates)."""
     from lmscope.params import validate_params
 
     final = dict(final_values or {})
@@ -331,7 +381,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     # before Celery's soft limit, so the job stops at a progress report rather than anywhere
     deadline = time.monotonic() + time_limits(settings.task_time_limit)[1] if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
-                        deadline=deadline, shares_process=shares_process, cancellable=not after_cancel)
+                        deadline=deadline, shares_process=shares_process, cancellable=cancellable and not after_cancel,
+                        fixed_progress=fixed_progress)
     started = time.perf_counter()
     heartbeat.start()
     try:  # the heartbeat goes on while the results are stored (hashing big files takes a while)
@@ -440,7 +491,7 @@ def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Sessi
                          shares_process=shares_process)
 
     with _before_the_claim(job_id):
-        claimed = claim(session_factory, job_id, worker)
+        claimed = claim(session_factory, job_id, worker, settings=settings)
     if claimed is None:
         return None
     if isinstance(claimed, Finished):
@@ -511,13 +562,19 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
 
     if cancel:
         progress["progress_done"] = children_done(counts, cancelled=True)  # how far the sweep got
+    # The aggregation is short and its children are all done: once claimed it is not cancellable (the
+    # API answers a cancel with 409 from now on), and the parent's progress stays the children's count
+    # while the aggregator reports its stages (it never goes back to 0 of 1).
+    run = dict(shares_process=shares_process, cancellable=False,
+               fixed_progress=(progress["progress_done"], progress["progress_total"]))
+    if cancel:
         if not counts["succeeded"] or attempt.number > attempt.max_attempts:
             return "cancelled" if finish(session_factory, attempt, "cancelled", summary={"children": counts},
                                          **progress) else None
         # Cancelled part-way: the children that finished are aggregated, so their results are not lost.
-        status = _run_attempt(attempt, settings, session_factory, compute, shutdown, shares_process=shares_process,
+        status = _run_attempt(attempt, settings, session_factory, compute, shutdown,
                               final_values=dict(summary={"children": counts, "partial": True}, **progress),
-                              after_cancel=True)
+                              after_cancel=True, **run)
         log.info("sweep %s cancelled; aggregated what finished: %s", parent_id, counts)
         return status
     if attempt.number > attempt.max_attempts:
@@ -526,7 +583,7 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
         return "failed"
 
     # Whatever the outcome, the parent's summary counts its children and its progress shows them all done.
-    status = _run_attempt(attempt, settings, session_factory, compute, shutdown, shares_process=shares_process,
-                          final_values=dict(summary={"children": counts}, **progress))
+    status = _run_attempt(attempt, settings, session_factory, compute, shutdown,
+                          final_values=dict(summary={"children": counts}, **progress), **run)
     log.info("sweep %s aggregated: %s (%s)", parent_id, status, counts)
     return status

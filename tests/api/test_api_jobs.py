@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
+
+import pytest
 
 from lmscope.db.models import utcnow
 
-from .conftest import is_problem, small_sweep
+from .conftest import Api, is_problem, small_sweep
 
 
 def test_job_document(api):
@@ -137,6 +140,50 @@ def test_cancel_a_sweep(api):
     api.set_job(parent, status="cancelled", finished_at=utcnow())
     progress = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()["progress"]
     assert (progress["done"], progress["total"]) == (1, 3)  # how far it got: one child ran, not 3/3
+
+
+def test_a_sweep_that_is_aggregating_cannot_be_cancelled(api):
+    """Every child is done and a worker has claimed the aggregation (short): a cancel would only throw its
+    results away, so it is refused with 409 job-finishing and the flag stays unset. A sweep already
+    cancelling (its partial aggregation running) accepts a repeated cancel."""
+    h = api.user("ann")
+    parent = api.submit(h, kind="sweep", params=small_sweep(2)).get_json()["id"]
+    for child in api.jobs(parent_id=parent):
+        api.set_job(child.id, status="succeeded", finished_at=utcnow())
+    api.set_job(parent, waiting_children=False, attempts=1, worker="gpu-0:7", heartbeat_at=utcnow())  # claimed
+    api.publisher.published.clear()
+    body = is_problem(api.client.post(f"/v1/jobs/{parent}/cancel", headers=h), 409, "job-finishing")
+    assert "aggregating" in body["detail"]
+    row = api.job_row(parent)
+    assert row.status == "running" and not row.cancel_requested and api.publisher.published == []
+
+    api.set_job(parent, cancel_requested=True)
+    assert api.client.post(f"/v1/jobs/{parent}/cancel", headers=h).status_code == 202
+    api.set_job(parent, status="succeeded", finished_at=utcnow())
+    is_problem(api.client.post(f"/v1/jobs/{parent}/cancel", headers=h), 409, "job-finished")
+
+
+@pytest.mark.redis
+def test_a_sweep_submitted_while_redis_is_down_is_answered_at_once(make_api, redis_server):
+    """Each publish against a dead broker costs the retry policy (about a second): the API tries once and
+    leaves every child unpublished for the reaper, so a big sweep is still answered promptly (a client
+    that timed out would submit it a second time)."""
+    from lmscope.api import create_app
+    from lmscope.queue import CeleryPublisher
+
+    settings = make_api(broker_url=redis_server.url, max_sweep_points=16, max_active_jobs=100).settings
+    app = create_app(settings, publisher=CeleryPublisher(settings=settings))
+    api = Api(app, settings, None)
+    api.add_model("m")
+    h = api.user("ann")
+    redis_server.stop()
+    started = time.monotonic()
+    r = api.submit(h, kind="sweep", params=small_sweep(16))
+    elapsed = time.monotonic() - started
+    assert r.status_code == 202, r.get_json()
+    children = api.jobs(parent_id=r.get_json()["id"])
+    assert len(children) == 16 and all(c.status == "queued" and c.published_at is None for c in children)
+    assert elapsed < 8, f"answered after {elapsed:.1f} s"  # one child after another: about 16 s
 
 
 def test_cancelling_a_child_publishes_its_parent(api):

@@ -5,14 +5,18 @@ them around each test (tests/worker/conftest.py), so the rest of the suite never
 - ``count``: counts to ``steps`` with progress (optionally sleeping per step), writes a plot, a scratch
   file per attempt and a file under ``checkpoints/``; series ``square`` is y = x² for x = 1..steps.
   With ``keep_partial``, a cancel, a refusal (``fail="jobfailed"``) or the time limit keeps what was
-  counted, as ``train`` keeps its loss curve.
-- ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator adds their totals
-  and counts how often it was called (in this process).
+  counted, as ``train`` keeps its loss curve. With ``block``, it first spends that many seconds in one
+  call that reports no progress and that Celery's soft time limit cannot interrupt (as a long C or
+  CUDA call: SIGUSR1 is blocked meanwhile); only the hard limit stops it.
+- ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator reports progress as
+  ``analyses.sweep.aggregate`` does (0 of 1, then 1 of 1), adds their totals (taking ``aggregate_sleep``
+  seconds) and counts how often it was called (in this process).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from typing import Literal
@@ -37,6 +41,7 @@ class CountParams(JobParams):
     bad_series: bool = False  # x and y of different lengths: the results cannot be stored
     record_shares_process: bool = False  # record ctx.shares_process in the environment
     keep_partial: bool = False  # a cancel or failure keeps what was counted (summary, series `square`)
+    block: float = Field(0.0, ge=0.0, le=600.0)  # seconds in a call the soft time limit cannot interrupt
 
 
 def run_count(params: CountParams, ctx) -> JobOutput:
@@ -48,6 +53,12 @@ def run_count(params: CountParams, ctx) -> JobOutput:
         ctx.record("kernel_backend", params.record_backend)
     if params.record_shares_process:
         ctx.record("shares_process", ctx.shares_process)
+    if params.block:  # Celery's soft limit is SIGUSR1: held back, as a long C call holds back Python's handlers
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            time.sleep(params.block)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     xs = []
 
     def partial() -> JobOutput:
@@ -98,6 +109,7 @@ def run_count(params: CountParams, ctx) -> JobOutput:
 
 class FakeSweepParams(JobParams):
     steps: list[int] = Field(default_factory=lambda: [2, 3])
+    aggregate_sleep: float = Field(0.2, ge=0.0, le=30.0)
 
 
 def expand(params: FakeSweepParams) -> list[ChildSpec]:
@@ -112,7 +124,8 @@ def aggregate(params: FakeSweepParams, children, ctx) -> JobOutput:
     global aggregate_calls
     with _calls_lock:
         aggregate_calls += 1
-    time.sleep(0.2)  # widen the window in which a second aggregation could sneak in
+    ctx.progress(0, 1, "aggregating")  # as analyses.sweep.aggregate reports
+    time.sleep(params.aggregate_sleep)  # widen the window in which a second aggregation could sneak in
     done = [c for c in children if c.status == "succeeded"]
     totals = [c.summary["total"] for c in done]
     ctx.progress(1, 1, "aggregate")

@@ -11,10 +11,13 @@ class RecordingPublisher:
 
     def __init__(self):
         self.published: list[int] = []
+        self.tries = 0  # publish calls, failed ones included
         self.fail = False
         self._lock = threading.Lock()
 
     def publish(self, job_id: int) -> None:
+        with self._lock:
+            self.tries += 1
         if self.fail:
             raise ConnectionError("broker down (test)")
         with self._lock:

@@ -5,7 +5,9 @@ cancelled over HTTP); (b) SIGKILL of the worker's child mid-job → retried,
 one set of results, attempts == 2; (c) a message that was never sent → the reaper publishes it;
 (d) Redis restarted with a job queued and no worker running → the job still runs; (e) a worker refuses to
 start on an unmigrated database; (f) a delivery that finds the database failing gives its message back;
-(g) a reaper that dies is started again; (h) the job's own deadline fires before Celery's soft limit.
+(g) a reaper that dies is started again; (h) the job's own deadline fires before Celery's soft limit;
+(i) a job in a call the soft limit cannot interrupt, killed by the hard limit, fails with time-limit and
+is not retried; (j) a child killed on its last attempt fails at once, with its files listed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from lmscope.db.models import Series, utcnow
+from lmscope.db.models import Artifact, Series, utcnow
 from lmscope.queue import CeleryPublisher, publish_jobs
 from tests.worker.helpers import wait_until
 
@@ -302,3 +304,51 @@ def test_under_celery_the_jobs_own_deadline_comes_before_the_soft_limit(delivery
         worker.stop()
     assert job.error_type == "time-limit" and 0 < job.summary["counted"] < 1_000_000
     assert series_names(sessions, job_id) == ["square"] and "SoftTimeLimitExceeded" not in log.read_text()
+
+
+def artifact_names(sessions, job_id):
+    with sessions() as s:
+        return sorted(s.execute(select(Artifact.name).where(Artifact.job_id == job_id)).scalars())
+
+
+def test_a_job_killed_by_the_hard_time_limit_fails_with_time_limit_and_is_not_retried(delivery, sessions, make_job,
+                                                                                    job_row, tmp_path):
+    """LMSCOPE_TASK_TIME_LIMIT=4: the job spends its time in one call that reports no progress and that the
+    soft limit (3 s) cannot interrupt; the hard limit (4 s) kills the pool child before anything is stored.
+    The row stays running until its heartbeat goes stale; then it fails with time-limit (not requeued: every
+    attempt would be killed the same way), with the files it wrote as artifacts."""
+    log = tmp_path / "hard-limit-worker.log"
+    worker = CeleryWorker(dict(delivery.env, LMSCOPE_TASK_TIME_LIMIT="4"), log)
+    try:
+        worker.wait_ready()
+        job_id = make_job(params={"steps": 3, "block": 60, "plot": False})
+        publish_jobs(delivery.publisher, sessions, [job_id])
+
+        def ended_or_retried():
+            job = job_row(job_id)
+            return job.status in ("succeeded", "failed", "cancelled") or job.attempts > 1
+
+        wait_until(ended_or_retried, timeout=90, interval=0.2, what="the job to fail or be retried")
+        job = job_row(job_id)
+    finally:
+        worker.stop()
+    assert "Hard time limit (4s) exceeded" in log.read_text()  # killed, not stopped by the soft limit
+    assert (job.status, job.error_type, job.attempts) == ("failed", "time-limit", 1), (job.error_type, job.error_message)
+    assert "LMSCOPE_TASK_TIME_LIMIT=4 s" in job.error_message
+    assert artifact_names(sessions, job_id) == ["attempt-1.txt", "checkpoints/from-attempt-1.txt"]
+
+
+def test_a_child_killed_on_its_last_attempt_fails_with_its_files_listed(delivery, sessions, make_job, job_row):
+    """The killed child's message comes back at once; the claim takes the attempt over, finds no attempt
+    left and fails the job (worker-lost) without waiting for the reaper. Its files (a train run's
+    checkpoints) are its artifacts, as when the reaper gives up."""
+    worker = delivery.start()
+    job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, max_attempts=1)
+    publish_jobs(delivery.publisher, sessions, [job_id])
+    wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the attempt's progress")
+    os.kill(int(job_row(job_id).worker.rsplit(":", 1)[1]), signal.SIGKILL)
+
+    job = wait_for_status(job_row, job_id, status="failed", timeout=60, worker_log=worker.log_path)
+    assert (job.error_type, job.attempts) == ("worker-lost", 1)
+    assert "is gone; taking over" in worker.log_path.read_text()  # the claim, not the reaper, ended it
+    assert artifact_names(sessions, job_id) == ["attempt-1.txt", "checkpoints/from-attempt-1.txt"]

@@ -1,14 +1,16 @@
-"""The reaper against SQLite and PostgreSQL: lost workers, lost messages, stuck sweeps, concurrent reapers."""
+"""The reaper against SQLite and PostgreSQL: lost workers, lost messages, stuck sweeps, concurrent reapers,
+jobs killed by the hard time limit, a database outage."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import replace
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, text, update
 
-from lmscope.db.models import Artifact, utcnow
+from lmscope.db.models import Artifact, Job, utcnow
 from lmscope.worker import reaper, runner
 from tests.worker.helpers import RecordingPublisher
 
@@ -71,14 +73,20 @@ def test_lost_and_never_sent_messages_are_published_again(settings, sessions, ma
 
 def test_broker_down_loses_nothing(settings, sessions, make_job, job_row):
     now = utcnow()
-    job_id = make_job(created_at=now - timedelta(seconds=10))
+    job_ids = [make_job(created_at=now - timedelta(seconds=10)) for _ in range(5)]
+    stale = make_job(status="running", attempts=1, worker="gone:1", started_at=now - timedelta(seconds=30),
+                     heartbeat_at=now - timedelta(seconds=30), created_at=now - timedelta(seconds=30))
     down = RecordingPublisher()
     down.fail = True
-    assert reaper.reap(settings, sessions, down, now=now)["republished"] == []
-    assert job_row(job_id).published_at is None and job_row(job_id).status == "queued"
+    report = reaper.reap(settings, sessions, down, now=now)
+    assert report["republished"] == [] and report["requeued"] == [stale]
+    # One try per step, not one per job: each failed try costs the publish retry policy (about a second).
+    assert down.tries == 2
+    for job_id in job_ids + [stale]:
+        assert job_row(job_id).published_at is None and job_row(job_id).status == "queued"
     up = RecordingPublisher()
-    assert reaper.reap(settings, sessions, up, now=now)["republished"] == [job_id]
-    assert up.published == [job_id]
+    assert sorted(reaper.reap(settings, sessions, up, now=now)["republished"]) == sorted(job_ids + [stale])
+    assert sorted(up.published) == sorted(job_ids + [stale])
 
 
 def test_concurrent_reapers_act_once_per_job(settings, sessions, make_job, job_row):
@@ -153,3 +161,87 @@ def test_recover_interrupted_after_a_restart(settings, sessions, make_job, job_r
     with sessions() as session:  # the failed job's files are listed; the requeued one's await its next attempt
         rows = session.execute(select(Artifact.job_id, Artifact.name)).all()
     assert [tuple(r) for r in rows] == [(spent, "loss.png")]
+
+
+def test_a_job_that_ran_into_the_hard_time_limit_fails_and_is_not_retried(settings, sessions, make_job, job_row,
+                                                                          publisher):
+    """The hard limit killed the process (a long call the soft limit could not interrupt): the row stays
+    running, its heartbeat goes stale. Another attempt would be killed again: time-limit, not a requeue."""
+    settings = replace(settings, task_time_limit=20)
+    now = utcnow()
+    parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
+    killed = make_job(status="running", attempts=1, worker="gpu-1:7", parent_id=parent,
+                      started_at=now - timedelta(seconds=25), heartbeat_at=now - timedelta(seconds=5.1))
+    (runner.job_dir(settings, killed) / "checkpoints").mkdir(parents=True)
+    (runner.job_dir(settings, killed) / "checkpoints" / "step-10.txt").write_text("x")
+    short = make_job(status="running", attempts=1, worker="gpu-2:7",  # lost after 10 s: a lost worker
+                     started_at=now - timedelta(seconds=15), heartbeat_at=now - timedelta(seconds=5))
+    # An aggregation's started_at is its sweep's: it is never taken for a job killed by the limit.
+    aggregating = make_job(kind="fake_sweep", params={}, status="running", waiting_children=False, attempts=1,
+                           worker="gpu-3:7", started_at=now - timedelta(hours=2), heartbeat_at=now - timedelta(seconds=5))
+    report = reaper.reap(settings, sessions, publisher, now=now)
+
+    assert report["failed"] == [killed] and sorted(report["requeued"]) == sorted([short, aggregating])
+    job = job_row(killed)
+    assert (job.status, job.error_type, job.attempts) == ("failed", "time-limit", 1)
+    assert "LMSCOPE_TASK_TIME_LIMIT=20 s" in job.error_message and "Not retried" in job.error_message
+    assert parent in publisher.published and killed not in publisher.published
+    with sessions() as session:
+        names = session.execute(select(Artifact.name).where(Artifact.job_id == killed)).scalars().all()
+    assert names == ["checkpoints/step-10.txt"]
+
+
+def _database_down(db_url):
+    """The jobs table out of reach (as the delivery tests do): every reaper query fails until ``up()``."""
+    from lmscope.db.engine import make_engine
+
+    engine = make_engine(db_url)
+    with engine.begin() as c:
+        c.execute(text("ALTER TABLE jobs RENAME TO jobs_away"))
+
+    def up():
+        with engine.begin() as c:
+            c.execute(text("ALTER TABLE jobs_away RENAME TO jobs"))
+        engine.dispose()
+
+    return up
+
+
+def test_a_database_outage_does_not_restart_healthy_jobs(settings, sessions, make_job, job_row, publisher, db_url):
+    """Nobody can write a heartbeat while the database is down: right after it, every heartbeat looks stale.
+    Lost workers are looked for again only stale_after after the database answered again."""
+    stale_after = timedelta(seconds=settings.stale_after_seconds)
+    t0 = utcnow()
+    healthy = make_job(status="running", attempts=1, worker="gpu-1:7", started_at=t0, heartbeat_at=t0)
+    dead = make_job(status="running", attempts=1, worker="gpu-2:7", started_at=t0, heartbeat_at=t0)
+    passes = reaper.ReaperPasses(settings, sessions, publisher)
+    assert passes.run_pass(now=t0) is not None
+
+    up = _database_down(db_url)
+    try:
+        assert passes.run_pass(now=t0 + timedelta(seconds=1)) is None  # failed; tried again next pass
+        assert passes.run_pass(now=t0 + timedelta(seconds=20)) is None
+    finally:
+        up()
+    back = t0 + timedelta(seconds=30)  # both heartbeats are now 30 s old, 15 × stale_after
+    assert passes.run_pass(now=back)["requeued"] == []
+    assert passes.run_pass(now=back + stale_after / 2)["requeued"] == []
+    # The healthy job's heartbeat thread writes again; the dead one's never does.
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == healthy).values(heartbeat_at=back + stale_after / 2))
+    assert passes.run_pass(now=back + stale_after + timedelta(seconds=0.1))["requeued"] == [dead]
+    assert job_row(healthy).status == "running" and job_row(dead).status == "queued"
+
+
+def test_a_gap_between_reaper_passes_counts_as_an_outage(settings, sessions, make_job, job_row, publisher):
+    """A reaper stopped (or starved) for longer than stale_after cannot tell a dead worker from a
+    database it could not reach: it waits stale_after before calling any worker lost."""
+    t0 = utcnow()
+    job_id = make_job(status="running", attempts=1, worker="gpu-1:7", started_at=t0, heartbeat_at=t0)
+    passes = reaper.ReaperPasses(settings, sessions, publisher)
+    assert passes.run_pass(now=t0)["requeued"] == []
+    later = t0 + timedelta(seconds=settings.stale_after_seconds * 10)
+    assert passes.run_pass(now=later)["requeued"] == []
+    assert job_row(job_id).status == "running"
+    assert passes.run_pass(now=later + timedelta(seconds=settings.stale_after_seconds / 2))["requeued"] == []
+    assert passes.run_pass(now=later + timedelta(seconds=settings.stale_after_seconds + 0.1))["requeued"] == [job_id]

@@ -10,12 +10,13 @@ import socket
 import threading
 import time
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import event, select, update
 
 import lmscope
-from lmscope.db.models import Artifact, Dataset, Job, Model, Series
+from lmscope.db.models import Artifact, Dataset, Job, Model, Series, utcnow
 from lmscope.worker import runner
 from lmscope.worker.attempt import Attempt
 from lmscope.worker.context import WorkerContext
@@ -184,6 +185,56 @@ def test_cancel_requested_before_the_claim_cancels_at_once(settings, sessions, m
     assert runner.execute(job_id, settings, sessions, publisher) == "cancelled"
     job = job_row(job_id)
     assert job.status == "cancelled" and job.started_at is None and job.attempts == 0
+
+
+def _a_dead_worker_here() -> str:
+    """host:pid of a process of this host that has exited (a pool child the OOM killer took)."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return f"{socket.gethostname()}:{proc.pid}"
+
+
+def _a_killed_attempt(settings, make_job, *, started_ago: float, **fields) -> int:
+    """A row as a killed pool child leaves it (running, fresh heartbeat), and the files it wrote."""
+    now = utcnow()
+    job_id = make_job(status="running", worker=_a_dead_worker_here(), started_at=now - timedelta(seconds=started_ago),
+                      heartbeat_at=now - timedelta(seconds=0.1), **fields)
+    folder = runner.job_dir(settings, job_id)
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "step-5.txt").write_text("kept between attempts\n")
+    (folder / "attempt-1.txt").write_text("attempt 1\n")
+    return job_id
+
+
+@pytest.mark.parametrize("how", ["out-of-attempts", "cancelled", "time-limit"])
+def test_a_job_the_takeover_ends_without_running_lists_its_files(settings, sessions, make_job, job_row, publisher,
+                                                                 how):
+    """The message of a killed pool child comes back at once and the claim takes the attempt over. When
+    that ends the job (out of attempts, cancelled meanwhile, or killed by the hard time limit), the files
+    its attempts kept are its artifacts, as when the reaper gives up on it."""
+    settings = replace(settings, task_time_limit=20)
+    fields = {"out-of-attempts": dict(attempts=2, max_attempts=2, started_ago=5),
+              "cancelled": dict(attempts=1, cancel_requested=True, started_ago=5),
+              "time-limit": dict(attempts=1, started_ago=19.9)}[how]  # the limit (20 s) killed it: not retried
+    job_id = _a_killed_attempt(settings, make_job, **fields)
+    status = runner.execute(job_id, settings, sessions, publisher)
+
+    job = job_row(job_id)
+    assert status == job.status == ("cancelled" if how == "cancelled" else "failed")
+    assert job.error_type == {"out-of-attempts": "worker-lost", "cancelled": None, "time-limit": "time-limit"}[how]
+    assert job.attempts == fields["attempts"] and job.finished_at is not None  # it did not run again
+    if how == "time-limit":
+        assert "LMSCOPE_TASK_TIME_LIMIT=20 s" in job.error_message
+    assert set(artifacts_of(sessions, job_id)) == {"attempt-1.txt", "checkpoints/step-5.txt"}
+
+
+def test_a_takeover_within_the_time_limit_runs_the_job_again(settings, sessions, make_job, job_row, publisher):
+    settings = replace(settings, task_time_limit=20)
+    job_id = _a_killed_attempt(settings, make_job, attempts=1, started_ago=15, params={"steps": 3, "plot": False})
+    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+    assert job_row(job_id).attempts == 2
 
 
 def test_results_are_replaced_not_duplicated_by_a_retry(settings, sessions, make_job, job_row, publisher):

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+from sqlalchemy import select
 
-from lmscope.db.models import utcnow
+from lmscope.db.models import Series, utcnow
 from lmscope.worker import runner
 from tests.worker import fake_kinds
+from tests.worker.helpers import start_execute, wait_until
 
 
 @pytest.fixture
 def sweep(make_job):
     """A parent as the API inserts it (running, waiting for children) and its queued children."""
 
-    def make(children: list[dict], cancel: bool = False) -> tuple[int, list[int]]:
-        parent = make_job(kind="fake_sweep", params={"steps": [c.get("steps", 5) for c in children]},
+    def make(children: list[dict], cancel: bool = False, **params) -> tuple[int, list[int]]:
+        parent = make_job(kind="fake_sweep", params={"steps": [c.get("steps", 5) for c in children], **params},
                           status="running", waiting_children=True, started_at=utcnow(), cancel_requested=cancel)
         kids = [make_job(params={"plot": False, **c}, parent_id=parent) for c in children]
         return parent, kids
@@ -100,10 +103,6 @@ def test_a_cancelled_sweep_keeps_the_results_of_the_children_that_finished(setti
     assert job.summary["children"] == {"succeeded": 1, "failed": 0, "cancelled": 2} and job.summary["partial"]
     assert job.summary["sum"] == 1 + 2  # the finished child's total: 1 + 2 for steps=2
     assert (job.progress_done, job.progress_total) == (1, 3)  # how far it got, not 100 %
-    from sqlalchemy import select
-
-    from lmscope.db.models import Series
-
     with sessions() as s:
         [totals] = s.scalars(select(Series).where(Series.job_id == parent)).all()
     assert (totals.name, totals.x, totals.y) == ("totals", [kids[0]], [3])
@@ -122,3 +121,43 @@ def test_a_cancelled_sweep_with_nothing_finished_is_cancelled_without_aggregatin
     job = job_row(parent)
     assert job.summary == {"children": {"succeeded": 0, "failed": 0, "cancelled": 2}}
     assert (job.progress_done, job.progress_total) == (0, 2)
+
+
+def test_a_cancel_during_the_aggregation_does_not_throw_its_results_away(settings, sessions, sweep, job_row,
+                                                                         publisher):
+    """Once claimed, the aggregation (short; every child is done) is not cancellable: a cancel flag that
+    arrives meanwhile (the API answers 409 then; an older API, or SQL, may still set it) is ignored and
+    the parent ends with what the aggregation produced."""
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}], aggregate_sleep=1.0)
+    for kid in kids:
+        runner.execute(kid, settings, sessions, publisher)
+    t, outcome = start_execute(parent, settings, sessions, publisher)
+    wait_until(lambda: job_row(parent).progress_stage == "aggregating", what="the aggregation to start")
+    _cancel(sessions, parent)
+    t.join(timeout=30)
+    assert outcome["status"] == "succeeded"
+    job = job_row(parent)
+    assert job.status == "succeeded" and job.summary["sum"] == 3 + 6 and "partial" not in job.summary
+    with sessions() as s:
+        assert s.scalars(select(Series.name).where(Series.job_id == parent)).all() == ["totals"]
+
+
+def test_a_sweeps_progress_never_goes_back_while_it_aggregates(settings, sessions, sweep, job_row, publisher):
+    """The aggregator reports 0 of 1, then 1 of 1 (analyses.sweep.aggregate does): the parent keeps its
+    children's count (4 of 4) and shows only the stage."""
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}, {"steps": 4}, {"steps": 5}], aggregate_sleep=1.0)
+    for kid in kids:
+        runner.execute(kid, settings, sessions, publisher)
+    assert (job_row(parent).progress_done, job_row(parent).progress_total) == (4, 4)
+    seen = []
+    t, outcome = start_execute(parent, settings, sessions, publisher)
+    while t.is_alive():
+        job = job_row(parent)
+        seen.append((job.progress_done, job.progress_total, job.progress_stage))
+        time.sleep(0.02)
+    t.join()
+    assert outcome["status"] == "succeeded"
+    assert (4, 4, "aggregating") in seen  # the aggregator's first report was written ...
+    assert {(done, total) for done, total, _ in seen} == {(4, 4)}, seen  # ... without going back to 0 of 1
+    job = job_row(parent)
+    assert (job.progress_done, job.progress_total) == (4, 4)
