@@ -143,7 +143,7 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         architecture=architecture,
         num_layers=first("num_hidden_layers", "n_layer"),
         num_heads=heads,
-        num_kv_heads=first("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads(config, heads),
         hidden_size=first("hidden_size", "n_embd"),
         vocab_size=first("vocab_size"),
         num_parameters=None,
@@ -242,6 +242,20 @@ def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
         return "files"
     return "bytes" if vocab_size == BYTE_VOCAB_SIZE else None
 
+
+
+def kv_heads(config: dict, heads: int | None) -> int | None:
+    """Key/value heads of a config (a dict): num_key_value_heads, or Falcon's own fields (multi_query:
+    one; new_decoder_architecture: num_kv_heads); else as many as query heads."""
+    def count(key):
+        value = config.get(key)
+        return value if type(value) is int and 1 <= value <= MAX_FACT else None
+
+    if config.get("model_type") == "falcon":
+        if config.get("new_decoder_architecture"):
+            return count("num_kv_heads") or heads
+        return 1 if config.get("multi_query", True) else heads
+    return count("num_key_value_heads") or heads
 
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     """Check that `path` is a causal-LM Hugging Face directory under one of `roots`; return its facts.

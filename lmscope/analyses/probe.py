@@ -34,11 +34,13 @@ def parameter_group(name: str) -> tuple[str, int | None]:
     if layer is not None:  # inside a block: the segment after the index says which part
         part = parts[layer + 1] if layer + 1 < len(parts) else ""
         index = int(parts[layer])
-        if "norm" in part or re.fullmatch(r"ln_?\d*", part):  # before "attn": post_attention_layernorm is a norm
+        modules = parts[layer + 1:-1]  # the modules between the block and the parameter
+        # before "attn": post_attention_layernorm, a q_norm inside self_attn, Falcon's ln_attn are norms
+        if any("norm" in m or m.startswith("ln") for m in modules):
             return "norms", index
         if "attn" in part or "attention" in part:
             return "attention", index
-        if "mlp" in part or "ffn" in part or "feed_forward" in part:
+        if "mlp" in part or "ffn" in part or "feed_forward" in part or re.fullmatch(r"fc\d", part):  # OPT: fc1, fc2
             return "mlp", index
         return "other", index
     leaf = parts[-2] if len(parts) >= 2 else parts[0]
@@ -130,7 +132,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
         "num_layers": info.get("num_layers"),
         "num_heads": num_heads,
         "num_kv_heads": info.get("num_kv_heads"),
-        "head_dim": info["hidden_size"] // num_heads if num_heads and info.get("hidden_size") else None,
+        "head_dim": info.get("head_dim"),
         "hidden_size": info.get("hidden_size"),
         "vocab_size": info.get("vocab_size"),
         "gated_ffn": info.get("gated_ffn"),

@@ -1,12 +1,13 @@
 """Job kind `train`: train a small GPT-2- or LLaMA-style causal LM on a dataset, with resumable checkpoints.
 
-Data. The last ``val_fraction`` of the documents (a contiguous tail, so no article is split between
-train and validation) is held out. Each split becomes one token stream (documents joined with EOS)
+Data. The last ``val_fraction`` of the documents (a contiguous tail) is held out; documents are what
+the dataset's format makes them (paragraphs for ``lines``: WikiText's articles are not marked, so the
+boundary can fall inside one). Each split becomes one token stream (documents joined with EOS)
 cut into non-overlapping windows of ``context + 1`` tokens: input ``w[:-1]``, targets ``w[1:]``.
 Step ``s`` reads windows ``order[s·B : (s+1)·B]`` of an endless sequence of seeded permutations,
 one per epoch — the data position is a function of the step, which is what makes resume exact.
 
-Optimisation. AdamW (β = 0.9, 0.95; weight decay on matrices only), learning rate
+Optimisation. AdamW (β = 0.9, 0.95; weight decay on every parameter of ≥ 2 dimensions (matrices and embeddings; not biases or norm gains)), learning rate
     lr(s) = lr · (s+1)/warmup                                    for s < warmup
     lr(s) = lr · (r + (1−r)·½(1 + cos(π·(s−warmup)/(steps−warmup))))  afterwards, r = min_lr_ratio,
 gradient clipping, bf16 autocast on CUDA, fp32 on CPU.
@@ -14,8 +15,9 @@ gradient clipping, bf16 autocast on CUDA, fp32 on CPU.
 Baseline. ``unigram_entropy`` is the cross-entropy, in nats, of the validation targets under the
 unigram distribution of the training stream (add-one smoothed):
     H = −(1/|val|) Σ_{t ∈ val} ln p(t),   p(t) = (count_train(t) + 1) / (N_train + V).
-It is exactly what the best context-free model fitted on the training split scores on the same
-targets as ``loss.val``; a validation loss below it means the model uses context.
+It is what a context-free model fitted on the training split scores on the same targets as
+``loss.val``. ``unigram_val_entropy``, the entropy of those targets' own distribution, is what the
+best context-free model possible scores on them: a validation loss below it proves the model uses context.
 
 Checkpoints. Every ``checkpoint_every`` steps and at the end, ``checkpoints/step-N/`` (written to a
 temporary folder, then renamed) holds the HF model (safetensors), the tokenizer, and
@@ -79,7 +81,8 @@ class BatchOrder:
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # modulo 2^63: manual_seed takes no more; seeds up to 2^63 − 1 are valid params
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch in memory
         return self._perms[epoch]
 
@@ -88,13 +91,20 @@ class BatchOrder:
         return torch.stack([self._perm(q // self.n)[q % self.n] for q in positions])
 
 
-def unigram_baselines(train_stream: torch.Tensor, val_targets: torch.Tensor, vocab_size: int) -> tuple[float, float]:
-    """(cross-entropy of val targets under the add-one train unigram, entropy of the train unigram), nats."""
+def _entropy(counts: torch.Tensor) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
+def unigram_baselines(train_stream: torch.Tensor, val_targets: torch.Tensor,
+                      vocab_size: int) -> tuple[float, float, float]:
+    """(cross-entropy of val targets under the add-one train unigram, entropy of the train unigram,
+    entropy of the val targets' own unigram: the floor of every context-free model on them), nats."""
     counts = torch.bincount(train_stream.flatten(), minlength=vocab_size).double()
     p_smooth = (counts + 1) / (counts.sum() + vocab_size)
     cross = -p_smooth.log()[val_targets.flatten()].mean().item()
-    p_ml = counts[counts > 0] / counts.sum()
-    return cross, -(p_ml * p_ml.log()).sum().item()
+    val_counts = torch.bincount(val_targets.flatten(), minlength=vocab_size).double()
+    return cross, _entropy(counts), _entropy(val_counts)
 
 
 def build_model(p: TrainParams, tokenizer):
@@ -206,9 +216,9 @@ def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
     from lmscope.modeling.tokenization import byte_tokenizer, train_bpe_tokenizer
 
     if p.tokenizer == "bpe":
-        return train_bpe_tokenizer(train_docs, p.vocab_size)
+        return train_bpe_tokenizer(train_docs, p.vocab_size, add_bos=False)
     if p.tokenizer == "bytes":
-        return byte_tokenizer()
+        return byte_tokenizer(add_bos=False)
     tokenizer = ctx.load_model(p.tokenizer).tokenizer
     if tokenizer.eos_token_id is None:
         raise JobFailed(f"the tokenizer of {p.tokenizer!r} has no EOS token to separate documents; "
@@ -264,17 +274,18 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         from lmscope.modeling.windows import token_windows
 
         try:
-            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None)
+            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None, special=True)
         except ValueError:
             raise JobFailed(f"the training split ({len(train_docs)} documents) holds less than one window of "
                             f"{p.context + 1} tokens; use a larger dataset or lower context") from None
         try:
-            val_windows = token_windows(tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size)
+            val_windows = token_windows(tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size,
+                                        special=True)
         except ValueError:
             raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
                             f"{p.context + 1} tokens; raise val_fraction or lower context") from None
         vocab_size = len(tokenizer)
-        unigram_val, unigram_train = unigram_baselines(train_windows, val_windows[:, 1:], vocab_size)
+        unigram_val, unigram_train, unigram_floor = unigram_baselines(train_windows, val_windows[:, 1:], vocab_size)
 
     model = resumed.model if resume_dir else build_model(p, tokenizer).to(device)
     model.train()
@@ -325,6 +336,7 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             "val_loss_step": history["val"][-1][0],
             "unigram_entropy": unigram_val,
             "unigram_train_entropy": unigram_train,
+            "unigram_val_entropy": unigram_floor,
             "steps": step,
             "tokens_seen": step * p.batch_size * p.context,
             "epochs": step * p.batch_size / len(train_windows),

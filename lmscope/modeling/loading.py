@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lmscope.catalog import (BUILTIN_MODELS, TOKENIZER_FILES, safetensors_parameter_count,
+from lmscope.catalog import (BUILTIN_MODELS, TOKENIZER_FILES, kv_heads, safetensors_parameter_count,
                              tokenizer_source)
 from lmscope.modeling.loaded import LoadedModel
 from lmscope.modeling.tokenization import byte_tokenizer
@@ -123,8 +123,10 @@ def model_info(model) -> dict[str, Any]:
         "architecture": c.model_type,
         "num_layers": getattr(c, "num_hidden_layers", None),
         "num_heads": heads,
-        "num_kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "num_kv_heads": kv_heads(c.to_dict(), heads),
         "hidden_size": getattr(c, "hidden_size", None),
+        # Qwen3, Gemma: an explicit head_dim, not hidden_size / heads
+        "head_dim": getattr(c, "head_dim", None) or (c.hidden_size // heads if heads and getattr(c, "hidden_size", None) else None),
         "vocab_size": getattr(c, "vocab_size", None),
         "num_parameters": num_parameters,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

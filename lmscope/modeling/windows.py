@@ -19,8 +19,12 @@ def _encode(tokenizer, docs: Sequence[str], *, special: bool) -> list[list[int]]
     return tokenizer(list(docs), add_special_tokens=special)["input_ids"]
 
 
-def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = None) -> torch.LongTensor:
-    """Token ids of ``doc0 EOS doc1 EOS doc2 …`` (EOS between documents), at most ``limit`` of them."""
+def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = None,
+                 special: bool = False) -> torch.LongTensor:
+    """Token ids of ``doc0 EOS doc1 EOS doc2 …`` (EOS between documents), at most ``limit`` of them.
+
+    ``special``: each document as the tokenizer usually encodes it (e.g. ``<s>`` first for LLaMA's),
+    which is what a model trained on the stream will later be given."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token to join documents with; set tokenizer.eos_token")
@@ -28,7 +32,7 @@ def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = Non
     produced = 0
     for start in range(0, len(documents), _CHUNK):
         chunk: list[int] = []
-        for i, ids in enumerate(_encode(tokenizer, documents[start:start + _CHUNK], special=False)):
+        for i, ids in enumerate(_encode(tokenizer, documents[start:start + _CHUNK], special=special)):
             if start + i > 0:
                 chunk.append(eos)
             chunk.extend(ids)
@@ -40,7 +44,8 @@ def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = Non
     return stream if limit is None else stream[:limit]
 
 
-def token_windows(tokenizer, documents: Sequence[str], seq_len: int, num_windows: int | None) -> torch.LongTensor:
+def token_windows(tokenizer, documents: Sequence[str], seq_len: int, num_windows: int | None, *,
+                  special: bool = False) -> torch.LongTensor:
     """``[n, seq_len]`` consecutive non-overlapping windows of the joined token stream, in order.
 
     ``n = min(num_windows, available)``; ``num_windows=None`` takes every full window. A trailing
@@ -49,7 +54,7 @@ def token_windows(tokenizer, documents: Sequence[str], seq_len: int, num_windows
     if seq_len < 1:
         raise ValueError(f"seq_len must be ≥ 1, got {seq_len}")
     limit = None if num_windows is None else seq_len * num_windows
-    ids = token_stream(tokenizer, documents, limit=limit)
+    ids = token_stream(tokenizer, documents, limit=limit, special=special)
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"the documents hold {len(ids)} tokens, fewer than one window of {seq_len}; "

@@ -73,3 +73,42 @@ def test_parameter_counts_and_prompt_loss(name, tmp_path):
 def test_probe_in_bfloat16(tmp_path):
     out = run(ProbeParams(model="tiny-llama", dtype="bfloat16"), LocalContext(tmp_path))
     assert out.summary["dtype"] == "bfloat16" and math.isfinite(out.summary["prompt_loss"])
+
+
+def _built(config_class, **fields):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                                 vocab_size=100, **fields)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("config_class, fields, kv, head_dim", [
+    ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32, intermediate_size=64), 2, 32),  # q_norm, k_norm
+    ("FalconConfig", dict(), 1, 16),  # multi_query: one key/value head
+    ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2), 2, 16),  # ln_attn, ln_mlp
+    ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 4, 16),  # fc1, fc2
+])
+def test_groups_and_shapes_of_other_architectures(config_class, fields, kv, head_dim):
+    """Norms inside attention (q_norm), Falcon's own fields and OPT's fc1/fc2 were miscounted, and
+    head_dim was hidden/heads where the config sets its own."""
+    from lmscope.analyses.probe import count_parameters
+    from lmscope.catalog import kv_heads
+    from lmscope.modeling.loading import model_info
+
+    model = _built(config_class, **fields)
+    totals, _ = count_parameters(model)
+    by_class = sum(p.numel() for m in model.modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))
+                   for p in m.parameters(recurse=False))
+    assert totals["norms"] == by_class > 0
+    assert totals["other"] == 0 and totals["mlp"] > 0 and totals["attention"] > 0
+    assert sum(totals.values()) == sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied once
+    info = model_info(model)
+    assert (info["num_kv_heads"], info["head_dim"]) == (kv, head_dim)
+    assert kv_heads(model.config.to_dict(), 4) == kv  # what registering the model's directory records
+    # and the shapes say the same: the key projection has kv·head_dim outputs
+    key_outputs = next(m.out_features for n, m in model.named_modules() if n.endswith(("k_proj", "query_key_value")))
+    if config_class == "FalconConfig":
+        assert key_outputs == (4 + 2 * kv) * head_dim  # fused q, k, v
+    else:
+        assert key_outputs == kv * head_dim

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from lmscope.analyses.base import JobCancelled, JobFailed
 from lmscope.analyses.local import LocalContext
-from lmscope.analyses.train import lr_at, run
+from lmscope.analyses.train import BatchOrder, lr_at, run
 from lmscope.modeling.loading import load_model
 from lmscope.params import validate_params
 from lmscope.params.train import TrainParams
@@ -66,6 +66,11 @@ def test_validation_loss_falls_below_the_unigram_entropy(reference, docs):
     targets = val_windows[:, 1:].flatten().tolist()
     baseline = -sum(math.log((counts[t] + 1) / (total + 259)) for t in targets) / len(targets)
     assert s["unigram_entropy"] == pytest.approx(baseline, rel=1e-9)
+    # the floor of every context-free model on these targets: their own empirical distribution
+    own = Counter(targets)
+    floor = -sum(c / len(targets) * math.log(c / len(targets)) for c in own.values())
+    assert s["unigram_val_entropy"] == pytest.approx(floor, rel=1e-9)
+    assert s["unigram_val_entropy"] < s["unigram_entropy"]
     assert _series(out, "unigram_entropy").y == [s["unigram_entropy"]] * 2
 
     val = _series(out, "loss.val")
@@ -91,7 +96,11 @@ def test_checkpoints_are_registered_models_with_tokenizer_and_resume_state(refer
     for name, (path, step) in ctx.registered.items():
         assert path.name == f"step-{step}" and path.parent == ctx.artifact_dir / "checkpoints"
         assert (path / "trainer_state.json").is_file() and (path / "model.safetensors").is_file()
-        assert AutoTokenizer.from_pretrained(str(path), local_files_only=True).eos_token_id == 257
+        saved = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        assert saved.eos_token_id == 257
+        # training never showed the model <bos> (documents are joined by <eos>), so its tokenizer adds
+        # none: norms, probe and entropy then feed the checkpoint what it was trained on
+        assert saved("ab")["input_ids"] == [97, 98]
         # only the newest keeps the optimizer state (resume needs no other)
         assert (path / "optimizer.pt").is_file() == (step == 150)
     early = load_model("small@step50", "checkpoint", str(ctx.registered["small@step50"][0]))
@@ -230,3 +239,25 @@ def test_too_small_a_dataset_fails_clearly(tmp_path):
     ctx = LocalContext(tmp_path, datasets={"wiki": ["a few words here", "and a few more"]})
     with pytest.raises(JobFailed, match="lower context"):
         run(TrainParams(dataset="wiki", tokenizer="bytes", context=64, steps=5, warmup_steps=1), ctx)
+
+
+def test_training_sees_documents_as_the_checkpoints_tokenizer_encodes_them():
+    """With a tokenizer that adds BOS (a registered model's), every document starts with it in training
+    too; lmscope's own tokenizers add none, so their streams hold no BOS at all."""
+    from lmscope.modeling.tokenization import byte_tokenizer
+    from lmscope.modeling.windows import token_windows
+
+    bos, eos = 256, 257
+    with_bos = token_windows(byte_tokenizer(), ["ab", "c"], 6, None, special=True).tolist()
+    assert with_bos == [[bos, 97, 98, eos, bos, 99]]
+    plain = token_windows(byte_tokenizer(add_bos=False), ["ab", "c"], 4, None, special=True).tolist()
+    assert plain == [[97, 98, eos, 99]]
+
+
+def test_every_valid_seed_orders_batches():
+    """Seeds up to 2^63 − 1 are valid; seed·1_000_003 overflowed manual_seed from about 1.8e13."""
+    big = BatchOrder(100, 4, 2**63 - 1)
+    assert sorted(torch.cat([big(s) for s in range(25)]).tolist()) == list(range(100))  # one epoch: a permutation
+    small = BatchOrder(100, 4, 7)  # seeds that fitted keep their order (runs resume as before)
+    g = torch.Generator().manual_seed(7 * 1_000_003 + 0)
+    assert small(0).tolist() == torch.randperm(100, generator=g)[:4].tolist()
