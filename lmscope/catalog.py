@@ -245,16 +245,17 @@ def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
 
 
 def kv_heads(config: dict, heads: int | None) -> int | None:
-    """Key/value heads of a config (a dict): num_key_value_heads, or Falcon's own fields (multi_query:
-    one; new_decoder_architecture: num_kv_heads); else as many as query heads."""
+    """Key/value heads of a config (a dict): num_key_value_heads, or Falcon's own fields (as transformers
+    reads them: num_kv_heads with new_decoder_architecture or without multi_query, else one); else as
+    many as query heads."""
     def count(key):
         value = config.get(key)
         return value if type(value) is int and 1 <= value <= MAX_FACT else None
 
     if config.get("model_type") == "falcon":
-        if config.get("new_decoder_architecture"):
+        if config.get("new_decoder_architecture") or not config.get("multi_query", True):
             return count("num_kv_heads") or heads
-        return 1 if config.get("multi_query", True) else heads
+        return 1
     return count("num_key_value_heads") or heads
 
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:

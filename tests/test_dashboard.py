@@ -258,6 +258,12 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     error = page.text("#submit-error")
     assert "unknown kind; known kinds:" in error and "did you mean 'norms'?" in error, error
     page.js("document.getElementById('kind').value = 'probe'")
+    # An unknown model: the detail only repeats the field message, which is said once, with its place.
+    page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "ghost"}'; return true; })()""")
+    page.click("#submit")
+    page.wait("document.getElementById('submit-error').textContent.startsWith('Unknown model')")
+    error = page.text("#submit-error")
+    assert error.count("'ghost' is not registered") == 1 and "params.model: model 'ghost'" in error, error
 
     # Editing a field clears it; a good submit with a name and tags shows the new job.
     page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "tiny-gpt2"}';

@@ -271,16 +271,19 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             tokenizer = resumed.tokenizer
         else:
             tokenizer = _tokenizer_for(p, ctx, train_docs)
+        # Documents as the tokenizer encodes them, special tokens included; a run whose checkpoints
+        # predate that keeps its plain stream, or its resumed data would differ from attempt 1's.
+        special = state.get("stream_special_tokens", False) if resume_dir else True
         from lmscope.modeling.windows import token_windows
 
         try:
-            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None, special=True)
+            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None, special=special)
         except ValueError:
             raise JobFailed(f"the training split ({len(train_docs)} documents) holds less than one window of "
                             f"{p.context + 1} tokens; use a larger dataset or lower context") from None
         try:
             val_windows = token_windows(tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size,
-                                        special=True)
+                                        special=special)
         except ValueError:
             raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
                             f"{p.context + 1} tokens; raise val_fraction or lower context") from None
@@ -306,6 +309,7 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
     def checkpoint(step: int) -> None:
         trainer_state = {"step": step, "run_name": run_name, "params": p.model_dump(), "history": history,
                          "rng": _rng_state(), "tokens_seen": step * p.batch_size * p.context,
+                         "stream_special_tokens": special,
                          "train_seconds": wall_before + time.perf_counter() - loop_start,
                          "lr_schedule": "warm-up + cosine, a function of the step (lmscope.analyses.train.lr_at)"}
         path = save_checkpoint(ckpt_root, step, model, tokenizer, optimizer, trainer_state)

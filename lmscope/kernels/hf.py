@@ -168,7 +168,12 @@ _SPLIT_MASKS: list[tuple[weakref.ref, tuple, tuple]] = []
 
 
 def _split_mask_once(mask: torch.Tensor, batch: int, nq: int, nk: int, window: int | None):
-    """``_split_mask``, remembered for the last few masks seen."""
+    """``_split_mask``, remembered for the last few masks seen.
+
+    Not for inference tensors (``torch.inference_mode``): they have no version counter. (A mask changed
+    through ``.data`` or a shared numpy view keeps its version: transformers never does that.)"""
+    if mask.is_inference():
+        return _split_mask(mask, batch, nq, nk, window)
     key = (mask._version, batch, nq, nk, window)
     for ref, seen_key, result in list(_SPLIT_MASKS):
         if ref() is mask and seen_key == key:

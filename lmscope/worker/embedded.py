@@ -31,7 +31,7 @@ from lmscope.params import KINDS, is_parent_kind
 from lmscope.queue import LocalPublisher
 from lmscope.worker import runner
 from lmscope.worker.environment import worker_id
-from lmscope.worker.reaper import reap, reap_interval, recover_interrupted
+from lmscope.worker.reaper import ReaperPasses, reap_interval, recover_interrupted
 
 log = logging.getLogger("lmscope.worker")
 
@@ -52,6 +52,8 @@ class EmbeddedWorker:
                          for i in range(threads)]
         self._reap_every = reap_interval(settings)
         self._last_reap = 0.0
+        # the same outage grace as the Celery reaper's (a PostgreSQL behind `lmscope up` can restart too)
+        self._reaper = ReaperPasses(settings, session_factory, self.publisher)
         self._reap_lock = threading.Lock()
 
     def start(self) -> "EmbeddedWorker":
@@ -106,9 +108,7 @@ class EmbeddedWorker:
             return
         try:
             self._last_reap = time.monotonic()
-            reap(self.settings, self.session_factory, self.publisher)
-        except Exception:
-            log.exception("reaper pass failed")
+            self._reaper.run_pass()  # logs its own failures
         finally:
             self._reap_lock.release()
 

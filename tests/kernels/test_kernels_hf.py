@@ -334,3 +334,17 @@ def test_a_forward_pass_reads_its_mask_once_not_once_per_layer(device, monkeypat
     for ent, want in zip(col.entropy, _eager_entropies(ref.attentions)):
         rows = valid[:, None, :].expand_as(ent)
         torch.testing.assert_close(ent.double()[rows], want[rows], atol=2e-5, rtol=0)
+
+
+def test_inference_mode_masks_are_read_without_a_version_counter(device):
+    """Inference tensors have no version counter: the mask cache raised under torch.inference_mode()."""
+    torch.manual_seed(0)
+    model = _llama().to(device)
+    ids, mask = _batch(device=device)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    with torch.inference_mode(), EntropyCollector(model) as col:
+        got = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    assert len(col.entropy) == model.config.num_hidden_layers

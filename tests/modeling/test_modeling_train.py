@@ -150,6 +150,29 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupte
     assert list(second.registered) == ["small@step50", "small@step100", "small@step150"]
 
 
+def test_a_run_checkpointed_before_the_bos_change_resumes_on_its_old_stream(reference, docs, tmp_path):
+    """Checkpoints written before train's tokenizers stopped adding <bos> hold one that adds it, and their
+    stream had no special tokens: a resumed attempt must read the same stream, not a <bos>-laden one."""
+    import json
+
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    ref_ctx, ref = reference
+    with pytest.raises(RuntimeError, match="worker lost"):
+        run(TrainParams(**SMALL), FailingContext(tmp_path, datasets={"wiki": docs}, job_id=1, at=70,
+                                                 error=RuntimeError("worker lost")))
+    old = tmp_path / "checkpoints" / "step-50"
+    byte_tokenizer().save_pretrained(old)  # the old tokenizer: <bos> in front of every text
+    state = json.loads((old / "trainer_state.json").read_text())
+    assert state.pop("stream_special_tokens") is True
+    (old / "trainer_state.json").write_text(json.dumps(state))
+
+    out = run(TrainParams(**SMALL), LocalContext(tmp_path, datasets={"wiki": docs}, job_id=1, attempt=2))
+    assert out.summary["resumed_from_step"] == 50
+    assert out.summary["train_tokens"] == ref.summary["train_tokens"]
+    assert _series(out, "loss.train").y == _series(ref, "loss.train").y
+
+
 def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp_path):
     # Progress is reported once before training and then every step: the 60th report is step 59.
     ctx = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=3, cancel_after=60)
