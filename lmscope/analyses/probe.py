@@ -97,7 +97,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
     ctx.progress(2, 3, "forward pass on the prompt")
-    ids = tokenizer(params.prompt, return_tensors="pt")["input_ids"]
+    ids = tokenizer(params.prompt, return_tensors="pt", split_special_tokens=True)["input_ids"]  # text is text
     max_positions = info.get("max_positions")
     if max_positions:
         ids = ids[:, :max_positions]

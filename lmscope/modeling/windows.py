@@ -16,7 +16,8 @@ _CHUNK = 256  # documents tokenized per call: fast (Rust, batched) and we stop a
 
 
 def _encode(tokenizer, docs: Sequence[str], *, special: bool) -> list[list[int]]:
-    return tokenizer(list(docs), add_special_tokens=special)["input_ids"]
+    # split_special_tokens: a document's text "<eos>" or "<|endoftext|>" is text, not a document boundary
+    return tokenizer(list(docs), add_special_tokens=special, split_special_tokens=True)["input_ids"]
 
 
 def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = None,

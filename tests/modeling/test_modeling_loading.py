@@ -166,6 +166,14 @@ def test_token_windows_hand_example():
         token_windows(tok, docs, 9, None)
 
 
+def test_special_token_text_in_a_document_is_text():
+    """A document quoting "<eos>" made a fake document boundary (id 257) instead of its 5 bytes."""
+    tok = byte_tokenizer()
+    text = "a<eos>b<bos>"
+    assert token_windows(tok, [text, "c"], 14, None).tolist() == [list(text.encode()) + [257, ord("c")]]
+    assert document_samples(tok, [text], min_words=1, max_tokens=50, max_samples=None) == [[256] + list(text.encode())]
+
+
 def test_token_windows_cover_real_text_in_order(wikitext_docs):
     tok = byte_tokenizer()
     docs = wikitext_docs[:300]  # more than one tokenization chunk
