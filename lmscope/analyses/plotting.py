@@ -37,24 +37,35 @@ def save(fig, path: str | Path) -> None:
                 axis.get_major_formatter().set_useOffset(False)
     _wrap_wide_titles(fig)
     fig.tight_layout()
+    _wrap_wide_titles(fig)  # the layout moved the axes, and with them their titles' centres
+    fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
 
 
 def _wrap_wide_titles(fig) -> None:
-    """Re-wrap every title and suptitle whose rendered width exceeds 95 % of the figure's."""
+    """Re-wrap every title and suptitle that does not fit inside the figure.
+
+    A title is centred on its axes (a suptitle on the figure), so the room is twice the distance from
+    that centre to the nearer edge of the figure.
+    """
     if not hasattr(fig.canvas, "get_renderer"):  # a backend that cannot measure text: leave titles be
         return
     renderer = fig.canvas.get_renderer()
-    titles = [ax.title for ax in fig.axes] + ([fig._suptitle] if fig._suptitle is not None else [])
-    room = 0.95 * fig.bbox.width
-    for title in titles:
-        for _ in range(4):  # characters differ in width: shrink the line length until it fits
-            text = title.get_text()
+    width_px = fig.bbox.width
+    titles = [(ax.title, ax.get_position().x0 + ax.get_position().width / 2) for ax in fig.axes]
+    if fig._suptitle is not None:
+        titles.append((fig._suptitle, 0.5))
+    for title, centre in titles:
+        room = 0.96 * 2 * min(centre, 1 - centre) * width_px
+        # always wrap the text as written (its own line breaks kept), so a second call re-flows, not re-splits
+        original = getattr(title, "_lmscope_unwrapped", None) or title.get_text()
+        lines = original.split("\n")
+        chars = max(len(line) for line in lines)
+        for _ in range(8):  # characters differ in width: shrink the line length until it fits
             width = title.get_window_extent(renderer).width
-            if not text or width <= room:
+            if not original or width <= room:
                 break
-            longest = max(len(line) for line in text.split("\n"))
-            chars = max(10, int(longest * room / width) - 1)
-            title.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False)
-                                     for line in text.split("\n")))
+            chars = max(10, min(chars - 1, int(chars * room / width)))
+            title.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in lines))
+            title._lmscope_unwrapped = original
