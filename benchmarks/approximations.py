@@ -49,10 +49,10 @@ def bench_length(n, args, device, dtype):
         for name, fn in methods.items():
             try:
                 times[name] = timed(fn, device, args.reps, args.warmup)[0]
-            except Exception as exc:
+            except Exception as exc:  # one failed cell (OOM, or e.g. Triton's OutOfResources), not the table
+                times[name] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}"
                 if not is_oom(exc):
-                    raise
-                times[name] = "oom"
+                    print(f"# {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return times
@@ -87,7 +87,7 @@ def main(argv=None):
     print("|" + " --- |" * (len(cols) + 5))
 
     def ms(t):
-        return "—" if t is None else "OOM" if t == "oom" else f"{t * 1e3:.3f}"
+        return "—" if t is None else "OOM" if t == "oom" else t if isinstance(t, str) else f"{t * 1e3:.3f}"
 
     def ratio(a, b):
         return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "—"

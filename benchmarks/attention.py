@@ -89,15 +89,19 @@ def random_qkv(b, h, n, d, dtype, device, seed):
 
 
 def time_each(fns, device, args):
-    """{name: (seconds, peak bytes)} of each function, side by side; None marks an out-of-memory."""
+    """{name: (seconds, peak bytes)} of each function, side by side; None marks an out-of-memory, a string
+    any other failure (e.g. Triton's OutOfResources, not a RuntimeError): one cell, not the whole table."""
     res = {}
     for name, fn in fns.items():
         try:
             res[name] = timed(fn, device, args.reps, args.warmup)
-        except (RuntimeError, MemoryError) as exc:
-            if not is_oom(exc):
-                raise
-            res[name] = None
+        except Exception as exc:  # noqa: BLE001 (a first compiled run may fail in ways no CPU run shows)
+            if isinstance(exc, (RuntimeError, MemoryError)) and is_oom(exc):
+                res[name] = None
+            else:
+                res[name] = f"error: {type(exc).__name__}"
+                print(f"# {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                      file=sys.stderr, flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return res
@@ -112,7 +116,7 @@ def bench_case(b, h, n, d, dtype, device, args):
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "eager": lambda: eager_with_entropy(q, k, v, scale),
     }, device, args)
-    if args.check and res["kernel"]:
+    if args.check and isinstance(res["kernel"], tuple):
         # first (batch, head) only, against float64 from the explicit matrix
         q1, k1, v1 = (t[:1, :1].double() for t in (q, k, v))
         _, ent64 = eager_with_entropy(q1, k1, v1, scale)
@@ -142,34 +146,35 @@ def run(args):
           f", torch {torch.__version__}, kernel backend={backend}, dtype={args.dtype}, B*H={bh}, causal")
     if device.type != "cuda":
         print("# (no CUDA: the kernel runs its PyTorch reference, so these rows measure the CPU path, not Triton)")
-    rows, longest = [], {"kernel": 0, "sdpa": 0, "eager": 0}
-    for d in args.dims:
-        for n in args.ns:
-            res = bench_case(b, h, n, d, dtype, device, args)
-            for name, r in res.items():
-                if r is not None:
-                    longest[name] = max(longest[name], n)
-            rows.append((d, n, res))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    longest = {"kernel": 0, "sdpa": 0, "eager": 0}
     print()
     print("| D | N | kernel ms | sdpa ms | eager+entropy ms | kernel/sdpa | eager/kernel "
           "| kernel MiB | sdpa MiB | eager MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for d, n, res in rows:
-        def ms(name):
-            return f"{res[name][0] * 1e3:.3f}" if res[name] else "OOM"
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for d in args.dims:
+        for n in args.ns:  # each row as soon as it is measured: a later failure keeps the rows before it
+            res = bench_case(b, h, n, d, dtype, device, args)
+            for name, r in res.items():
+                if isinstance(r, tuple):
+                    longest[name] = max(longest[name], n)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
-        def mib(name):
-            if not res[name]:
-                return "OOM"
-            return "n/a" if res[name][1] is None else f"{res[name][1] / 2**20:.1f}"
+            def ms(name):
+                r = res[name]
+                return f"{r[0] * 1e3:.3f}" if isinstance(r, tuple) else r or "OOM"
 
-        kr = res["kernel"][0] if res["kernel"] else None
-        ks = f"{kr / res['sdpa'][0]:.2f}" if kr and res["sdpa"] else "-"
-        ek = f"{res['eager'][0] / kr:.2f}" if kr and res["eager"] else "-"
-        print(f"| {d} | {n} | {ms('kernel')} | {ms('sdpa')} | {ms('eager')} | {ks} | {ek} "
-              f"| {mib('kernel')} | {mib('sdpa')} | {mib('eager')} |")
+            def mib(name):
+                r = res[name]
+                if not isinstance(r, tuple):
+                    return r or "OOM"
+                return "n/a" if r[1] is None else f"{r[1] / 2**20:.1f}"
+
+            t = {name: r[0] if isinstance(r, tuple) else None for name, r in res.items()}
+            ks = f"{t['kernel'] / t['sdpa']:.2f}" if t["kernel"] and t["sdpa"] else "-"
+            ek = f"{t['eager'] / t['kernel']:.2f}" if t["kernel"] and t["eager"] else "-"
+            print(f"| {d} | {n} | {ms('kernel')} | {ms('sdpa')} | {ms('eager')} | {ks} | {ek} "
+                  f"| {mib('kernel')} | {mib('sdpa')} | {mib('eager')} |", flush=True)
     print()
     print("longest N run: " + ", ".join(f"{k} {v}" for k, v in longest.items()))
     print("goals on a GPU: kernel/sdpa <= 1.25; eager/kernel >= 5 at N = 4096; kernel memory linear in N")
@@ -188,16 +193,16 @@ def run(args):
                 if not is_oom(exc):
                     raise
                 res = {"plain": None, "softcap": None, "window": None}
-            t = {name: r[0] if r else None for name, r in res.items()}
+            t = {name: r[0] if isinstance(r, tuple) else None for name, r in res.items()}
 
             def ms(name):
-                return f"{t[name] * 1e3:.3f}" if t[name] else "OOM"
+                return f"{t[name] * 1e3:.3f}" if t[name] else res[name] or "OOM"
 
             def per_plain(name):
                 return f"{t[name] / t['plain']:.2f}" if t[name] and t["plain"] else "-"
 
             print(f"| {d} | {n} | {ms('plain')} | {ms('softcap')} | {ms('window')} "
-                  f"| {per_plain('softcap')} | {per_plain('window')} |")
+                  f"| {per_plain('softcap')} | {per_plain('window')} |", flush=True)
     print("a causal window of N/4 keys reads about 7/16 of the causal triangle's key blocks")
 
 
@@ -226,8 +231,8 @@ def sdpa_backends_table(b, h, dtype, device, args, ns):
                             t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device,
                                       args.reps, args.warmup)
                     row.append(f"{t[0] * 1e3:.3f}")
-                except RuntimeError as exc:  # this backend cannot take this shape / device, or OOM
-                    row.append("OOM" if is_oom(exc) else "n/a")
+                except Exception as exc:  # noqa: BLE001 (this backend cannot take this shape / device, or OOM)
+                    row.append("OOM" if isinstance(exc, RuntimeError) and is_oom(exc) else "n/a")
             print(f"| {d} | {n} | " + " | ".join(row) + " |")
             q = k = v = None  # free them before the next shape
             torch.cuda.empty_cache()

@@ -160,11 +160,9 @@ def main() -> None:
             try:
                 fn()  # warm-up (Triton compilation, allocator)
                 row[f"{key}_s"] = timed(fn, args.device, args.repeats)
-            except Exception as e:  # noqa: BLE001 - an OOM is a result here
-                if not is_oom(e):
-                    raise
+            except Exception as e:  # noqa: BLE001 - an OOM is a result here, and any other error one cell
                 row[f"{key}_s"] = None
-                row[f"{key}_error"] = "out of memory"
+                row[f"{key}_error"] = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
@@ -203,9 +201,7 @@ def main() -> None:
                         route_job(loaded, documents, n, 1, 1, dtype, args.device)
                     sync(args.device)
                 except Exception as e:  # noqa: BLE001
-                    if not is_oom(e):
-                        raise
-                    why = f"out of memory at {n}"
+                    why = f"out of memory at {n}" if is_oom(e) else f"{type(e).__name__} at {n}: {str(e)[:200]}"
                     break
                 finally:
                     gc.collect()

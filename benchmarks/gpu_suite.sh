@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
 #                                           # the device tool's 10-minute / 8-file limits)
 #
-# On the device tool, one call per part: each ends well inside 10 minutes and brings back ≤ 8 files.
+# On the device tool, one call per part, each meant to end inside 10 minutes and bring back ≤ 8 files.
+# The session has 30 minutes of device time: tests, then bench-jobs, then bench-kernels, then (what is
+# left) `SWEEP_LIMIT=40 bash benchmarks/gpu_suite.sh sweep`, which extrapolates the full sweep.
 #
 # The GPU image lacks lmscope's light dependencies (pydantic, SQLAlchemy, Flask, Celery, ...):
 # `bash benchmarks/gpu_wheels.sh` here downloads them into .whl/; carry .whl and start the device
@@ -39,18 +41,27 @@ step_failed() { local status=$1; (( status != 0 )) && rc=$status; return 0; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  # the carried wheels against the image's packages: a failure here would fail every test at collection
+  "$PY" -c "import lmscope.api, lmscope.worker.embedded, lmscope.analyses.registry; print('lmscope imports: ok')"
 } 2>&1 | tee "$OUT/device.txt"
+if ! grep -q "lmscope imports: ok" "$OUT/device.txt"; then
+  echo "lmscope does not import on this image (see $OUT/device.txt): fix the wheels first" >&2
+  exit 3
+fi
 
 if [[ "$PART" == tests || "$PART" == all ]]; then
-  # Kernels compiled on the device, then the analyses' tests marked `gpu`: the kernel routes on the device
-  # and the jobs through the embedded worker, which runs on CUDA (training with bf16 autocast too). The
-  # rest of tests/analyses runs on the CPU whatever the machine, so CI covers it. LMSCOPE_AUTOTUNE=0:
-  # correctness needs one tile per shape, and tuning every candidate for ~70 test shapes would take
-  # most of the call (the benchmarks tune). No -x: one failure must not hide the others.
-  LMSCOPE_AUTOTUNE=0 "$PY" -m pytest -q --durations=15 tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -25
+  # The analyses' tests marked `gpu` first (the only run of the jobs' CUDA paths: kernel routes on the
+  # device, jobs through the embedded worker, training under bf16 autocast), then the kernels compiled on
+  # the device (not the sm_90 compile check, marked slow: here the kernels really launch). The rest of
+  # tests/analyses runs on the CPU whatever the machine, so CI covers it. LMSCOPE_AUTOTUNE=0: correctness
+  # needs one tile per shape, and tuning every candidate for ~70 test shapes would take most of the call
+  # (the benchmarks tune). No -x: one failure must not hide the others. `timeout -s INT` stops a run that
+  # would outlast the call the way Ctrl-C does, so pytest still prints its failures (-rfE, short tracebacks).
+  LMSCOPE_AUTOTUNE=0 timeout -s INT 240 "$PY" -m pytest -q -rfE --tb=short --durations=10 -m gpu tests/analyses \
+    2>&1 | tee "$OUT/tests.log" | tail -25
   step_failed "${PIPESTATUS[0]}"
-  LMSCOPE_AUTOTUNE=0 "$PY" -m pytest -q --durations=10 -m gpu tests/analyses tests/modeling 2>&1 \
-    | tee -a "$OUT/tests.log" | tail -20
+  LMSCOPE_AUTOTUNE=0 timeout -s INT 300 "$PY" -m pytest -q -rfE --tb=short --durations=15 -m "not slow" tests/kernels \
+    2>&1 | tee -a "$OUT/tests.log" | tail -25
   step_failed "${PIPESTATUS[0]}"
 fi
 
@@ -74,6 +85,7 @@ fi
 if [[ "$PART" == sweep || "$PART" == all ]]; then
   # The whole Fig. 2 grid if it fits the call; `--limit 40` gives an extrapolation in a quarter of the time.
   # The children's own plots stay in /tmp: the device call brings back at most 8 files.
+  rm -rf /tmp/lmscope-sweep  # a warm machine keeps the last call's figures
   "$PY" benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
     --out /tmp/lmscope-sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -8
   step_failed "${PIPESTATUS[0]}"

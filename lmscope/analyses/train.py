@@ -298,7 +298,9 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
     start_step = state.get("step", 0)
     wall_before = state.get("train_seconds", 0.0)
     if resume_dir:
-        optimizer.load_state_dict(torch.load(resume_dir / OPTIMIZER_FILE, map_location=device)["optimizer"])
+        # on the CPU: load_state_dict moves the moments to the parameters' device but keeps AdamW's `step`
+        # where it was loaded, and a CUDA `step` costs a host sync per parameter per step
+        optimizer.load_state_dict(torch.load(resume_dir / OPTIMIZER_FILE, map_location="cpu")["optimizer"])
         _set_rng_state(state["rng"])
     else:
         torch.manual_seed(p.seed)
