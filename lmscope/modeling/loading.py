@@ -95,7 +95,10 @@ def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_impl
     # Needs the `accelerate` package; untested here (no GPU in CI).
     sharded = False
     if device.startswith("cuda") and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+        target = torch.device(device)  # "cuda:1" is measured on GPU 1, not on the current device
+        free, _ = torch.cuda.mem_get_info(target)
+        # memory PyTorch's allocator holds but no tensor uses is free to this process too
+        free += torch.cuda.memory_reserved(target) - torch.cuda.memory_allocated(target)
         if _weights_bytes(p, dtype) > 0.9 * free:  # leave room for activations
             kwargs["device_map"] = "auto"
             sharded = True
