@@ -6,6 +6,7 @@ import logging
 import time
 
 from flask import Flask, g, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from werkzeug.routing import IntegerConverter
 
 from lmscope.api.auth import authenticate, check_browser_request
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
 
     @app.after_request
     def _count(response):
-        route = request.url_rule.rule if request.url_rule else "(unmatched)"
+        route = _route_of(app, request)
         started = g.get("started")
         if started is not None:
             app.extensions["lmscope"].metrics.observe(request.method, route, response.status_code,
@@ -80,3 +81,19 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
 
     upsert_builtins(settings, sessions)
     return app
+
+
+def _route_of(app: Flask, request) -> str:
+    """The URL rule a request is counted under: its own, the rule of a path asked with a method it does not
+    take (a 405: DELETE /v1/jobs/1 is the jobs route's), or "(unmatched)" (a 404)."""
+    if request.url_rule is not None:
+        return request.url_rule.rule
+    error = request.routing_exception
+    if isinstance(error, MethodNotAllowed) and error.valid_methods:
+        try:
+            rule, _ = app.url_map.bind_to_environ(request.environ).match(method=error.valid_methods[0],
+                                                                          return_rule=True)
+            return rule.rule
+        except HTTPException:
+            pass
+    return "(unmatched)"
