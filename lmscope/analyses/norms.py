@@ -39,7 +39,7 @@ from lmscope.params.norms import NormsParams
 # Memory budgets that bound the size of one chunk of work, whatever the model size.
 LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the last block
 LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
-GRAM_MATRIX_BYTES = 256 * 2**20  # one [pairs, D, D] float64 stack in the Gram condition
+GRAM_MATRIX_BYTES = 256 * 2**20  # the Gram condition's [pairs, T, D] float64 keys and values, per chunk
 TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
 INNER_LOSS_ROUTE = "auto"  # "full": always re-run the whole last block (the benchmark's comparison)
 
@@ -458,7 +458,7 @@ class LinearisedGPT2:
         self.W_V = torch.stack([w[2 * D:] for w in qkv])
         self.W_O = torch.stack([col(b.attn.c_proj) for b in blocks])
         self.W_FFN = torch.stack([col(b.mlp.c_proj) @ col(b.mlp.c_fc) for b in blocks])  # W2·W1
-        H = blocks[0].attn.num_heads
+        H = self.heads = blocks[0].attn.num_heads
         head = torch.arange(D, device=device) // (D // H)
         self.same_head = (head[:, None] == head[None, :]).to(torch.float64)  # block-diagonal mask
         self.dim = D
@@ -473,12 +473,31 @@ class LinearisedGPT2:
         eye = torch.eye(self.dim, dtype=torch.float64, device=z.device)
         return (eye + self.W_FFN[layer]) @ (eye + W_mhsa)
 
+    def apply(self, layer: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor,
+              x: torch.Tensor) -> torch.Tensor:
+        """W x [P, D] without forming W: matrix-vector products only (no D×D×D product per pair).
+
+        W_MHSA x = Σ_h W_O^h Σ_{i≤t} v_i^h (k_i^h · q^h) with q = W_Q x, then W x = y + W_FFN y, y = x + W_MHSA x.
+        """
+        z = context.to(torch.float64) * context_mask[..., None].to(torch.float64)
+        x = x.to(torch.float64)
+        k = z @ self.W_K[layer].transpose(1, 2)  # [P, T, D]
+        v = z @ self.W_V[layer].transpose(1, 2)
+        q = (self.W_Q[layer] @ x[..., None])[..., 0]  # [P, D]
+        P, T, D = k.shape
+        heads = (P, T, self.heads, D // self.heads)
+        scores = (k.view(heads) * q.view(P, 1, self.heads, D // self.heads)).sum(-1)  # k_i^h · q^h  [P, T, H]
+        u = (v.view(heads) * scores[..., None]).sum(1).reshape(P, D)  # Σ_i v_i^h (k_i^h · q^h)
+        y = x + (self.W_O[layer] @ u[..., None])[..., 0]
+        return y + (self.W_FFN[layer] @ y[..., None])[..., 0]
+
 
 def gram_condition_holds(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposition 1 for a batch: W [P, D, D], x [P, D] → (holds [P] bool, Σλab / Σab [P]).
+    """Proposition 1 as the paper states it, for a batch: W [P, D, D], x [P, D] → (holds [P] bool, Σλab / Σab [P]).
 
     WᵀW is symmetric, so eigh gives U orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx and the condition reads
-    xᵀWᵀWx ≥ xᵀx, i.e. ‖Wx‖ ≥ ‖x‖ (the test checks that equivalence).
+    xᵀWᵀWx ≥ xᵀx, i.e. ‖Wx‖ ≥ ‖x‖. The job uses that form (``stretch_ratio``: no W, no eigh); the
+    tests check the two agree.
     """
     W, x = W.to(torch.float64), x.to(torch.float64)
     lam, U = torch.linalg.eigh(W.transpose(1, 2) @ W)  # WᵀW = U Λ Uᵀ
@@ -486,6 +505,12 @@ def gram_condition_holds(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor
     b = a  # b = U⁻¹x = Uᵀx
     stretched, plain = (lam * a * b).sum(-1), (a * b).sum(-1)
     return stretched >= plain, stretched / plain
+
+
+def stretch_ratio(Wx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖Wx‖ ≥ ‖x‖ [P] bool, ‖Wx‖² / ‖x‖² [P]): Proposition 1's condition and its Σλab / Σab."""
+    ratio = Wx.to(torch.float64).square().sum(-1) / x.to(torch.float64).square().sum(-1)
+    return ratio >= 1, ratio
 
 
 # ---------------------------------------------------------------- PCA
@@ -747,7 +772,8 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
         return {"gram_condition_pct": None, "gram_condition_reason": reason}
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
     linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
-    per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * linear.dim ** 2))
+    longest = max(len(tokens) for tokens in samples.tokens)
+    per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * 2 * longest * linear.dim))  # k and v: [P, T, D] float64 each
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):
@@ -764,7 +790,7 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
                 context = stacked[l_i, rows[t_i]]  # [P, T, D]: h_l of the pair's sample
                 context_mask = torch.arange(T, device=device)[None, :] <= cols[t_i][:, None]  # i ≤ t
                 x = stacked[l_i, rows[t_i], cols[t_i]]  # the current token's h_l
-                ok, r = gram_condition_holds(linear.layer_matrix(l_i, context, context_mask), x)
+                ok, r = stretch_ratio(linear.apply(l_i, context, context_mask, x), x)
                 holds.append(ok.cpu())
                 ratio.append(r.cpu())
                 pair_traj.append(torch.as_tensor(trajs, device=device)[t_i].cpu())

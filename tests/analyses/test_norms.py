@@ -480,7 +480,7 @@ def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
     traj = np.load(ctx.artifact_dir / "trajectories.npz")
     assert len(np.unique(saved["trajectory_ids"])) == 12 and set(saved["layers"].tolist()) == set(range(L - 1))
     maps = [block_maps(b, lm.model.config.n_embd) for b in lm.model.transformer.h]
-    direct = []
+    direct, ratios = [], []
     for tr, layer in zip(saved["trajectory_ids"], saved["layers"]):
         tokens = samples[traj["sample_ids"][tr]][1]
         t = traj["positions"][tr]
@@ -488,9 +488,11 @@ def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
         W = direct_linearised_layer(maps[layer], states[layer], t)
         x = states[layer][t]
         direct.append(bool((W @ x).norm() >= x.norm()))
+        ratios.append(float((W @ x).norm() ** 2 / x.norm() ** 2))
     direct = np.array(direct)
     assert 0 < direct.mean() < 1, "the check must see both outcomes"
     assert saved["holds"].tolist() == direct.tolist()
+    np.testing.assert_allclose(saved["ratio"], ratios, rtol=1e-6)  # Σλab / Σab = ‖Wx‖² / ‖x‖²
     assert out.summary["gram_condition_pct"] == pytest.approx(100 * direct.mean())
     assert out.summary["gram_condition_pairs"] == 12 * (L - 1)
 
@@ -679,3 +681,22 @@ def test_inner_loss_logits_are_float32_for_a_bfloat16_model(arch):
     got = norms.token_losses(parts, h, labels)
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), expected, atol=2e-4, rtol=0)
+
+
+def test_the_linearised_layer_applied_without_forming_w_is_w_times_x():
+    """The job computes W x by matrix-vector products; W itself (eq. 10) is the oracle."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50))
+    linear = norms.LinearisedGPT2(list(model.transformer.h), "cpu")
+    P, T = 5, 7
+    context = torch.randn(P, T, 32)
+    mask = torch.arange(T)[None, :] <= torch.tensor([0, 2, 3, 6, 6])[:, None]
+    x = torch.randn(P, 32)
+    layer = torch.tensor([0, 1, 0, 1, 1])
+    W = linear.layer_matrix(layer, context, mask)
+    Wx = linear.apply(layer, context, mask, x)
+    torch.testing.assert_close(Wx, (W @ x.double()[..., None])[..., 0], rtol=1e-10, atol=1e-10)
+    holds, ratio = norms.stretch_ratio(Wx, x)
+    eigen_holds, eigen_ratio = norms.gram_condition_holds(W, x)  # the paper's eigen form
+    assert torch.equal(holds, eigen_holds)
+    torch.testing.assert_close(ratio, eigen_ratio, rtol=1e-9, atol=0)
