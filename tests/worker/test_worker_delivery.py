@@ -338,17 +338,23 @@ def test_a_job_killed_by_the_hard_time_limit_fails_with_time_limit_and_is_not_re
     assert artifact_names(sessions, job_id) == ["attempt-1.txt", "checkpoints/from-attempt-1.txt"]
 
 
-def test_a_child_killed_on_its_last_attempt_fails_with_its_files_listed(delivery, sessions, make_job, job_row):
+def test_a_child_killed_on_its_last_attempt_fails_with_its_files_listed(delivery, sessions, make_job, job_row,
+                                                                         tmp_path):
     """The killed child's message comes back at once; the claim takes the attempt over, finds no attempt
     left and fails the job (worker-lost) without waiting for the reaper. Its files (a train run's
     checkpoints) are its artifacts, as when the reaper gives up."""
-    worker = delivery.start()
-    job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, max_attempts=1)
-    publish_jobs(delivery.publisher, sessions, [job_id])
-    wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the attempt's progress")
-    os.kill(int(job_row(job_id).worker.rsplit(":", 1)[1]), signal.SIGKILL)
-
-    job = wait_for_status(job_row, job_id, status="failed", timeout=60, worker_log=worker.log_path)
+    # The reaper must not get there first: on a loaded machine a new pool child can take longer to start
+    # than the fixture's 5-s staleness.
+    worker = CeleryWorker(dict(delivery.env, LMSCOPE_STALE_AFTER_SECONDS="300"), tmp_path / "last-attempt-worker.log")
+    try:
+        worker.wait_ready()
+        job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, max_attempts=1)
+        publish_jobs(delivery.publisher, sessions, [job_id])
+        wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the attempt's progress")
+        os.kill(int(job_row(job_id).worker.rsplit(":", 1)[1]), signal.SIGKILL)
+        job = wait_for_status(job_row, job_id, status="failed", timeout=120, worker_log=worker.log_path)
+    finally:
+        worker.stop()
     assert (job.error_type, job.attempts) == ("worker-lost", 1)
     assert "is gone; taking over" in worker.log_path.read_text()  # the claim, not the reaper, ended it
     assert artifact_names(sessions, job_id) == ["attempt-1.txt", "checkpoints/from-attempt-1.txt"]
