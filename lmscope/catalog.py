@@ -243,7 +243,6 @@ def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
     return "bytes" if vocab_size == BYTE_VOCAB_SIZE else None
 
 
-
 def kv_heads(config: dict, heads: int | None) -> int | None:
     """Key/value heads of a config (a dict): num_key_value_heads, or Falcon's own fields (as transformers
     reads them: num_kv_heads with new_decoder_architecture or without multi_query, else one); else as
@@ -257,6 +256,7 @@ def kv_heads(config: dict, heads: int | None) -> int | None:
             return count("num_kv_heads") or heads
         return 1
     return count("num_key_value_heads") or heads
+
 
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     """Check that `path` is a causal-LM Hugging Face directory under one of `roots`; return its facts.

@@ -143,28 +143,22 @@ def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def bundled_examples() -> list[str]:
-    """The example parameter files shipped in lmscope/examples/, by name without .json."""
-    from importlib import resources
-
-    return sorted(f.name[:-5] for f in resources.files("lmscope.examples").iterdir() if f.name.endswith(".json"))
-
-
 def params_file_bytes(value: str) -> bytes:
     """--params: a JSON file, or `example:NAME` for a bundled one (works from any directory)."""
+    from lmscope import examples
+
     if value.startswith("example:"):
         name = value[len("example:"):].removesuffix(".json")
-        if name not in bundled_examples():
-            raise click.BadParameter(f"no bundled example {name!r}; they are {', '.join(bundled_examples())}",
-                                     param_hint="--params")
-        from importlib import resources
-
-        return resources.files("lmscope.examples").joinpath(f"{name}.json").read_bytes()
+        try:
+            return examples.read_bytes(name)
+        except KeyError:
+            raise click.BadParameter(f"no bundled example {name!r}; they are {', '.join(examples.names())}",
+                                     param_hint="--params") from None
     path = Path(value)
     if not path.is_file():
         stem = path.name.removesuffix(".json")
         hint = (f"; the bundled example is --params example:{stem} (the path {value} works only from a checkout's "
-                "root)" if stem in bundled_examples() else "")
+                "root)" if stem in examples.names() else "")
         raise click.BadParameter(f"file {value!r} does not exist" + hint, param_hint="--params")
     return path.read_bytes()
 

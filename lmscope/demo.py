@@ -14,9 +14,9 @@ import socket
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
+from lmscope import examples
 from lmscope.cli import ProgressLine
 from lmscope.client import Client, LmscopeError
 
@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 def example(name: str) -> dict:
-    return json.loads(resources.files("lmscope.examples").joinpath(name).read_text())
+    return json.loads(examples.read_bytes(name))
 
 
 def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
