@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import shutil
 import subprocess
@@ -54,7 +55,9 @@ class Browser:
         self.profile = tempfile.TemporaryDirectory(prefix="lmscope-chromium-", ignore_cleanup_errors=True)
         self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile.name}",
                                       f"--window-size={width},{height}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     # its singleton-socket folder outlives a terminated Chromium: keep it in the profile
+                                     env={**os.environ, "TMPDIR": self.profile.name})
         self.exceptions: list[str] = []
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue] = {}

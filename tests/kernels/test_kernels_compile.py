@@ -129,6 +129,7 @@ def test_kernels_compile_for_sm90(triton_backend, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LMSCOPE_AUTOTUNE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
+    env["TMPDIR"] = str(tmp_path)  # triton's ptxas step leaves its .ptx/.log temporaries behind
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "CompilationError" not in proc.stderr:
