@@ -39,7 +39,7 @@ from lmscope.params.norms import NormsParams
 # Memory budgets that bound the size of one chunk of work, whatever the model size.
 LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the last block
 LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
-GRAM_MATRIX_BYTES = 256 * 2**20  # the Gram condition's [pairs, T, D] float64 keys and values, per chunk
+GRAM_CONTEXT_BYTES = 256 * 2**20  # the Gram condition's [pairs, T, D] contexts (gathered + float64 copy), per chunk
 TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
 INNER_LOSS_ROUTE = "auto"  # "full": always re-run the whole last block (the benchmark's comparison)
 
@@ -382,7 +382,7 @@ def query_grid(rows: torch.Tensor, cols: torch.Tensor, attention_mask: torch.Ten
     return positions, slot
 
 
-def visible_keys(positions: torch.Tensor, attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
+def keys_visible_from(positions: torch.Tensor, attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
     """[B, 1, Q, T] bool: from query position t, key i is visible when i ≤ t (causal), i is a real token
     (not padding) and, with a sliding window, t − i < window (transformers' sliding_window_overlay)."""
     keys = torch.arange(attention_mask.shape[1], device=positions.device)
@@ -410,7 +410,7 @@ def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: Bloc
     if cheap is not None:
         block_at, rope, window = cheap
         positions, slot = query_grid(rows, cols, attention_mask)
-        visible = visible_keys(positions, attention_mask, window)
+        visible = keys_visible_from(positions, attention_mask, window)
     per_call = max(1, min(L, LAST_BLOCK_ELEMENTS // (B * T * D)))
     outputs = []  # [c, n, D] per chunk of c layers
     for first in range(0, L - 1, per_call):
@@ -473,23 +473,25 @@ class LinearisedGPT2:
         eye = torch.eye(self.dim, dtype=torch.float64, device=z.device)
         return (eye + self.W_FFN[layer]) @ (eye + W_mhsa)
 
-    def apply(self, layer: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor,
-              x: torch.Tensor) -> torch.Tensor:
-        """W x [P, D] without forming W: matrix-vector products only (no D×D×D product per pair).
+    def apply(self, layer: int, context: torch.Tensor, context_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """W x [P, D] for P pairs at one layer, without forming W or any k_i, v_i.
 
-        W_MHSA x = Σ_h W_O^h Σ_{i≤t} v_i^h (k_i^h · q^h) with q = W_Q x, then W x = y + W_FFN y, y = x + W_MHSA x.
+        With q = W_Q x and per head h: k_i^h · q^h = z_i · r^h where r^h = W_K^hᵀ q^h, and
+        Σ_i v_i^h s_i^h = W_V^h (Σ_i s_i^h z_i). So W_MHSA x = Σ_h W_O^h W_V^h Σ_{i≤t} z_i (z_i · W_K^hᵀ q^h):
+        O(T·D·H + D²) per pair, and nothing of size [P, T, D] but the context itself.
+        Then W x = y + W_FFN y with y = x + W_MHSA x.
         """
-        z = context.to(torch.float64) * context_mask[..., None].to(torch.float64)
+        z = context.to(torch.float64)  # [P, T, D]
         x = x.to(torch.float64)
-        k = z @ self.W_K[layer].transpose(1, 2)  # [P, T, D]
-        v = z @ self.W_V[layer].transpose(1, 2)
-        q = (self.W_Q[layer] @ x[..., None])[..., 0]  # [P, D]
-        P, T, D = k.shape
-        heads = (P, T, self.heads, D // self.heads)
-        scores = (k.view(heads) * q.view(P, 1, self.heads, D // self.heads)).sum(-1)  # k_i^h · q^h  [P, T, H]
-        u = (v.view(heads) * scores[..., None]).sum(1).reshape(P, D)  # Σ_i v_i^h (k_i^h · q^h)
-        y = x + (self.W_O[layer] @ u[..., None])[..., 0]
-        return y + (self.W_FFN[layer] @ y[..., None])[..., 0]
+        P, T, D = z.shape
+        H = self.heads
+        q = x @ self.W_Q[layer].T  # [P, D]
+        r = torch.einsum("phd,hdD->phD", q.view(P, H, D // H), self.W_K[layer].view(H, D // H, D))
+        scores = torch.einsum("ptD,phD->pth", z, r) * context_mask[..., None]  # k_i^h · q^h, i ≤ t
+        pooled = torch.einsum("ptD,pth->phD", z, scores)  # Σ_i s_i^h z_i
+        u = torch.einsum("hdD,phD->phd", self.W_V[layer].view(H, D // H, D), pooled).reshape(P, D)
+        y = x + u @ self.W_O[layer].T
+        return y + y @ self.W_FFN[layer].T
 
 
 def gram_condition_holds(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -773,28 +775,27 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
     linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
     longest = max(len(tokens) for tokens in samples.tokens)
-    per_chunk = max(1, GRAM_MATRIX_BYTES // (8 * 2 * longest * linear.dim))  # k and v: [P, T, D] float64 each
+    per_chunk = max(1, GRAM_CONTEXT_BYTES // (2 * 8 * longest * linear.dim))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, _ = hidden_states(parts, input_ids, mask)
             rows, cols = current_tokens(samples, batch, trajs, device)
-            # every (trajectory, layer) pair of this batch, processed in chunks of stacked D×D matrices
-            traj_idx = torch.arange(len(trajs), device=device).repeat(steps)
-            layer_idx = torch.arange(steps, device=device).repeat_interleave(len(trajs))
             T = input_ids.shape[1]
-            stacked = torch.stack(hidden[:steps])  # [steps, B, T, D]
-            for start in range(0, len(traj_idx), per_chunk):
-                t_i, l_i = traj_idx[start:start + per_chunk], layer_idx[start:start + per_chunk]
-                context = stacked[l_i, rows[t_i]]  # [P, T, D]: h_l of the pair's sample
-                context_mask = torch.arange(T, device=device)[None, :] <= cols[t_i][:, None]  # i ≤ t
-                x = stacked[l_i, rows[t_i], cols[t_i]]  # the current token's h_l
-                ok, r = stretch_ratio(linear.apply(l_i, context, context_mask, x), x)
-                holds.append(ok.cpu())
-                ratio.append(r.cpu())
-                pair_traj.append(torch.as_tensor(trajs, device=device)[t_i].cpu())
-                pair_layer.append(l_i.cpu())
+            traj_ids = torch.as_tensor(trajs)
+            # every (trajectory, layer) pair of this batch, layer by layer, in chunks of trajectories
+            for layer in range(steps):
+                for start in range(0, len(trajs), per_chunk):
+                    r, c = rows[start:start + per_chunk], cols[start:start + per_chunk]
+                    context = hidden[layer][r]  # [P, T, D]: h_l of the pair's sample
+                    context_mask = torch.arange(T, device=device)[None, :] <= c[:, None]  # i ≤ t
+                    x = hidden[layer][r, c]  # the current token's h_l
+                    ok, ratio_ = stretch_ratio(linear.apply(layer, context, context_mask, x), x)
+                    holds.append(ok.cpu())
+                    ratio.append(ratio_.cpu())
+                    pair_traj.append(traj_ids[start:start + per_chunk])
+                    pair_layer.append(torch.full((len(ok),), layer))
             progress.step("gram condition")
     holds_np = torch.cat(holds).numpy()
     np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),

@@ -364,7 +364,7 @@ def test_last_block_at_current_tokens_equals_the_whole_block(arch):
     if arch == "mistral-sliding-window":  # the window matters here: without it row 3, token 15 sees 0 … 15
         block_at, rope, window = cheap
         position = torch.tensor([[15]])
-        no_window = block_at(parts.blocks[-1], hidden[0][3:4], position, norms.visible_keys(position, mask[3:4], None),
+        no_window = block_at(parts.blocks[-1], hidden[0][3:4], position, norms.keys_visible_from(position, mask[3:4], None),
                              tuple(r.expand(1, 20, -1) for r in rope))
         assert window == 6 and (no_window[0, 0] - whole[0, 0]).abs().max() > 1e-3
 
@@ -694,7 +694,10 @@ def test_the_linearised_layer_applied_without_forming_w_is_w_times_x():
     x = torch.randn(P, 32)
     layer = torch.tensor([0, 1, 0, 1, 1])
     W = linear.layer_matrix(layer, context, mask)
-    Wx = linear.apply(layer, context, mask, x)
+    Wx = torch.empty(P, 32, dtype=torch.float64)
+    for l in (0, 1):  # the job applies one layer at a time
+        at = layer == l
+        Wx[at] = linear.apply(l, context[at], mask[at], x[at])
     torch.testing.assert_close(Wx, (W @ x.double()[..., None])[..., 0], rtol=1e-10, atol=1e-10)
     holds, ratio = norms.stretch_ratio(Wx, x)
     eigen_holds, eigen_ratio = norms.gram_condition_holds(W, x)  # the paper's eigen form
