@@ -1,8 +1,11 @@
 """The `lmscope` command.
 
-Server side:  lmscope up | worker | db upgrade | user create NAME [--admin] | user token NAME | user revoke NAME
+Server side:  lmscope up | worker | db upgrade | datasets add NAME PATH
+              lmscope user create NAME [--admin] | token NAME | tokens NAME | revoke NAME | limits NAME | list
 Client side:  lmscope submit KIND --param k=v ... [--wait] | jobs | show | cancel | wait | results | fetch
-              lmscope models [list | register NAME PATH] | datasets [list | upload NAME FILE] | kinds
+              lmscope compare ID ID ... | whoami | kinds [KIND]
+              lmscope models [list | register NAME PATH] | datasets [list | upload NAME FILE]
+(`lmscope COMMAND --help` for each.)
 
 Client commands talk to LMSCOPE_URL with LMSCOPE_TOKEN. Heavy imports (torch, the worker, the
 database) happen only inside the commands that need them, so `lmscope jobs` starts in a blink.
@@ -375,35 +378,26 @@ def db_upgrade():
 def _sessions():
     """Sessions on the service's database, for the server-side commands (`user`, `datasets add`).
 
-    Refuses, in one line, a database that does not exist, has no lmscope tables or is at an older
-    schema revision: the usual cause is
+    Refuses, in one line, a database that does not exist, does not answer, has no lmscope tables or is
+    at another schema revision (`schema_problem`, as the API and workers say it): the usual cause is
     a shell without the service's LMSCOPE_DATA_DIR / LMSCOPE_DATABASE_URL (and connecting to a SQLite
     path that does not exist would leave an empty file behind)."""
-    from sqlalchemy import inspect
     from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
 
     from lmscope.config import Settings
-    from lmscope.db.engine import make_engine, make_sessionmaker, schema_revisions
+    from lmscope.db.engine import make_engine, make_sessionmaker, schema_problem
 
     url = make_url(Settings.from_env().database_url)
     shown = url.render_as_string(hide_password=True)
-    fix = ("set LMSCOPE_DATA_DIR or LMSCOPE_DATABASE_URL to the service's (as `lmscope up` or the workers "
-           "have it), or create the schema with `lmscope db upgrade`")
+    which = ("LMSCOPE_DATA_DIR or LMSCOPE_DATABASE_URL must be the service's (as `lmscope up` or the workers "
+             "have it)")
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
             and not Path(url.database).exists():
-        raise click.ClickException(f"no database at {shown}; {fix}")
+        raise click.ClickException(f"no database at {shown}; {which}, or create one with `lmscope db upgrade`")
     engine = make_engine(url.render_as_string(hide_password=False))
-    try:
-        ready = inspect(engine).has_table("users")
-        current, head = schema_revisions(engine) if ready else (None, None)
-    except SQLAlchemyError as e:
-        raise click.ClickException(f"cannot open the database {shown} ({type(e).__name__}); {fix}") from None
-    if not ready:
-        raise click.ClickException(f"the database {shown} has no lmscope tables; {fix}")
-    if current != head:
-        raise click.ClickException(f"the database {shown} has schema revision {current}, this lmscope needs "
-                                   f"{head}; run `lmscope db upgrade` (or start the service, which migrates)")
+    if problem := schema_problem(engine):
+        engine.dispose()
+        raise click.ClickException(f"{shown}: {problem}" + ("" if "revision" in problem else f" ({which})"))
     return make_sessionmaker(engine)
 
 

@@ -61,8 +61,8 @@ def main() -> None:
     data_dir = Path(os.environ.get("LMSCOPE_DATA_DIR", Path.cwd() / ".demo")).resolve()
     port = int(os.environ.get("LMSCOPE_PORT", _free_port()))
     env = dict(os.environ, LMSCOPE_DATA_DIR=str(data_dir), LMSCOPE_PORT=str(port), LMSCOPE_AUTH="0")
-    env.pop("LMSCOPE_BROKER_URL", None)
-    env.pop("LMSCOPE_DATABASE_URL", None)
+    for elsewhere in ("LMSCOPE_BROKER_URL", "LMSCOPE_DATABASE_URL", "LMSCOPE_ARTIFACT_DIR"):
+        env.pop(elsewhere, None)  # the demo keeps everything in data_dir, where it says its files are
     log = open(data_dir.with_suffix(".log"), "w") if data_dir.parent.exists() else subprocess.DEVNULL
     print(f"lmscope demo: embedded service on http://127.0.0.1:{port}, data in {data_dir}")
     server = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -120,6 +120,8 @@ def main() -> None:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+        if log is not subprocess.DEVNULL:
+            log.close()
 
 
 if __name__ == "__main__":

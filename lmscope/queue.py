@@ -136,9 +136,9 @@ class LocalPublisher:
 
 def make_publisher(settings: "Settings") -> Publisher:
     """Celery when a broker is configured, else an in-process publisher (embedded mode)."""
-    if settings.broker_url:
-        return CeleryPublisher(settings=settings)
-    return LocalPublisher()
+    if settings.embedded:
+        return LocalPublisher()
+    return CeleryPublisher(settings=settings)
 
 
 # ---------------------------------------------------------------- publish + record

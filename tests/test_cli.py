@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -316,6 +317,12 @@ def test_server_commands_name_the_database_they_cannot_use(tmp_path, monkeypatch
     assert r.exit_code == 1 and "schema revision 0001" in r.output and "lmscope db upgrade" in r.output
     assert runner.invoke(main, ["db", "upgrade"]).exit_code == 0
     assert runner.invoke(main, ["user", "create", "dave"]).exit_code == 0
+    # migrated by a newer lmscope: `lmscope db upgrade` cannot mend that, so it is not what the error says
+    with sqlite3.connect(old) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+    r = runner.invoke(main, ["user", "list"])
+    assert r.exit_code == 1 and "9999_from_the_future" in r.output and "run the newer lmscope" in r.output
+    assert "db upgrade" not in r.output
 
 
 def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):

@@ -9,7 +9,7 @@ from lmscope.api import create_app
 from lmscope.config import Settings
 
 settings = Settings.from_env()
-if settings.broker_url is None:
+if settings.embedded:
     raise RuntimeError("gunicorn lmscope.api.wsgi:app needs LMSCOPE_BROKER_URL (e.g. redis://redis:6379/0): "
                        "without a broker no worker would receive its jobs. On one machine, run `lmscope up`.")
 app = create_app(settings)

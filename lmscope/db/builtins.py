@@ -56,13 +56,20 @@ def ensure_builtins(settings: Settings, session_factory: sessionmaker[Session]) 
     elif path:
         with session_factory() as session:
             row = session.execute(select(Dataset.sha256, Dataset.path).where(Dataset.name == WIKITEXT2)).one_or_none()
-        if row is None or row.path != str(Path(path).resolve()) or row.sha256 != sha256_bytes(Path(path).read_bytes()):
-            try:
+        try:
+            if row is None or row.path != str(Path(path).resolve()) or row.sha256 != sha256_bytes(_read(Path(path))):
                 register_dataset_file(session_factory, WIKITEXT2, Path(path), "lines", source="builtin",
                                       description="WikiText-2 (raw) test split; every non-empty line that is not a "
                                                   "heading is a document")
-            except CatalogError as e:  # an empty or unreadable corpus must not stop the service starting
-                log.warning("the built-in dataset %r is not registered: %s", WIKITEXT2, e)
+        except CatalogError as e:  # an empty or unreadable corpus must not stop the service starting
+            log.warning("the built-in dataset %r is not registered: %s", WIKITEXT2, e)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:  # a directory, no permission, an I/O error: say which file and why
+        raise CatalogError(f"{path} cannot be read: {e.strerror or e}") from e
 
 
 def register_dataset_file(session_factory: sessionmaker[Session], name: str, path: Path, fmt: str, *,
@@ -75,7 +82,7 @@ def register_dataset_file(session_factory: sessionmaker[Session], name: str, pat
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise CatalogError(f"{path} is not a file")
-    data = path.read_bytes()
+    data = _read(path)
     docs = parse_documents(data, fmt)
     if not docs:  # as an upload would be refused
         raise CatalogError(f"{path} has no documents in format {fmt!r} ({DATASET_FORMATS[fmt]})")

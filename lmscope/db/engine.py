@@ -10,9 +10,7 @@ Keep transactions short: never hold a session open across a long computation.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -53,13 +51,6 @@ def make_engine(url: str, **kwargs) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
-
-
-@contextmanager
-def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """A short unit of work: commit on success, roll back on error."""
-    with factory() as session, session.begin():
-        yield session
 
 
 def alembic_config(url: str):

@@ -35,8 +35,6 @@ transformers.utils.logging.disable_progress_bar()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILTIN_SEED = 0
-# None: transformers picks sdpa where the architecture has it, else eager (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2)
-DEFAULT_ATTENTION: str | None = None
 
 
 class ModelLoadError(ValueError):
@@ -58,13 +56,13 @@ def builtin_config(name: str) -> transformers.PretrainedConfig:
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def _load_builtin(name: str, attn_implementation: str | None):
+def _load_builtin(name: str):
     config = builtin_config(name)
     # Fixed seed in a forked RNG: the same built-in is bit-identical on every worker, and the
     # caller's random stream is left untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BUILTIN_SEED)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config)
     return model, byte_tokenizer()
 
 
@@ -84,13 +82,15 @@ def _weights_bytes(path: Path, dtype: torch.dtype) -> int:
     return n + sum(f.stat().st_size for f in path.glob("*.bin"))
 
 
-def _load_directory(path: str | None, dtype: torch.dtype, device: str, attn_implementation: str | None):
+def _load_directory(path: str | None, dtype: torch.dtype, device: str):
     if not path:
         raise ModelLoadError("a directory or checkpoint model needs a path")
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json; it is not a Hugging Face model directory")
-    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True, attn_implementation=attn_implementation)
+    # No attn_implementation: transformers picks sdpa where the architecture has it, else eager
+    # (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2).
+    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True)
     # Larger than the free GPU memory: let HF spread the layers over all visible GPUs (and CPU).
     # Needs the `accelerate` package; untested here (no GPU in CI).
     sharded = False
@@ -154,15 +154,15 @@ def cast_model(model: torch.nn.Module, *, device: str | torch.device, dtype: tor
     return model
 
 
-def load_model(name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str | None = DEFAULT_ATTENTION) -> LoadedModel:
+def load_model(name: str, source: str, path: str | None, *, dtype: str = "float32",
+               device: str = "cpu") -> LoadedModel:
     """Load a registered model: ``source`` is ``builtin``, ``directory`` or ``checkpoint``."""
     torch_dtype = _torch_dtype(dtype)
     sharded = False
     if source == "builtin":
-        model, tokenizer = _load_builtin(name, attn_implementation)
+        model, tokenizer = _load_builtin(name)
     elif source in ("directory", "checkpoint"):
-        model, tokenizer, sharded = _load_directory(path, torch_dtype, device, attn_implementation)
+        model, tokenizer, sharded = _load_directory(path, torch_dtype, device)
     else:
         raise ModelLoadError(f"unknown model source {source!r}; use builtin, directory or checkpoint")
     if not sharded:

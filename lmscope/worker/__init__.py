@@ -6,7 +6,7 @@
 - ``reaper``: re-enqueue jobs whose worker or message was lost; recover after a restart
 - ``celery_app``: the Celery app (``celery -A lmscope.worker.celery_app worker``)
 - ``embedded``: the in-process worker and ``serve()`` for ``lmscope up``
-- ``startup``: built-in rows, per-process database sessions, the test hook for extra kinds
+- ``startup``: per-process database sessions, the test hook for extra kinds
 - ``environment``: what every finished job records about where it ran
 
 Only the Celery child process (or the embedded worker thread) touches CUDA; nothing here imports

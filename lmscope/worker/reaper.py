@@ -1,6 +1,6 @@
 """The reaper: no job is lost to a dead worker, a lost message or a restart.
 
-One pass (``reap``) does four things, each with conditional UPDATEs so that any number of reapers
+One pass (``reap``) does three things, each with conditional UPDATEs so that any number of reapers
 (a reaper process beside every Celery worker, or the embedded worker between jobs) can run at once and
 each job is acted on by exactly one of them:
 

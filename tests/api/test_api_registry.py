@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import struct
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -234,6 +235,13 @@ def test_a_missing_builtin_corpus_is_logged_not_silent(settings_factory, sqlite_
     with caplog.at_level("WARNING", logger="lmscope.builtins"):  # a warning, not a service that cannot start
         ensure_builtins(settings_factory(database_url=sqlite_url, wikitext2_path=empty), sessions)
     assert "is not registered" in caplog.text and "no documents" in caplog.text
+    # A file that cannot be read (as root, chmod does not stop reads; /proc/self/mem is a regular file
+    # whose first page is unmapped): a warning, not a traceback that stops `lmscope up` starting.
+    unreadable = Path("/proc/self/mem")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmscope.builtins"):
+        ensure_builtins(settings_factory(database_url=sqlite_url, wikitext2_path=unreadable), sessions)
+    assert "is not registered" in caplog.text and "mem cannot be read" in caplog.text
 
 
 def test_upload_fields_are_checked_like_every_other_input(api):
