@@ -265,6 +265,33 @@ def test_user_names_follow_the_apis_naming_rule(sqlite_url, monkeypatch):
         assert c.execute(select(User.name)).scalars().all() == ["alice@example.org"]
 
 
+def test_the_server_keeps_only_each_tokens_sha256(tmp_path, monkeypatch):
+    """docs/api.md: a token is shown once and only its sha256 is stored, so a copy of the database
+    (a backup, a dump) gives no one a working token."""
+    import hashlib
+
+    from sqlalchemy import create_engine, select
+
+    from lmscope.db.engine import upgrade
+    from lmscope.db.models import ApiToken
+
+    db = tmp_path / "lmscope.db"
+    upgrade(f"sqlite:///{db}")
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{db}")
+    runner = CliRunner()
+    first = runner.invoke(main, ["user", "create", "ann"]).stdout.strip()
+    second = runner.invoke(main, ["user", "token", "ann"]).stdout.strip()
+    assert first.startswith("lms_") and second.startswith("lms_") and first != second
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.connect() as c:
+        stored = set(c.execute(select(ApiToken.token_hash)).scalars())
+    engine.dispose()
+    assert stored == {hashlib.sha256(t.encode()).hexdigest() for t in (first, second)}
+    files = b"".join(p.read_bytes() for p in tmp_path.glob("lmscope.db*"))  # the WAL too
+    for token in (first, second):
+        assert token.encode() not in files and token[12:].encode() not in files
+
+
 def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
     from sqlalchemy import select
 
