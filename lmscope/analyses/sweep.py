@@ -41,6 +41,8 @@ from lmscope.params.sweep import (
 
 # ============================================================================ sumformer_fit
 
+EQUIVARIANCE_SEED_OFFSET = 1_000_003  # its permutations: a stream apart from the data's (seed) and the shuffle's
+
 
 def relative_l2_error(pred: torch.Tensor, target: torch.Tensor) -> float:
     """‖pred − target‖₂ / ‖target‖₂ over all entries, in float64."""
@@ -67,6 +69,22 @@ def make_dataset(params: SumformerFitParams) -> tuple[torch.Tensor, torch.Tensor
 @torch.no_grad()
 def _predict(model, x: torch.Tensor, batch: int = 4096) -> torch.Tensor:
     return torch.cat([model(x[i:i + batch]) for i in range(0, len(x), batch)])
+
+
+def random_permutations(count: int, n: int, seed: int) -> torch.Tensor:
+    """[count, n]: a uniformly random permutation of 0 … n−1 per row, from `seed`."""
+    return torch.rand(count, n, generator=torch.Generator().manual_seed(seed)).argsort(dim=1)
+
+
+def equivariance_error(model, x: torch.Tensor, perm: torch.Tensor) -> float:
+    """‖S(πX) − π S(X)‖₂ / ‖S(X)‖₂ over the sequences x [B, n, d], π = perm [B, n] (πX)_i = x_π(i).
+    0 up to rounding for a permutation-equivariant network."""
+    perm = perm.to(x.device)
+
+    def permuted(t):
+        return t.gather(1, perm[..., None].expand_as(t))
+
+    return relative_l2_error(_predict(model, permuted(x)), permuted(_predict(model, x)))
 
 
 @contextmanager
@@ -107,7 +125,8 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
 
     model = build_network(params.architecture, token_dim=params.token_dim, seq_len=params.seq_len,
                           latent_dim=d_eff, hidden=t.hidden, depth=t.depth, features=params.features,
-                          seed=params.seed, qk_init_std=t.qk_init_std).to(device)
+                          seed=params.seed, qk_init_std=t.qk_init_std,
+                          linformer_projections=t.linformer_projections).to(device)
     if params.architecture in ("transformer", "linformer", "performer"):
         ctx.record("kernel_backend", "reference")  # training needs autograd: the PyTorch reference kernels
     # fused: one kernel per step for all parameters instead of several per tensor; these networks are
@@ -148,6 +167,11 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
             stage = f"epoch {epoch}/{t.epochs}" + (f", val error {val_errors[-1]:.3g}" if val_errors else "")
             ctx.progress(epoch, t.epochs, stage)
     seconds = time.perf_counter() - start
+    model.eval()
+    # The validation data are exchangeable, so the error cannot show a network that is not equivariant
+    # (a trained Linformer's E, F weight positions differently): measure it, on the final network.
+    perm = random_permutations(len(x_val), params.seq_len, params.seed + EQUIVARIANCE_SEED_OFFSET)
+    equivariance = equivariance_error(model, x_val, perm)
 
     best = min(range(len(val_errors)), key=val_errors.__getitem__)
     summary: dict[str, Any] = {
@@ -164,6 +188,7 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
         "best_epoch": eval_x[best],
         "final_val_error": val_errors[-1],
         "final_train_loss": losses[-1],
+        "equivariance_error": equivariance,
         "num_parameters": num_parameters(model),
         "train_samples": len(x_train),
         "val_samples": len(x_val),
@@ -453,11 +478,14 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     # best_val_error[(arch, target, d, n, k)][d'] = [error per seed]
     best: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     curves: dict[tuple, list[tuple[list, list]]] = defaultdict(list)  # (key, d') → val_error per seed
+    equivariance: dict[str, float] = {}  # architecture → the largest of its children's
     for c in ok:
         p, s = c.params, c.summary or {}
         key = (p["architecture"], p["target"], p["token_dim"], p["seq_len"], p.get("features"))
         d_eff = s["latent_dim_effective"]  # every sumformer_fit summary has it
         best[key][d_eff].append(float(s["best_val_error"]))
+        if s.get("equivariance_error") is not None:  # children stored before it was measured have none
+            equivariance[key[0]] = max(equivariance.get(key[0], 0.0), float(s["equivariance_error"]))
         curve = _series_y(c, "val_error")
         if curve:
             curves[key + (d_eff,)].append(curve)
@@ -496,6 +524,8 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     else:
         plots_note = "no fig2_latent_dim.png: every line has a single d′ (give grid.latent_dim two or more values)"
     summary: dict[str, Any] = {"best": headline[:100], "best_lines": len(headline), "plots": plots}
+    if equivariance:
+        summary["equivariance_error_max"] = dict(sorted(equivariance.items()))
     if plots_note:
         summary["plots_note"] = plots_note
     clamped = clamped_latent_dims(params)
@@ -667,7 +697,7 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     for ax, (arch, target, n, k) in zip(axes, panels):
         ds = sorted({key[2] for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k)})
         for i, d in enumerate(ds):
-            color = cmap(i / max(len(ds) - 1, 1))
+            color = cmap(0.85 * i / max(len(ds) - 1, 1))  # viridis' last 15 % is too pale to see on white
             per_x = best[arch, target, d, n, k]
             xs = sorted(per_x)
             stats = [_stats(per_x[x]) for x in xs]

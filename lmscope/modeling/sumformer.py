@@ -28,7 +28,9 @@ Architectures (`build_network`):
                (scale 1; the "rescaling" of the proof is this normaliser D).
   Training starts at this construction, perturbed by `qk_init_std` (query/key weights ~ N(0, qk_init_std²);
   E, F multiplied entrywise by 1 + qk_init_std·N(0, 1)) so that it can leave the symmetric point, and
-  trains everything end to end through the kernels' differentiable reference paths.
+  trains everything end to end through the kernels' differentiable reference paths. Trained E and F
+  weight positions differently, so the Linformer stops being permutation-equivariant as it trains;
+  `linformer_projections="fixed"` keeps the proof's E, F exactly (buffers, no perturbation).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class OneLayerAttentionNet(nn.Module):
     """
 
     def __init__(self, attention: str, token_dim: int, seq_len: int, latent_dim: int, hidden: int, depth: int,
-                 *, features: int | None = None, seed: int = 0, qk_init_std: float = 0.01):
+                 *, features: int | None = None, seed: int = 0, qk_init_std: float = 0.01,
+                 linformer_projections: str = "trained"):
         super().__init__()
         if attention not in ("transformer", "linformer", "performer"):
             raise ValueError(f"unknown attention {attention!r}; use transformer, linformer or performer")
@@ -130,14 +133,20 @@ class OneLayerAttentionNet(nn.Module):
                 w.copy_(torch.randn(w.shape, generator=g) * qk_init_std)
             self.w_v.weight.copy_(torch.eye(dp))
         if attention == "linformer":
-            # The proof's projections, trainable as in Linformer. Constant rows make all projected keys
-            # equal, so the attention is uniform whatever the queries and E gets no gradient: a relative
-            # perturbation of qk_init_std lets training leave that symmetric point.
             e = torch.full((features, seq_len), 1.0 / seq_len)
             f = torch.full((features, seq_len), 1.0 / features)
-            e = e * (1 + qk_init_std * torch.randn(e.shape, generator=g))
-            f = f * (1 + qk_init_std * torch.randn(f.shape, generator=g))
-            self.E, self.F = nn.Parameter(e), nn.Parameter(f)
+            if linformer_projections == "fixed":  # the proof's, exactly: equivariant whatever is learnt
+                self.register_buffer("E", e)
+                self.register_buffer("F", f)
+            elif linformer_projections == "trained":
+                # Trainable as in Linformer. Constant rows make all projected keys equal, so the
+                # attention is uniform whatever the queries and E gets no gradient: a relative
+                # perturbation of qk_init_std lets training leave that symmetric point.
+                e = e * (1 + qk_init_std * torch.randn(e.shape, generator=g))
+                f = f * (1 + qk_init_std * torch.randn(f.shape, generator=g))
+                self.E, self.F = nn.Parameter(e), nn.Parameter(f)
+            else:
+                raise ValueError(f"unknown linformer_projections {linformer_projections!r}; use trained or fixed")
         if attention == "performer":
             from lmscope.kernels import draw_favor_projection
 
@@ -181,24 +190,28 @@ class OneLayerAttentionNet(nn.Module):
 # ---------------------------------------------------------------- factory
 
 def build_network(architecture: str, *, token_dim: int, seq_len: int, latent_dim: int, hidden: int,
-                  depth: int, features: int | None = None, seed: int = 0, qk_init_std: float = 0.01) -> nn.Module:
+                  depth: int, features: int | None = None, seed: int = 0, qk_init_std: float = 0.01,
+                  linformer_projections: str = "trained") -> nn.Module:
     """The network of one sweep grid point, initialised from `seed` (same seed → same weights).
 
     latent_dim: the d′ the network uses (`lmscope.params.sweep.effective_latent_dim` of the grid point).
     """
     with torch.random.fork_rng(devices=[]):  # seed nn.Linear's initialisation without touching the caller's RNG
         torch.manual_seed(seed)
-        return _build(architecture, token_dim, seq_len, latent_dim, hidden, depth, features, seed, qk_init_std)
+        return _build(architecture, token_dim, seq_len, latent_dim, hidden, depth, features, seed, qk_init_std,
+                      linformer_projections)
 
 
-def _build(architecture, token_dim, seq_len, d_eff, hidden, depth, features, seed, qk_init_std) -> nn.Module:
+def _build(architecture, token_dim, seq_len, d_eff, hidden, depth, features, seed, qk_init_std,
+           linformer_projections) -> nn.Module:
     if architecture == "poly_sumformer":
         return Sumformer(PowerSumFeatures(token_dim, seq_len, d_eff), mlp(token_dim + d_eff, hidden, depth, token_dim))
     if architecture == "mlp_sumformer":
         return Sumformer(mlp(token_dim, hidden, depth, d_eff), mlp(token_dim + d_eff, hidden, depth, token_dim))
     if architecture in ("transformer", "linformer", "performer"):
         return OneLayerAttentionNet(architecture, token_dim, seq_len, d_eff, hidden, depth, features=features,
-                                    seed=seed, qk_init_std=qk_init_std)
+                                    seed=seed, qk_init_std=qk_init_std,
+                                    linformer_projections=linformer_projections)
     raise ValueError(f"unknown architecture {architecture!r}")
 
 

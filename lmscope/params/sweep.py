@@ -105,7 +105,11 @@ class TrainSettings(_Strict):
     qk_init_std: float = Field(
         0.01, ge=0.0, le=1.0,
         description="std of the attention's query/key weights at start; 0 = exactly the proof's construction "
-                    "(uniform attention; query/key weights then get zero gradient and stay 0)")
+                    "(uniform attention; for transformer and linformer the query/key weights then get zero "
+                    "gradient and stay 0, the performer's keys do not)")
+    linformer_projections: Literal["trained", "fixed"] = Field(
+        "trained", description="linformer's E, F: trained from the proof's values (as in Linformer; not "
+                               "permutation-equivariant once trained) or fixed at them (E = 1/n·1, F = 1/k·1)")
 
     @model_validator(mode="after")
     def _split_has_both_sides(self):

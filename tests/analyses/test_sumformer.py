@@ -166,3 +166,51 @@ def test_build_network_is_seeded_and_leaves_global_rng_alone():
     b = build_network("mlp_sumformer", token_dim=2, seq_len=3, latent_dim=4, hidden=8, depth=2, seed=9)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+# ---------------------------------------------------------------- permutation equivariance of a trained network
+
+def test_equivariance_error_worked_example():
+    """S(X)_i = x_1 for every i is not equivariant: with π = reversal, S(πX)_i = x_n and (πS(X))_i = x_1,
+    so the error is ‖x_n − x_1‖ / ‖x_1‖ over the batch."""
+    from lmscope.analyses.sweep import equivariance_error
+
+    class FirstToken(torch.nn.Module):
+        def forward(self, x):
+            return x[:, :1].expand_as(x)
+
+    x = sample_inputs(5, 3, 2, seed=0, dtype=torch.float64)
+    reverse = torch.tensor([2, 1, 0]).repeat(5, 1)
+    expected = float((x[:, 2] - x[:, 0]).norm() / x[:, 0].norm())
+    assert equivariance_error(FirstToken(), x, reverse) == pytest.approx(expected, rel=1e-12)
+    assert equivariance_error(FirstToken(), x, torch.arange(3).repeat(5, 1)) == 0.0  # π = identity
+
+
+def test_random_permutations_are_permutations_and_seeded():
+    from lmscope.analyses.sweep import random_permutations
+
+    p = random_permutations(2000, 5, seed=4)
+    assert torch.equal(p.sort(dim=1).values, torch.arange(5).repeat(2000, 1))
+    assert torch.equal(p, random_permutations(2000, 5, seed=4))
+    assert len({tuple(r.tolist()) for r in p}) == math.factorial(5)  # 2000 draws hit all 120 orders
+
+
+@pytest.mark.parametrize("projections", ["trained", "fixed"])
+def test_a_trained_linformer_is_equivariant_only_with_the_proofs_projections(tmp_path, projections):
+    """A Linformer's E, F weight positions: trained, they break equivariance (which the exchangeable
+    validation data cannot show); fixed at the proof's E = 1/n·1, F = 1/k·1 it stays equivariant."""
+    from lmscope.analyses.local import LocalContext
+    from lmscope.analyses.sweep import run_sumformer_fit
+    from lmscope.params.sweep import SumformerFitParams
+
+    train = {"samples": 300, "epochs": 8, "eval_every": 4, "hidden": 16, "depth": 2, "batch_size": 32,
+             "lr": 3e-3, "linformer_projections": projections}
+    params = SumformerFitParams(architecture="linformer", target="fig2_poly", token_dim=2, seq_len=3, latent_dim=4,
+                                features=4, seed=0, train=train)
+    out = run_sumformer_fit(params, LocalContext(tmp_path))
+    if projections == "fixed":
+        assert out.summary["equivariance_error"] < 1e-6  # float32 rounding
+    else:
+        assert out.summary["equivariance_error"] > 1e-4
+    equivariant = SumformerFitParams(**{**params.model_dump(), "architecture": "mlp_sumformer", "features": None})
+    assert run_sumformer_fit(equivariant, LocalContext(tmp_path / "mlp")).summary["equivariance_error"] < 1e-6
