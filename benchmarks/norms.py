@@ -9,8 +9,9 @@ Over the same WikiText-2 samples (same batches, same right padding):
               blocks) and by re-running the whole block on all positions (the generic route). Also
               reported: the job without the inner loss, and the job's measuring stages only
               (forward + inner loss + pca, no plots)
-  gram        the "gram condition" stage per (sample, layer) pair: D×D linearised layer, WᵀW, eigh,
-              all float64, batched on the device (GPT-2-style models only)
+  gram        the "gram condition" stage per (sample, layer) pair: the linearised layer applied to x
+              (matrix-vector products, float64) and its forward passes, batched on the device
+              (GPT-2-style models only)
 
     python benchmarks/norms.py                                  # tiny-gpt2 on CPU (seconds)
     python benchmarks/norms.py --model bench-gpt2 --samples 16 --max-tokens 128 --batch-size 8 --threads 1  # CPU
