@@ -207,7 +207,7 @@ class DimensionStats:
         return {
             "near_uniform_pct": (100.0 * self.near.double() / self.rows.double()).cpu().numpy(),  # [L, H]
             "near_uniform_pct_layer": (100.0 * self.near.sum(1).double() / self.rows.sum(1).double()).cpu().numpy(),
-            "near_uniform_pct_all": float(100.0 * self.near.sum() / self.rows.sum()),
+            "near_uniform_pct_all": float(100.0 * self.near.sum().double() / self.rows.sum().double()),
             "hist_counts": self.hist.cpu().numpy(),
             "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
             "own_scales": dict(sorted(self.own_scales.items())),

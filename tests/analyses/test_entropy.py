@@ -99,6 +99,9 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch):
         assert np.abs(arrays["hist_counts"][0, layer].sum(0) - counts).sum() <= 2
         (s,) = series(out, "entropy.histogram", layer=layer)
         assert np.sum(np.array(s.y) * np.diff(edges)) == pytest.approx(1.0)
+        np.testing.assert_allclose(s.x, (edges[:-1] + edges[1:]) / 2)  # bin centres
+        # density × width × rows = numpy's counts (again up to a value on a bin edge)
+        assert np.abs(np.array(s.y) * np.diff(edges) * ref[layer].size - counts).sum() <= 2 + 1e-6
     (s,) = series(out, "entropy.layer_mean")
     np.testing.assert_allclose(s.y, ref.mean((1, 2, 3)), atol=2e-5)
     (s,) = series(out, "uniform_bound")
@@ -107,6 +110,18 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch):
     mean = ref.mean((1, 3))
     lo = np.unravel_index(mean.argmin(), mean.shape)
     assert out.summary["lowest_entropy_head"]["layer"] == lo[0] and out.summary["lowest_entropy_head"]["head"] == lo[1]
+    # The headline numbers, each against the eager reference [L, W, H, N]: all rows, per layer, normalised
+    # by ln(visible keys) with position 0 left out, and the head of highest mean entropy.
+    summary = out.summary
+    assert summary["mean_entropy"] == pytest.approx(ref.mean(), abs=2e-5)
+    assert summary["mean_entropy_per_layer"] == pytest.approx(ref.mean((1, 2, 3)).tolist(), abs=2e-5)
+    assert summary["normalized_mean_entropy"] == pytest.approx(normalized.mean(), abs=2e-5)
+    hi = np.unravel_index(mean.argmax(), mean.shape)
+    assert np.sort(mean, axis=None)[-2] < mean[hi] - 1e-3  # a clear maximum: argmax cannot flip on rounding
+    assert (summary["highest_entropy_head"]["layer"], summary["highest_entropy_head"]["head"]) == hi
+    assert summary["highest_entropy_head"]["value"] == pytest.approx(mean[hi], abs=2e-5)
+    assert summary["lowest_entropy_head"]["value"] == pytest.approx(mean[lo], abs=2e-5)
+    assert summary["uniform_bound_max"] == pytest.approx(math.log(n))
     assert out.summary["layers"] == layers and out.summary["heads"] == heads
     assert out.summary["tokens"] == 5 * SEQ_LEN and out.summary["num_segments_used"] == 5
     assert out.summary["kernel_backend"] == ctx.environment["kernel_backend"] in ("triton", "reference")
@@ -248,6 +263,7 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
     visible = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
     bound = np.log(visible.sum(1))
     first = 1 if causal else 0  # a causal row 0 sees one key: trivially uniform, left out
+    per_layer = []
     for layer, (q, k) in enumerate(_qk_per_layer(loaded, windows)):
         q, k = q.double().numpy(), k.double().numpy()
         k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)  # GQA: query head h reads kv head h // group
@@ -261,12 +277,21 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
         ent = ent[..., first:]
         near = (ent >= bound[first:] - 0.05).mean((0, 2, 3)) * 100
         np.testing.assert_allclose(arrays["near_uniform_pct"][0, layer], near, atol=1e-9)
-        counts, _ = np.histogram(ent, bins=50, range=(0, math.log(n)))
+        counts, edges = np.histogram(ent, bins=50, range=(0, math.log(n)))
         assert np.abs(arrays["hist_counts"][0, layer].sum(0) - counts).sum() <= 2
         for head in range(q.shape[1]):
             (srs,) = series(out, "dimension_entropy.near_uniform_pct", layer=layer, head=head)
             assert srs.y[0] == pytest.approx(near[head])
+        # the histogram series: density on the bin centres, density × width × rows = numpy's counts
+        (srs,) = series(out, "dimension_entropy.histogram", layer=layer)
+        np.testing.assert_allclose(srs.x, (edges[:-1] + edges[1:]) / 2)
+        assert np.abs(np.array(srs.y) * np.diff(edges) * ent.size - counts).sum() <= 2 + 1e-6
+        # every head has as many rows, so the layer's share is the mean of the heads' shares
+        per_layer.append(float(near.mean()))
     assert 0 < out.summary["near_uniform_pct"] < 100  # a meaningful mix, not a degenerate case
+    assert out.summary["near_uniform_pct_per_layer"] == pytest.approx(per_layer, abs=1e-4)  # rounded to 4 places
+    assert out.summary["near_uniform_pct"] == pytest.approx(np.mean(per_layer), abs=1e-5)  # a float32 ratio
+    assert np.ptp(per_layer) > 1e-3  # the layers differ: a per-layer number that mixed them up would show
 
 
 def test_checkpoints_of_a_train_job_in_step_order(tmp_path, documents):

@@ -281,7 +281,7 @@ def test_summary_series_artifacts_plots_and_progress(gpt2_run):
 def test_pca_of_all_trajectory_points(gpt2_run, documents):
     """PCA coordinates = projections of the drawn trajectories on the top eigenvectors of the covariance
     of every trajectory point, recomputed here with numpy."""
-    lm, _, ctx = gpt2_run
+    lm, out, ctx = gpt2_run
     L = lm.model.config.num_hidden_layers
     points = []
     for _, tokens in reference_samples(lm.tokenizer, documents, 20):
@@ -296,6 +296,15 @@ def test_pca_of_all_trajectory_points(gpt2_run, documents):
     signs = np.sign((top * pca["components"]).sum(1))  # eigenvectors are defined up to sign
     expected = (points[pca["sample_ids"]] - flat.mean(0)) @ top.T * signs
     np.testing.assert_allclose(pca["coords"], expected, rtol=1e-3, atol=1e-5)
+    # The summary's pca_explained_variance: the first 3 explained-variance ratios of an SVD of the centred
+    # points (σ_i² / Σσ², the same ratios as the covariance's eigenvalues, computed another way), descending.
+    centred = flat.astype(np.float64) - flat.astype(np.float64).mean(0)
+    sigma2 = np.linalg.svd(centred, compute_uv=False) ** 2
+    ratio = sigma2 / sigma2.sum()
+    assert (np.diff(ratio[:4]) < -1e-3).all()  # distinct components: the order is meaningful
+    summary = np.array(out.summary["pca_explained_variance"])
+    assert summary.shape == (3,) and (np.diff(summary) < 0).all()
+    np.testing.assert_allclose(summary, ratio[:3], rtol=1e-4)
 
 
 # ---------------------------------------------------------------- the last block at the current tokens only

@@ -156,11 +156,47 @@ def test_children_kinds_are_not_submittable_and_need_features():
         validate_params("sumformer_fit", {"architecture": "linformer"}, internal=True)
 
 
-@pytest.mark.parametrize("name,points", [("fig2.json", 15), ("fig2_full.json", 200), ("fig1.json", 8),
-                                         ("attention_study.json", 4), ("attention_study_demo.json", 2)])
+def _grid_points_by_the_documented_rules(raw: dict) -> int:
+    """The number of children a sweep file makes, counted from its own lists (docs/analyses/sweep.md).
+
+    Attention: one child per (method, seed), but one Linformer child with `pooling` (it draws nothing at
+    random). Sumformer: targets × architectures × n × d × d′ × seeds, with `features` multiplying only
+    linformer / performer; d′ = null stands for the theory d′ C(n+d, d) − 1, a poly_sumformer's d′ above
+    it is clamped to it, and grid points that become identical (null beside that d′) are one child.
+    """
+    if raw.get("study") == "attention":
+        seeds = raw.get("seeds", 3)
+        seeds = seeds if isinstance(seeds, int) else len(seeds)
+        pooled = raw.get("linformer_projection", "pooling") == "pooling"
+        return sum(1 if method == "linformer" and pooled else seeds for method in raw["methods"])
+    grid = raw["grid"]
+    targets = raw.get("target", "fig2_poly")
+    targets = [targets] if isinstance(targets, str) else targets
+    total = 0
+    for arch in raw.get("architectures", ["mlp_sumformer"]):
+        for n in grid.get("seq_len", [3]):
+            for d in grid["token_dim"]:
+                theory = math.comb(n + d, d) - 1
+                latents = {theory if latent is None or (arch == "poly_sumformer" and latent > theory) else latent
+                           for latent in grid["latent_dim"]}
+                features = len(grid.get("features", [8])) if arch in ("linformer", "performer") else 1
+                total += len(latents) * features
+    return total * len(targets) * len(grid.get("seed", [0]))
+
+
+# Each count also by hand from the file (the docs' table says the same):
+#   fig2: mlp only, d′ 5 × d 3 × n 1 × seed 1 = 15 (no clamping: not a poly_sumformer)
+#   fig2_full: d′ 10 × d 10 × n 1 × seeds 2 = 200
+#   fig1: 4 targets × 2 architectures × d′ [null] × d 1 × n 1 × seed 1 = 8 (null is the theory d′ 125 for both)
+#   attention_study: performer × 3 seeds + linformer (pooling: one child) = 4
+#   attention_study_demo: performer × 1 seed + linformer = 2
+@pytest.mark.parametrize("name,points", [("fig2.json", 5 * 3), ("fig2_full.json", 10 * 10 * 2),
+                                         ("fig1.json", 4 * 2), ("attention_study.json", 3 + 1),
+                                         ("attention_study_demo.json", 1 + 1)])
 def test_example_files_are_valid_sweeps(name, points):
     raw = json.loads(resources.files("lmscope.examples").joinpath(name).read_text())
     params = validate_params("sweep", raw)
+    assert _grid_points_by_the_documented_rules(raw) == points  # the hand count above is the file's grid
     assert len(expand_sweep(params)) == points
 
 
@@ -285,9 +321,49 @@ def _gpt2_with_inverse_layer_scaling():
     return LoadedModel(name="scaled-gpt2", model=model, tokenizer=byte_tokenizer())
 
 
+def _block_mean_pooling(k: int, n: int) -> torch.Tensor:
+    """Linformer's `pooling` E = F [min(k, N), N], built here (docs/analyses/sweep.md): row j is the mean of
+    its block of contiguous positions; k ≥ N is the identity. When k does not divide N the block edges are
+    ⌊j·N/k⌋ (the definition in lmscope.analyses.sweep.pooling_projection's docstring), so blocks differ in
+    size by at most one: N = 10, k = 4 gives [0, 2), [2, 5), [5, 7), [7, 10). Written from the position's
+    side: position t is in block ⌈(t+1)·k/N⌉ − 1 (t+1 ≤ ⌊(j+1)N/k⌋ ⇔ (t+1)k/N ≤ j+1, and ⌊jN/k⌋ ≤ t ⇔ j < (t+1)k/N)."""
+    k = min(k, n)
+    member = torch.zeros(k, n, dtype=torch.float64)
+    for t in range(n):
+        member[-(-(t + 1) * k // n) - 1, t] = 1.0  # ceiling division, in integers
+    return (member / member.sum(1, keepdim=True)).float()
+
+
+def _draw_seed(seed: int, layer: int, k: int) -> int:
+    """The seed of the random draws for (seed, layer, k) (the docs say only that they are drawn from those
+    three). Only a seed derivation, not a computation under test: re-derived here rather than imported
+    (lmscope.analyses.sweep._projection_seed), so a change to it shows here as every random case failing."""
+    return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
+
+
+def test_block_mean_pooling_by_hand():
+    """The test's own pooling matrix, and the job's, on a case where k does not divide N (N = 10, k = 4)."""
+    from lmscope.analyses.sweep import linformer_projections
+
+    third, half = 1 / 3, 1 / 2
+    by_hand = torch.tensor([[half, half] + [0] * 8,
+                            [0, 0, third, third, third] + [0] * 5,
+                            [0] * 5 + [half, half] + [0] * 3,
+                            [0] * 7 + [third, third, third]])
+    assert torch.allclose(_block_mean_pooling(4, 10), by_hand, atol=1e-7)
+    e, f = linformer_projections("pooling", 4, 10, seed=3)
+    assert e is f or torch.equal(e, f)
+    assert torch.allclose(e, by_hand, atol=1e-7)
+    # N = 32, k = 6 (the study test below): blocks of 5 or 6, every position in exactly one, rows sum to 1
+    pool = _block_mean_pooling(6, 32)
+    assert ((pool > 0).sum(0) == 1).all() and sorted((pool > 0).sum(1).tolist()) == [5, 5, 5, 5, 6, 6]
+    assert torch.allclose(linformer_projections("pooling", 6, 32, seed=0)[0], pool, atol=1e-7)
+    assert torch.equal(_block_mean_pooling(16, 10), torch.eye(10))  # k ≥ N: min(k, N) rows, the identity
+    assert torch.equal(linformer_projections("pooling", 16, 10, seed=0)[0], torch.eye(10))
+
+
 def _independent_approximation(method, projection, q, k, v, feats, seed, scale):
     """The approximation recomputed from the kernels' public functions (float32, as the job runs)."""
-    from lmscope.analyses.sweep import pooling_projection
     from lmscope.kernels import draw_favor_projection, draw_linformer_projections, favor_attention, linformer_attention
 
     qf, kf, vf = q.float(), k.float(), v.float()
@@ -296,7 +372,7 @@ def _independent_approximation(method, projection, q, k, v, feats, seed, scale):
         return favor_attention(qf, kf, vf, projection=draw_favor_projection(feats, q.shape[-1], seed), causal=True,
                                scale=scale)
     if projection == "pooling":
-        e = f = pooling_projection(feats, n)
+        e = f = _block_mean_pooling(feats, n)
     elif projection == "shared":  # one R [k, N], N(0, 1/k), for keys and values
         g = torch.Generator().manual_seed(seed)
         e = f = (torch.randn(feats, n, generator=g, dtype=torch.float64) / math.sqrt(feats)).float()
@@ -311,8 +387,8 @@ def _independent_approximation(method, projection, q, k, v, feats, seed, scale):
     ("linformer", "pooling", False), ("performer", "gaussian", True), ("linformer", "shared", True)])
 def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled, device):
     """`scaled`: a GPT-2 with scale_attn_by_inverse_layer_idx, whose own attention is softmax(q kᵀ/(√D·(l+1))).
-    On a GPU the study runs the Triton paths; the independent computation stays on the CPU."""
-    from lmscope.analyses.sweep import _projection_seed
+    On a GPU the study runs the Triton paths; the independent computation stays on the CPU.
+    k = 6 does not divide N = 32: pooling blocks of 5 and 6 positions."""
     from lmscope.catalog import read_documents
     from lmscope.modeling.windows import token_windows
 
@@ -324,7 +400,7 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     ctx = LocalContext(tmp_path, datasets={"w": docs}, device=device,
                        models={"scaled-gpt2": scaled_model} if scaled else None)
     params = validate_params("attention_approx", {
-        "model": name, "dataset": "w", "method": method, "features": [4, 256], "layers": [0, 2],
+        "model": name, "dataset": "w", "method": method, "features": [6, 256], "layers": [0, 2],
         "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1, "linformer_projection": projection,
     }, internal=True)
     out = run_attention_approx(params, ctx)
@@ -336,24 +412,35 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     with torch.no_grad():
         qkv = _gpt2_qkv_by_hand(lm.model, ids.to(lm.model.device))
     head_dim = qkv[0][0].shape[-1]
+    expected = {}
     for layer in (0, 2):
         q, k, v = qkv[layer]
         scale = 1 / (math.sqrt(head_dim) * ((layer + 1) if scaled else 1))
         exact = _softmax_attention_f64(q, k, v, causal=(method == "performer"), scale=scale)
-        for feats in (4, 256):
-            approx = _independent_approximation(method, projection, q, k, v, feats, _projection_seed(1, layer, feats),
+        for feats in (6, 256):
+            approx = _independent_approximation(method, projection, q, k, v, feats, _draw_seed(1, layer, feats),
                                                 scale)
             per_segment = [float((approx[i].double() - exact[i]).norm() / exact[i].norm()) for i in range(2)]
-            assert got[layer, feats] == pytest.approx(sum(per_segment) / 2, rel=1e-3, abs=1e-6)
+            expected[layer, feats] = sum(per_segment) / 2
+            assert got[layer, feats] == pytest.approx(expected[layer, feats], rel=1e-3, abs=1e-6)
+    # the headline: the error at the largest k, averaged over the layers (the independent numbers above)
+    assert out.summary["features"] == [6, 256]
+    assert out.summary["rel_error_at_max_features"] == pytest.approx(
+        (expected[0, 256] + expected[2, 256]) / 2, rel=1e-3, abs=1e-6)
+    if projection != "pooling":  # the layers differ by more than the tolerance: using one layer would show
+        # (pooling at k ≥ N is exact in every layer: ~0 whatever is averaged)
+        assert abs(expected[0, 256] - expected[2, 256]) > 4e-3 * max(expected[0, 256], expected[2, 256])
     assert out.summary["softmax_scale"] == pytest.approx(
         [1 / (math.sqrt(head_dim) * ((layer + 1) if scaled else 1)) for layer in (0, 2)])
     if method == "performer":  # more random features, better estimate
-        assert all(got[layer, 256] < got[layer, 4] for layer in (0, 2))
+        assert all(got[layer, 256] < got[layer, 6] for layer in (0, 2))
     if projection == "pooling":  # k ≥ N: the block means are the keys themselves, exact attention
         assert all(got[layer, 256] < 1e-5 for layer in (0, 2))
     assert out.summary["reference"] == ("causal softmax" if method == "performer" else "bidirectional softmax")
     ratio = next(s for s in out.series if s.name == "time_ratio")
-    assert list(ratio.x) == [4, 256] and all(r > 0 for r in ratio.y)
+    assert list(ratio.x) == [6, 256] and all(r > 0 for r in ratio.y)
+    # a measured time has no independent value: the headline is the series' point at the largest k
+    assert out.summary["time_ratio_at_max_features"] == ratio.y[list(ratio.x).index(max(ratio.x))]
     assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
 
 
@@ -527,6 +614,36 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     perf0 = next(s for s in out.series if s.name == "rel_error" and s.labels["method"] == "performer"
                  and s.labels["layer"] == 0)
     assert perf0.labels["seed_count"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
+
+
+def test_attention_aggregation_headline_is_the_largest_k(tmp_path):
+    """The parent's rel_error_at_max_features per method: the mean over layers of the seed-mean error at
+    the largest k (the last point of each layer's rel_error curve); time_ratio_at_max_features: the
+    seed-mean ratio at the largest k. Layers and seeds differ, so a wrong axis shows."""
+    errors = {  # (method, seed) → {layer: [error at k = 16, 64]}, time ratio at k = 16, 64
+        ("performer", 0): ({0: [0.4, 0.1], 1: [0.8, 0.3]}, [0.5, 1.0]),
+        ("performer", 1): ({0: [0.6, 0.2], 1: [1.0, 0.5]}, [1.5, 2.0]),
+        ("linformer", 0): ({0: [0.3, 0.0], 1: [0.2, 0.05]}, [0.2, 0.4]),
+    }
+    children = []
+    for i, ((method, seed), (by_layer, ratios)) in enumerate(errors.items(), start=1):
+        series = [Series("rel_error", [16, 64], ys, {"method": method, "layer": layer, "seed": seed})
+                  for layer, ys in by_layer.items()]
+        series.append(Series("time_ratio", [16, 64], ratios, {"method": method, "seed": seed}))
+        children.append(ChildResult(i, "attention_approx", {"method": method, "seed": seed}, "succeeded",
+                                    {"reference": "causal softmax"}, series))
+    params = SweepParams(study="attention", model="m", dataset="d", features=[16, 64], seeds=2)
+    out = aggregate(params, children, LocalContext(tmp_path))
+    # by hand: performer layer 0 (0.1 + 0.2)/2 = 0.15, layer 1 (0.3 + 0.5)/2 = 0.4 → 0.275; linformer (0 + 0.05)/2
+    assert out.summary["rel_error_at_max_features"] == pytest.approx({"performer": 0.275, "linformer": 0.025})
+    assert out.summary["time_ratio_at_max_features"] == pytest.approx({"performer": 1.5, "linformer": 0.4})
+    # and they are the last points of the parent's own curves
+    for method in ("performer", "linformer"):
+        curves = [s for s in out.series if s.name == "rel_error" and s.labels["method"] == method]
+        assert len(curves) == 2 and all(list(s.x) == [16, 64] for s in curves)
+        assert out.summary["rel_error_at_max_features"][method] == pytest.approx(sum(s.y[-1] for s in curves) / 2)
+        (ratio,) = [s for s in out.series if s.name == "time_ratio" and s.labels["method"] == method]
+        assert out.summary["time_ratio_at_max_features"][method] == pytest.approx(ratio.y[-1])
 
 
 def test_aggregation_fails_clearly_when_no_child_succeeded(tmp_path):

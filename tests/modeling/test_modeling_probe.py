@@ -70,9 +70,43 @@ def test_parameter_counts_and_prompt_loss(name, tmp_path):
     assert [done for done, _, _ in ctx.progress_log] == [1, 2, 3]
 
 
+class RecordingContext(LocalContext):
+    """A LocalContext that keeps the model the job loaded and the dtype of every forward pass's logits."""
+
+    def load_model(self, name, *, dtype="float32"):
+        self.loaded = super().load_model(name, dtype=dtype)
+        self.logits_dtypes = []
+        self.loaded.model.register_forward_hook(lambda module, args, out: self.logits_dtypes.append(out.logits.dtype))
+        return self.loaded
+
+
+def _loss_by_hand(model, ids) -> float:
+    """Mean next-token cross-entropy of the model's own logits, in float64."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    return -logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].mean().item()
+
+
 def test_probe_in_bfloat16(tmp_path):
-    out = run(ProbeParams(model="tiny-llama", dtype="bfloat16"), LocalContext(tmp_path))
-    assert out.summary["dtype"] == "bfloat16" and math.isfinite(out.summary["prompt_loss"])
+    ctx = RecordingContext(tmp_path / "bf16")
+    out = run(ProbeParams(model="tiny-llama", dtype="bfloat16", prompt=PROMPT), ctx)
+    s = out.summary
+    assert s["dtype"] == "bfloat16" and math.isfinite(s["prompt_loss"])
+    # It really ran in bfloat16: every parameter the job loaded, and the logits of its one forward pass.
+    assert {p.dtype for p in ctx.loaded.model.parameters()} == {torch.bfloat16}
+    assert ctx.logits_dtypes == [torch.bfloat16]
+
+    ids = ctx.loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    assert s["prompt_tokens"] == ids.shape[1] == len(PROMPT.encode()) + 1
+    # the loss of those bf16 logits (the job takes the cross-entropy in float32, here float64)
+    assert s["prompt_loss"] == pytest.approx(_loss_by_hand(ctx.loaded.model, ids), abs=1e-4)
+    # and within bf16 rounding of the float32 model's loss, recomputed here: bf16 keeps 8 significant bits
+    # (relative rounding 2⁻⁹ ≈ 0.002 per weight and activation); on this 4-layer random-init model the
+    # loss of ~ln 259 ≈ 5.5 nats moves by ~5e-4 (measured), and 0.05 nats leaves room for other torch
+    # builds while catching a model that is not the same one (e.g. weights changed after loading)
+    f32 = LocalContext(tmp_path / "f32").load_model("tiny-llama")
+    assert next(f32.model.parameters()).dtype == torch.float32
+    assert s["prompt_loss"] == pytest.approx(_loss_by_hand(f32.model, ids), abs=0.05)
 
 
 def _built(config_class, **fields):
