@@ -8,6 +8,7 @@ CI (CI=true), where a missing server is an error.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -73,13 +74,21 @@ def _pg_bin(name: str) -> str | None:
 class PostgresCluster:
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="lmscope-pg-"))
-        self.port = free_port()
         self.as_root = os.geteuid() == 0
-        if self.as_root:
-            shutil.chown(self.dir, "postgres", "postgres")
-        self._run([_pg_bin("initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "trust", "--no-sync"])
-        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "start",
-                   "-o", f"-p {self.port} -k {self.dir} -h 127.0.0.1 -F -c max_connections=200"])
+        try:
+            self.port = free_port()
+            if self.as_root:
+                shutil.chown(self.dir, "postgres", "postgres")
+            self._run([_pg_bin("initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "trust", "--no-sync"])
+            self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "start",
+                       "-o", f"-p {self.port} -k {self.dir} -h 127.0.0.1 -F -c max_connections=200"])
+        except BaseException:
+            # pg_ctl -w gives up waiting on a slow start and leaves the server running: stop it, if any, and
+            # remove the folder; the original error is the one raised.
+            with contextlib.suppress(Exception):
+                self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop"])
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, argv):
@@ -122,14 +131,18 @@ def postgres_url(postgres_server_url):
 
     name = f"t{os.getpid()}_{next(_db_counter)}"
     admin = create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f"CREATE DATABASE {name}"))
-    url = make_url(postgres_server_url).set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    yield url
-    with admin.connect() as c:
-        c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-    admin.dispose()
+    try:
+        with admin.connect() as c:
+            c.execute(text(f"CREATE DATABASE {name}"))
+        try:
+            url = make_url(postgres_server_url).set(database=name).render_as_string(hide_password=False)
+            upgrade(url)  # a failed migration must not leave the database behind
+            yield url
+        finally:
+            with admin.connect() as c:
+                c.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    finally:
+        admin.dispose()
 
 
 @pytest.fixture
@@ -178,7 +191,12 @@ class RedisServer:
              "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
              "--save", ""],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
+        try:
+            wait_for_port(self.port)
+        except BaseException:  # it never listened: do not leave it running
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+            raise
 
     def stop(self, sig=signal.SIGTERM):
         if self.proc and self.proc.poll() is None:

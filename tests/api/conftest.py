@@ -132,8 +132,11 @@ class LiveServer:
         self.thread.start()
 
     def stop(self):
-        self.server.shutdown()
-        self.thread.join(5)
+        try:
+            self.server.shutdown()
+            self.thread.join(5)
+        finally:
+            self.server.server_close()  # the listening socket
 
 
 @pytest.fixture

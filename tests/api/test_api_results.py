@@ -73,34 +73,60 @@ def test_artifact_paths_cannot_escape_the_job_folder(api):
         assert r.status_code == 404 and b"do not serve" not in r.data
 
 
+def parse_events(text: str) -> list[tuple[str, dict]]:
+    """(event, data) of each complete event in an SSE text (comments and `retry:` left out)."""
+    return [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+            for e in text.split("\n\n")[:-1] if e.startswith("event:")]
+
+
 def test_events_stream_until_terminal(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]
     api.app.config["LMSCOPE_SSE_POLL_SECONDS"] = 0.05
+    # The stream reports what it sees at each poll, so the "worker" changes the row only once the stream
+    # has sent the previous state (however slow the machine): each intermediate state must be streamed.
+    seen = {key: threading.Event() for key in ("queued", "running", (1, 2), (2, 2))}
+    waited_in_vain = []
+
+    def after(key):
+        if not seen[key].wait(10):
+            waited_in_vain.append(key)  # go on: the stream then ends without it and the asserts say so
 
     def worker():  # what a worker does to the row, a little later
-        time.sleep(0.3)
+        after("queued")
         api.set_job(job_id, status="running", attempts=1, started_at=utcnow())
+        after("running")
         for done in (1, 2):
-            time.sleep(0.2)
             api.set_job(job_id, progress_done=done, progress_total=2, progress_stage="forward")
-        time.sleep(0.2)
+            after((done, 2))
         api.set_job(job_id, status="succeeded", finished_at=utcnow(), summary={"layers": 4})
 
     thread = threading.Thread(target=worker)
     thread.start()
     started = time.monotonic()
     r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=20", headers=h)
-    assert r.status_code == 200 and r.mimetype == "text/event-stream"
-    text = r.get_data(as_text=True)  # the stream is read (and polls SQL) while the "worker" runs
-    thread.join()
+    try:
+        assert r.status_code == 200 and r.mimetype == "text/event-stream"
+        text = ""
+        for chunk in r.response:  # read as it is streamed (it polls SQL) while the "worker" runs
+            text += chunk.decode() if isinstance(chunk, bytes) else chunk
+            for kind, data in parse_events(text):
+                if kind == "status" and data["status"] in seen:
+                    seen[data["status"]].set()
+                elif kind == "progress" and (data["done"], data["total"]) in seen:
+                    seen[data["done"], data["total"]].set()
+    finally:
+        r.close()
+        for event in seen.values():  # a failed assert above must not leave the thread waiting
+            event.set()
+        thread.join()
     assert time.monotonic() - started < 15  # it ended at the terminal state, not at the timeout
-    events = [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
-              for e in text.split("\n\n") if e.startswith("event:")]
+    events = parse_events(text)
     kinds = [k for k, _ in events]
     assert [d["status"] for k, d in events if k == "status"] == ["queued", "running", "succeeded"]
     assert [(d["done"], d["total"]) for k, d in events if k == "progress"] == [(1, 2), (2, 2)]
     assert kinds[-1] == "end" and events[-1][1]["status"] == "succeeded" and events[-1][1]["summary"] == {"layers": 4}
+    assert waited_in_vain == []
 
 
 def test_events_stream_is_bounded(api):

@@ -21,10 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.engine import make_url
 
-from lmscope.db.models import Artifact, Series, utcnow
+from lmscope.db.models import Artifact, Job, Series, utcnow
 from lmscope.queue import CeleryPublisher, publish_jobs
 from tests.worker.helpers import wait_until
 
@@ -185,13 +185,29 @@ def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, s
     assert hashlib.sha256(png.data).hexdigest() == items["plots/square.png"]["sha256"]
 
 
+# A first attempt this slow (300 steps of 0.25 s: 75 s) is still running when the test, however starved, kills it.
+SLOW_FIRST_ATTEMPT = {"steps": 300, "sleep": 0.25, "plot": False}
+
+
+def kill_mid_job(sessions, job_row, job_id: int) -> int:
+    """SIGKILL the worker child that runs `job_id` (a SLOW_FIRST_ATTEMPT job) once it has counted a few
+    steps; its retry then runs at 10 ms a step: a claim reads the params afresh, the running attempt keeps
+    those it read. Returns the killed pid."""
+    wait_until(lambda: (job_row(job_id).progress_done or 0) >= 4, timeout=60, what="the first attempt's progress")
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(params={**SLOW_FIRST_ATTEMPT, "sleep": 0.01}))
+    job = job_row(job_id)
+    assert (job.status, job.attempts) == ("running", 1) and job.progress_done < 300  # mid-job
+    killed = int(job.worker.rsplit(":", 1)[1])
+    os.kill(killed, signal.SIGKILL)
+    return killed
+
+
 def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, make_job, job_row):
     worker = delivery.start()
-    job_id = make_job(params={"steps": 300, "sleep": 0.01, "plot": False})
+    job_id = make_job(params=SLOW_FIRST_ATTEMPT)
     publish_jobs(delivery.publisher, sessions, [job_id])
-    wait_until(lambda: (job_row(job_id).progress_done or 0) >= 20, timeout=60, what="the first attempt's progress")
-    killed = int(job_row(job_id).worker.rsplit(":", 1)[1])
-    os.kill(killed, signal.SIGKILL)
+    killed = kill_mid_job(sessions, job_row, job_id)
 
     job = wait_for_status(job_row, job_id, timeout=180, worker_log=worker.log_path)
     assert job.attempts == 2 and job.summary["attempt"] == 2 and job.environment["attempt"] == 2
@@ -207,12 +223,10 @@ def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessio
     worker = delivery.start()
     parent = make_job(kind="fake_sweep", params={"steps": [300, 4]}, status="running", waiting_children=True,
                       started_at=utcnow())
-    slow = make_job(params={"steps": 300, "sleep": 0.01, "plot": False}, parent_id=parent)
+    slow = make_job(params=SLOW_FIRST_ATTEMPT, parent_id=parent)
     quick = make_job(params={"steps": 4, "plot": False}, parent_id=parent)
     publish_jobs(delivery.publisher, sessions, [slow, quick])
-    wait_until(lambda: (job_row(slow).progress_done or 0) >= 20, timeout=60, what="the slow child's progress")
-    killed = int(job_row(slow).worker.rsplit(":", 1)[1])
-    os.kill(killed, signal.SIGKILL)
+    kill_mid_job(sessions, job_row, slow)
 
     job = wait_for_status(job_row, parent, timeout=180, worker_log=worker.log_path)
     assert job_row(slow).attempts == 2 and job_row(quick).attempts == 1
