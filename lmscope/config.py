@@ -115,6 +115,10 @@ class Settings:
         """No broker configured: the API and a worker thread share one process."""
         return not self.broker_url
 
+    def job_dir(self, job_id: int) -> Path:
+        """Where a job's artifacts live (the API serves them, the worker writes them)."""
+        return Path(self.artifact_dir) / "jobs" / str(job_id)
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
         # An empty variable is an unset one (LMSCOPE_DATA_DIR= would otherwise mean the working directory)

@@ -19,6 +19,7 @@ from pathlib import Path
 from lmscope import examples
 from lmscope.cli import ProgressLine
 from lmscope.client import Client, LmscopeError
+from lmscope.config import Settings
 
 
 def _free_port() -> int:
@@ -104,8 +105,9 @@ def main() -> None:
                             f"demo: Performer/Linformer vs softmax attention on {final_model}"))
 
         print("\nResults (also at http://127.0.0.1:%d/v1/jobs):" % port)
+        served = Settings.from_env(env)  # the server's settings: where it wrote the files
         for job in jobs:
-            folder = data_dir / "artifacts" / "jobs" / str(job["id"])
+            folder = served.job_dir(job["id"])
             plots = sorted(a["name"] for a in client.artifacts(job["id"]) if a["name"].endswith(".png"))
             print(f"  job {job['id']:>3} {job['kind']:<8} {folder}")
             for p in plots:

@@ -20,10 +20,6 @@ from lmscope.db.models import Artifact, Series
 bp = Blueprint("results", __name__, url_prefix="/v1")
 
 
-def job_dir(job_id: int) -> Path:
-    return state().settings.artifact_dir / "jobs" / str(job_id)
-
-
 def series_filter(wanted: list[str]):
     """SQL for "the name is one of `wanted`" (a name ending in `*` matches a prefix)."""
     exact = [w for w in wanted if not w.endswith("*")]
@@ -132,7 +128,7 @@ def download_artifact(job_id: int, name: str):
     if artifact is None:
         raise Problem(404, "not-found", "Artifact not found",
                       f"job {job_id} has no artifact {name!r}; list them with GET /v1/jobs/{job_id}/artifacts")
-    path = safe_join(str(job_dir(job_id)), name)
+    path = safe_join(str(state().settings.job_dir(job_id)), name)
     if path is None or not Path(path).is_file():
         raise Problem(404, "not-found", "Artifact file missing",
                       f"artifact {name!r} of job {job_id} is recorded but its file is not in the artifact store")

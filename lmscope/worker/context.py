@@ -197,7 +197,7 @@ class WorkerContext:
 
     @property
     def artifact_root(self) -> Path:
-        """The artifact store (``<root>/jobs/<job id>`` is this job's folder)."""
+        """The artifact store (this job's folder is ``Settings.job_dir``: ``<root>/jobs/<job id>``)."""
         return self.artifact_dir.parent.parent
 
     def register_model(self, name: str, path: Path, *, step: int | None = None) -> None:

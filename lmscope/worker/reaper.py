@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.queue import Publisher, send_each
-from lmscope.worker.runner import (after_terminal, files_kept, give_back_values, job_dir, lost_message,
+from lmscope.worker.runner import (after_terminal, files_kept, give_back_values, lost_message,
                                    ran_into_time_limit, store_artifacts, time_limit_values)
 
 log = logging.getLogger("lmscope.reaper")
@@ -92,7 +92,7 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
             values = dict(status="failed", finished_at=now, error_type="worker-lost",
                           error_message=lost_message(r.attempts, r.heartbeat_at, r.worker))
             key = "failed"
-        files = files_kept(r.id, job_dir(settings, r.id)) if key == "failed" else []
+        files = files_kept(r.id, settings.job_dir(r.id)) if key == "failed" else []
         with session_factory() as session, session.begin():
             changed = session.execute(update(Job).where(still).values(**values)).rowcount == 1
             if changed and key == "failed":
@@ -161,7 +161,7 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
         else:
             values, key = dict(status="failed", finished_at=utcnow(), error_type="worker-lost",
                                error_message=lost_message(r.attempts, r.heartbeat_at, r.worker)), "failed"
-        files = files_kept(r.id, job_dir(settings, r.id)) if key == "failed" else []
+        files = files_kept(r.id, settings.job_dir(r.id)) if key == "failed" else []
         with session_factory() as session, session.begin():
             if session.execute(update(Job).where((Job.id == r.id) & (Job.attempts == r.attempts) & running)
                                .values(**values)).rowcount == 1:

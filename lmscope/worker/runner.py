@@ -71,10 +71,6 @@ def give_back_values(kind: str, **overrides) -> dict[str, Any]:
     return {**dict(worker=None, **back), **overrides}
 
 
-def job_dir(settings: Settings, job_id: int) -> Path:
-    return Path(settings.artifact_dir) / "jobs" / str(job_id)
-
-
 def lost_message(attempts: int, heartbeat_at, worker: str | None) -> str:
     when = heartbeat_at.isoformat(timespec="seconds") if heartbeat_at else "never"
     return (f"worker lost {attempts} time{'s' if attempts != 1 else ''}; last seen at {when}"
@@ -180,7 +176,7 @@ def claim(session_factory: sessionmaker[Session], job_id: int, worker: str, *,
         ending = dict(status="failed", finished_at=now, error_type="worker-lost", error_message=message)
     if ending is not None:
         # Listed before the transaction (hashing checkpoints takes a while; SQLite would be locked meanwhile).
-        files = files_kept(job_id, job_dir(settings, job_id)) if settings is not None else None
+        files = files_kept(job_id, settings.job_dir(job_id)) if settings is not None else None
         with session_factory() as session, session.begin():
             if session.execute(update(Job).where(same).values(**ending)).rowcount != 1:
                 return None
@@ -373,7 +369,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     final = dict(final_values or {})
     final_summary = final.pop("summary", None)
 
-    folder = job_dir(settings, attempt.job_id)
+    folder = settings.job_dir(attempt.job_id)
     prepare_artifact_dir(folder)
     heartbeat = Heartbeat(session_factory, attempt, settings.heartbeat_seconds)
     device = worker_device()

@@ -40,7 +40,7 @@ def test_out_of_attempts_fails_with_a_reason(settings, sessions, make_job, job_r
     parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
     job_id = make_job(status="running", attempts=3, max_attempts=3, worker="gpu-7:4242", heartbeat_at=seen,
                       started_at=seen, parent_id=parent)
-    step = runner.job_dir(settings, job_id) / "checkpoints" / "step-50"  # what the lost attempts wrote
+    step = settings.job_dir(job_id) / "checkpoints" / "step-50"  # what the lost attempts wrote
     step.mkdir(parents=True)
     (step / "config.json").write_text("{}")
     report = reaper.reap(settings, sessions, publisher, now=now)
@@ -151,8 +151,8 @@ def test_recover_interrupted_after_a_restart(settings, sessions, make_job, job_r
     spent = make_job(status="running", attempts=3, max_attempts=3, worker="old:1", heartbeat_at=now, started_at=now)
     queued = make_job()
     for job_id in (again, spent):
-        runner.job_dir(settings, job_id).mkdir(parents=True)
-        (runner.job_dir(settings, job_id) / "loss.png").write_bytes(b"png")
+        settings.job_dir(job_id).mkdir(parents=True)
+        (settings.job_dir(job_id) / "loss.png").write_bytes(b"png")
     report = reaper.recover_interrupted(settings, sessions)
     assert report == {"requeued": [again], "failed": [spent]}
     assert (job_row(again).status, job_row(again).attempts) == ("queued", 1)
@@ -172,8 +172,8 @@ def test_a_job_that_ran_into_the_hard_time_limit_fails_and_is_not_retried(settin
     parent = make_job(kind="fake_sweep", params={}, status="running", waiting_children=True)
     killed = make_job(status="running", attempts=1, worker="gpu-1:7", parent_id=parent,
                       started_at=now - timedelta(seconds=25), heartbeat_at=now - timedelta(seconds=5.1))
-    (runner.job_dir(settings, killed) / "checkpoints").mkdir(parents=True)
-    (runner.job_dir(settings, killed) / "checkpoints" / "step-10.txt").write_text("x")
+    (settings.job_dir(killed) / "checkpoints").mkdir(parents=True)
+    (settings.job_dir(killed) / "checkpoints" / "step-10.txt").write_text("x")
     short = make_job(status="running", attempts=1, worker="gpu-2:7",  # lost after 10 s: a lost worker
                      started_at=now - timedelta(seconds=15), heartbeat_at=now - timedelta(seconds=5))
     # An aggregation's started_at is its sweep's: it is never taken for a job killed by the limit.

@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import event, select, update
@@ -20,6 +21,7 @@ from lmscope.db.models import Artifact, Dataset, Job, Model, Series, utcnow
 from lmscope.worker import runner
 from lmscope.worker.attempt import Attempt
 from lmscope.worker.context import WorkerContext
+from tests.worker import fake_kinds
 from tests.worker.helpers import start_execute, wait_until
 
 
@@ -107,25 +109,43 @@ def test_duplicate_delivery_is_dropped(settings, sessions, make_job, job_row, pu
     assert runner.execute(10_000, settings, sessions, publisher) is None  # no such job: dropped
 
 
-def test_progress_is_throttled_and_the_last_report_written(settings, sessions, engine, make_job, job_row, publisher):
-    writes = []
+def test_progress_is_throttled_and_the_last_report_written(settings, sessions, engine, make_job, job_row, publisher,
+                                                          monkeypatch):
+    """The throttle is checked by what it decides, on a clock that advances only by the job's steps (each
+    step "sleeps" 3 ms of it): a loaded machine (lock waits, CPU stalls) cannot shrink or stretch the gaps."""
+    from lmscope.worker import context as worker_context
+
+    step, steps_slept, start = 0.003, [0], time.monotonic()  # the attempt's deadline is set on the real clock
+
+    def sleep(seconds):
+        steps_slept[0] += 1
+
+    def monotonic():
+        return start + steps_slept[0] * step
+
+    # the clock the context's throttle reads, and the job's per-step sleep that advances it
+    monkeypatch.setattr(worker_context, "time", SimpleNamespace(monotonic=monotonic, perf_counter=time.perf_counter))
+    monkeypatch.setattr(fake_kinds, "time", SimpleNamespace(sleep=sleep))
+    writes = []  # the step whose progress each write reports
 
     @event.listens_for(engine, "before_cursor_execute")
     def count(conn, cursor, statement, parameters, context, executemany):
         if statement.startswith("UPDATE jobs SET progress_done"):
-            writes.append(time.monotonic())
+            writes.append(steps_slept[0])
 
-    job_id = make_job(params={"steps": 400, "sleep": 0.003, "plot": False})
-    started = time.monotonic()
-    assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
-    elapsed = time.monotonic() - started
-    event.remove(engine, "before_cursor_execute", count)
+    job_id = make_job(params={"steps": 400, "sleep": step, "plot": False})
+    try:
+        assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
 
-    assert 2 <= len(writes) <= 4 * elapsed + 2, (len(writes), elapsed)
-    gaps = [b - a for a, b in zip(writes, writes[1:-1])]  # the final write may follow at once
-    # The throttle spaces its decisions 0.25 s apart; measured here, at the cursor, each write also waits for
-    # its transaction to begin, which jitters the gaps under load. Unthrottled writes would be ~3 ms apart.
-    assert all(g >= 0.2 for g in gaps), gaps
+    interval = 1 / worker_context.PROGRESS_WRITES_PER_SECOND
+    assert interval == 0.25
+    # The first report is written, then one each time 0.25 s have passed (every 84 steps: 83 × 3 ms is
+    # 0.249 s), and the last one (400 of 400) whatever the time. Unthrottled, each of the 400 steps writes.
+    assert writes == [1, 85, 169, 253, 337, 400], writes
+    gaps = [(b - a) * step for a, b in zip(writes, writes[1:-1])]  # the final write may follow at once
+    assert all(g >= interval for g in gaps), gaps
     job = job_row(job_id)
     assert (job.progress_done, job.progress_total, job.progress_stage) == (400, 400, "counting")
 
@@ -201,7 +221,7 @@ def _a_killed_attempt(settings, make_job, *, started_ago: float, **fields) -> in
     now = utcnow()
     job_id = make_job(status="running", worker=_a_dead_worker_here(), started_at=now - timedelta(seconds=started_ago),
                       heartbeat_at=now - timedelta(seconds=0.1), **fields)
-    folder = runner.job_dir(settings, job_id)
+    folder = settings.job_dir(job_id)
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "step-5.txt").write_text("kept between attempts\n")
     (folder / "attempt-1.txt").write_text("attempt 1\n")
