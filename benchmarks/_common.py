@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: a model from a spec, a device sync before reading the clock, OOM detection.
+"""What the benchmark scripts share: a model from a spec or a random-init config, a device sync before
+reading the clock, OOM detection.
 
 Imported by the scripts as ``from _common import …`` (``python benchmarks/<name>.py`` puts this folder on
 ``sys.path``); each script keeps its own ``bench-*`` model shapes.
@@ -19,6 +20,20 @@ def load_spec(spec: str, dtype: str, device: str):
     if spec in BUILTIN_MODELS:
         return load_model(spec, "builtin", None, dtype=dtype, device=device)
     return load_model(Path(spec).name, "directory", spec, dtype=dtype, device=device)
+
+
+def random_init(name: str, config, dtype: str, device: str):
+    """A ``bench-*`` model: ``config`` with seeded random weights (timings do not depend on them), sdpa
+    attention, the byte tokenizer (byte ids fit every vocabulary here)."""
+    from transformers import AutoModelForCausalLM
+
+    from lmscope.modeling.loading import DTYPES, LoadedModel, cast_model, model_info
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = cast_model(model, device=device, dtype=DTYPES[dtype]).eval()
+    return LoadedModel(name, model, byte_tokenizer(), model_info(model))
 
 
 def sync(device) -> None:

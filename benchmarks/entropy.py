@@ -39,12 +39,10 @@ from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
 from lmscope.kernels import kernel_backend
-from lmscope.modeling.loading import DTYPES, cast_model
-from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
 
-from _common import is_oom, load_spec, sync  # noqa: E402  (this folder, first on sys.path)
+from _common import is_oom, load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -52,15 +50,12 @@ WIKITEXT = Settings.from_env().wikitext2_path
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
     """`bench-llama` (4 layers, 8 heads of 64 dims, RoPE so any length fits), a built-in, or an HF dir."""
     if spec == "bench-llama":
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers import LlamaConfig
 
         config = LlamaConfig(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, hidden_size=512,
                              intermediate_size=1376, max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
                              bos_token_id=256, eos_token_id=257, pad_token_id=258)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        model = cast_model(model, device=device, dtype=DTYPES[dtype]).eval()
-        return LoadedModel("bench-llama", model, byte_tokenizer())
+        return random_init(spec, config, dtype, device)
     return load_spec(spec, dtype, device)
 
 

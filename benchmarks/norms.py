@@ -38,11 +38,10 @@ from lmscope.analyses.base import LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import read_documents
 from lmscope.config import Settings
-from lmscope.modeling.loading import DTYPES, cast_model, model_info
-from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.loading import DTYPES
 from lmscope.params.norms import NormsParams
 
-from _common import load_spec, sync  # noqa: E402  (this folder, first on sys.path)
+from _common import load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -52,15 +51,12 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
     size as a LLaMA: 12 layers, 12 query / 4 key-value heads, 768 wide, 32000-token head), a built-in,
     or an HF dir. Random weights: the timings do not depend on them."""
     if spec in ("bench-gpt2", "bench-llama"):
-        from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+        from transformers import GPT2Config, LlamaConfig
 
         config = GPT2Config() if spec == "bench-gpt2" else LlamaConfig(
             num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, hidden_size=768,
             intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")  # byte ids < 259 fit
-        model = cast_model(model, device=device, dtype=DTYPES[dtype]).eval()
-        return LoadedModel(spec, model, byte_tokenizer(), model_info(model))
+        return random_init(spec, config, dtype, device)
     return load_spec(spec, dtype, device)
 
 

@@ -139,7 +139,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
         "tied_embeddings": bool(tied),
         "num_parameters": sum(totals.values()),
         "parameters": {g: n for g, n in totals.items() if g != "other" or n},
-        "dtype": params.dtype,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),  # as loaded, not as asked
         "device": str(device),
         "prompt_tokens": int(ids.shape[1]),
         "prompt_loss": loss,

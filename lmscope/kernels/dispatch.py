@@ -17,6 +17,7 @@ import torch
 
 BACKENDS = ("triton", "reference")
 ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels take (fp32 accumulators)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +112,7 @@ def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor) -> s
     loss of gradients; so are dtypes the Triton path does not take.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    exotic = tensors[0].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    exotic = tensors[0].dtype not in TRITON_DTYPES
     if backend is None and (needs_grad or exotic):
         return "reference"
     if backend == "triton" and needs_grad:

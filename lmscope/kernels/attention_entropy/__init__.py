@@ -7,10 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import check_heads, resolve_backend
+from ..dispatch import TRITON_DTYPES, check_heads, resolve_backend
 from .naive import attention_with_entropy_reference
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -98,8 +96,8 @@ def attention_with_entropy(
             q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, softcap=softcap, window=window
         )
         return AttentionEntropy(out, ent, lse, "reference")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton kernel takes {SUPPORTED_DTYPES}; got {q.dtype} (use backend='reference')")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype} (use backend='reference')")
     if q.shape[-1] > 256 or v.shape[-1] > 256:
         raise ValueError(f"the Triton kernel supports head dims up to 256; got {q.shape[-1]}, {v.shape[-1]}")
     from .triton_kernel import attention_with_entropy_triton  # lazy: importing triton is optional

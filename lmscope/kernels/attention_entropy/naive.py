@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..dispatch import repeat_kv
+
 
 def visible_keys(
     nq: int,
@@ -63,10 +65,7 @@ def attention_with_entropy_reference(
     ``window`` (causal only): a sliding window of that many keys, see :func:`visible_keys`.
     Rows with no visible key get out = 0, entropy = 0, lse = -inf (as in the Triton kernel).
     """
-    h, hk = q.shape[1], k.shape[1]
-    if h != hk:  # grouped-query attention: query head h reads kv head h // (H // H_kv)
-        k = k.repeat_interleave(h // hk, dim=1)
-        v = v.repeat_interleave(h // hk, dim=1)
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # grouped-query attention
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 

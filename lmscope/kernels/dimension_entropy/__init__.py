@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_heads, resolve_backend
+from ..dispatch import TRITON_DTYPES, check_heads, resolve_backend
 from .naive import dimension_entropy_reference
 
 
@@ -39,7 +39,7 @@ def dimension_entropy(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
         return dimension_entropy_reference(q, k, causal=causal, scale=scale)
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype} (use backend='reference')")
     from .triton_kernel import dimension_entropy_triton  # lazy: triton is optional
 
