@@ -62,8 +62,9 @@ def test_entropy_over_a_train_jobs_checkpoints(service):
         np.testing.assert_allclose(x["y"], npz["mean"][:, x["labels"]["layer"], x["labels"]["head"]], rtol=1e-9)
 
     # The last checkpoint from disk, eager attention matrices, -Σ p ln p in float64.
-    path = settings.artifact_dir / "jobs" / str(train_job["id"]) / "checkpoints" / "step-4"
-    lm = load_model("ent@step4", "checkpoint", str(path), attn_implementation="eager")
+    path = settings.job_dir(train_job["id"]) / "checkpoints" / "step-4"
+    lm = load_model("ent@step4", "checkpoint", str(path))
+    lm.model.set_attn_implementation("eager")
     windows = token_windows(lm.tokenizer, read_documents(settings.wikitext2_path, "lines")[:400], 32, 3)
     with torch.no_grad():
         attentions = lm.model(input_ids=windows, output_attentions=True, use_cache=False).attentions
