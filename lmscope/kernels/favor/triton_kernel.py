@@ -126,6 +126,7 @@ def _favor_causal_fwd(
 
 # One feature block per program (BLOCK_M) for every config: the partial-sum buffers are sized by it.
 BLOCK_M = 64
+INTERPRET_BLOCK_M = 32  # the interpreter's (numpy) cost grows with the block
 # (BLOCK_N, BLOCK_DV, num_warps, num_stages) candidates; with 3xTF32 dots (tensor cores) these compile
 # for sm_90 with < 1 KB of register spills, where exact fp32 (FMA) dots spilled 5 KB.
 # Two-stage variants prefetch the next chunk (cp.async) and spill no more: the GPU's autotuner picks.
@@ -156,7 +157,7 @@ def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, key_max: torch
     check_grid(B * H)
     # features are fp32 anyway; tl.dot wants one dtype
     phi_q, phi_k, key_max, v = (t.float() for t in (phi_q, phi_k, key_max, v))
-    block_m = 32 if interpreting() else BLOCK_M
+    block_m = INTERPRET_BLOCK_M if interpreting() else BLOCK_M
     n_f = triton.cdiv(M, block_m)
     num = torch.empty(n_f, B, H, N, DV, device=v.device, dtype=torch.float32)
     den = torch.empty(n_f, B, H, N, device=v.device, dtype=torch.float32)
