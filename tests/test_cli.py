@@ -68,6 +68,25 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
         build_params((), str(f))
 
 
+EXAMPLE_KINDS = {  # every bundled example and the kind it is for; what its users add to it
+    "attention_study": ("sweep", {}), "attention_study_demo": ("sweep", {}), "fig1": ("sweep", {}),
+    "fig2": ("sweep", {}), "fig2_full": ("sweep", {}), "norms_demo": ("norms", {"model": "m"}),
+    "entropy_demo": ("entropy", {"train_job": 1}), "entropy_dynamics": ("entropy", {"train_job": 1}),
+    "train_demo": ("train", {}), "train_entropy_dynamics": ("train", {}),
+}
+
+
+def test_every_bundled_example_is_valid_for_its_kind():
+    """An example the docs point to must submit: a renamed or tightened parameter breaks it here first."""
+    from lmscope import examples
+    from lmscope.params import validate_params
+
+    assert sorted(EXAMPLE_KINDS) == examples.names()  # a new example gets its kind here
+    for name, (kind, added) in EXAMPLE_KINDS.items():
+        params = json.loads(examples.read_bytes(name))
+        validate_params(kind, {**params, **added})
+
+
 def test_bundled_examples_are_found_from_any_directory(tmp_path, monkeypatch):
     """The docs' `--params lmscope/examples/fig2.json` only worked from a checkout's root."""
     monkeypatch.chdir(tmp_path)
