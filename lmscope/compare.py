@@ -177,6 +177,12 @@ def _value_text(v: Any) -> str:
     return "-" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
 
 
+def labels_text(labels: dict[str, Any], keys) -> str:
+    """`k=v, ...` for a curve's labels; a label the curve does not have (None: a Sumformer's features)
+    is left out rather than written as `features=-` (the dashboard writes them the same way)."""
+    return ", ".join(f"{k}={_value_text(labels[k])}" for k in keys if labels.get(k) is not None)
+
+
 def job_label(c: Comparison, job: dict[str, Any], width: int = LEGEND_WIDTH) -> str:
     """`job 3 (model=tiny-gpt2)`: the job and the parameters in which it differs from the others
     (cut to `width` characters); the job's name when no parameter differs."""
@@ -246,10 +252,9 @@ def comparison_figure(c: Comparison, *, logy: bool = False):
                    for ji, job in enumerate(c.jobs) if any(job["id"] in cv.by_job for cv in curves)]
         if varying and named_styles:
             handles += [Line2D([], [], linestyle=styles[li], color="grey",
-                               label=clip(", ".join(f"{k}={_value_text(cv.labels.get(k))}" for k in varying),
-                                          LEGEND_WIDTH))
+                               label=clip(labels_text(cv.labels, varying), LEGEND_WIDTH))
                         for li, cv in enumerate(curves)]
-        common = ", ".join(f"{k}={_value_text(v)}" for k, v in shared.items())
+        common = labels_text(shared, shared)
         if varying and not named_styles:
             common = ", ".join(filter(None, [f"{len(curves)} curves by {', '.join(varying)}", common]))
         ax.set_title(name + (f"\n{clip(common, TITLE_WIDTH)}" if common else ""), fontsize=9)

@@ -133,3 +133,11 @@ def test_plot_comparison_writes_the_format_its_extension_names(tmp_path):
     with pytest.raises(ValueError, match=r"\.txt.*png"):
         plot_comparison(c, tmp_path / "c.txt")
     assert not (tmp_path / "c.txt").exists()
+
+
+def test_labels_a_curve_has_not_are_left_out_of_its_legend():
+    from lmscope.compare import labels_text
+
+    assert labels_text({"architecture": "mlp_sumformer", "features": None, "token_dim": 2},
+                       ["architecture", "features", "token_dim"]) == "architecture=mlp_sumformer, token_dim=2"
+    assert labels_text({"features": 8, "seed": [0, 1]}, ["features", "seed"]) == "features=8, seed=[0,1]"

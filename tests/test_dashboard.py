@@ -445,10 +445,11 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
 
 
 def label_text(labels: dict, keys) -> str:
-    """`k=v, ...` as the charts (and `lmscope compare --plot`) write labels."""
+    """`k=v, ...` as the charts (and `lmscope compare --plot`) write labels; labels a curve has not
+    (None) left out."""
     def value(v):
-        return "-" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
-    return ", ".join(f"{k}={value(labels[k])}" for k in keys)
+        return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+    return ", ".join(f"{k}={value(labels[k])}" for k in keys if labels.get(k) is not None)
 
 
 def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
@@ -479,6 +480,8 @@ def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
     assert [e["dash"] for e in legend] == [next(ln["dash"] for ln in lines if ln["curve"] == i) for i in range(2)]
     shared = [k for k in keys if k not in varying]
     assert page.text("svg.chart text.subtitle") == label_text(curves[0]["labels"], shared)
+    # a Sumformer has no features (k): the label is null, and the chart leaves it out instead of "features=-"
+    assert curves[0]["labels"]["features"] is None and "features" not in page.text("svg.chart text.subtitle")
     # x is the epoch: whole-number ticks only.
     xs = page.js("[...document.querySelectorAll('svg.chart text.tick.x')].map(t => t.textContent)")
     assert len(xs) >= 2 and all(re.fullmatch(r"\d+", x) for x in xs), xs
