@@ -775,7 +775,8 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
     linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
     longest = max(len(tokens) for tokens in samples.tokens)
-    per_chunk = max(1, GRAM_CONTEXT_BYTES // (2 * 8 * longest * linear.dim))
+    # per pair: the gathered context and its float64 copy [T, D], and [H, D] float64 temporaries
+    per_chunk = max(1, GRAM_CONTEXT_BYTES // (2 * 8 * max(longest, linear.heads) * linear.dim))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):

@@ -650,8 +650,8 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
     for ax, target in zip(axes, targets):
         keys = [key for key in curves if key[1] == target]
         pruned = ""
-        # Too many curves for one panel (a Fig. 2 grid): keep the best d' of each (architecture, d),
-        # and if that is still too many, the best configuration of each architecture.
+        # Too many curves for one panel (a Fig. 2 grid): keep the best d' of each (architecture, target,
+        # d, n, k), and if that is still too many, the best configuration of each architecture.
         for group, what in ((lambda key: key[:5], "best d′ per architecture and d"),
                             (lambda key: key[0], "best configuration per architecture")):
             if len(keys) <= 8:

@@ -506,6 +506,21 @@ def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
     assert out.summary["gram_condition_pairs"] == 12 * (L - 1)
 
 
+def test_gram_condition_in_chunks_of_one_pair_gives_the_same_pairs(gpt2_run, documents, tmp_path, monkeypatch):
+    """The default memory budget fits a test batch in one chunk per layer; one pair per chunk must
+    write the same (trajectory, layer, holds, ratio) rows, in the same order."""
+    lm, _, ctx = gpt2_run
+    monkeypatch.setattr(norms, "GRAM_CONTEXT_BYTES", 1)
+    _, small_ctx = run_job(tmp_path, lm, documents, max_samples=20, loss_filter=None, gram_samples=12, pca_samples=10)
+    whole, chunked = (np.load(c.artifact_dir / "gram_condition.npz") for c in (ctx, small_ctx))
+    assert set(whole.files) == set(chunked.files)
+    for name in whole.files:
+        if whole[name].dtype.kind == "f":  # batched matmuls round in another order: an ulp apart
+            np.testing.assert_allclose(whole[name], chunked[name], rtol=1e-12, err_msg=name)
+        else:
+            np.testing.assert_array_equal(whole[name], chunked[name], err_msg=name)
+
+
 def test_gram_eigen_form_is_the_norm_comparison():
     torch.manual_seed(0)
     D = 6

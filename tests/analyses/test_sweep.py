@@ -707,3 +707,25 @@ def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_
     assert series[0]["y"] == pytest.approx([child_best[1], child_best[2]])
     names = {a["name"] for a in client.get(f"/v1/jobs/{parent}/artifacts").get_json()["items"]}
     assert {"fig1_training.png", "fig2_latent_dim.png"} <= names
+
+
+def test_the_parent_reports_each_architectures_largest_equivariance_error(tmp_path):
+    """The largest over an architecture's children; children stored before it was measured (no key)
+    are skipped, and a sweep none of whose children has it reports nothing."""
+    def child(job_id, arch, seed, equivariance):
+        features = 4 if arch == "linformer" else None
+        params = SumformerFitParams(architecture=arch, token_dim=1, seq_len=3, latent_dim=2, features=features,
+                                    seed=seed, train=tiny_train()).model_dump(mode="json")
+        summary = {"best_val_error": 0.1, "latent_dim_effective": 2, "architecture": arch}
+        if equivariance is not None:
+            summary["equivariance_error"] = equivariance
+        return ChildResult(job_id, "sumformer_fit", params, "succeeded", summary, [])
+
+    params = SweepParams(architectures=["mlp_sumformer", "linformer"], grid={"latent_dim": [2], "token_dim": [1],
+                         "features": [4], "seed": [0, 1, 2]}, train=tiny_train())
+    children = [child(1, "mlp_sumformer", 0, 6e-8), child(2, "mlp_sumformer", 1, 9e-8), child(3, "mlp_sumformer", 2, None),
+                child(4, "linformer", 0, 2e-3), child(5, "linformer", 1, 4e-3), child(6, "linformer", 2, 1e-3)]
+    out = aggregate(params, children, LocalContext(tmp_path / "all"))
+    assert out.summary["equivariance_error_max"] == {"linformer": 4e-3, "mlp_sumformer": 9e-8}
+    old = [child(1, "mlp_sumformer", 0, None), child(2, "mlp_sumformer", 1, None)]
+    assert "equivariance_error_max" not in aggregate(params, old, LocalContext(tmp_path / "old")).summary
