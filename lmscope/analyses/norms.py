@@ -458,20 +458,8 @@ class LinearisedGPT2:
         self.W_V = torch.stack([w[2 * D:] for w in qkv])
         self.W_O = torch.stack([col(b.attn.c_proj) for b in blocks])
         self.W_FFN = torch.stack([col(b.mlp.c_proj) @ col(b.mlp.c_fc) for b in blocks])  # W2·W1
-        H = self.heads = blocks[0].attn.num_heads
-        head = torch.arange(D, device=device) // (D // H)
-        self.same_head = (head[:, None] == head[None, :]).to(torch.float64)  # block-diagonal mask
+        self.heads = blocks[0].attn.num_heads
         self.dim = D
-
-    def layer_matrix(self, layer: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
-        """W [P, D, D] for P (sample, layer) pairs: layer [P], context z_i [P, T, D], mask [P, T] (i ≤ t)."""
-        z = context.to(torch.float64) * context_mask[..., None].to(torch.float64)
-        k = z @ self.W_K[layer].transpose(1, 2)  # k_i = W_K z_i   [P, T, D]
-        v = z @ self.W_V[layer].transpose(1, 2)  # v_i = W_V z_i
-        memory = v.transpose(1, 2) @ k * self.same_head  # Σ_i v_i^h k_i^hᵀ per head h, [P, D, D]
-        W_mhsa = self.W_O[layer] @ memory @ self.W_Q[layer]  # Σ_h W_O^h (Σ_i v_i^h k_i^hᵀ) W_Q^h
-        eye = torch.eye(self.dim, dtype=torch.float64, device=z.device)
-        return (eye + self.W_FFN[layer]) @ (eye + W_mhsa)
 
     def apply(self, layer: int, context: torch.Tensor, context_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """W x [P, D] for P pairs at one layer, without forming W or any k_i, v_i.
@@ -494,23 +482,11 @@ class LinearisedGPT2:
         return y + y @ self.W_FFN[layer].T
 
 
-def gram_condition_holds(W: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposition 1 as the paper states it, for a batch: W [P, D, D], x [P, D] → (holds [P] bool, Σλab / Σab [P]).
-
-    WᵀW is symmetric, so eigh gives U orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx and the condition reads
-    xᵀWᵀWx ≥ xᵀx, i.e. ‖Wx‖ ≥ ‖x‖. The job uses that form (``stretch_ratio``: no W, no eigh); the
-    tests check the two agree.
-    """
-    W, x = W.to(torch.float64), x.to(torch.float64)
-    lam, U = torch.linalg.eigh(W.transpose(1, 2) @ W)  # WᵀW = U Λ Uᵀ
-    a = (U.transpose(1, 2) @ x[..., None])[..., 0]  # a = Uᵀx
-    b = a  # b = U⁻¹x = Uᵀx
-    stretched, plain = (lam * a * b).sum(-1), (a * b).sum(-1)
-    return stretched >= plain, stretched / plain
-
-
 def stretch_ratio(Wx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(‖Wx‖ ≥ ‖x‖ [P] bool, ‖Wx‖² / ‖x‖² [P]): Proposition 1's condition and its Σλab / Σab."""
+    """(‖Wx‖ ≥ ‖x‖ [P] bool, ‖Wx‖² / ‖x‖² [P]): Proposition 1's condition and its Σλab / Σab.
+
+    WᵀW is symmetric, so its eigenvectors U are orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx, and
+    Σ λ_i a_i b_i ≥ Σ a_i b_i reads xᵀWᵀWx ≥ xᵀx (the tests check it against the eigen form)."""
     ratio = Wx.to(torch.float64).square().sum(-1) / x.to(torch.float64).square().sum(-1)
     return ratio >= 1, ratio
 
