@@ -143,7 +143,7 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         architecture=architecture,
         num_layers=first("num_hidden_layers", "n_layer"),
         num_heads=heads,
-        num_kv_heads=kv_heads(config, heads),
+        num_kv_heads=kv_heads(config, heads, read=first),
         hidden_size=first("hidden_size", "n_embd"),
         vocab_size=first("vocab_size"),
         num_parameters=None,
@@ -243,19 +243,21 @@ def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
     return "bytes" if vocab_size == BYTE_VOCAB_SIZE else None
 
 
-def kv_heads(config: dict, heads: int | None) -> int | None:
+def kv_heads(config: dict, heads: int | None, read=None) -> int | None:
     """Key/value heads of a config (a dict): num_key_value_heads, or Falcon's own fields (as transformers
     reads them: num_kv_heads with new_decoder_architecture or without multi_query, else one); else as
-    many as query heads."""
+    many as query heads. ``read(key)``: how a field is read (``config_facts`` refuses a bad value);
+    by default a value that is not a positive integer counts as absent."""
     def count(key):
         value = config.get(key)
         return value if type(value) is int and 1 <= value <= MAX_FACT else None
 
+    read = read or count
     if config.get("model_type") == "falcon":
         if config.get("new_decoder_architecture") or not config.get("multi_query", True):
-            return count("num_kv_heads") or heads
+            return read("num_kv_heads") or heads
         return 1
-    return count("num_key_value_heads") or heads
+    return read("num_key_value_heads") or heads
 
 
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:

@@ -117,6 +117,7 @@ def test_unusable_model_directories_are_422_naming_what_is_wrong(api, tmp_path):
         (json.dumps(config)[:-1] + ', "n_embd": 1e400}', "1e400 is too large"),
         (json.dumps(config)[:-1] + ', "n_embd": NaN}', "NaN is not a JSON number"),
         (json.dumps({**config, "torch_dtype": {"a": 1}}), "torch_dtype must name a dtype"),
+        (json.dumps({**config, "num_key_value_heads": "2"}), "num_key_value_heads must be a positive integer"),
     ]
     for i, (text, *says) in enumerate(cases):
         model_dir = write_hf_dir(tmp_path / "models" / f"c{i}")
