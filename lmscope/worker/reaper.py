@@ -32,8 +32,8 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.queue import Publisher, send_each
-from lmscope.worker.runner import (after_terminal, files_kept, give_back_values, lost_message,
-                                   ran_into_time_limit, store_artifacts, time_limit_values)
+from lmscope.worker.runner import (after_terminal, end_keeping_files, give_back_values, ran_into_time_limit,
+                                   time_limit_values, worker_lost_values)
 
 log = logging.getLogger("lmscope.reaper")
 
@@ -89,14 +89,12 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
             values = give_back_values(r.kind, published_at=now)  # published right below
             key = "requeued"
         else:
-            values = dict(status="failed", finished_at=now, error_type="worker-lost",
-                          error_message=lost_message(r.attempts, r.heartbeat_at, r.worker))
-            key = "failed"
-        files = files_kept(r.id, settings.job_dir(r.id)) if key == "failed" else []
-        with session_factory() as session, session.begin():
-            changed = session.execute(update(Job).where(still).values(**values)).rowcount == 1
-            if changed and key == "failed":
-                store_artifacts(session, r.id, files)
+            values, key = worker_lost_values(r.attempts, r.heartbeat_at, r.worker, now), "failed"
+        if key == "failed":
+            changed = end_keeping_files(settings, session_factory, r.id, still, values)
+        else:
+            with session_factory() as session, session.begin():
+                changed = session.execute(update(Job).where(still).values(**values)).rowcount == 1
         if not changed:
             continue  # another reaper got there, or the job came back to life
         report[key].append(r.id)
@@ -156,18 +154,15 @@ def recover_interrupted(settings: Settings, session_factory: sessionmaker[Sessio
         rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at, Job.worker)
                                .where(running)).all()
     for r in rows:
-        if r.attempts < r.max_attempts:
-            values, key = give_back_values(r.kind), "requeued"
-        else:
-            values, key = dict(status="failed", finished_at=utcnow(), error_type="worker-lost",
-                               error_message=lost_message(r.attempts, r.heartbeat_at, r.worker)), "failed"
-        files = files_kept(r.id, settings.job_dir(r.id)) if key == "failed" else []
+        same = (Job.id == r.id) & (Job.attempts == r.attempts) & running
+        if r.attempts >= r.max_attempts:
+            values = worker_lost_values(r.attempts, r.heartbeat_at, r.worker, utcnow())
+            if end_keeping_files(settings, session_factory, r.id, same, values):
+                report["failed"].append(r.id)
+            continue
         with session_factory() as session, session.begin():
-            if session.execute(update(Job).where((Job.id == r.id) & (Job.attempts == r.attempts) & running)
-                               .values(**values)).rowcount == 1:
-                report[key].append(r.id)
-                if key == "failed":
-                    store_artifacts(session, r.id, files)
+            if session.execute(update(Job).where(same).values(**give_back_values(r.kind))).rowcount == 1:
+                report["requeued"].append(r.id)
     if rows:
         log.warning("recovered jobs interrupted by the previous run: %s", report)
     return report

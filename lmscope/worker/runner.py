@@ -78,6 +78,12 @@ def lost_message(attempts: int, heartbeat_at, worker: str | None) -> str:
             "time than a worker has, use smaller parameters")
 
 
+def worker_lost_values(attempts: int, heartbeat_at, worker: str | None, now) -> dict[str, Any]:
+    """UPDATE values that fail a job whose last attempt's worker was lost, with no attempt left."""
+    return dict(status="failed", finished_at=now, error_type="worker-lost",
+                error_message=lost_message(attempts, heartbeat_at, worker))
+
+
 # ---------------------------------------------------------------- claim
 
 def _pid_alive(pid: int) -> bool:
@@ -119,13 +125,13 @@ def time_limit_slack(settings: Settings) -> float:
     return min(2 * settings.heartbeat_seconds, settings.task_time_limit / 4)
 
 
-def ran_into_time_limit(settings: Settings | None, kind: str, started_at, last_seen) -> bool:
+def ran_into_time_limit(settings: Settings, kind: str, started_at, last_seen) -> bool:
     """True when a lost attempt ran until the hard time limit (``LMSCOPE_TASK_TIME_LIMIT``): its worker
     process was most likely killed by that limit (a long call that reports no progress cannot be
     interrupted by the soft limit), and another attempt would only be killed again. ``last_seen``: the
     attempt's last heartbeat (or now). A sweep parent's ``started_at`` is the sweep's, not its
     aggregation's: never judged here."""
-    limit = settings.task_time_limit if settings is not None else None
+    limit = settings.task_time_limit
     if not limit or started_at is None or last_seen is None or is_parent_kind(kind):
         return False
     return (last_seen - started_at).total_seconds() >= limit - time_limit_slack(settings)
@@ -141,12 +147,25 @@ def time_limit_values(settings: Settings, attempts: int, now) -> dict[str, Any]:
         "operator to raise LMSCOPE_TASK_TIME_LIMIT"))
 
 
+def end_keeping_files(settings: Settings, session_factory: sessionmaker[Session], job_id: int, where,
+                      values: dict[str, Any]) -> bool:
+    """End a job that will not run again (a conditional UPDATE: False when ``where`` no longer holds),
+    listing the files its attempts kept as its artifacts."""
+    # Listed before the transaction (hashing checkpoints takes a while; SQLite would be locked meanwhile).
+    files = files_kept(job_id, settings.job_dir(job_id))
+    with session_factory() as session, session.begin():
+        if session.execute(update(Job).where(where).values(**values)).rowcount != 1:
+            return False
+        store_artifacts(session, job_id, files)
+    return True
+
+
 def claim(session_factory: sessionmaker[Session], job_id: int, worker: str, *,
-          settings: Settings | None = None) -> Attempt | Finished | None:
+          settings: Settings) -> Attempt | Finished | None:
     """Make the row ours (atomically), or say why not. None: nothing to do (ack and drop).
 
-    ``settings`` (the time limit, the artifact store): a job ended here without running (cancelled,
-    out of attempts, killed by the time limit) lists the files its earlier attempts kept."""
+    ``settings``: the time limit, and the artifact store whose files a job ended here without running
+    (cancelled, out of attempts, killed by the time limit) keeps."""
     now = utcnow()
     with session_factory() as session:
         row = session.execute(select(Job.status, Job.attempts, Job.max_attempts, Job.worker, Job.heartbeat_at,
@@ -170,18 +189,14 @@ def claim(session_factory: sessionmaker[Session], job_id: int, worker: str, *,
     elif row.status == "running" and ran_into_time_limit(settings, row.kind, row.started_at, row.heartbeat_at or now):
         log.warning("job %s: its attempt %s ran into the hard time limit; failing it (time-limit)", job_id, row.attempts)
         ending = time_limit_values(settings, row.attempts, now)
+    elif row.attempts >= row.max_attempts and row.status == "running":
+        ending = worker_lost_values(row.attempts, row.heartbeat_at, row.worker, now)
     elif row.attempts >= row.max_attempts:
-        message = (lost_message(row.attempts, row.heartbeat_at, row.worker) if row.status == "running" else
-                   f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})")
-        ending = dict(status="failed", finished_at=now, error_type="worker-lost", error_message=message)
+        ending = dict(status="failed", finished_at=now, error_type="worker-lost", error_message=(
+            f"the job was already attempted {row.attempts} times (max_attempts={row.max_attempts})"))
     if ending is not None:
-        # Listed before the transaction (hashing checkpoints takes a while; SQLite would be locked meanwhile).
-        files = files_kept(job_id, settings.job_dir(job_id)) if settings is not None else None
-        with session_factory() as session, session.begin():
-            if session.execute(update(Job).where(same).values(**ending)).rowcount != 1:
-                return None
-            if files is not None:
-                store_artifacts(session, job_id, files)
+        if not end_keeping_files(settings, session_factory, job_id, same, ending):
+            return None
         return Finished(ending["status"], row.parent_id)
 
     with session_factory() as session, session.begin():

@@ -174,8 +174,9 @@ def test_a_job_that_ran_into_the_hard_time_limit_fails_and_is_not_retried(settin
                       started_at=now - timedelta(seconds=25), heartbeat_at=now - timedelta(seconds=5.1))
     (settings.job_dir(killed) / "checkpoints").mkdir(parents=True)
     (settings.job_dir(killed) / "checkpoints" / "step-10.txt").write_text("x")
-    short = make_job(status="running", attempts=1, worker="gpu-2:7",  # lost after 10 s: a lost worker
-                     started_at=now - timedelta(seconds=15), heartbeat_at=now - timedelta(seconds=5))
+    # lost after 10 s, 25 s ago: a lost worker; the time it ran is judged by its last heartbeat, not by now
+    short = make_job(status="running", attempts=1, worker="gpu-2:7",
+                     started_at=now - timedelta(seconds=25), heartbeat_at=now - timedelta(seconds=15))
     # An aggregation's started_at is its sweep's: it is never taken for a job killed by the limit.
     aggregating = make_job(kind="fake_sweep", params={}, status="running", waiting_children=False, attempts=1,
                            worker="gpu-3:7", started_at=now - timedelta(hours=2), heartbeat_at=now - timedelta(seconds=5))

@@ -78,7 +78,7 @@ def test_environment_is_recorded(settings, sessions, make_job, job_row, publishe
     assert env["wall_seconds"] >= env["stages"]["total"]
 
 
-def test_claim_is_atomic(sessions, make_job, job_row):
+def test_claim_is_atomic(sessions, make_job, job_row, settings):
     """Several workers receive the same job at the same moment: exactly one claims it."""
     for _ in range(3):
         job_id = make_job()
@@ -87,7 +87,7 @@ def test_claim_is_atomic(sessions, make_job, job_row):
 
         def claimer(name):
             barrier.wait()
-            results[name] = runner.claim(sessions, job_id, name)
+            results[name] = runner.claim(sessions, job_id, name, settings=settings)
 
         threads = [threading.Thread(target=claimer, args=(f"host:{i}",)) for i in range(4)]
         for t in threads:
@@ -378,7 +378,7 @@ def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_
 @pytest.fixture
 def context(settings, sessions, make_job, tmp_path):
     job_id = make_job()
-    attempt = runner.claim(sessions, job_id, "test:1")
+    attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
     return WorkerContext(attempt, sessions, tmp_path / "art", "cpu")
 
 
@@ -457,7 +457,7 @@ def test_checkpoints_survive_moving_the_artifact_store(settings, sessions, make_
     import shutil
 
     job_id = make_job()
-    attempt = runner.claim(sessions, job_id, "test:1")
+    attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
     old_root = tmp_path / "old-store"
     context = WorkerContext(attempt, sessions, old_root / "jobs" / str(job_id), "cpu")
     ckpt = context.artifact_dir / "checkpoints" / "step-5"
