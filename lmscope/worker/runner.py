@@ -392,7 +392,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     # before Celery's soft limit, so the job stops at a progress report rather than anywhere
     deadline = time.monotonic() + time_limits(settings.task_time_limit)[1] if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
-                        deadline=deadline, shares_process=shares_process, cancellable=cancellable and not after_cancel,
+                        deadline=deadline, shares_process=shares_process, cancellable=cancellable,
                         fixed_progress=fixed_progress)
     started = time.perf_counter()
     heartbeat.start()
