@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from lmscope.client import Client
+from lmscope.compare import labels_text
 
 # By package path: a bare `conftest` is whichever conftest.py pytest imported last (tests/worker, tests/kernels, ...).
 from tests.conftest import need, running_lmscope_up
@@ -444,12 +445,9 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     assert "no series" in page.text("#no-shared")
 
 
-def label_text(labels: dict, keys) -> str:
-    """`k=v, ...` as the charts (and `lmscope compare --plot`) write labels; labels a curve has not
-    (None) left out."""
-    def value(v):
-        return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
-    return ", ".join(f"{k}={value(labels[k])}" for k in keys if labels.get(k) is not None)
+# `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
+# dashboard's JS must write them the same way
+label_text = labels_text
 
 
 def test_compare_tells_each_jobs_curves_apart(page, url, jobs):

@@ -212,5 +212,6 @@ def test_a_trained_linformer_is_equivariant_only_with_the_proofs_projections(tmp
         assert out.summary["equivariance_error"] < 1e-6  # float32 rounding
     else:
         assert out.summary["equivariance_error"] > 1e-4
-    equivariant = SumformerFitParams(**{**params.model_dump(), "architecture": "mlp_sumformer", "features": None})
-    assert run_sumformer_fit(equivariant, LocalContext(tmp_path / "mlp")).summary["equivariance_error"] < 1e-6
+    if projections == "fixed":  # and a network equivariant by construction (once: it has no projections)
+        equivariant = SumformerFitParams(**{**params.model_dump(), "architecture": "mlp_sumformer", "features": None})
+        assert run_sumformer_fit(equivariant, LocalContext(tmp_path / "mlp")).summary["equivariance_error"] < 1e-6

@@ -146,3 +146,11 @@ def test_groups_and_shapes_of_other_architectures(config_class, fields, kv, head
         assert key_outputs == (4 + 2 * kv) * head_dim  # fused q, k, v
     else:
         assert key_outputs == kv * head_dim
+
+
+def test_a_prompt_that_quotes_special_tokens_is_read_as_text(tmp_path):
+    """`<eos>` typed in a prompt is five bytes of text, not the end-of-sequence token: the loss is of
+    the text the user wrote (byte tokenizer: one token per byte, plus <bos>)."""
+    prompt = "the <eos> token and <pad>"
+    out = run(ProbeParams(model="tiny-gpt2", prompt=prompt), LocalContext(tmp_path))
+    assert out.summary["prompt_tokens"] == len(prompt.encode()) + 1

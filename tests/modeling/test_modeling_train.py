@@ -277,6 +277,25 @@ def test_training_sees_documents_as_the_checkpoints_tokenizer_encodes_them():
     assert plain == [[97, 98, eos, 99]]
 
 
+def test_a_run_trains_on_the_stream_its_tokenizer_encodes_bos_included(docs, tmp_path):
+    """With a registered model's tokenizer (tiny-gpt2's byte tokenizer puts <bos> first) the job trains
+    on that tokenizer's special-token stream, as its checkpoints will read text."""
+    from lmscope.analyses.train import split_documents
+    from lmscope.modeling.tokenization import byte_tokenizer
+    from lmscope.modeling.windows import token_windows
+
+    params = TrainParams(**{**SMALL, "tokenizer": "tiny-gpt2", "steps": 2, "warmup_steps": 1, "checkpoint_every": 2,
+                            "eval_every": 2, "eval_batches": 1})
+    out = run(params, LocalContext(tmp_path, datasets={"wiki": docs}, job_id=1))
+    train_docs, _ = split_documents(docs, params.val_fraction)
+    bos_stream = byte_tokenizer()(train_docs[0])["input_ids"]
+    assert bos_stream[0] == 256  # the tokenizer adds <bos>: with special tokens the stream is longer
+    with_bos, plain = (token_windows(byte_tokenizer(), train_docs, params.context + 1, None, special=special).numel()
+                       for special in (True, False))
+    assert with_bos != plain
+    assert out.summary["train_tokens"] == with_bos
+
+
 def test_every_valid_seed_orders_batches():
     """Seeds up to 2^63 − 1 are valid; seed·1_000_003 overflowed manual_seed from about 1.8e13."""
     big = BatchOrder(100, 4, 2**63 - 1)
