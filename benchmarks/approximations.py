@@ -28,8 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from lmscope.kernels import (draw_favor_projection, draw_linformer_projections, favor_attention,  # noqa: E402
                              linformer_attention)
 
-from _common import is_oom  # noqa: E402  (this folder, first on sys.path)
-from attention import DTYPES, timed  # noqa: E402  (the same timer as the attention benchmark)
+from attention import DTYPES, time_each  # noqa: E402  (this folder first on sys.path; the attention benchmark's timer)
 
 
 def bench_length(n, args, device, dtype):
@@ -44,18 +43,9 @@ def bench_length(n, args, device, dtype):
     if device.type == "cuda":
         methods["favor/triton"] = lambda: favor_attention(q, k, v, projection=w, causal=True, backend="triton")
         methods["linformer/triton"] = lambda: linformer_attention(q, k, v, e, f, backend="triton")
-    times = {}
-    with torch.no_grad():
-        for name, fn in methods.items():
-            try:
-                times[name] = timed(fn, device, args.reps, args.warmup)[0]
-            except Exception as exc:  # one failed cell (OOM, or e.g. Triton's OutOfResources), not the table
-                times[name] = "oom" if is_oom(exc) else f"error: {type(exc).__name__}"
-                if not is_oom(exc):
-                    print(f"# {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    return times
+    with torch.no_grad():  # a failed cell (OOM, or e.g. Triton's OutOfResources) is one cell, not the table
+        cells = time_each(methods, device, args)
+    return {name: c[0] if isinstance(c, tuple) else "oom" if c is None else c for name, c in cells.items()}
 
 
 def main(argv=None):

@@ -20,6 +20,7 @@ the same inputs: Gemma 2's soft-capping (softcap=50) and a causal sliding window
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -96,7 +97,7 @@ def time_each(fns, device, args):
         try:
             res[name] = timed(fn, device, args.reps, args.warmup)
         except Exception as exc:  # noqa: BLE001 (a first compiled run may fail in ways no CPU run shows)
-            if isinstance(exc, (RuntimeError, MemoryError)) and is_oom(exc):
+            if is_oom(exc):
                 res[name] = None
             else:
                 res[name] = f"error: {type(exc).__name__}"
@@ -223,16 +224,15 @@ def sdpa_backends_table(b, h, dtype, device, args, ns):
             q, k, v = random_qkv(b, h, n, d, dtype, device, seed=0)
             row = []
             for name in [None] + names:
+                # pinned for the whole timing, not per call
+                pinned = sdpa_kernel(getattr(SDPBackend, name)) if name else contextlib.nullcontext()
                 try:
-                    if name is None:
-                        t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, args.reps, args.warmup)
-                    else:
-                        with sdpa_kernel(getattr(SDPBackend, name)):  # pinned for the whole timing, not per call
-                            t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device,
-                                      args.reps, args.warmup)
+                    with pinned:
+                        t = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device,
+                                  args.reps, args.warmup)
                     row.append(f"{t[0] * 1e3:.3f}")
                 except Exception as exc:  # noqa: BLE001 (this backend cannot take this shape / device, or OOM)
-                    row.append("OOM" if isinstance(exc, RuntimeError) and is_oom(exc) else "n/a")
+                    row.append("OOM" if is_oom(exc) else "n/a")
             print(f"| {d} | {n} | " + " | ".join(row) + " |")
             q = k = v = None  # free them before the next shape
             torch.cuda.empty_cache()
