@@ -12,11 +12,13 @@ JS exceptions and unhandled promise rejections for the whole session.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -41,23 +43,34 @@ def chromium_binary() -> str | None:
     return None
 
 
+def launch(args: list[str], profile: str, **popen) -> subprocess.Popen:
+    """Chromium with `args` and its profile folder `profile`, in its own process group (``kill_group``
+    ends its helper processes too) and with TMPDIR in the profile (its singleton-socket folder,
+    org.chromium.Chromium.*, outlives a killed Chromium: it goes with the profile)."""
+    binary = chromium_binary()
+    if binary is None:
+        raise BrowserError("no Chromium binary found")
+    return subprocess.Popen([binary, f"--user-data-dir={profile}", *args], start_new_session=True,
+                            env={**os.environ, "TMPDIR": profile}, **popen)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 class BrowserError(RuntimeError):
     pass
 
 
 class Browser:
-    def __init__(self, width: int = 1400, height: int = 900, binary: str | None = None, start_timeout: float = 30):
+    def __init__(self, width: int = 1400, height: int = 900, start_timeout: float = 30):
         if websocket is None:
             raise BrowserError("the websocket-client package is not installed (pip install websocket-client)")
-        binary = binary or chromium_binary()
-        if binary is None:
-            raise BrowserError("no Chromium binary found")
         self.profile = tempfile.TemporaryDirectory(prefix="lmscope-chromium-", ignore_cleanup_errors=True)
-        self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile.name}",
-                                      f"--window-size={width},{height}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     # its singleton-socket folder outlives a terminated Chromium: keep it in the profile
-                                     env={**os.environ, "TMPDIR": self.profile.name})
+        self.proc = launch([*FLAGS, f"--window-size={width},{height}", "about:blank"], self.profile.name,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.exceptions: list[str] = []
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue] = {}
@@ -197,8 +210,7 @@ class Browser:
                 try:
                     self.proc.wait(10)
                 except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                    kill_group(self.proc)
             self.profile.cleanup()
 
     def __enter__(self):

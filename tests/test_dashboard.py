@@ -7,11 +7,8 @@ first tests load pages with `chromium --dump-dom`; the others drive the page ove
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -40,18 +37,12 @@ TINY_TRAIN = {"dataset": "wikitext-2", "run_name": "dash-run", "layers": 1, "wid
 def browse(url: str, *extra: str) -> str:
     """Load `url`, let its scripts run for a few (virtual) seconds, return the DOM or the command's output."""
     with tempfile.TemporaryDirectory(prefix="lmscope-chromium-", ignore_cleanup_errors=True) as profile:
-        # Its own process group, so a timeout ends its helper processes too; and TMPDIR in the profile, so
-        # its singleton-socket folder (org.chromium.Chromium.*) goes with the profile, as in tests/browser.py.
-        proc = subprocess.Popen([cdp.chromium_binary(), *cdp.HEADLESS_FLAGS, f"--user-data-dir={profile}",
-                                 "--virtual-time-budget=8000", *extra, url],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env={**os.environ, "TMPDIR": profile})
+        proc = cdp.launch([*cdp.HEADLESS_FLAGS, "--virtual-time-budget=8000", *extra, url], profile,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, _ = proc.communicate(timeout=120)
         except BaseException:  # the timeout, or an interrupt: kill the whole group, not only the main process
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            cdp.kill_group(proc)
             raise
     return stdout
 
