@@ -346,7 +346,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
         if (layer, k) not in draws:
             draws[layer, k] = linformer_projections(params.linformer_projection, k, q.shape[2], seed, device)
         e, f = draws[layer, k]
-        return linformer_attention(q, kk, v, e, f, scale=scale)  # it computes in q's dtype (≥ float32)
+        return linformer_attention(q, kk, v, e, f, scale=scale)
 
     errors = {(layer, k): [] for layer in layers for k in ks}  # per segment
     t_exact = 0.0

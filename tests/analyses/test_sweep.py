@@ -444,6 +444,69 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
 
 
+def _llama_qkv_by_hand(model, ids):
+    """q, k, v of every LLaMA block from the hidden states: q/k/v_proj(input_layernorm(h_l)), split into
+    heads, rotary on q and k (rotate-half, θ from the config), k and v left at the KV heads."""
+    cfg = model.config
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    out = model(input_ids=ids, output_hidden_states=True)
+    b, n = ids.shape
+    d = cfg.hidden_size // cfg.num_attention_heads
+    angle = torch.arange(n, dtype=torch.float64)[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+
+    def heads(t):
+        return t.view(b, n, -1, d).transpose(1, 2).double().cpu()
+
+    def rotary(t):
+        return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+
+    qkv = {}
+    for layer, block in enumerate(model.model.layers):
+        x, attn = block.input_layernorm(out.hidden_states[layer]), block.self_attn
+        qkv[layer] = [rotary(heads(attn.q_proj(x))), rotary(heads(attn.k_proj(x))), heads(attn.v_proj(x))]
+    return qkv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,projection", [("performer", "gaussian"), ("linformer", "shared")])
+def test_attention_study_on_a_rotary_grouped_query_model(tmp_path, method, projection, device):
+    """tiny-llama (4 query heads reading 2 KV heads, rotary positions): the study's q, k, v and errors
+    match ones rebuilt from the projections by hand, query head h reading KV head h // 2."""
+    from lmscope.catalog import read_documents
+    from lmscope.modeling.windows import token_windows
+
+    docs = read_documents(WIKITEXT, "lines")[:60]
+    ctx = LocalContext(tmp_path, datasets={"w": docs}, device=device)
+    params = validate_params("attention_approx", {
+        "model": "tiny-llama", "dataset": "w", "method": method, "features": [6, 256], "layers": [0, 3],
+        "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 2, "linformer_projection": projection,
+    }, internal=True)
+    out = run_attention_approx(params, ctx)
+    got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
+    assert (out.summary["num_heads"], out.summary["num_kv_heads"]) == (4, 2)
+
+    lm = ctx.load_model("tiny-llama")
+    ids = token_windows(lm.tokenizer, docs, 32, 2)
+    with torch.no_grad():
+        qkv = _llama_qkv_by_hand(lm.model, ids.to(lm.model.device))
+
+    def rel_errors(layer, feats, kv_head_of):
+        q, k, v = qkv[layer]
+        k, v = k[:, kv_head_of], v[:, kv_head_of]
+        exact = _softmax_attention_f64(q, k, v, causal=(method == "performer"))
+        approx = _independent_approximation(method, projection, q, k, v, feats, _draw_seed(2, layer, feats), None)
+        return sum(float((approx[i].double() - exact[i]).norm() / exact[i].norm()) for i in range(2)) / 2
+
+    for layer in (0, 3):
+        for feats in (6, 256):
+            expected = rel_errors(layer, feats, torch.arange(4) // 2)
+            assert got[layer, feats] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    # the head mapping shows at this tolerance: the interleaved one (h % 2) gives errors 3× rel=1e-3 away
+    interleaved = rel_errors(0, 6, torch.arange(4) % 2)
+    assert abs(interleaved - got[0, 6]) > 3e-3 * got[0, 6]
+
+
 def test_linformer_default_is_pooling_and_shared_uses_one_gaussian():
     """The default must give a curve that goes to 0 (pooling); `shared` is E = F = R with N(0, 1/k) entries."""
     from lmscope.analyses.sweep import linformer_projections
