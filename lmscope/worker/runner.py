@@ -566,6 +566,9 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
     counts = {state: sum(c.status == state for c in children) for state in TERMINAL_STATES}
     with session_factory() as session:
         cancel = session.execute(select(Job.cancel_requested).where(Job.id == parent_id)).scalar_one()
+    # A cancel that cut no child short (it came as the last ones finished) leaves a complete sweep:
+    # it ends as if never cancelled, as a train run's cancel that arrives with its last step does.
+    cancel = cancel and counts["cancelled"] > 0
     progress = dict(progress_done=len(children), progress_total=len(children), progress_stage="children")
 
     def compute(params, ctx):

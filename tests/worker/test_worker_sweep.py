@@ -123,6 +123,21 @@ def test_a_cancelled_sweep_with_nothing_finished_is_cancelled_without_aggregatin
     assert (job.progress_done, job.progress_total) == (0, 2)
 
 
+def test_a_cancel_that_cut_no_child_short_leaves_a_complete_sweep(settings, sessions, sweep, job_row, publisher):
+    """The cancel came while the last child was finishing, and every child ran to its end: nothing is
+    partial, so the sweep aggregates as usual and ends succeeded (a cancelled sweep would say partial)."""
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}])
+    runner.execute(kids[0], settings, sessions, publisher)
+    _cancel(sessions, parent)  # the API flags the parent; kids[1] already runs and finishes on its own
+    runner.execute(kids[1], settings, sessions, publisher)
+    assert job_row(kids[1]).status == "succeeded"
+    assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
+    job = job_row(parent)
+    assert job.status == "succeeded" and "partial" not in job.summary and job.summary["sum"] == 3 + 6
+    assert job.summary["children"] == {"succeeded": 2, "failed": 0, "cancelled": 0}
+    assert (job.progress_done, job.progress_total) == (2, 2)
+
+
 def test_a_cancel_during_the_aggregation_does_not_throw_its_results_away(settings, sessions, sweep, job_row,
                                                                          publisher):
     """Once claimed, the aggregation (short; every child is done) is not cancellable: a cancel flag that
