@@ -255,7 +255,7 @@ def summary_value(value: Any) -> str:
         return value
     if isinstance(value, float):
         return f"{value:.6g}"
-    return json.dumps(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 def report_final(c: Client, job: dict[str, Any]) -> None:
@@ -717,7 +717,8 @@ def show(job_id, as_json):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):
         if job.get(key):
-            click.echo(f"{key}:\n" + "\n".join("  " + line for line in json.dumps(job[key], indent=2).splitlines()))
+            text = json.dumps(job[key], indent=2, ensure_ascii=False)
+            click.echo(f"{key}:\n" + "\n".join("  " + line for line in text.splitlines()))
     echo_artifacts(c, job)
 
 

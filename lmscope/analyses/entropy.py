@@ -63,11 +63,15 @@ def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, s
     if params.model is not None:
         return [(0, params.model)]
     names = list(params.models)
+    steps = training_steps(names)
+    return sorted(zip(steps, names)) if steps is not None else list(enumerate(names))
+
+
+def training_steps(names: list[str]) -> list[int] | None:
+    """The `@step<N>` suffix of every name, or None unless every name has one and they differ."""
     suffixes = [re.search(r"@step(\d+)$", n) for n in names]
     steps = [int(m.group(1)) for m in suffixes if m]
-    if len(steps) == len(names) and len(set(steps)) == len(steps):
-        return sorted(zip(steps, names))
-    return list(enumerate(names))
+    return steps if len(steps) == len(names) and len(set(steps)) == len(steps) else None
 
 
 def sliding_windows(config, layers: int) -> dict[int, int]:
@@ -561,6 +565,8 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
     save(fig, out / "entropy_by_position.png")
 
     if len(results) > 1:  # training dynamics: one panel per layer, one line per head
+        # checkpoints of one run lie on a step axis; other model lists are only in list order
+        over_training = params.train_job is not None or training_steps(names) is not None
         cols = min(3, layers)
         rows = math.ceil(layers / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
@@ -569,13 +575,17 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             for head in range(heads):
                 ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
             ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
-            ax.set(title=f"layer {layer}", xlabel="training step", ylabel="mean entropy (nats)")
+            ax.set(title=f"layer {layer}", xlabel="training step" if over_training else "model",
+                   ylabel="mean entropy (nats)")
+            if not over_training:
+                ax.set_xticks(steps, names, rotation=30, ha="right", fontsize=7)
             ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
             if layer == 0:
                 ax.legend(fontsize=6)
         for extra in range(layers, rows * cols):
             axes[extra // cols][extra % cols].axis("off")
-        fig.suptitle(f"attention entropy over training, {source}")
+        fig.suptitle(f"attention entropy over training, {source}" if over_training
+                     else f"attention entropy across models, on {params.dataset}")
         save(fig, out / "entropy_over_training.png")
 
     if dim_results[-1] is not None:

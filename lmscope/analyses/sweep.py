@@ -629,10 +629,10 @@ def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_
     plt.close(fig)
 
 
-def _grid(plt, count: int, width: float = 5.0, height: float = 3.8):
+def _grid(plt, count: int, width: float = 5.0, height: float = 3.8, **subplots):
     cols = min(count, 3)
     rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, **subplots)
     for a in axes.flat[count:]:
         a.set_visible(False)
     return fig, list(axes.flat)
@@ -644,7 +644,8 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
     targets = sorted({key[1] for key in curves})
     if not targets:
         return False
-    fig, axes = _grid(plt, len(targets))
+    # constrained layout leaves room for the legends under the panels
+    fig, axes = _grid(plt, len(targets), height=5.0, layout="constrained")
     colors = {"poly_sumformer": "tab:blue", "mlp_sumformer": "tab:orange", "transformer": "tab:green",
               "linformer": "tab:red", "performer": "tab:purple"}
     for ax, target in zip(axes, targets):
@@ -667,13 +668,18 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
             arch, _, d, n, k, d_eff = key
             x, y = _mean_curve(curves[key])
             label = f"{arch} (d={d}, n={n}, d'={d_eff}" + (f", k={k}" if k else "") + ")"
-            ax.semilogy(x, y, label=label, color=colors.get(arch) if len(archs) == len(keys) else None)
+            ax.semilogy(x, y, label=label, color=colors.get(arch) if len(archs) == len(keys) else None,
+                        marker="o" if len(x) < 3 else None, ms=4)  # a one-point curve is a dot, not nothing
         ax.set(xlabel="epoch", ylabel="relative L2 validation error",
                title=f"target {target}" + (f"\n({pruned})" if pruned else ""))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        # below the panel: inside, the legend covers whichever curves run through its corner
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1 if len(keys) < 4 else 2)
+        lo, hi = ax.get_xlim()
+        if hi - lo < 2:  # one evaluation: show the epochs around it, not fractions of one
+            ax.set_xlim((lo + hi) / 2 - 1, (lo + hi) / 2 + 1)
+        ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
     fig.suptitle("Fig. 1: validation error during training\n(mean over seeds)")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

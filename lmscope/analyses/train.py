@@ -411,7 +411,7 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     fig, (ax, ax_lr) = pyplot().subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     steps = [s for s, _ in history["train"]]
     losses = [l for _, l in history["train"]]
-    ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8, label="train (each step)")
     # The trend through batch noise: a centred running median, so one spiky batch neither lifts the
     # line for the next steps nor makes it drop when it leaves the window (a trailing mean did both).
     half = 10

@@ -486,8 +486,10 @@ def test_bos_per_window(tmp_path, documents):
         run_job(tmp_path, {"m": no_bos}, documents, bos_per_window=True)
 
 
-def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch):
-    """4 layers in a 2 x 3 grid: each panel (not only the bottom row's, as sharex would) numbers its steps."""
+@pytest.mark.parametrize("names,steps", [(["r@step100", "r@step200"], [100, 200]), (["tiny-gpt2", "other"], [0, 1])])
+def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch, names, steps):
+    """4 layers in a 2 x 3 grid: each panel (not only the bottom row's, as sharex would) numbers its steps.
+    Models without step suffixes are not a training run: the axis names the models, in list order."""
     import types
 
     saved = {}
@@ -497,9 +499,15 @@ def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch):
     results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n)),
                 "bound": np.stack([bound] * layers), "sliding_windows": {}} for step in (1, 2)]
     ctx = types.SimpleNamespace(artifact_dir=tmp_path)
-    entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki"), [100, 200], ["r@step100", "r@step200"], results, [None, None])
+    entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki", train_job=None), steps, names, results,
+                   [None, None])
     fig = saved["entropy_over_training.png"]
     fig.canvas.draw()
-    shown = {ax.get_title(): any(t.get_visible() and t.get_text() for t in ax.get_xticklabels())
+    shown = {ax.get_title(): [t.get_text() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
              for ax in fig.axes if ax.get_title()}
-    assert shown == {"layer 0": True, "layer 1": True, "layer 2": True, "layer 3": True}
+    assert set(shown) == {"layer 0", "layer 1", "layer 2", "layer 3"} and all(shown.values())
+    trained = names[0].endswith("@step100")
+    assert {ax.get_xlabel() for ax in fig.axes if ax.get_title()} == {"training step" if trained else "model"}
+    if not trained:
+        assert all(labels == names for labels in shown.values())
+    assert ("over training" in fig._suptitle.get_text()) == trained

@@ -152,6 +152,14 @@ def test_show_says_whether_a_queued_job_was_handed_to_the_queue(api, cli):
     assert "published_at" in cli("show", str(job_id)).stdout
 
 
+def test_show_prints_text_as_written(api, cli):
+    """Summary notes are for reading: `≤` and `α` appear as themselves, not as JSON escapes."""
+    job_id = api.submit(api.user("ann")).get_json()["id"]
+    api.set_job(job_id, summary={"note": "kept ≤ loss_filter", "heads": ["α"]})
+    out = cli("show", str(job_id)).stdout
+    assert "kept ≤ loss_filter" in out and '"α"' in out and "\\u" not in out
+
+
 def test_jobs_filter_errors_name_the_valid_values(cli):
     typo = cli("jobs", "--kind", "nrms")
     assert typo.exit_code == 1 and "'nrms'" in typo.stderr and "norms" in typo.stderr
