@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from math import comb
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -130,7 +130,8 @@ def _check_latent(architecture: str, latent_dim: int | None, token_dim: int, seq
     d_eff = effective_latent_dim(architecture, latent_dim, token_dim, seq_len)
     if d_eff > MAX_LATENT_DIM:
         raise ValueError(
-            f"{architecture} with token_dim={token_dim}, seq_len={seq_len} and latent_dim={latent_dim} needs "
+            f"{architecture} with token_dim={token_dim}, seq_len={seq_len} and "
+            f"latent_dim={'null (the theory)' if latent_dim is None else latent_dim} needs "
             f"d'={d_eff} latent dimensions (theory C(n+d,d)-1 = {theory_latent_dim(token_dim, seq_len)}); "
             f"give an explicit latent_dim ≤ {MAX_LATENT_DIM} or a smaller token_dim/seq_len")
 
@@ -200,11 +201,15 @@ class AttentionApproxParams(JobParams):
 class SumformerGrid(_Strict):
     """Lists whose product is the sweep (features only multiplies linformer / performer)."""
 
-    latent_dim: list[int | None] = Field(default_factory=lambda: [2**i for i in range(10)], min_length=1,
-                                         max_length=MAX_GRID_LIST)
-    token_dim: list[int] = Field(default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
-    seq_len: list[int] = Field(default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
-    features: list[int] = Field(default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
+    # Bounds per item: an error names the value (loc grid.token_dim.3), and C(n+d, d) stays cheap.
+    latent_dim: list[Annotated[int, Field(ge=1, le=MAX_LATENT_DIM)] | None] = Field(
+        default_factory=lambda: [2**i for i in range(10)], min_length=1, max_length=MAX_GRID_LIST)
+    token_dim: list[Annotated[int, Field(ge=1, le=32)]] = Field(
+        default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
+    seq_len: list[Annotated[int, Field(ge=2, le=256)]] = Field(
+        default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
+    features: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
+        default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
     seed: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_GRID_LIST)
 
     @field_validator("latent_dim", "token_dim", "seq_len", "features", "seed")
@@ -239,10 +244,11 @@ class SweepParams(JobParams):
     # study = "attention"
     model: str | None = None
     dataset: str | None = None
-    layers: list[int] | None = None
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1,
+                                                             description="layer indices; null = all layers")
     methods: list[ApproxMethod] = Field(default_factory=lambda: ["performer", "linformer"], min_length=1)
-    features: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1,
-                                max_length=MAX_GRID_LIST)
+    features: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1, max_length=MAX_GRID_LIST)
     seq_len: int = Field(512, ge=2, le=65536)
     num_segments: int = Field(16, ge=1, le=100_000)
     batch_size: int = Field(4, ge=1, le=1024)
@@ -285,18 +291,9 @@ class SweepParams(JobParams):
             size = _sumformer_grid_size(self)
             if size > MAX_GRID_POINTS:
                 raise ValueError(f"the grid has {size} points (more than {MAX_GRID_POINTS}); make it smaller")
-            # before the loop below: _check_latent computes C(n+d, d), slow for an absurd token_dim or seq_len
-            for name, values, lo, hi in (("token_dim", self.grid.token_dim, 1, 32), ("seq_len", self.grid.seq_len, 2, 256),
-                                         ("features", self.grid.features, 1, 65536)):
-                bad = [v for v in values if not lo <= v <= hi]
-                if bad:
-                    raise ValueError(f"grid.{name} values must lie in [{lo}, {hi}], got {bad}")
             for arch, n, d, dp in itertools.product(self.architectures, self.grid.seq_len, self.grid.token_dim,
                                                     self.grid.latent_dim):
                 _check_latent(arch, dp, d, n)
-            bad = [v for v in self.grid.latent_dim if v is not None and not 1 <= v <= MAX_LATENT_DIM]
-            if bad:
-                raise ValueError(f"grid.latent_dim values must lie in [1, {MAX_LATENT_DIM}] (or null = theory), got {bad}")
         else:
             missing = [f for f in ("model", "dataset") if getattr(self, f) is None]
             if missing:
@@ -306,10 +303,6 @@ class SweepParams(JobParams):
                 raise ValueError(f"seeds: give a count in [1, {MAX_GRID_LIST}] or distinct seeds, got {self.seeds}")
             if len(set(self.methods)) != len(self.methods):
                 raise ValueError("methods must not repeat values")
-            if any(k < 1 for k in self.features):
-                raise ValueError(f"features must be ≥ 1, got {self.features}")
-            if self.layers is not None and (not self.layers or any(layer < 0 for layer in self.layers)):
-                raise ValueError(f"layers: give layer indices ≥ 0 (or null = all layers), got {self.layers}")
         return self
 
     def model_refs(self) -> list[str]:

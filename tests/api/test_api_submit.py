@@ -407,6 +407,26 @@ def test_seeds_and_job_ids_are_refused_outside_what_the_workers_take(api):
     assert api.submit(h, kind="norms", params={"model": "m", "dataset": "d", "seed": 2**63 - 1}).status_code == 202
 
 
+def test_sweep_values_out_of_range_are_named_where_they_are(api):
+    """A grid value or layer out of its range: `errors[].loc` points at that value (a form or script can
+    mark it), not at the whole params object."""
+    h = api.user("ann")
+    attention = {"study": "attention", "model": "m", "dataset": "d", "seq_len": 16}
+    cases = [({"grid": {"token_dim": [2, 50]}}, ["params", "grid", "token_dim", 1], "less than or equal to 32"),
+             ({"grid": {"seq_len": [1]}}, ["params", "grid", "seq_len", 0], "greater than or equal to 2"),
+             ({"grid": {"latent_dim": [None, 0]}}, ["params", "grid", "latent_dim", 1], "greater than or equal to 1"),
+             ({**attention, "layers": [0, -1]}, ["params", "layers", 1], "greater than or equal to 0"),
+             ({**attention, "layers": []}, ["params", "layers"], "at least 1 item"),
+             ({**attention, "features": [0]}, ["params", "features", 0], "greater than or equal to 1")]
+    for params, loc, msg in cases:
+        body = is_problem(api.submit(h, kind="sweep", params=params), 422, "validation-error")
+        assert [e["loc"] for e in body["errors"]] == [loc] and msg in body["errors"][0]["msg"], body["errors"]
+    theory = {"architectures": ["poly_sumformer"], "grid": {"latent_dim": [None], "token_dim": [10], "seq_len": [6]}}
+    body = is_problem(api.submit(h, kind="sweep", params=theory), 422, "validation-error")
+    assert "latent_dim=null (the theory) needs d'=8007" in body["detail"]  # as the user wrote it: JSON null
+    assert api.jobs() == []
+
+
 def test_layers_a_model_does_not_have_are_refused_at_submit(api):
     """An attention study naming layer 99 of a 2-layer model was accepted, and every child failed."""
     h = api.user("ann")  # the fixture's model "m" has 2 layers
