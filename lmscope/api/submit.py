@@ -19,7 +19,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
-from lmscope.api.errors import Problem, describe_errors, did_you_mean, pydantic_errors, validation_problem
+from lmscope.api.errors import (Problem, describe_errors, did_you_mean, fields_problem, pydantic_errors,
+                                validation_problem)
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
@@ -102,8 +103,15 @@ def check_params(kind: str, params: dict[str, Any]):
                       errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
                                "type": "unknown_kind"}], kinds=kinds) from None
     except ValidationError as e:
-        raise validation_problem(e, prefix=("params",), title=f"Invalid parameters for kind {kind!r}",
-                                 model=KINDS[kind].params) from None
+        errors = pydantic_errors(e, ("params",), KINDS[kind].params)
+        for error in errors:
+            # a field another kind has (a sweep's parameter file sent as norms): say so, not "did you mean"
+            if error["type"] == "extra_forbidden" and len(error["loc"]) == 2:
+                owners = [k for k in submittable_kinds() if k != kind and error["loc"][1] in KINDS[k].params.model_fields]
+                if owners:
+                    error["msg"] = (f"not a field of {kind!r} but of {' / '.join(map(repr, owners))}: "
+                                    "parameters meant for another kind?")
+        raise fields_problem(f"Invalid parameters for kind {kind!r}", errors) from None
 
 
 def _field_holding(parsed: list, value) -> list:

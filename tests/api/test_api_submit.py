@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+from importlib import resources
 
 import pytest
 from sqlalchemy import select
@@ -609,6 +610,14 @@ def test_unknown_fields_suggest_the_intended_name(api):
     # Nothing close: the valid names.
     body = is_problem(api.submit(h, params={"model": "m", "colour": 1}), 422, "validation-error")
     assert body["errors"][0]["msg"] == "unknown field; the fields are: " + ", ".join(sorted(KINDS["probe"].params.model_fields))
+    # Another kind's fields (the bundled fig2 sweep sent as norms): the kind is wrong, not the spelling
+    # ("target" is close to norms' "dataset").
+    fig2 = json.loads(resources.files("lmscope.examples").joinpath("fig2.json").read_text())
+    body = is_problem(api.submit(h, kind="norms", params={**fig2, "model": "m", "dataset": "d"}), 422,
+                      "validation-error")
+    msgs = {tuple(e["loc"]): e["msg"] for e in body["errors"]}
+    assert msgs[("params", "target")] == "not a field of 'norms' but of 'sweep': parameters meant for another kind?"
+    assert "did you mean" not in body["detail"]
 
 
 def test_value_errors_read_without_pydantics_prefix(api):
