@@ -605,6 +605,9 @@ def _idempotency_key(ctx, param, value: str | None) -> str | None:
               help="with --wait: stop watching after this many seconds")
 def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout):
     """Submit a job of KIND (see `lmscope kinds`)."""
+    if timeout is not None and not wait_:  # refused before anything is submitted
+        raise click.UsageError("--timeout limits --wait: add --wait, or leave --timeout out and "
+                               "watch later with `lmscope wait JOB --timeout SECONDS`")
     c = client()
     schema = kind_schema(c, kind) if pairs else None
     job = c.submit(kind, build_params(pairs, params_file, schema), name=name, tags=list(tags),

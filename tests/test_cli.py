@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from lmscope import __version__
 from lmscope.cli import build_params, main, parse_param, parse_value
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,19 @@ def test_nan_and_infinity_are_usage_errors_not_tracebacks(monkeypatch):
     r = CliRunner().invoke(main, ["submit", "norms", "-p", "model=m", "-p", "loss_filter=NaN"])
     assert r.exit_code == 2 and "'NaN': NaN is not a JSON number" in r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_timeout_without_wait_is_refused_before_submitting(monkeypatch):
+    """--timeout only limits --wait: alone it did nothing, silently."""
+    monkeypatch.setenv("LMSCOPE_URL", "http://127.0.0.1:9")  # nothing listens: the refusal comes first
+    r = CliRunner().invoke(main, ["submit", "probe", "-p", "model=m", "--timeout", "5"])
+    assert r.exit_code == 2 and "--timeout limits --wait" in r.output
+
+
+def test_python_dash_m_lmscope_is_the_cli():
+    run = subprocess.run([sys.executable, "-m", "lmscope", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == f"lmscope {__version__}", run.stderr
 
 
 def test_a_malformed_lmscope_url_is_one_line_saying_what_to_set(monkeypatch):

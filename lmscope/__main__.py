@@ -1,0 +1,4 @@
+"""`python -m lmscope`: the same as the `lmscope` command."""
+from lmscope.cli import main
+
+main()
