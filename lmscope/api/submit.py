@@ -19,8 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
-from lmscope.api.errors import (Problem, describe_errors, did_you_mean, fields_problem, pydantic_errors,
-                                validation_problem)
+from lmscope.api.errors import Problem, describe_errors, did_you_mean, fields_problem, pydantic_errors
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
@@ -81,7 +80,16 @@ def parse_body(raw: Any) -> SubmitBody:
     try:
         return SubmitBody.model_validate(raw)
     except ValidationError as e:
-        raise validation_problem(e, model=SubmitBody) from None
+        errors = pydantic_errors(e, model=SubmitBody)
+        params = raw.get("params", {})
+        if isinstance(raw.get("kind"), str) and isinstance(params, dict) \
+                and not any(err["loc"][:1] in (["kind"], ["params"]) for err in errors):
+            try:  # the params' mistakes too (a misspelt "tag" beside a misspelt parameter): one round trip
+                check_params(raw["kind"], params)
+            except Problem as p:
+                if p.type == "validation-error":
+                    errors += p.errors or []
+        raise fields_problem("Invalid request", errors) from None
 
 
 def check_params(kind: str, params: dict[str, Any]):

@@ -607,6 +607,12 @@ def test_unknown_fields_suggest_the_intended_name(api):
     body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "probe", "params": {"model": "m"},
                                                                     "tag": ["x"]}), 422, "validation-error")
     assert body["errors"][0]["msg"] == "unknown field; did you mean 'tags'?"
+    # a mistake in the body and one in the params: both in one answer
+    both = {"kind": "norms", "params": {"model": "m", "dataset": "d", "max_sample": 5}, "tag": ["x"]}
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json=both), 422, "validation-error")
+    assert {tuple(e["loc"]): e["msg"] for e in body["errors"]} == {
+        ("tag",): "unknown field; did you mean 'tags'?",
+        ("params", "max_sample"): "unknown field; did you mean 'max_samples'?"}
     # Nothing close: the valid names.
     body = is_problem(api.submit(h, params={"model": "m", "colour": 1}), 422, "validation-error")
     assert body["errors"][0]["msg"] == "unknown field; the fields are: " + ", ".join(sorted(KINDS["probe"].params.model_fields))
