@@ -119,6 +119,11 @@ class Settings:
         """Where a job's artifacts live (the API serves them, the worker writes them)."""
         return Path(self.artifact_dir) / "jobs" / str(job_id)
 
+    @property
+    def time_limit_setting(self) -> str:
+        """The limit as messages name it, with its value: "LMSCOPE_TASK_TIME_LIMIT=21600 s"."""
+        return f"LMSCOPE_TASK_TIME_LIMIT={self.task_time_limit:g} s"
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
         # An empty variable is an unset one (LMSCOPE_DATA_DIR= would otherwise mean the working directory)

@@ -16,7 +16,7 @@ from lmscope.api.metrics import RequestMetrics
 from lmscope.api.state import ApiState, Publisher
 from lmscope.config import Settings
 from lmscope.db.builtins import ensure_builtins
-from lmscope.db.engine import make_engine, make_sessionmaker
+from lmscope.db.engine import make_engine, make_sessionmaker, schema_problem
 from lmscope.queue import make_publisher
 
 log = logging.getLogger("lmscope.api")
@@ -25,13 +25,17 @@ log = logging.getLogger("lmscope.api")
 UPLOAD_OVERHEAD_BYTES = 64 * 1024
 
 
-def upsert_builtins(settings: Settings, sessions) -> None:
+def upsert_builtins(settings: Settings, sessions, engine) -> None:
     """Upsert the built-in models/datasets at start-up (workers do the same). A failure (e.g. an
     unmigrated database) is logged and does not stop the API: /readyz and the job routes say more."""
     try:
         ensure_builtins(settings, sessions)
     except Exception:
-        log.exception("could not upsert the built-in models/datasets (is the database migrated? `lmscope db upgrade`)")
+        problem = schema_problem(engine)
+        if problem is not None:  # the usual cause, in one line: no traceback to read through
+            log.warning("could not upsert the built-in models/datasets: %s", problem)
+        else:
+            log.exception("could not upsert the built-in models/datasets")
 
 
 class AsciiIntegerConverter(IntegerConverter):
@@ -79,7 +83,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
                                                       time.perf_counter() - started)
         return response
 
-    upsert_builtins(settings, sessions)
+    upsert_builtins(settings, sessions, engine)
     return app
 
 

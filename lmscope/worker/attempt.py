@@ -30,6 +30,30 @@ class WorkerShutdown(Exception):
     """The embedded worker is stopping; the job goes back to the queue."""
 
 
+class OutageLog:
+    """Logs the first failure of a write that is retried (a database outage) and the first success after
+    it, not every failed try (a heartbeat and progress reports try several times a second)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failures = 0
+        self._lock = threading.Lock()  # the heartbeat thread and the job's thread may share one
+
+    def failed(self, e: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            first = self.failures == 1
+        if first:
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            log.warning("%s failed: %s; retrying (not logged again until it works)", self.what, reason)
+
+    def worked(self) -> None:
+        with self._lock:
+            failures, self.failures = self.failures, 0
+        if failures:
+            log.warning("%s works again after %d failed tries", self.what, failures)
+
+
 @dataclass
 class Attempt:
     job_id: int
@@ -61,6 +85,7 @@ class Heartbeat(threading.Thread):
         self.cancel_requested = False
         self.lost = False
         self._stopping = threading.Event()
+        self._outage = OutageLog(f"heartbeat of job {attempt.job_id}")
 
     def beat(self) -> None:
         try:
@@ -69,8 +94,9 @@ class Heartbeat(threading.Thread):
                     update(Job).where(self.attempt.owned()).values(heartbeat_at=utcnow())
                     .returning(Job.cancel_requested)).one_or_none()
         except SQLAlchemyError as e:  # a database blip must not kill a long job; the next beat retries
-            log.warning("heartbeat of job %s failed: %s", self.attempt.job_id, e)
+            self._outage.failed(e)
             return
+        self._outage.worked()
         if row is None:
             self.lost = True
         elif row.cancel_requested:

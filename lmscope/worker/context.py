@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.catalog import config_facts, parse_documents, safetensors_parameter_count, sha256_bytes
 from lmscope.db.models import Dataset, Job, Model, utcnow
-from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, OutageLog, WorkerShutdown
 
 PROGRESS_WRITES_PER_SECOND = 4
 MODEL_CACHE_CAPACITY = 2
@@ -48,7 +48,8 @@ def model_cache():
 class WorkerContext:
     def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
                  *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
-                 deadline: float | None = None, shares_process: bool = False, cancellable: bool = True,
+                 deadline: float | None = None, time_limit_setting: str = "LMSCOPE_TASK_TIME_LIMIT",
+                 shares_process: bool = False, cancellable: bool = True,
                  fixed_progress: tuple[int, int] | None = None):
         self.job_id = attempt.job_id
         self.attempt = attempt.number
@@ -64,10 +65,12 @@ class WorkerContext:
         self._heartbeat = heartbeat
         self._shutdown = shutdown
         self._deadline = deadline  # time.monotonic() after which the attempt fails (time limit)
+        self._time_limit_setting = time_limit_setting  # "LMSCOPE_TASK_TIME_LIMIT=… s", for the message
         self._interval = 1.0 / PROGRESS_WRITES_PER_SECOND
         self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
         self._written: tuple[int, int, str | None] | None = None
         self._cancel_requested = False
+        self._outage = OutageLog(f"progress write / cancel check of job {attempt.job_id}")
         # False: a cancel does not stop the work (a sweep's aggregation: short, and what a cancel leaves to do)
         self._cancellable = cancellable
         # (done, total) that progress reports keep (a sweep parent aggregating: its children's count); they
@@ -101,8 +104,9 @@ class WorkerContext:
                 row = session.execute(update(Job).where(self._attempt.owned()).values(**values)
                                       .returning(Job.cancel_requested)).one_or_none()
         except SQLAlchemyError as e:  # keep computing through a database blip; the next write retries
-            log.warning("progress write of job %s failed: %s", self.job_id, e)
+            self._outage.failed(e)
             return
+        self._outage.worked()
         if row is None:
             raise AttemptLost(self.job_id)
         self._written = self.last_progress
@@ -121,16 +125,18 @@ class WorkerContext:
         if self._cancel_requested and self._cancellable:
             raise JobCancelled()
         if self._deadline is not None and time.monotonic() > self._deadline:
-            raise JobFailed("the job ran past its time limit (LMSCOPE_TASK_TIME_LIMIT); use smaller parameters "
-                            "or ask an operator to raise the limit", error_type="time-limit")
+            raise JobFailed(f"the job ran past its time limit ({self._time_limit_setting}; it stops at "
+                            "its last progress report before the limit); use smaller parameters or ask an operator "
+                            "to raise the limit", error_type="time-limit")
 
     def _read_cancel_flag(self) -> None:
         try:
             with self._sf() as session, session.begin():
                 row = session.execute(select(Job.cancel_requested).where(self._attempt.owned())).one_or_none()
         except SQLAlchemyError as e:
-            log.warning("cancel check of job %s failed: %s", self.job_id, e)
+            self._outage.failed(e)
             return
+        self._outage.worked()
         if row is None:
             raise AttemptLost(self.job_id)
         self._cancel_requested = bool(row.cancel_requested)

@@ -139,9 +139,8 @@ def ran_into_time_limit(settings: Settings, kind: str, started_at, last_seen) ->
 
 def time_limit_values(settings: Settings, attempts: int, now) -> dict[str, Any]:
     """UPDATE values that fail a job killed by the hard time limit (it is not retried)."""
-    limit = settings.task_time_limit
     return dict(status="failed", finished_at=now, error_type="time-limit", error_message=(
-        f"the job ran into the hard time limit (LMSCOPE_TASK_TIME_LIMIT={limit:g} s) and its worker process was "
+        f"the job ran into the hard time limit ({settings.time_limit_setting}) and its worker process was "
         f"killed (attempt {attempts}): it did not stop at a progress report before the limit (a long call "
         "without progress reports cannot be interrupted). Not retried; use smaller parameters, or ask an "
         "operator to raise LMSCOPE_TASK_TIME_LIMIT"))
@@ -323,7 +322,7 @@ def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher,
 
 # ---------------------------------------------------------------- running
 
-def _failure(e: BaseException) -> tuple[str, str]:
+def _failure(e: BaseException, settings: Settings) -> tuple[str, str]:
     """(error_type, message) for an exception that ended a job."""
     from pydantic import ValidationError
 
@@ -337,7 +336,7 @@ def _failure(e: BaseException) -> tuple[str, str]:
         return "invalid-params", f"the job's parameters are invalid: {e}"
     name = type(e).__name__
     if name in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
-        return "time-limit", "the job ran past its time limit (LMSCOPE_TASK_TIME_LIMIT); use smaller parameters"
+        return "time-limit", f"the job ran past its time limit ({settings.time_limit_setting}); use smaller parameters"
     return name, str(e) or name
 
 
@@ -392,7 +391,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     # before Celery's soft limit, so the job stops at a progress report rather than anywhere
     deadline = time.monotonic() + time_limits(settings.task_time_limit)[1] if settings.task_time_limit else None
     ctx = WorkerContext(attempt, session_factory, folder, device, heartbeat=heartbeat, shutdown=shutdown,
-                        deadline=deadline, shares_process=shares_process, cancellable=cancellable,
+                        deadline=deadline, time_limit_setting=settings.time_limit_setting,
+                        shares_process=shares_process, cancellable=cancellable,
                         fixed_progress=fixed_progress)
     started = time.perf_counter()
     heartbeat.start()
@@ -422,7 +422,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                 values = dict(summary=output.summary)
         except Exception as e:
             status, output = "failed", e.partial if isinstance(e, JobFailed) else None
-            error_type, message = _failure(e)
+            error_type, message = _failure(e, settings)
             values = dict(error_type=error_type[:64], error_message=message)
             if output is not None:
                 values["summary"] = output.summary
@@ -449,7 +449,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             if output is None:
                 raise
             log.exception("job %s: storing results failed", attempt.job_id)
-            error_type, message = _failure(e)
+            error_type, message = _failure(e, settings)
             if status == "failed":  # the job's own failure stays the reason
                 values.update(error_message=f"{values['error_message']} (storing its partial results failed too: "
                                             f"{message})", summary=final_summary)

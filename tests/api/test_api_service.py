@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 
@@ -28,9 +29,14 @@ def test_readiness_pings_the_broker(make_api, redis_server):
     assert "broker" in body["detail"] and r.headers["Retry-After"]
 
 
-def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(make_api, tmp_path):
+def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(make_api, tmp_path, caplog):
     """Not "a bug" (500): the operator forgot `lmscope db upgrade`, or the database is down."""
-    empty = make_api(database_url=f"sqlite:///{tmp_path / 'empty.db'}", auth=False)
+    with caplog.at_level(logging.WARNING, logger="lmscope.api"):
+        empty = make_api(database_url=f"sqlite:///{tmp_path / 'empty.db'}", auth=False)
+    # start-up says so in one line, not with a SQLAlchemy traceback
+    [started] = [r for r in caplog.records if r.name == "lmscope.api"]
+    assert "no lmscope tables; create them with `lmscope db upgrade`" in started.getMessage()
+    assert started.exc_info is None
     body = is_problem(empty.client.get("/readyz"), 503, "not-ready")
     assert "no lmscope tables" in body["checks"]["database"] and "lmscope db upgrade" in body["detail"]
     r = empty.client.get("/v1/jobs")

@@ -317,6 +317,7 @@ def test_under_celery_the_jobs_own_deadline_comes_before_the_soft_limit(delivery
     finally:
         worker.stop()
     assert job.error_type == "time-limit" and 0 < job.summary["counted"] < 1_000_000
+    assert "(LMSCOPE_TASK_TIME_LIMIT=20 s;" in job.error_message  # which limit, and its value
     assert series_names(sessions, job_id) == ["square"] and "SoftTimeLimitExceeded" not in log.read_text()
 
 

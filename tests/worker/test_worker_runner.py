@@ -373,6 +373,46 @@ def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_
     assert job_row(job_id).status == "cancelled"
 
 
+def test_a_database_outage_is_logged_when_it_starts_and_ends_not_at_every_try(settings, sessions, make_job,
+                                                                             job_row, tmp_path, caplog):
+    """The heartbeat and progress reports retry several times a second through an outage: one warning
+    (the error's first line, not the SQL) when it starts, one when writes work again."""
+    import logging
+
+    from sqlalchemy.exc import OperationalError
+
+    from lmscope.worker.attempt import Heartbeat
+
+    job_id = make_job()
+    attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
+    down = True
+
+    def flaky_sessions():
+        if down:
+            raise OperationalError("UPDATE jobs ...", {}, Exception("connection refused\nIs the server running?"))
+        return sessions()
+
+    beat, ctx = Heartbeat(flaky_sessions, attempt, 1.0), WorkerContext(attempt, flaky_sessions, tmp_path / "a", "cpu")
+    with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
+        for i in range(5):
+            beat.beat()
+            ctx.last_progress = (i, 10, "measure")
+            ctx.flush_progress()
+        down = False
+        beat.beat()
+        ctx.last_progress = (5, 10, "measure")
+        ctx.flush_progress()
+    said = [r.getMessage() for r in caplog.records if r.name == "lmscope.worker"]
+    assert said == [
+        f"heartbeat of job {job_id} failed: (builtins.Exception) connection refused; retrying (not logged again "
+        "until it works)",
+        f"progress write / cancel check of job {job_id} failed: (builtins.Exception) connection refused; retrying "
+        "(not logged again until it works)",
+        f"heartbeat of job {job_id} works again after 5 failed tries",
+        f"progress write / cancel check of job {job_id} works again after 5 failed tries"]
+    assert job_row(job_id).progress_done == 5  # and the write that worked wrote
+
+
 # ---------------------------------------------------------------- the context's models, datasets, checkpoints
 
 @pytest.fixture
