@@ -50,11 +50,16 @@ def browse(url: str, *extra: str) -> str:
 # ---------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def up_env(tmp_path_factory):
     """`lmscope up` in its own process for the module (as conftest's `lmscope_up`, shared by every test)."""
     need(cdp.chromium_binary() is not None, "Chromium not installed (apt-get install chromium)")
     with running_lmscope_up(tmp_path_factory.mktemp("dashboard-up")) as env:
-        yield env["LMSCOPE_URL"]
+        yield env
+
+
+@pytest.fixture(scope="module")
+def url(up_env):
+    return up_env["LMSCOPE_URL"]
 
 
 def submit(url: str, kind: str, params: dict, **extra) -> int:
@@ -434,6 +439,65 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     page.goto(f"{url}/#compare={jobs['a']},{c1}")
     page.wait("document.getElementById('no-shared')")
     assert "no series" in page.text("#no-shared")
+
+
+def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
+    """The boxes and the button's count say what is compared, also when the comparison came from a link."""
+    a, b = jobs["a"], jobs["b"]
+
+    def ticked():
+        return page.js("[...document.querySelectorAll('#jobs input.tick:checked')].map(x => Number(x.dataset.id))"
+                       ".sort((x, y) => x - y)")
+
+    page.goto(f"{url}/#compare={a},{b}")
+    page.wait("document.getElementById('compare-table')")
+    page.wait(f"document.querySelector('#jobs input.tick[data-id=\"{b}\"]')")
+    assert ticked() == sorted([a, b]) and page.text("#compare") == "Compare ticked jobs (2)"
+    sweep = jobs["sweep"]  # another comparison typed into the address bar: its jobs instead
+    page.js(f"location.hash = 'compare={b},{sweep}'; true")
+    page.wait(f"document.querySelector('#jobs input.tick[data-id=\"{sweep}\"]')?.checked")
+    assert ticked() == sorted([b, sweep]) and page.text("#compare") == "Compare ticked jobs (2)"
+
+
+def test_a_list_of_several_users_jobs_says_whose_each_is(page, url, jobs, up_env):
+    """`lmscope up` is single-user (its caller is the admin `local`): a job of another user, written into
+    its database here, shows the user column; without it the column is hidden."""
+    from sqlalchemy import delete
+
+    from lmscope.config import Settings
+    from lmscope.db.engine import make_engine, make_sessionmaker
+    from lmscope.db.models import Job, User, utcnow
+
+    def user_column():
+        return page.js("getComputedStyle(document.querySelector('#jobs-table th.user')).display !== 'none'")
+
+    page.goto(f"{url}/")
+    page.wait(f"document.querySelector('#jobs tr.job[data-id=\"{jobs['a']}\"]')")
+    assert not user_column()
+    engine = make_engine(Settings.from_env(up_env).database_url)
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as s:
+        bob = User(name="bob-dash")
+        s.add(bob)
+        s.flush()
+        job = Job(user_id=bob.id, kind="probe", params={"model": "tiny-gpt2"}, status="succeeded", tags=[],
+                  created_at=utcnow(), finished_at=utcnow(), max_attempts=1)
+        s.add(job)
+        s.flush()
+        bobs = job.id
+    try:
+        page.wait(f"document.querySelector('#jobs tr.job[data-id=\"{bobs}\"]')")
+        page.wait("getComputedStyle(document.querySelector('#jobs-table th.user')).display !== 'none'")
+        owners = page.js("Object.fromEntries([...document.querySelectorAll('#jobs tr.job')].map("
+                         "r => [r.dataset.id, r.querySelector('td.user').textContent]))")
+        assert owners[str(bobs)] == "bob-dash" and owners[str(jobs["a"])] == "local"
+    finally:
+        with sessions.begin() as s:
+            s.execute(delete(Job).where(Job.id == bobs))
+            s.execute(delete(User).where(User.name == "bob-dash"))
+        engine.dispose()
+    page.wait(f"!document.querySelector('#jobs tr.job[data-id=\"{bobs}\"]')")
+    assert not user_column()
 
 
 # `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
