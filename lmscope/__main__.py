@@ -1,4 +1,5 @@
 """`python -m lmscope`: the same as the `lmscope` command."""
 from lmscope.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -122,7 +122,7 @@ class Settings:
     @property
     def time_limit_setting(self) -> str:
         """The limit as messages name it, with its value: "LMSCOPE_TASK_TIME_LIMIT=21600 s"."""
-        return f"LMSCOPE_TASK_TIME_LIMIT={self.task_time_limit:g} s"
+        return f"LMSCOPE_TASK_TIME_LIMIT={self.task_time_limit} s"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":

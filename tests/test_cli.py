@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lmscope import __version__
-from lmscope.cli import build_params, main, parse_param, parse_value
+from lmscope.cli import build_params, main, parse_param, parse_value, summary_value
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,6 +42,13 @@ def test_nan_and_infinity_are_usage_errors_not_tracebacks(monkeypatch):
     r = CliRunner().invoke(main, ["submit", "norms", "-p", "model=m", "-p", "loss_filter=NaN"])
     assert r.exit_code == 2 and "'NaN': NaN is not a JSON number" in r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_summary_values_print_as_written():
+    """`submit --wait` prints each summary value: strings bare, floats to 6 digits, the rest as JSON with
+    its text as written (a note "≤ loss_filter" or a head "α" is not \\u-escaped)."""
+    assert summary_value("kept ≤ 1.0") == "kept ≤ 1.0" and summary_value(0.123456789) == "0.123457"
+    assert summary_value(["α", None, True]) == '["α", null, true]'
 
 
 def test_timeout_without_wait_is_refused_before_submitting(monkeypatch):

@@ -457,6 +457,20 @@ def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
     page.js(f"location.hash = 'compare={b},{sweep}'; true")
     page.wait(f"document.querySelector('#jobs input.tick[data-id=\"{sweep}\"]')?.checked")
     assert ticked() == sorted([b, sweep]) and page.text("#compare") == "Compare ticked jobs (2)"
+    # A comparison made from some of the ticked boxes (a sweep's grid points) leaves the others ticked.
+    c1, c2 = jobs["children"]
+    page.js(f"location.hash = 'job={sweep}'; true")
+    wait_job(page, sweep)
+    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    page.click(f'#children tr[data-id="{c1}"] input.tick')
+    page.click(f'#children tr[data-id="{c2}"] input.tick')
+    page.click("#detail button.compare-ticked")
+    page.wait(f"location.hash === '#compare={c1},{c2}'")
+    page.wait("document.getElementById('compare-table')")
+    assert ticked() == sorted([b, sweep]) and page.text("#compare") == "Compare ticked jobs (4)"
+    # untick everything (the grid points' boxes are gone with the sweep's page) for later tests
+    page.js("ticked.clear(); for (const x of document.querySelectorAll('input.tick')) x.checked = false; "
+            "updateCompareButtons(); true")
 
 
 def test_a_list_of_several_users_jobs_says_whose_each_is(page, url, jobs, up_env):

@@ -110,9 +110,9 @@ def unknown_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
     return "unknown field" + (did_you_mean(str(loc[-1]), names) or "; the fields are: " + ", ".join(names))
 
 
-def did_you_mean(word: str, names) -> str:
+def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
     """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""
-    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 

@@ -86,9 +86,8 @@ def parse_body(raw: Any) -> SubmitBody:
                 and not any(err["loc"][:1] in (["kind"], ["params"]) for err in errors):
             try:  # the params' mistakes too (a misspelt "tag" beside a misspelt parameter): one round trip
                 check_params(raw["kind"], params)
-            except Problem as p:
-                if p.type == "validation-error":
-                    errors += p.errors or []
+            except Problem as p:  # invalid parameters, or a kind that does not exist / is not submittable
+                errors += p.errors or []
         raise fields_problem("Invalid request", errors) from None
 
 
@@ -113,12 +112,16 @@ def check_params(kind: str, params: dict[str, Any]):
     except ValidationError as e:
         errors = pydantic_errors(e, ("params",), KINDS[kind].params)
         for error in errors:
-            # a field another kind has (a sweep's parameter file sent as norms): say so, not "did you mean"
+            # A field another kind has: a sweep's parameter file sent as norms ("target" is not a misspelt
+            # "dataset"), or a near miss of this kind's own ("seed" in a sweep, which has "seeds").
             if error["type"] == "extra_forbidden" and len(error["loc"]) == 2:
-                owners = [k for k in submittable_kinds() if k != kind and error["loc"][1] in KINDS[k].params.model_fields]
+                name = str(error["loc"][1])
+                owners = " / ".join(repr(k) for k in submittable_kinds()
+                                    if k != kind and name in KINDS[k].params.model_fields)
                 if owners:
-                    error["msg"] = (f"not a field of {kind!r} but of {' / '.join(map(repr, owners))}: "
-                                    "parameters meant for another kind?")
+                    close = did_you_mean(name, KINDS[kind].params.model_fields, cutoff=0.8)
+                    error["msg"] = (f"unknown field{close} ({name!r} is a field of {owners})" if close else
+                                    f"not a field of {kind!r} but of {owners}: parameters meant for another kind?")
         raise fields_problem(f"Invalid parameters for kind {kind!r}", errors) from None
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.db.models import Job, utcnow
@@ -31,27 +32,37 @@ class WorkerShutdown(Exception):
 
 
 class OutageLog:
-    """Logs the first failure of a write that is retried (a database outage) and the first success after
-    it, not every failed try (a heartbeat and progress reports try several times a second)."""
+    """Logs a retried write's failures during a database outage when it starts, once a minute while it
+    lasts and when the write works again, not at every try (a heartbeat and progress reports try several
+    times a second). Other database errors (a value out of range, a wrong schema) are logged every time."""
+
+    REMIND_SECONDS = 60.0
 
     def __init__(self, what: str):
         self.what = what
         self.failures = 0
-        self._lock = threading.Lock()  # the heartbeat thread and the job's thread may share one
+        self._started = self._reminded = 0.0
 
     def failed(self, e: BaseException) -> None:
-        with self._lock:
-            self.failures += 1
-            first = self.failures == 1
-        if first:
-            reason = (str(e).splitlines() or [type(e).__name__])[0]
-            log.warning("%s failed: %s; retrying (not logged again until it works)", self.what, reason)
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        outage = isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)
+        self.failures += 1
+        now = time.monotonic()
+        if self.failures == 1:
+            self._started = self._reminded = now
+            if outage:
+                log.warning("%s failed: %s; retrying (logged again each minute until it works)", self.what, reason)
+        elif outage and now - self._reminded >= self.REMIND_SECONDS:
+            self._reminded = now
+            log.warning("%s still fails after %d tries in %.0f s: %s", self.what, self.failures,
+                        now - self._started, reason)
+        if not outage:
+            log.warning("%s failed: %s", self.what, reason)
 
     def worked(self) -> None:
-        with self._lock:
-            failures, self.failures = self.failures, 0
-        if failures:
-            log.warning("%s works again after %d failed tries", self.what, failures)
+        if self.failures:
+            log.warning("%s works again after %d failed tries", self.what, self.failures)
+            self.failures = 0
 
 
 @dataclass

@@ -70,7 +70,8 @@ class WorkerContext:
         self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
         self._written: tuple[int, int, str | None] | None = None
         self._cancel_requested = False
-        self._outage = OutageLog(f"progress write / cancel check of job {attempt.job_id}")
+        self._progress_outage = OutageLog(f"progress write of job {attempt.job_id}")
+        self._cancel_outage = OutageLog(f"cancel check of job {attempt.job_id}")
         # False: a cancel does not stop the work (a sweep's aggregation: short, and what a cancel leaves to do)
         self._cancellable = cancellable
         # (done, total) that progress reports keep (a sweep parent aggregating: its children's count); they
@@ -104,9 +105,9 @@ class WorkerContext:
                 row = session.execute(update(Job).where(self._attempt.owned()).values(**values)
                                       .returning(Job.cancel_requested)).one_or_none()
         except SQLAlchemyError as e:  # keep computing through a database blip; the next write retries
-            self._outage.failed(e)
+            self._progress_outage.failed(e)
             return
-        self._outage.worked()
+        self._progress_outage.worked()
         if row is None:
             raise AttemptLost(self.job_id)
         self._written = self.last_progress
@@ -134,9 +135,9 @@ class WorkerContext:
             with self._sf() as session, session.begin():
                 row = session.execute(select(Job.cancel_requested).where(self._attempt.owned())).one_or_none()
         except SQLAlchemyError as e:
-            self._outage.failed(e)
+            self._cancel_outage.failed(e)
             return
-        self._outage.worked()
+        self._cancel_outage.worked()
         if row is None:
             raise AttemptLost(self.job_id)
         self._cancel_requested = bool(row.cancel_requested)

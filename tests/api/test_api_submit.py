@@ -613,6 +613,8 @@ def test_unknown_fields_suggest_the_intended_name(api):
     assert {tuple(e["loc"]): e["msg"] for e in body["errors"]} == {
         ("tag",): "unknown field; did you mean 'tags'?",
         ("params", "max_sample"): "unknown field; did you mean 'max_samples'?"}
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={**both, "kind": "nrms"}), 422, "validation-error")
+    assert [e["loc"] for e in body["errors"]] == [["tag"], ["kind"]]  # and a kind that does not exist
     # Nothing close: the valid names.
     body = is_problem(api.submit(h, params={"model": "m", "colour": 1}), 422, "validation-error")
     assert body["errors"][0]["msg"] == "unknown field; the fields are: " + ", ".join(sorted(KINDS["probe"].params.model_fields))
@@ -624,6 +626,10 @@ def test_unknown_fields_suggest_the_intended_name(api):
     msgs = {tuple(e["loc"]): e["msg"] for e in body["errors"]}
     assert msgs[("params", "target")] == "not a field of 'norms' but of 'sweep': parameters meant for another kind?"
     assert "did you mean" not in body["detail"]
+    # ... unless it is a near miss of this kind's own field: both said
+    body = is_problem(api.submit(h, kind="sweep", params={"seed": 1}), 422, "validation-error")
+    assert body["errors"][0]["msg"] == ("unknown field; did you mean 'seeds'? ('seed' is a field of 'entropy' / "
+                                        "'norms' / 'train')")
 
 
 def test_value_errors_read_without_pydantics_prefix(api):

@@ -374,43 +374,57 @@ def test_heartbeat_is_refreshed_while_running(settings, sessions, make_job, job_
 
 
 def test_a_database_outage_is_logged_when_it_starts_and_ends_not_at_every_try(settings, sessions, make_job,
-                                                                             job_row, tmp_path, caplog):
+                                                                             job_row, tmp_path, caplog,
+                                                                             monkeypatch):
     """The heartbeat and progress reports retry several times a second through an outage: one warning
-    (the error's first line, not the SQL) when it starts, one when writes work again."""
+    (the error's first line, not the SQL) when it starts, a reminder each minute, one when writes work
+    again. An error that is not an outage (a value the column refuses) is said at every try."""
     import logging
+    import re
 
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import DataError, OperationalError
 
-    from lmscope.worker.attempt import Heartbeat
+    from lmscope.worker.attempt import Heartbeat, OutageLog
 
     job_id = make_job()
     attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
-    down = True
+    failure = None
+    monkeypatch.setattr(OutageLog, "REMIND_SECONDS", 0.5)
 
     def flaky_sessions():
-        if down:
-            raise OperationalError("UPDATE jobs ...", {}, Exception("connection refused\nIs the server running?"))
+        if failure is not None:
+            raise failure
         return sessions()
 
     beat, ctx = Heartbeat(flaky_sessions, attempt, 1.0), WorkerContext(attempt, flaky_sessions, tmp_path / "a", "cpu")
-    with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
-        for i in range(5):
-            beat.beat()
-            ctx.last_progress = (i, 10, "measure")
-            ctx.flush_progress()
-        down = False
+
+    def write(i):
         beat.beat()
-        ctx.last_progress = (5, 10, "measure")
+        ctx.last_progress = (i, 10, "measure")
         ctx.flush_progress()
-    said = [r.getMessage() for r in caplog.records if r.name == "lmscope.worker"]
+
+    with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
+        failure = OperationalError("UPDATE jobs ...", {}, Exception("connection refused\nIs the server running?"))
+        for i in range(5):  # at once, then after the reminder interval
+            write(i)
+        time.sleep(0.6)
+        write(5)
+        failure = None
+        write(6)
+        failure = DataError("UPDATE jobs ...", {}, Exception("value out of range\nDETAIL: ..."))
+        write(7)
+        write(8)
+    said = [re.sub(r"in \d+ s:", "in T s:", r.getMessage()) for r in caplog.records if r.name == "lmscope.worker"]
+    refused, out_of_range = "(builtins.Exception) connection refused", "(builtins.Exception) value out of range"
     assert said == [
-        f"heartbeat of job {job_id} failed: (builtins.Exception) connection refused; retrying (not logged again "
-        "until it works)",
-        f"progress write / cancel check of job {job_id} failed: (builtins.Exception) connection refused; retrying "
-        "(not logged again until it works)",
-        f"heartbeat of job {job_id} works again after 5 failed tries",
-        f"progress write / cancel check of job {job_id} works again after 5 failed tries"]
-    assert job_row(job_id).progress_done == 5  # and the write that worked wrote
+        f"heartbeat of job {job_id} failed: {refused}; retrying (logged again each minute until it works)",
+        f"progress write of job {job_id} failed: {refused}; retrying (logged again each minute until it works)",
+        f"heartbeat of job {job_id} still fails after 6 tries in T s: {refused}",
+        f"progress write of job {job_id} still fails after 6 tries in T s: {refused}",
+        f"heartbeat of job {job_id} works again after 6 failed tries",
+        f"progress write of job {job_id} works again after 6 failed tries",
+        *[f"{what} of job {job_id} failed: {out_of_range}" for _ in range(2) for what in ("heartbeat", "progress write")]]
+    assert job_row(job_id).progress_done == 6  # the write that worked wrote
 
 
 # ---------------------------------------------------------------- the context's models, datasets, checkpoints

@@ -123,18 +123,23 @@ def test_a_cancelled_sweep_with_nothing_finished_is_cancelled_without_aggregatin
     assert (job.progress_done, job.progress_total) == (0, 2)
 
 
-def test_a_cancel_that_cut_no_child_short_leaves_a_complete_sweep(settings, sessions, sweep, job_row, publisher):
-    """The cancel came while the last child was finishing, and every child ran to its end: nothing is
-    partial, so the sweep aggregates as usual and ends succeeded (a cancelled sweep would say partial)."""
-    parent, kids = sweep([{"steps": 2}, {"steps": 3}])
-    runner.execute(kids[0], settings, sessions, publisher)
-    _cancel(sessions, parent)  # the API flags the parent; kids[1] already runs and finishes on its own
-    runner.execute(kids[1], settings, sessions, publisher)
-    assert job_row(kids[1]).status == "succeeded"
+@pytest.mark.parametrize("second", [{"steps": 3}, {"steps": 3, "fail": "exception", "fail_at": 1}])
+def test_a_cancel_that_cut_no_child_short_leaves_a_complete_sweep(settings, sessions, sweep, job_row, publisher,
+                                                                  second):
+    """The cancel came after the last child had ended (before the aggregation was claimed; or while it
+    finished its last step): nothing is partial, so the sweep ends as if not cancelled — succeeded, with a
+    failed child listed as usual — where a cancelled sweep would say partial."""
+    parent, kids = sweep([{"steps": 2}, second])
+    for kid in kids:
+        runner.execute(kid, settings, sessions, publisher)
+    _cancel(sessions, parent)  # what the API does now: the parent has no active child left to flag
     assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
     job = job_row(parent)
-    assert job.status == "succeeded" and "partial" not in job.summary and job.summary["sum"] == 3 + 6
-    assert job.summary["children"] == {"succeeded": 2, "failed": 0, "cancelled": 0}
+    assert job.status == "succeeded" and "partial" not in job.summary
+    failed = "fail" in second
+    assert job.summary["sum"] == 3 + (0 if failed else 6)
+    assert job.summary["children"] == {"succeeded": 2 - failed, "failed": int(failed), "cancelled": 0}
+    assert job.summary.get("failed_children", []) == ([kids[1]] if failed else [])
     assert (job.progress_done, job.progress_total) == (2, 2)
 
 
