@@ -154,6 +154,16 @@ def wait_refreshes(b, n=2):
     b.wait(f"performance.getEntriesByType('resource').filter(e => e.name.includes('/v1/jobs?')).length >= {n}", timeout=15)
 
 
+def compare_grid_points(b, c1, c2):
+    """On a two-point sweep's page: tick both grid points and press its compare button."""
+    b.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    b.click(f'#children tr[data-id="{c1}"] input.tick')
+    b.click(f'#children tr[data-id="{c2}"] input.tick')
+    b.click("#detail button.compare-ticked")
+    b.wait(f"location.hash === '#compare={c1},{c2}'")
+    b.wait("document.getElementById('compare-table')")
+
+
 # ---------------------------------------------------------------- a plain page load (--dump-dom)
 
 def test_dashboard_shows_jobs_progress_summary_and_plots(url, jobs, tmp_path):
@@ -383,12 +393,7 @@ def test_sweep_points_open_link_back_and_compare(page, url, jobs):
     assert page.text("#detail p b") == child["name"]
     page.click("#parent-link")
     wait_job(page, sweep)
-    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
-    page.click(f'#children tr[data-id="{c1}"] input.tick')
-    page.click(f'#children tr[data-id="{c2}"] input.tick')
-    page.click("#detail button.compare-ticked")
-    page.wait(f"location.hash === '#compare={c1},{c2}'")
-    page.wait("document.getElementById('compare-table')")
+    compare_grid_points(page, c1, c2)
     page.js("for (const b of document.querySelectorAll('input.tick:checked')) b.click(); true")  # untick for later tests
 
 
@@ -461,12 +466,7 @@ def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
     c1, c2 = jobs["children"]
     page.js(f"location.hash = 'job={sweep}'; true")
     wait_job(page, sweep)
-    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
-    page.click(f'#children tr[data-id="{c1}"] input.tick')
-    page.click(f'#children tr[data-id="{c2}"] input.tick')
-    page.click("#detail button.compare-ticked")
-    page.wait(f"location.hash === '#compare={c1},{c2}'")
-    page.wait("document.getElementById('compare-table')")
+    compare_grid_points(page, c1, c2)
     assert ticked() == sorted([b, sweep]) and page.text("#compare") == "Compare ticked jobs (4)"
     # untick everything (the grid points' boxes are gone with the sweep's page) for later tests
     page.js("ticked.clear(); for (const x of document.querySelectorAll('input.tick')) x.checked = false; "
