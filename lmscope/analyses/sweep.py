@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -584,6 +584,12 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         **({"linformer_projection": params.linformer_projection} if "linformer" in references else {}),
         "plots": ["attention_approx.png"],
     }
+    # a seed whose error was not a number (stored null) is left out of that point's mean: say where
+    ran = Counter(c.params["method"] for c in ok)
+    short = [{"method": m, "layer": layer, "features": x, "seeds": len(ys), "of": ran[m]}
+             for (m, layer), by_k in sorted(err.items()) for x, ys in sorted(by_k.items()) if len(ys) < ran[m]]
+    if short:
+        summary["points_missing_seeds"] = short
     # the children read the same windows of the same model; their union, should they ever disagree
     windowed = {int(k): w for c in ok for k, w in ((c.summary or {}).get("sliding_windows") or {}).items()}
     if windowed:

@@ -677,6 +677,10 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     perf0 = next(s for s in out.series if s.name == "rel_error" and s.labels["method"] == "performer"
                  and s.labels["layer"] == 0)
     assert perf0.labels["seed_count"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
+    assert out.summary["points_missing_seeds"] == [{"method": "performer", "layer": 0, "features": 16,
+                                                    "seeds": 1, "of": 2}]
+    assert "points_missing_seeds" not in aggregate(params, [child(1, "performer", 0, 1.0), child(3, "linformer", 0, 3.0)],
+                                                   LocalContext(tmp_path / "whole")).summary
 
 
 def test_attention_aggregation_headline_is_the_largest_k(tmp_path):
