@@ -604,7 +604,10 @@ def _plots(ctx, params, steps, names, results, dim_results) -> None:
             left = min(edges[max(filled[0] - 1, 0)], math.log(n) - params.near_uniform_margin - width)
             ax.set_xlim(max(left, 0.0), edges[-1] + width / 2)
         if params.dimension_causal:
-            ax.axvline(math.log(n), color="k", ls="--", label=f"ln({n}) (bound of the last row)")
+            # each row t has its own bound ln(t+1): no single threshold line to draw
+            ax.axvline(math.log(n), color="k", ls="--",
+                       label=f"ln({n}): bound of the last row (row t: near uniform above ln(t+1) − "
+                             f"{params.near_uniform_margin})")
         else:
             ax.axvline(math.log(n), color="k", ls="--", label=f"uniform ln({n}) = {math.log(n):.2f}")
             ax.axvline(math.log(n) - params.near_uniform_margin, color="r", ls=":",
