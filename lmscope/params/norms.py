@@ -23,7 +23,7 @@ class NormsParams(JobParams):
     include_last_layer: bool = Field(False, description="add the last block's output (before the final norm)")
     inner_loss: bool = Field(True, description="compute the approximate inner loss per layer (eq. 14)")
     loss_filter: float | None = Field(
-        1.0, ge=0, description="keep samples whose inner loss at the last layer is ≤ this; null keeps all")
+        1.0, ge=0, description="keep trajectories whose inner loss at the last layer is ≤ this; null keeps all")
     pca_samples: int = Field(50, ge=0, description="trajectories drawn in the 3-D PCA plot and saved in pca.npz")
     gram_condition: bool = Field(True, description="check Proposition 1's condition (GPT-2-style blocks only)")
     gram_samples: int = Field(200, ge=0, description="trajectories on which the Gram condition is checked")
