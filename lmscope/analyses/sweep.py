@@ -437,15 +437,15 @@ def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext)
     The children's counts per status (summary["children"]) are the worker's (lmscope.worker.runner).
     """
     ok = [c for c in children if c.status == "succeeded"]
-    # failed before cancelled: a cancelled sweep can have hundreds of the latter, which say little
     not_ok = sorted((c for c in children if c.status != "succeeded"), key=lambda c: c.status != "failed")
-    summary: dict[str, Any] = {
-        "study": params.study,
-        "failed_children": [
-            {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
-            for c in not_ok[:MAX_LISTED_CHILDREN]
-        ],
-    }
+    summary: dict[str, Any] = {"study": params.study}
+    # named by how they ended (a cancelled sweep can have hundreds of cancelled points, which say little)
+    for status in ("failed", "cancelled"):
+        ended = [c for c in not_ok if c.status == status]
+        if ended or status == "failed":
+            summary[f"{status}_children"] = [
+                {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
+                for c in ended[:MAX_LISTED_CHILDREN]]
     if not ok:
         raise JobFailed(f"all {len(children)} children of this sweep ended without results "
                         f"(first error: {not_ok[0].error if not_ok else 'none'}); see the children's errors")

@@ -605,7 +605,7 @@ def _fit_child(job_id, d, latent, seed, best, status="succeeded"):
     return ChildResult(job_id, "sumformer_fit", params, status, summary, curve)
 
 
-def test_a_cancelled_sweeps_summary_names_the_failed_children_first_and_at_most_a_hundred(tmp_path):
+def test_a_cancelled_sweeps_summary_names_failed_and_cancelled_children_apart_at_most_a_hundred_each(tmp_path):
     from lmscope.analyses.sweep import MAX_LISTED_CHILDREN
 
     children = [_fit_child(1, 1, 2, 0, 0.3)]
@@ -613,9 +613,10 @@ def test_a_cancelled_sweeps_summary_names_the_failed_children_first_and_at_most_
     children.append(_fit_child(999, 1, 4, 0, None, status="failed"))
     params = SweepParams(grid={"latent_dim": [2, 4], "token_dim": [1]}, train=tiny_train())  # the aggregator reads the children
     out = aggregate(params, children, LocalContext(tmp_path))
-    listed = out.summary["failed_children"]
+    assert [c["job_id"] for c in out.summary["failed_children"]] == [999]
+    listed = out.summary["cancelled_children"]
     assert len(listed) == MAX_LISTED_CHILDREN == 100
-    assert listed[0]["job_id"] == 999 and {c["status"] for c in listed[1:]} == {"cancelled"}
+    assert [c["job_id"] for c in listed] == list(range(100, 200)) and {c["status"] for c in listed} == {"cancelled"}
     [line] = [s for s in out.series if s.name == "best_val_error"]
     assert (list(line.x), list(line.y)) == ([2], [0.3])  # the one child that finished
 
@@ -631,6 +632,7 @@ def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
 
     assert "children" not in out.summary  # the counts per status are the worker's (lmscope.worker.runner)
     [failed] = out.summary["failed_children"]  # only the child that did not succeed
+    assert "cancelled_children" not in out.summary  # none was cancelled
     assert failed["job_id"] == 99 and failed["status"] == "failed" and "out of memory" in failed["error"]
     assert failed["params"]["token_dim"] == 2 and "train" not in failed["params"]
     by = {(s.name, s.labels.get("token_dim")): s for s in out.series}
@@ -763,7 +765,8 @@ def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_
 
     assert job["status"] == "succeeded", job
     assert job["summary"]["children"] == {"succeeded": 2, "failed": 0, "cancelled": 1}
-    assert [c["job_id"] for c in job["summary"]["failed_children"]] == [cancelled]
+    assert job["summary"]["failed_children"] == []
+    assert [c["job_id"] for c in job["summary"]["cancelled_children"]] == [cancelled]
     assert (job["progress"]["done"], job["progress"]["total"]) == (3, 3)
     series = client.get(f"/v1/jobs/{parent}/results?series=best_val_error").get_json()["series"]
     assert [s["x"] for s in series] == [[1, 2]]  # the cancelled d' = 4 is missing, the others kept
