@@ -444,6 +444,10 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     page.goto(f"{url}/#compare={jobs['a']},{c1}")
     page.wait("document.getElementById('no-shared')")
     assert "no series" in page.text("#no-shared")
+    # ... and a series in the address that only one has: drawn, and said to be only theirs
+    page.goto(f"{url}/#compare={jobs['a']},{c1}&series=val_error")
+    page.wait("document.querySelector('svg.chart polyline') && document.getElementById('no-shared')")
+    assert page.text("#no-shared").endswith("below, val_error of the jobs that have it.")
 
 
 def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
@@ -454,10 +458,14 @@ def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
         return page.js("[...document.querySelectorAll('#jobs input.tick:checked')].map(x => Number(x.dataset.id))"
                        ".sort((x, y) => x - y)")
 
-    page.goto(f"{url}/#compare={a},{b}")
-    page.wait("document.getElementById('compare-table')")
+    page.goto(f"{url}/")
     page.wait(f"document.querySelector('#jobs input.tick[data-id=\"{b}\"]')")
+    page.click("#compare")  # nothing ticked: an error, which the comparison below replaces
+    assert page.text("#compare-error") == "tick at least two jobs to compare"
+    page.js(f"location.hash = 'compare={a},{b}'; true")
+    page.wait("document.getElementById('compare-table')")
     assert ticked() == sorted([a, b]) and page.text("#compare") == "Compare ticked jobs (2)"
+    assert page.text("#compare-error") == ""
     sweep = jobs["sweep"]  # another comparison typed into the address bar: its jobs instead
     page.js(f"location.hash = 'compare={b},{sweep}'; true")
     page.wait(f"document.querySelector('#jobs input.tick[data-id=\"{sweep}\"]')?.checked")
@@ -512,6 +520,35 @@ def test_a_list_of_several_users_jobs_says_whose_each_is(page, url, jobs, up_env
         engine.dispose()
     page.wait(f"!document.querySelector('#jobs tr.job[data-id=\"{bobs}\"]')")
     assert not user_column()
+
+
+CHART_TICKS = """(() => {
+  const jobs = [{ id: 1, name: "a" }], curve = (x, y) => [{ name: "s", labels: {}, x_meaning: "step", jobs: { "1": { x, y } } }];
+  const drawn = svg => { document.body.append(svg); const r = {
+    x: [...svg.querySelectorAll("text.tick.x")].map(t => t.textContent),
+    y: [...svg.querySelectorAll("text.tick.y")].map(t => t.textContent),
+    yLeft: Math.min(...[...svg.querySelectorAll("text.tick.y")].map(t => t.getBoundingClientRect().left)),
+    titleRight: [...svg.querySelectorAll("text.axis-title")][1].getBoundingClientRect().right };
+    svg.remove(); return r; };
+  return { one: drawn(chart("s", curve([0], [2.5], ), jobs)),
+           narrow: drawn(chart("s", curve([0, 1, 2], [2.548665, 2.548668, 2.548672]), jobs)),
+           logNarrow: drawn(chart("s", curve([1, 2, 3], [5.31, 5.45, 5.58]), jobs, { logy: true })) };
+})()"""
+
+
+def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
+    """A range a few millionths wide gets labels that differ (at six digits they all read 2.54867); a log axis
+    over less than a factor of 2 gets round values; one x value gets its own tick, not −1 and 1 around it;
+    long y labels leave the rotated y title room."""
+    page.goto(f"{url}/")
+    page.wait("typeof chart === 'function' && document.getElementById('detail')")
+    got = page.js(CHART_TICKS)
+    assert got["one"]["x"] == ["0"]
+    for case in ("narrow", "logNarrow"):
+        assert len(set(got[case]["y"])) == len(got[case]["y"]) >= 3, got[case]
+        assert got[case]["yLeft"] > got[case]["titleRight"], got[case]  # the labels stay right of the title
+    assert {float(v) for v in got["logNarrow"]["y"]} <= {5.3, 5.35, 5.4, 5.45, 5.5, 5.55, 5.6}
+    assert page.js("tickLabels([2.548665, 2.54867, 2.548675], 6)") == ["2.548665", "2.54867", "2.548675"]
 
 
 # `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
