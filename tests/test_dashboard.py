@@ -532,7 +532,10 @@ CHART_TICKS = """(() => {
     svg.remove(); return r; };
   return { one: drawn(chart("s", curve([0], [2.5], ), jobs)),
            narrow: drawn(chart("s", curve([0, 1, 2], [2.548665, 2.548668, 2.548672]), jobs)),
-           logNarrow: drawn(chart("s", curve([1, 2, 3], [5.31, 5.45, 5.58]), jobs, { logy: true })) };
+           logNarrow: drawn(chart("s", curve([1, 2, 3], [5.31, 5.45, 5.58]), jobs, { logy: true })),
+           styles: (() => { const svg = chart("s", [{ ...curve([0, 1], [1, 2])[0] },
+                                                    { ...curve([0, 1], [2, 3])[0], labels: { step: 10 } }], jobs);
+                            return [...svg.querySelectorAll("text.legend-style")].map(t => t.textContent); })() };
 })()"""
 
 
@@ -549,6 +552,7 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
         assert got[case]["yLeft"] > got[case]["titleRight"], got[case]  # the labels stay right of the title
     assert {float(v) for v in got["logNarrow"]["y"]} <= {5.3, 5.35, 5.4, 5.45, 5.5, 5.55, 5.6}
     assert page.js("tickLabels([2.548665, 2.54867, 2.548675], 6)") == ["2.548665", "2.54867", "2.548675"]
+    assert got["styles"] == ["(no step)", "step=10"]  # a curve without the varying label is named, not blank
 
 
 # `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
