@@ -533,6 +533,8 @@ CHART_TICKS = """(() => {
   return { one: drawn(chart("s", curve([0], [2.5], ), jobs)),
            narrow: drawn(chart("s", curve([0, 1, 2], [2.548665, 2.548668, 2.548672]), jobs)),
            logNarrow: drawn(chart("s", curve([1, 2, 3], [5.31, 5.45, 5.58]), jobs, { logy: true })),
+           legend: (() => { const svg = chart("s", curve([0, 1], [1, 2]), jobs, { params: { loss_filter: { "1": null } } });
+                            return [...svg.querySelectorAll("text.legend")].map(t => t.firstChild.nodeValue); })(),
            styles: (() => { const svg = chart("s", [{ ...curve([0, 1], [1, 2])[0] },
                                                     { ...curve([0, 1], [2, 3])[0], labels: { step: 10 } }], jobs);
                             return [...svg.querySelectorAll("text.legend-style")].map(t => t.textContent); })() };
@@ -552,6 +554,8 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
         assert got[case]["yLeft"] > got[case]["titleRight"], got[case]  # the labels stay right of the title
     assert {float(v) for v in got["logNarrow"]["y"]} <= {5.3, 5.35, 5.4, 5.45, 5.5, 5.55, 5.6}
     assert page.js("tickLabels([2.548665, 2.54867, 2.548675], 6)") == ["2.548665", "2.54867", "2.548675"]
+    # a parameter that differs by being null is named, as `lmscope compare --plot` names it
+    assert got["legend"] == ["job 1 · a (loss_filter=-)"]
     assert got["styles"] == ["(no step)", "step=10"]  # a curve without the varying label is named, not blank
 
 

@@ -438,14 +438,15 @@ def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext)
     """
     ok = [c for c in children if c.status == "succeeded"]
     not_ok = sorted((c for c in children if c.status != "succeeded"), key=lambda c: c.status != "failed")
-    summary: dict[str, Any] = {"study": params.study}
+    def listed(status: str) -> list[dict[str, Any]]:
+        ended = [c for c in not_ok if c.status == status][:MAX_LISTED_CHILDREN]
+        return [{"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
+                for c in ended]
+
     # named by how they ended (a cancelled sweep can have hundreds of cancelled points, which say little)
-    for status in ("failed", "cancelled"):
-        ended = [c for c in not_ok if c.status == status]
-        if ended or status == "failed":
-            summary[f"{status}_children"] = [
-                {"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
-                for c in ended[:MAX_LISTED_CHILDREN]]
+    summary: dict[str, Any] = {"study": params.study, "failed_children": listed("failed")}
+    if cancelled := listed("cancelled"):
+        summary["cancelled_children"] = cancelled
     if not ok:
         raise JobFailed(f"all {len(children)} children of this sweep ended without results "
                         f"(first error: {not_ok[0].error if not_ok else 'none'}); see the children's errors")
@@ -546,12 +547,14 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     err: dict[tuple[str, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     ratio: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     references: dict[str, str] = {}
+    points: set[tuple[str, int, int]] = set()  # every (method, layer, k) a child measured, null or not
     for c in ok:
         method = c.params["method"]
         references[method] = (c.summary or {}).get("reference", "")
         for s in c.series:
             if s.name == "rel_error":
                 for x, y in zip(s.x, s.y):
+                    points.add((method, int(s.labels["layer"]), int(x)))
                     if y is not None:  # a NaN error is stored as null: that seed has no value at this k
                         err[method, int(s.labels["layer"])][int(x)].append(float(y))
             elif s.name == "time_ratio":
@@ -586,8 +589,8 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     }
     # a seed whose error was not a number (stored null) is left out of that point's mean: say where
     ran = Counter(c.params["method"] for c in ok)
-    short = [{"method": m, "layer": layer, "features": x, "seeds": len(ys), "of": ran[m]}
-             for (m, layer), by_k in sorted(err.items()) for x, ys in sorted(by_k.items()) if len(ys) < ran[m]]
+    short = [{"method": m, "layer": layer, "features": x, "seeds": len(err[m, layer].get(x, [])), "of": ran[m]}
+             for m, layer, x in sorted(points) if len(err[m, layer].get(x, [])) < ran[m]]
     if short:
         summary["points_missing_seeds"] = short
     # the children read the same windows of the same model; their union, should they ever disagree

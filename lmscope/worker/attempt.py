@@ -45,19 +45,18 @@ class OutageLog:
 
     def failed(self, e: BaseException) -> None:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
-        outage = isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)
-        self.failures += 1
+        if not (isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)):
+            log.warning("%s failed: %s", self.what, reason)  # not an outage: said every time, not counted
+            return
+        self.failures += 1  # tries failed in this outage
         now = time.monotonic()
         if self.failures == 1:
             self._started = self._reminded = now
-            if outage:
-                log.warning("%s failed: %s; retrying (logged again each minute until it works)", self.what, reason)
-        elif outage and now - self._reminded >= self.REMIND_SECONDS:
+            log.warning("%s failed: %s; retrying (logged again each minute until it works)", self.what, reason)
+        elif now - self._reminded >= self.REMIND_SECONDS:
             self._reminded = now
             log.warning("%s still fails after %d tries in %.0f s: %s", self.what, self.failures,
                         now - self._started, reason)
-        if not outage:
-            log.warning("%s failed: %s", self.what, reason)
 
     def worked(self) -> None:
         if self.failures:

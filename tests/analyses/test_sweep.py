@@ -681,6 +681,11 @@ def test_attention_aggregation_means_over_seeds(tmp_path):
     assert perf0.labels["seed_count"] == [1, 2] and perf0.y == pytest.approx([0.4, 0.15])
     assert out.summary["points_missing_seeds"] == [{"method": "performer", "layer": 0, "features": 16,
                                                     "seeds": 1, "of": 2}]
+    # every seed NaN at a k: the point has no mean at all, and is the first to list
+    children[0].series[0] = Series("rel_error", [16, 64], [None, 0.1], {"method": "performer", "layer": 0, "seed": 0})
+    out = aggregate(params, children, LocalContext(tmp_path / "all-null"))
+    assert out.summary["points_missing_seeds"] == [{"method": "performer", "layer": 0, "features": 16,
+                                                    "seeds": 0, "of": 2}]
     assert "points_missing_seeds" not in aggregate(params, [child(1, "performer", 0, 1.0), child(3, "linformer", 0, 3.0)],
                                                    LocalContext(tmp_path / "whole")).summary
 

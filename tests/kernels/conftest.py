@@ -28,6 +28,11 @@ def _triton_ok() -> bool:
 TRITON_OK = _triton_ok()
 
 
+def close_in_float64(actual, expected, atol, rtol=0.0):
+    """assert_close on the CPU in float64, absolute tolerance unless `rtol` is given."""
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
 def _allowed(nq, nk, causal, key_padding_mask, device, window=None):
     """[B|1, 1, Nq, Nk] bool: query i sees key j iff (not causal or j <= i + Nk - Nq) and j unpadded.
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmscope.kernels import AttentionEntropy, attention_with_entropy
+from tests.kernels.conftest import close_in_float64 as _close
 
 
 def _qkv(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, nk=None, dv=None):
@@ -18,10 +19,6 @@ def _qkv(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, nk=None, dv=Non
     k = torch.randn(b, hk, nk, d, generator=g)
     v = torch.randn(b, hk, nk, dv, generator=g)
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
-
-
-def _close(actual, expected, atol, rtol=0.0):
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
 
 
 def _check_against(res, ref, atol=2e-5):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmscope.kernels import dimension_entropy
+from tests.kernels.conftest import close_in_float64 as _close
 
 
 def _qk(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, spread=2.0):
@@ -15,10 +16,6 @@ def _qk(b, h, hk, n, d, *, device, dtype=torch.float32, seed=0, spread=2.0):
     q = spread * torch.randn(b, h, n, d, generator=g)
     k = spread * torch.randn(b, hk, n, d, generator=g)
     return q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype)
-
-
-def _close(actual, expected, atol):
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=0.0)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -15,6 +15,7 @@ import torch
 
 from lmscope.kernels import attention_with_entropy, dimension_entropy, draw_favor_projection, favor_attention
 from lmscope.kernels.dispatch import interpreting
+from tests.kernels.conftest import close_in_float64 as _close
 
 attention_kernel = importlib.import_module("lmscope.kernels.attention_entropy.triton_kernel")
 dimension_kernel = importlib.import_module("lmscope.kernels.dimension_entropy.triton_kernel")
@@ -30,10 +31,6 @@ FAVOR_BLOCKS = sorted({(bn, bdv) for bn, bdv, _, _ in favor_kernel._TILES})
 
 def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _close(actual, expected, atol):
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("bm,bn", ATTENTION_BLOCKS)

@@ -414,6 +414,9 @@ def test_a_database_outage_is_logged_when_it_starts_and_ends_not_at_every_try(se
         failure = DataError("UPDATE jobs ...", {}, Exception("value out of range\nDETAIL: ..."))
         write(7)
         write(8)
+        # an outage after such errors still says when it starts (they are not counted as its tries)
+        failure = OperationalError("UPDATE jobs ...", {}, Exception("connection refused"))
+        write(9)
     said = [re.sub(r"in \d+ s:", "in T s:", r.getMessage()) for r in caplog.records if r.name == "lmscope.worker"]
     refused, out_of_range = "(builtins.Exception) connection refused", "(builtins.Exception) value out of range"
     assert said == [
@@ -423,7 +426,9 @@ def test_a_database_outage_is_logged_when_it_starts_and_ends_not_at_every_try(se
         f"progress write of job {job_id} still fails after 6 tries in T s: {refused}",
         f"heartbeat of job {job_id} works again after 6 failed tries",
         f"progress write of job {job_id} works again after 6 failed tries",
-        *[f"{what} of job {job_id} failed: {out_of_range}" for _ in range(2) for what in ("heartbeat", "progress write")]]
+        *[f"{what} of job {job_id} failed: {out_of_range}" for _ in range(2) for what in ("heartbeat", "progress write")],
+        f"heartbeat of job {job_id} failed: {refused}; retrying (logged again each minute until it works)",
+        f"progress write of job {job_id} failed: {refused}; retrying (logged again each minute until it works)"]
     assert job_row(job_id).progress_done == 6  # the write that worked wrote
 
 
