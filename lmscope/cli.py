@@ -17,6 +17,7 @@ import csv
 import itertools
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -944,6 +945,22 @@ def kinds(kind):
         click.echo(f"{name:{widths[0]}}  {type_:{widths[1]}}  {default:{widths[2]}}  {notes}".rstrip())
     click.echo(f"\nSet them with `lmscope submit {kind} -p NAME=VALUE` (dotted names for nested ones) or --params FILE.",
                err=True)
+    if found.get("example"):
+        click.echo(f"A small one on the built-ins (under a minute on a CPU):\n  {example_command(kind, found['example'])}")
+
+
+def example_command(kind: str, example: dict[str, Any]) -> str:
+    """`lmscope submit KIND -p a=1 -p grid.b='[1,2]'`: `example` as -p pairs, quoted for a POSIX shell."""
+    def pairs(obj: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for key, value in obj.items():
+            if isinstance(value, dict) and value:
+                out += pairs(value, prefix + key + ".")
+            else:
+                text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+                out.append(f"-p {shlex.quote(f'{prefix}{key}={text}')}")
+        return out
+    return " ".join(["lmscope submit", kind, *pairs(example)])
 
 
 def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from lmscope import __version__
-from lmscope.cli import build_params, main, parse_param, parse_value, summary_value
+from lmscope.cli import build_params, example_command, main, parse_param, parse_value, summary_value
+from lmscope.params import KINDS, validate_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,8 +30,6 @@ def test_values_are_json_when_they_parse_else_strings():
 
 def test_nan_and_infinity_are_usage_errors_not_tracebacks(monkeypatch):
     """json.loads takes NaN; requests then failed to encode it, with a traceback."""
-    from lmscope.params import KINDS
-
     norms = KINDS["norms"].params.model_json_schema()
     for text in ("NaN", "Infinity", "-Infinity", "1e999", "[1, NaN]"):
         with pytest.raises(click.BadParameter, match="not a JSON number|too large"):
@@ -100,7 +100,6 @@ EXAMPLE_KINDS = {  # every bundled example and the kind it is for; what its user
 def test_every_bundled_example_is_valid_for_its_kind():
     """An example the docs point to must submit: a renamed or tightened parameter breaks it here first."""
     from lmscope import examples
-    from lmscope.params import validate_params
 
     assert sorted(EXAMPLE_KINDS) == examples.names()  # a new example gets its kind here
     for name, (kind, added) in EXAMPLE_KINDS.items():
@@ -124,8 +123,6 @@ def test_bundled_examples_are_found_from_any_directory(tmp_path, monkeypatch):
 
 def test_string_fields_keep_the_text_of_their_values():
     """With the kind's schema (GET /v1/kinds), `model=123` stays "123"; other fields still parse as JSON."""
-    from lmscope.params import KINDS
-
     train = KINDS["train"].params.model_json_schema()
     sweep = KINDS["sweep"].params.model_json_schema()
     assert parse_param("123", train, "dataset") == "123" and parse_param("007", train, "run_name") == "007"
@@ -436,6 +433,18 @@ def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkey
     assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {third}"}).status_code == 401
 
 
+def test_a_kinds_example_command_builds_exactly_its_example():
+    """`lmscope kinds KIND` ends with a command to submit the kind's example: read back as a shell and the CLI
+    read it, its -p pairs make that example, which is valid params."""
+    for kind, spec in KINDS.items():
+        if not spec.submittable:
+            continue
+        words = shlex.split(example_command(kind, spec.example))
+        assert words[:3] == ["lmscope", "submit", kind] and set(words[3::2]) == {"-p"}, words
+        assert build_params(tuple(words[4::2]), None, spec.params.model_json_schema()) == spec.example, kind
+        validate_params(kind, spec.example)
+
+
 # ---------------------------------------------------------------- against a real `lmscope up`
 
 def lmscope(env, *args, timeout=120):
@@ -603,6 +612,19 @@ def test_models_are_listed_in_natural_order(monkeypatch):
             .stdout.splitlines()[1:]] == ["cx@step5", "cx@step20", "cx@step100", "cx@step1000"]
     nothing = CliRunner().invoke(main, ["models", "--run", "ghost"])
     assert nothing.exit_code == 0 and "no checkpoints of a training run 'ghost'" in nothing.stderr
+
+
+@pytest.mark.slow
+def test_every_kinds_example_runs_as_lmscope_kinds_prints_it(lmscope_up):
+    """The examples are where a newcomer starts (the dashboard's form, `lmscope kinds KIND`): each one runs on the
+    built-ins, on a CPU, within the --wait below."""
+    for kind in [k for k, spec in KINDS.items() if spec.submittable]:
+        shown = lmscope(lmscope_up, "kinds", kind)
+        assert shown.returncode == 0, shown.stderr
+        words = shlex.split(shown.stdout.splitlines()[-1])
+        assert words[:3] == ["lmscope", "submit", kind], shown.stdout
+        done = lmscope(lmscope_up, *words[1:], "--wait", timeout=300)
+        assert done.returncode == 0 and f"({kind}) succeeded" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.slow

@@ -276,7 +276,7 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     page.click("#submit")
     page.wait("document.getElementById('submit-error').textContent.startsWith('Unknown job kind')")
     error = page.text("#submit-error")
-    assert "unknown kind; known kinds:" in error and "did you mean 'norms'?" in error, error
+    assert "did you mean 'norms'?" in error and error.count("probe") == 1, error  # the kinds listed once
     page.js("document.getElementById('kind').value = 'probe'")
     # An unknown model: the detail only repeats the field message, which is said once, with its place.
     page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "ghost"}'; return true; })()""")
@@ -299,6 +299,39 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     assert job["name"] == "from the form" and job["tags"] == ["ui", "form"] and job["kind"] == "probe"
     wait_job(page, new_id)
     assert Client(url).wait(new_id, timeout=120)["status"] == "succeeded"
+
+
+def choose_kind(b, kind: str):
+    """Type a kind into the submit form, as a user does (an input event)."""
+    b.js(f"""(() => {{ const k = document.getElementById('kind'); k.value = {json.dumps(kind)};
+             k.dispatchEvent(new Event('input', {{ bubbles: true }})); return true; }})()""")
+
+
+def form_params(b):
+    return json.loads(b.js("document.getElementById('params').value"))
+
+
+def test_choosing_a_kind_fills_in_its_example_and_never_overwrites_written_params(page, url, jobs):
+    examples = {k["name"]: k["example"] for k in api(url, "/v1/kinds")["items"] if k["submittable"]}
+    assert all(examples.values()), examples
+    page.goto(f"{url}/")
+    page.js("document.getElementById('submit-box').open = true")
+    page.wait("!document.getElementById('use-example').hidden")
+    assert page.js("document.getElementById('kind').value") == "probe" and form_params(page) == examples["probe"]
+    for kind in ("norms", "entropy", "train", "sweep"):
+        choose_kind(page, kind)
+        assert form_params(page) == examples[kind], kind
+    # Params someone wrote stay when the kind changes; the button fills in the kind's example on demand.
+    page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "tiny-llama"}';
+                p.dispatchEvent(new Event('input', { bubbles: true })); return true; })()""")
+    choose_kind(page, "norms")
+    assert form_params(page) == {"model": "tiny-llama"}
+    assert page.text("#use-example") == "fill in the norms example"
+    page.click("#use-example")
+    assert form_params(page) == examples["norms"]
+    choose_kind(page, "nonsense")  # not a kind: nothing to offer, nothing replaced
+    assert page.js("document.getElementById('use-example').hidden") and form_params(page) == examples["norms"]
+    # (each example runs: tests/test_cli.py submits them all, as `lmscope kinds KIND` prints them)
 
 
 def test_cancel_that_comes_too_late_says_so(page, url, jobs):
@@ -331,6 +364,11 @@ def test_finished_jobs_say_how_they_ended_and_show_files_as_downloads(page, url,
     live = page.text("#progress-text")
     assert live.startswith("finished in") and done["progress"]["stage"] not in live
     assert page.js(f"Object.keys(imageCache).some(k => k.startsWith('{jobs['a']}/'))")  # its plots, held as blobs
+    # each plot is shrunk to the panel; a click opens that same image at full size, in a tab of its own
+    page.wait("[...document.querySelectorAll('.plots img')].every(i => i.complete && i.naturalWidth > 0)")
+    links = page.js("[...document.querySelectorAll('.plots img')].map(i => [i.parentElement.tagName, "
+                    "i.parentElement.target, i.parentElement.href === i.src])")
+    assert links and all(link == ["A", "_blank", True] for link in links), links
 
     open_job(page, url, jobs["cancelled"])
     assert page.text("#progress-text").startswith("cancelled")
@@ -562,6 +600,40 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
 # `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
 # dashboard's JS must write them the same way
 label_text = labels_text
+
+
+def test_one_jobs_many_curves_each_have_a_style_of_their_own(page, url):
+    """A job's page draws its own curves (an attention study's rel_error: method x layer, 8 on tiny-gpt2): no colour
+    is needed for the job, so each curve gets one (then a dash), and the legend shows each curve in its style."""
+    page.goto(f"{url}/")
+    page.wait("typeof chart === 'function'")
+    drawn = page.js("""(() => {
+        const curves = [...Array(11).keys()].map(i => ({ name: "rel_error", x_meaning: "k",
+            labels: { method: i < 6 ? "performer" : "linformer", layer: i % 6, seed_count: 1 },
+            jobs: { "7": { x: [8, 16, 32], y: [i + 1, i + 2, i + 3] } } }));
+        const svg = chart("rel_error", curves, [{ id: 7, name: "one study" }]);
+        document.getElementById('detail').append(svg);
+        const look = e => [getComputedStyle(e).stroke, getComputedStyle(e).strokeDasharray];
+        return { lines: [...svg.querySelectorAll('polyline')].map(p => [Number(p.dataset.curve), ...look(p)]),
+                 legend: [...svg.querySelectorAll('text.legend-style')].map(t => [Number(t.dataset.curve), t.textContent,
+                                                                                   ...look(t.previousElementSibling)]),
+                 subtitle: svg.querySelector('text.subtitle').textContent }; })()""")
+    styles = {i: (stroke, dash) for i, stroke, dash in drawn["lines"]}
+    assert sorted(styles) == list(range(11)) and len(set(styles.values())) == 11, drawn["lines"]
+    legend = {i: (text, (stroke, dash)) for i, text, stroke, dash in drawn["legend"]}
+    assert legend == {i: (f"method={'performer' if i < 6 else 'linformer'}, layer={i % 6}", styles[i]) for i in range(11)}
+    assert drawn["subtitle"] == "seed_count=1"  # what all of them share, once
+    # Two jobs keep a colour each (their curves a dash each): colour says which job.
+    two = page.js("""(() => {
+        const curves = [0, 1].map(i => ({ name: "e", labels: { layer: i }, x_meaning: "x",
+            jobs: { "7": { x: [1, 2], y: [1, i] }, "8": { x: [1, 2], y: [2, i] } } }));
+        const svg = chart("e", curves, [{ id: 7 }, { id: 8 }]);
+        document.getElementById('detail').append(svg);
+        return [...svg.querySelectorAll('polyline')].map(p => [p.dataset.job, getComputedStyle(p).stroke]); })()""")
+    by_job = {}
+    for job, stroke in two:
+        by_job.setdefault(job, set()).add(stroke)
+    assert all(len(s) == 1 for s in by_job.values()) and len({s.pop() for s in by_job.values()}) == 2, two
 
 
 def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
@@ -855,6 +927,27 @@ def test_narrow_screen_has_one_column(page, url, jobs):
     page.goto(f"{url}/#compare={c1},{c2}&series=val_error")
     page.wait("document.querySelectorAll('svg.chart polyline').length > 0")
     assert page.js("document.documentElement.scrollWidth <= innerWidth")
+
+    # A tap on a row (not its id link) in the list above the hint: the job's page is scrolled to once it is drawn
+    # (the hint alone was too short to scroll to).
+    page.goto(f"{url}/")
+    page.wait(f'document.querySelector(\'#jobs tr.job[data-id="{jobs["train"]}"]\')')
+    page.click(f'#jobs tr.job[data-id="{jobs["train"]}"] td.status')
+    wait_job(page, jobs["train"])
+    page.wait("Math.abs(document.getElementById('detail').getBoundingClientRect().top) < 2")
+
+
+def test_a_list_of_sweep_points_fits_its_panel(page, url, jobs):
+    """Filtered to a sweep point kind (long names: sumformer_fit, mlp_sumformer) the list keeps every column in its
+    panel, on a laptop and a wide screen; the kind the filter names is not repeated on every row."""
+    for width in (1000, 1400):
+        page.resize(width, 900)
+        page.goto(f"{url}/#kind=sumformer_fit")
+        wait_rows(page, sorted(jobs["children"], reverse=True))
+        assert page.js("(s => s.scrollWidth <= s.clientWidth)(document.querySelector('#list-panel .scroll'))"), width
+        assert page.js("getComputedStyle(document.querySelector('#jobs-table th.kind')).display") == "none"
+    set_filter(page, "f-kind", "")
+    page.wait("getComputedStyle(document.querySelector('#jobs-table th.kind')).display !== 'none'")
 
 
 def test_unreachable_server_is_said_and_clears(page, url, jobs):

@@ -110,6 +110,13 @@ def unknown_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
     return "unknown field" + (did_you_mean(str(loc[-1]), names) or "; the fields are: " + ", ".join(names))
 
 
+def missing_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """'required (no default): a registered model name, e.g. tiny-gpt2' — pydantic says 'Field required'."""
+    parent = model_at(model, loc[:-1]) if loc else None
+    field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+    return "required (no default)" + (f": {field.description}" if field is not None and field.description else "")
+
+
 def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
     """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""
     close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
@@ -165,6 +172,8 @@ def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = Non
             msg = msg.removeprefix(noise)
         if e["type"] == "extra_forbidden":
             msg = unknown_field_message(model, tuple(e["loc"]))
+        elif e["type"] == "missing":
+            msg = missing_field_message(model, tuple(e["loc"]))
         elif e["type"] == "string_pattern_mismatch" and (e.get("ctx") or {}).get("pattern") == NAME_PATTERN:
             msg = NAME_RULE  # the rule in words, not the regular expression
         elif e["type"] in _TYPE_HINTS and "input" in e:

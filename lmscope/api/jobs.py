@@ -281,7 +281,8 @@ def list_kinds():
     parents = parent_kinds()
     return {"items": [{"name": kind, "description": spec.description, "sweep": is_parent_kind(kind),
                        "submittable": spec.submittable, "child_of": None if spec.submittable else parents,
-                       "params_schema": spec.params.model_json_schema(), "defaults": param_defaults(spec.params)}
+                       "params_schema": spec.params.model_json_schema(), "defaults": param_defaults(spec.params),
+                       "example": spec.example}
                       for kind, spec in sorted(KINDS.items())]}
 
 

@@ -227,7 +227,9 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "submittable": {"type": "boolean", "description": "false: a child kind, made only by its parent kind"},
         "child_of": {"type": ["array", "null"], "items": {"type": "string"}},
         "params_schema": {"type": "object"},
-        "defaults": {"type": "object", "description": "each parameter's default (nested models as objects)"}}}}}},
+        "defaults": {"type": "object", "description": "each parameter's default (nested models as objects)"},
+        "example": {"type": ["object", "null"],
+                    "description": "params of a small job of this kind on the built-ins (under a minute on a CPU)"}}}}}},
     "Me": {"type": "object", "properties": {
         "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
         "limits": {"type": "object", "properties": {"max_active_jobs": {"type": "integer"},

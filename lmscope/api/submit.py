@@ -104,10 +104,12 @@ def check_params(kind: str, params: dict[str, Any]):
                           "(docs/analyses/sweep.md)",
                           errors=[{"loc": ["kind"], "msg": f"{kind!r} is made by {', '.join(parents)}",
                                    "type": "child_kind"}], kinds=kinds) from None
+        # The list once, in the field's message: a client shows the detail and then the fields (and the
+        # message alone travels with other body mistakes, in a fields problem).
         raise Problem(422, "unknown-kind", "Unknown job kind",
-                      f"kind {kind!r} does not exist{did_you_mean(kind, kinds) or ';'} the kinds are "
-                      f"{', '.join(kinds)} (GET /v1/kinds or `lmscope kinds` describes them)",
-                      errors=[{"loc": ["kind"], "msg": f"unknown kind; known kinds: {', '.join(kinds)}",
+                      f"kind {kind!r} does not exist{did_you_mean(kind, kinds) or ';'} GET /v1/kinds or "
+                      "`lmscope kinds` describes each kind",
+                      errors=[{"loc": ["kind"], "msg": f"unknown kind; the kinds are {', '.join(kinds)}",
                                "type": "unknown_kind"}], kinds=kinds) from None
     except ValidationError as e:
         errors = pydantic_errors(e, ("params",), KINDS[kind].params)

@@ -15,11 +15,21 @@ from lmscope.params.train import TrainParams
 KINDS: dict[str, KindSpec] = {
     spec.kind: spec
     for spec in [
-        KindSpec("probe", ProbeParams, "load a model and report its layers, heads and parameter counts"),
-        KindSpec("train", TrainParams, "train a small causal LM on a dataset, with checkpoints"),
-        KindSpec("norms", NormsParams, "norm trajectories of the current token across layers (Wu & Varshney)"),
-        KindSpec("entropy", EntropyParams, "attention-entropy curves per layer, head, position and step"),
-        KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep),
+        KindSpec("probe", ProbeParams, "load a model and report its layers, heads and parameter counts",
+                 example={"model": "tiny-gpt2"}),
+        KindSpec("train", TrainParams, "train a small causal LM on a dataset, with checkpoints",
+                 example={"dataset": "wikitext-2", "layers": 2, "width": 64, "heads": 2, "context": 64,
+                          "vocab_size": 512, "steps": 100, "warmup_steps": 10, "eval_every": 25,
+                          "checkpoint_every": 50}),
+        KindSpec("norms", NormsParams, "norm trajectories of the current token across layers (Wu & Varshney)",
+                 example={"model": "tiny-gpt2", "dataset": "wikitext-2", "max_samples": 200}),
+        KindSpec("entropy", EntropyParams, "attention-entropy curves per layer, head, position and step",
+                 example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 50}),
+        # a reduced Fig. 2 (`{}` is the full-size one: hours on a CPU); the attention study: example:attention_study_demo
+        KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep,
+                 example={"study": "sumformer", "target": "fig2_poly", "architectures": ["mlp_sumformer"],
+                          "grid": {"latent_dim": [1, 4, 16], "token_dim": [1, 2], "seq_len": [3], "seed": [0]},
+                          "train": {"samples": 500, "epochs": 20, "hidden": 32, "depth": 3, "eval_every": 2}}),
         KindSpec("sumformer_fit", SumformerFitParams, "one grid point of a sumformer sweep", submittable=False),
         KindSpec("attention_approx", AttentionApproxParams, "one grid point of an attention study", submittable=False),
     ]

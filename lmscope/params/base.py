@@ -84,3 +84,6 @@ class KindSpec:
     submittable: bool = True
     # For parent kinds (sweeps): the grid points, computed at submit time.
     expand: Callable[[Any], list[ChildSpec]] | None = None
+    # Params of a small job of this kind on the built-ins (tiny-gpt2, wikitext-2) that ends in under a minute
+    # on a CPU: where the dashboard's submit form starts, and what `lmscope kinds KIND` shows to submit.
+    example: dict[str, Any] | None = None

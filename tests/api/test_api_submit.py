@@ -96,10 +96,12 @@ def test_unknown_kind_lists_the_kinds(api):
     body = is_problem(api.submit(api.user("ann"), kind="nope"), 422, "unknown-kind")
     submittable = sorted(k for k, s in KINDS.items() if s.submittable)
     assert body["kinds"] == submittable
-    assert all(k in body["detail"] for k in submittable)
+    # the list once (a client prints the detail, then each field): in the field's message, not the detail
+    assert body["errors"][0]["msg"] == "unknown kind; the kinds are " + ", ".join(submittable)
+    assert not any(k in body["detail"] for k in submittable) and "GET /v1/kinds" in body["detail"]
     assert "did you mean" not in body["detail"]
     misspelt = is_problem(api.submit(api.user("ann"), kind="nrms"), 422, "unknown-kind")
-    assert misspelt["detail"].startswith("kind 'nrms' does not exist; did you mean 'norms'? the kinds are ")
+    assert misspelt["detail"].startswith("kind 'nrms' does not exist; did you mean 'norms'? GET /v1/kinds")
     # Child-only kinds exist but cannot be submitted directly.
     assert "sumformer_fit" not in body["kinds"]
     child = is_problem(api.submit(api.user("ann"), kind="sumformer_fit", params={}), 422, "unknown-kind")
@@ -589,6 +591,17 @@ def test_run_names_like_the_default_are_reserved(api):
     body = is_problem(api.submit(api.user("ann"), kind="train", params={"dataset": "d", "run_name": "run7"}),
                       422, "validation-error")
     assert "run<job id>" in body["detail"] and "Value error" not in body["detail"]
+
+
+def test_a_missing_field_says_it_has_no_default_and_what_it_takes(api):
+    """pydantic's own words were "Field required"."""
+    h = api.user("ann")
+    body = is_problem(api.submit(h, kind="norms", params={"dataset": "d"}), 422, "validation-error")
+    assert body["errors"] == [{"loc": ["params", "model"], "type": "missing",
+                               "msg": "required (no default): registered model name"}]
+    body = is_problem(api.client.post("/v1/jobs", headers=h, json={"params": {"model": "m"}}), 422, "validation-error")
+    assert [(e["loc"], e["msg"]) for e in body["errors"]] == [
+        (["kind"], "required (no default): the job kind; GET /v1/kinds lists them")]
 
 
 def test_unknown_fields_suggest_the_intended_name(api):
