@@ -42,7 +42,7 @@ step_failed() { local status=$1; (( status != 0 )) && rc=$status; return 0; }
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   # the carried wheels against the image's packages: a failure here would fail every test at collection
-  "$PY" -c "import lmscope.api, lmscope.worker.embedded, lmscope.analyses.registry; print('lmscope imports: ok')"
+  "$PY" -c "import lmscope.api, lmscope.up, lmscope.analyses.registry; print('lmscope imports: ok')"
 } 2>&1 | tee "$OUT/device.txt"
 if ! grep -q "lmscope imports: ok" "$OUT/device.txt"; then
   echo "lmscope does not import on this image (see $OUT/device.txt): fix the wheels first" >&2

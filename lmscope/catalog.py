@@ -182,9 +182,6 @@ def builtin_parameter_count(config: dict[str, Any]) -> int:
     raise ValueError(f"no parameter count for model_type {config['model_type']!r}")
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
 SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
 
 

@@ -333,7 +333,7 @@ PORTS = click.IntRange(0, 65535)  # 0: the system picks a free port, which the r
 def up(host, port):
     """Run the embedded service: API + worker in one process, SQLite, no other server."""
     from lmscope.config import Settings
-    from lmscope.worker.embedded import serve
+    from lmscope.up import serve
 
     overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = Settings.from_env(**overrides)

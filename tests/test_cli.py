@@ -141,7 +141,7 @@ def test_up_is_quiet_and_names_the_dashboard_and_docs(sqlite_url, settings_facto
 
     import werkzeug.serving
 
-    from lmscope.worker.embedded import serve
+    from lmscope.up import serve
 
     class Server:  # serve_forever returns at once: start-up, the ready line, shutdown
         port = 18765
@@ -162,10 +162,10 @@ def test_up_is_quiet_and_names_the_dashboard_and_docs(sqlite_url, settings_facto
 
 def test_up_refuses_a_port_out_of_range_naming_the_flag_or_variable(monkeypatch):
     """-1 was an OverflowError traceback; 65536 and 70000 (also as LMSCOPE_PORT) quietly bound another port."""
-    import lmscope.worker.embedded
+    import lmscope.up
 
     served = []
-    monkeypatch.setattr(lmscope.worker.embedded, "serve", served.append)
+    monkeypatch.setattr(lmscope.up, "serve", served.append)
     monkeypatch.delenv("LMSCOPE_PORT", raising=False)
     for port in ("-1", "65536", "70000"):
         r = CliRunner().invoke(main, ["up", "--port", port])
@@ -180,7 +180,7 @@ def test_up_refuses_a_port_out_of_range_naming_the_flag_or_variable(monkeypatch)
 def test_up_on_port_0_names_the_port_it_got(sqlite_url, settings_factory, monkeypatch, capsys):
     import werkzeug.serving
 
-    from lmscope.worker.embedded import serve
+    from lmscope.up import serve
 
     real, made = werkzeug.serving.make_server, []
 

@@ -599,8 +599,6 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
             m.pca.add(current.reshape(-1, D))
             drawn = np.isin(trajs, pca_trajs)
             m.pca_points[np.searchsorted(pca_trajs, trajs[drawn])] = current[torch.from_numpy(drawn).to(device)].cpu().numpy()
-        if not params.inner_loss:
-            progress.step("forward")
         if params.inner_loss:
             with ctx.stage("inner loss"):
                 targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
@@ -608,6 +606,8 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
                 m.losses[trajs] = inner_losses(parts, hidden, call, mask, rows, cols, targets,
                                                INNER_LOSS_ROUTE).cpu().numpy()
             progress.step("forward + inner loss")
+        else:
+            progress.step("forward")
     return m
 
 

@@ -36,9 +36,10 @@ def save(fig, path: str | Path) -> None:
             if isinstance(axis.get_major_formatter(), ScalarFormatter):
                 axis.get_major_formatter().set_useOffset(False)
     _wrap_wide_titles(fig)
-    fig.tight_layout()
-    _wrap_wide_titles(fig)  # the layout moved the axes, and with them their titles' centres
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a constrained-layout figure (legends below panels) lays itself out
+        fig.tight_layout()
+        _wrap_wide_titles(fig)  # the layout moved the axes, and with them their titles' centres
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
 

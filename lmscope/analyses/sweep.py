@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.sweep import (
     AttentionApproxParams,
     SumformerFitParams,
@@ -60,7 +61,7 @@ def make_dataset(params: SumformerFitParams) -> tuple[torch.Tensor, torch.Tensor
     t = params.train
     x = sample_inputs(t.samples, params.seq_len, params.token_dim, params.seed, dtype=torch.float64)
     y = evaluate_target(params.target, x)
-    n_val = int(round(t.samples * t.val_fraction))
+    n_val = t.val_samples
     n_train = t.samples - n_val
     x, y = x.float(), y.float()
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
@@ -613,17 +614,8 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
 # ============================================================================ plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_eff) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     a1.semilogy(ex, errs, marker="o", ms=3)
     a1.set(xlabel="epoch", ylabel="relative L2 validation error", title="validation error")
@@ -633,9 +625,7 @@ def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_
         a.grid(True, which="both", alpha=0.3)
     k = f", k={p.features}" if p.features else ""
     fig.suptitle(f"{p.architecture} on {p.target}: d={p.token_dim}, n={p.seq_len}, d'={d_eff}{k}, seed {p.seed}")
-    fig.tight_layout()
-    fig.savefig(Path(folder) / "training.png", dpi=110)
-    plt.close(fig)
+    save(fig, Path(folder) / "training.png")
 
 
 def _grid(plt, count: int, width: float = 5.0, height: float = 3.8, **subplots):
@@ -649,7 +639,7 @@ def _grid(plt, count: int, width: float = 5.0, height: float = 3.8, **subplots):
 
 def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
     """Val error vs epoch, one panel per target, Polynomial vs MLP Sumformer (and other architectures)."""
-    plt = _pyplot()
+    plt = pyplot()
     targets = sorted({key[1] for key in curves})
     if not targets:
         return False
@@ -689,8 +679,7 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
             ax.set_xlim((lo + hi) / 2 - 1, (lo + hi) / 2 + 1)
         ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
     fig.suptitle("Fig. 1: validation error during training\n(mean over seeds)")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -703,7 +692,7 @@ def _timing_note(backends: set[str]) -> str:
 
 def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     """Best val error vs d′ (log–log), one line per token dim d, theory d′ = C(n+d,d)−1 marked."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = sorted({(key[0], key[1], key[3], key[4]) for key in best}, key=str)
     if not panels:
         return
@@ -730,9 +719,7 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2, title="dotted: theory d′=C(n+d,d)−1", title_fontsize=7)
     fig.suptitle("Fig. 2: best validation error vs latent dimension\n(mean over seeds, band = min–max over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 ERROR_FLOOR = 1e-4  # relative errors below it are exact up to rounding: drawn at the floor, as ▼
@@ -744,7 +731,7 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     """Relative error vs k (log–log, one line per layer), a panel per method, and the time ratio.
     ``seq_len`` marks k = N on the Linformer panel; ``timing`` says what the times were measured on;
     ``windows`` {layer: w}: layers that slide over w < seq_len keys in the model (compared on all keys)."""
-    plt = _pyplot()
+    plt = pyplot()
     methods = sorted({m for m, _ in panels})
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
     axes = list(axes.flat)
@@ -786,9 +773,7 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 __all__ = ["aggregate", "linformer_projections", "make_dataset", "per_segment_rel_error", "pooling_projection",

@@ -288,7 +288,8 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
                             f"{p.context + 1} tokens; raise val_fraction or lower context") from None
         vocab_size = len(tokenizer)
-        unigram_val, unigram_train, unigram_floor = unigram_baselines(train_windows, val_windows[:, 1:], vocab_size)
+        unigram_cross_entropy, unigram_train_entropy, unigram_val_entropy = unigram_baselines(
+            train_windows, val_windows[:, 1:], vocab_size)
 
     model = resumed.model if resume_dir else build_model(p, tokenizer).to(device)
     model.train()
@@ -324,7 +325,7 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
         checkpoint_names = register_all()
         train_seconds = wall_before + time.perf_counter() - loop_start
-        _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_val,
+        _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_cross_entropy,
               [s for s, _ in checkpoint_dirs(ckpt_root)], stopped=(stopped, step) if stopped else None)
         tail = [l for _, l in history["train"][-20:]]
         train_x, train_y = thin(history["train"])
@@ -332,7 +333,7 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             Series("loss.train", train_x, train_y),
             Series("loss.val", [s for s, _ in history["val"]], [l for _, l in history["val"]]),
             Series("lr", *thin(history["lr"])),
-            Series("unigram_entropy", [0, step], [unigram_val, unigram_val],
+            Series("unigram_entropy", [0, step], [unigram_cross_entropy, unigram_cross_entropy],
                    {"definition": "val cross-entropy under the add-one train unigram, nats"}),
         ]
         summary = {
@@ -340,9 +341,9 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
             "train_loss": sum(tail) / len(tail) if tail else None,  # mean of the last 20 steps
             "val_loss": history["val"][-1][1],
             "val_loss_step": history["val"][-1][0],
-            "unigram_entropy": unigram_val,
-            "unigram_train_entropy": unigram_train,
-            "unigram_val_entropy": unigram_floor,
+            "unigram_entropy": unigram_cross_entropy,
+            "unigram_train_entropy": unigram_train_entropy,
+            "unigram_val_entropy": unigram_val_entropy,
             "steps": step,
             "tokens_seen": step * p.batch_size * p.context,
             "epochs": step * p.batch_size / len(train_windows),

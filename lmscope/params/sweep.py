@@ -53,6 +53,17 @@ MAX_LATENT_DIM = 4096
 MAX_GRID_LIST = 64
 MAX_GRID_POINTS = 100_000  # absurd grids are refused before expansion; the per-user limit is the API's
 
+# Each value's bounds, once: a sweep's lists hold them, its grid points take one each.
+LatentDim = Annotated[int, Field(ge=1, le=MAX_LATENT_DIM)]
+TokenDim = Annotated[int, Field(ge=1, le=32)]
+SumformerSeqLen = Annotated[int, Field(ge=2, le=256)]
+FeatureCount = Annotated[int, Field(ge=1, le=65536)]  # k: random features (Performer) / projected keys (Linformer)
+LayerIndex = Annotated[int, Field(ge=0)]
+AttentionSeqLen = Annotated[int, Field(ge=2, le=65536)]
+SegmentCount = Annotated[int, Field(ge=1, le=100_000)]
+WindowBatch = Annotated[int, Field(ge=1, le=1024)]
+DEFAULT_ATTENTION_FEATURES = (16, 32, 64, 128, 256, 512, 1024)
+
 # Which SweepParams fields belong to which study (setting the other study's fields is an error).
 SUMFORMER_FIELDS = ("target", "architectures", "grid", "train")
 ATTENTION_FIELDS = ("model", "dataset", "layers", "methods", "features", "seq_len", "num_segments",
@@ -111,10 +122,14 @@ class TrainSettings(_Strict):
         "trained", description="linformer's E, F: trained from the proof's values (as in Linformer; not "
                                "permutation-equivariant once trained) or fixed at them (E = 1/n·1, F = 1/k·1)")
 
+    @property
+    def val_samples(self) -> int:
+        """How many of the samples are the validation split (the rest are trained on)."""
+        return int(round(self.samples * self.val_fraction))
+
     @model_validator(mode="after")
     def _split_has_both_sides(self):
-        n_val = int(round(self.samples * self.val_fraction))
-        if n_val < 1 or self.samples - n_val < 1:
+        if self.val_samples < 1 or self.samples - self.val_samples < 1:
             raise ValueError(f"samples={self.samples} with val_fraction={self.val_fraction} leaves an empty "
                              "training or validation split; raise samples or change val_fraction")
         return self
@@ -141,10 +156,10 @@ class SumformerFitParams(JobParams):
 
     target: str = "fig2_poly"
     architecture: Architecture = "mlp_sumformer"
-    latent_dim: int | None = Field(None, ge=1, le=MAX_LATENT_DIM, description="d'; null = C(n+d,d)−1")
-    token_dim: int = Field(1, ge=1, le=32)
-    seq_len: int = Field(3, ge=2, le=256)
-    features: int | None = Field(None, ge=1, le=65536, description="k, for linformer / performer")
+    latent_dim: LatentDim | None = Field(None, description="d'; null = C(n+d,d)−1")
+    token_dim: TokenDim = 1
+    seq_len: SumformerSeqLen = 3
+    features: FeatureCount | None = Field(None, description="k, for linformer / performer")
     seed: Seed = 0
     train: TrainSettings = Field(default_factory=TrainSettings)
     latent_dim_requested: list[int] | None = Field(
@@ -170,19 +185,17 @@ class AttentionApproxParams(JobParams):
     model: str
     dataset: str
     method: ApproxMethod = "performer"
-    features: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1)
-    layers: list[int] | None = Field(None, description="layer indices; null = all layers")
-    seq_len: int = Field(512, ge=2, le=65536)
-    num_segments: int = Field(16, ge=1, le=100_000)
-    batch_size: int = Field(4, ge=1, le=1024)
+    features: list[FeatureCount] = Field(default_factory=lambda: list(DEFAULT_ATTENTION_FEATURES), min_length=1)
+    layers: list[LayerIndex] | None = Field(None, description="layer indices; null = all layers")
+    seq_len: AttentionSeqLen = 512
+    num_segments: SegmentCount = 16
+    batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
     seed: Seed = 0
 
     @field_validator("features")
     @classmethod
-    def _positive(cls, v):
-        if any(k < 1 for k in v):
-            raise ValueError(f"features must be ≥ 1, got {v}")
+    def _ascending(cls, v):
         return sorted(set(v))
 
     def model_refs(self) -> list[str]:
@@ -202,14 +215,11 @@ class SumformerGrid(_Strict):
     """Lists whose product is the sweep (features only multiplies linformer / performer)."""
 
     # Bounds per item: an error names the value (loc grid.token_dim.3), and C(n+d, d) stays cheap.
-    latent_dim: list[Annotated[int, Field(ge=1, le=MAX_LATENT_DIM)] | None] = Field(
+    latent_dim: list[LatentDim | None] = Field(
         default_factory=lambda: [2**i for i in range(10)], min_length=1, max_length=MAX_GRID_LIST)
-    token_dim: list[Annotated[int, Field(ge=1, le=32)]] = Field(
-        default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
-    seq_len: list[Annotated[int, Field(ge=2, le=256)]] = Field(
-        default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
-    features: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
-        default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
+    token_dim: list[TokenDim] = Field(default_factory=lambda: list(range(1, 11)), min_length=1, max_length=MAX_GRID_LIST)
+    seq_len: list[SumformerSeqLen] = Field(default_factory=lambda: [3], min_length=1, max_length=MAX_GRID_LIST)
+    features: list[FeatureCount] = Field(default_factory=lambda: [8], min_length=1, max_length=MAX_GRID_LIST)
     seed: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_GRID_LIST)
 
     @field_validator("latent_dim", "token_dim", "seq_len", "features", "seed")
@@ -244,14 +254,13 @@ class SweepParams(JobParams):
     # study = "attention"
     model: str | None = None
     dataset: str | None = None
-    layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1,
-                                                             description="layer indices; null = all layers")
+    layers: list[LayerIndex] | None = Field(None, min_length=1, description="layer indices; null = all layers")
     methods: list[ApproxMethod] = Field(default_factory=lambda: ["performer", "linformer"], min_length=1)
-    features: list[Annotated[int, Field(ge=1)]] = Field(
-        default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024], min_length=1, max_length=MAX_GRID_LIST)
-    seq_len: int = Field(512, ge=2, le=65536)
-    num_segments: int = Field(16, ge=1, le=100_000)
-    batch_size: int = Field(4, ge=1, le=1024)
+    features: list[FeatureCount] = Field(default_factory=lambda: list(DEFAULT_ATTENTION_FEATURES), min_length=1,
+                                         max_length=MAX_GRID_LIST)
+    seq_len: AttentionSeqLen = 512
+    num_segments: SegmentCount = 16
+    batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
     seeds: int | list[Seed] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
 

@@ -498,7 +498,7 @@ def execute(job_id: int, settings: Settings, session_factory: sessionmaker[Sessi
         log.warning("job %s does not exist; dropping its message", job_id)
         return None
     if is_parent_kind(kind):
-        return aggregate(job_id, settings, session_factory, publisher, worker=worker, shutdown=shutdown,
+        return aggregate(job_id, settings, session_factory, worker=worker, shutdown=shutdown,
                          shares_process=shares_process)
 
     with _before_the_claim(job_id):
@@ -553,7 +553,7 @@ def child_results(session_factory: sessionmaker[Session], parent_id: int) -> lis
                             series=series[c.id], error=c.error_message) for c in children]
 
 
-def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher, *,
+def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[Session], *,
               worker: str | None = None, shutdown: threading.Event | None = None,
               shares_process: bool = False) -> str | None:
     """Run a sweep's aggregator once its children are all terminal (exactly once across workers)."""

@@ -139,7 +139,7 @@ def _serve(data_dir: Path, port: int, log) -> subprocess.Popen:
                LMSCOPE_EXTRA_KINDS="tests.worker.fake_kinds", PYTHONPATH=str(ROOT), LMSCOPE_HEARTBEAT_SECONDS="0.5")
     env.pop("LMSCOPE_BROKER_URL", None)
     env.pop("LMSCOPE_DATABASE_URL", None)
-    code = "from lmscope.config import Settings; from lmscope.worker.embedded import serve; serve(Settings.from_env())"
+    code = "from lmscope.config import Settings; from lmscope.up import serve; serve(Settings.from_env())"
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -204,7 +204,7 @@ def test_a_second_up_that_cannot_serve_leaves_running_jobs_alone(tmp_path):
     pytest.importorskip("flask")
     from lmscope.config import Settings
     from lmscope.db.engine import upgrade
-    from lmscope.worker.embedded import serve
+    from lmscope.up import serve
     from tests.conftest import free_port
 
     data = tmp_path / "data"
@@ -235,7 +235,7 @@ def test_a_second_up_that_cannot_serve_leaves_running_jobs_alone(tmp_path):
 
 
 def test_without_tokens_it_listens_on_loopback_only(settings_factory, tmp_path):
-    from lmscope.worker.embedded import serve
+    from lmscope.up import serve
 
     with pytest.raises(SystemExit, match="LMSCOPE_AUTH=1"):
         serve(settings_factory(auth=False, host="0.0.0.0", database_url=f"sqlite:///{tmp_path / 'never.db'}"))
