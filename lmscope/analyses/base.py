@@ -41,6 +41,16 @@ class JobFailed(Exception):
         self.partial = partial
 
 
+def require_positions(config, seq_len: int, model_name: str) -> None:
+    """Refuse windows of ``seq_len`` tokens that a model cannot read (its position table is shorter)."""
+    from lmscope.modeling.loading import max_positions
+
+    max_pos = max_positions(config)
+    if max_pos is not None and seq_len > max_pos:
+        raise JobFailed(f"seq_len {seq_len} is longer than {model_name} supports ({max_pos} positions); "
+                        f"lower seq_len to at most {max_pos}")
+
+
 @dataclass
 class Series:
     """One curve: y against x, with labels that say which curve it is (layer, head, ...)."""

@@ -39,7 +39,7 @@ import re
 import numpy as np
 import torch
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, require_positions
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.windows import token_windows
@@ -282,10 +282,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
     model = loaded.model
     device = next(model.parameters()).device
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
-    max_pos = max_positions(model.config)
-    if max_pos is not None and params.seq_len > max_pos:
-        raise JobFailed(f"seq_len {params.seq_len} is longer than {name} supports ({max_pos} positions); "
-                        f"lower seq_len to at most {max_pos}")
+    require_positions(model.config, params.seq_len, name)
     declared = short_windows(name, params.seq_len, sliding_windows(model.config, layers))
     stats = EntropyStats(layers, heads, params.seq_len, params.histogram_bins, device=device)
     stats.set_sliding_windows(declared)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series, require_positions
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.sweep import (
     AttentionApproxParams,
@@ -295,7 +295,6 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
                                  linformer_attention)
     from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
-    from lmscope.modeling.loading import max_positions
     from lmscope.modeling.windows import token_windows
 
     with ctx.stage("load_model"):
@@ -304,10 +303,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     device = next(model.parameters()).device
     cfg = model.config
     num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
-    max_pos = max_positions(cfg)
-    if max_pos is not None and params.seq_len > max_pos:
-        raise JobFailed(f"seq_len {params.seq_len} is longer than {params.model} supports ({max_pos} positions); "
-                        f"lower seq_len to at most {max_pos}")
+    require_positions(cfg, params.seq_len, params.model)
     layers = list(range(num_layers)) if params.layers is None else list(params.layers)
     bad = [layer for layer in layers if not 0 <= layer < num_layers]
     if bad:

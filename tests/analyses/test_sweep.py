@@ -583,6 +583,8 @@ def test_attention_study_says_which_layers_the_model_windows(tmp_path):
     assert "layer(s) [1, 2] attend over a sliding window of 8 tokens" in out.summary["sliding_window_note"]
     assert "sliding_windows" not in study(seq_len=16, layers=[0]).summary
     assert "sliding_windows" not in study(seq_len=8).summary
+    with pytest.raises(JobFailed, match=r"seq_len 65 is longer than m supports \(64 positions\); .* at most 64"):
+        study(seq_len=65)  # a grid point run directly (the API refuses it at submit)
 
     params = SweepParams(study="attention", model="m", dataset="w", features=[4, 16], seq_len=16, seeds=1)
     parent = aggregate(params, [ChildResult(1, "attention_approx", {"method": "performer", "seed": 0}, "succeeded",
