@@ -214,6 +214,21 @@ def test_sliding_window(backend, device, oracle, nq, nk, window):
     _close(res.entropy, torch.where(visible > 0, torch.log(visible.clamp(min=1)), 0.0), atol=2e-5)
 
 
+@pytest.mark.parametrize("nq,nk", [(80, 80), (30, 80)])
+def test_every_window_length_at_the_default_tile(triton_backend, device, oracle, nq, nk):
+    """Every window length from 1 to Nk at the 32 × 32 tile: a row's window then starts at every offset
+    inside a key block (its last key included), and a key block is inside every row's window of a query
+    block or only some of them at every boundary. A fixed grid of lengths let two block bounds written
+    one off pass."""
+    q, k, v = _qkv(1, 2, 1, nq, 16, device=device, seed=21, nk=nk)
+    for window in range(1, nk + 1):
+        res = attention_with_entropy(q, k, v, causal=True, window=window, backend=triton_backend)
+        out, ent, lse, _ = oracle.attention(q, k, v, causal=True, window=window)
+        _close(res.out, out, atol=2e-5)
+        _close(res.entropy, ent, atol=2e-5)
+        _close(res.lse, lse, atol=2e-5)
+
+
 def test_window_and_cap_together_in_low_precision(backend, device, oracle):
     q, k, v = _qkv(1, 4, 2, 70, 64, device=device, dtype=torch.bfloat16, seed=16)
     res = attention_with_entropy(4 * q, k, v, causal=True, softcap=3.0, window=20, backend=backend)

@@ -69,6 +69,21 @@ def test_peaked_dimension_has_near_zero_entropy(backend, device):
     _close(ent[0, 0, 1], torch.full((n,), math.log(n), dtype=torch.float64), atol=2e-5)
 
 
+@pytest.mark.parametrize("n", [20, 70])
+def test_a_late_large_key_leaves_the_earlier_causal_rows_uniform(backend, device, n):
+    """Causal rows shift their scores by the largest key they see, not the largest of all: a key far
+    above the others at the last position is invisible to every earlier row, which stays uniform
+    (entropy ln(t + 1)); shifted by it, exp underflows and those rows read 0."""
+    q = torch.ones(1, 1, n, 4, device=device)
+    k = torch.zeros(1, 1, n, 4, device=device)
+    k[0, 0, -1, 0] = 500.0
+    ent = dimension_entropy(q, k, causal=True, scale=1.0, backend=backend)
+    uniform = torch.log(torch.arange(1, n + 1, dtype=torch.float64))
+    _close(ent[0, 0, 0, :-1], uniform[:-1], atol=2e-5)
+    assert ent[0, 0, 0, -1].abs() < 1e-6  # the last row sees the key and picks it
+    _close(ent[0, 0, 1], uniform, atol=2e-5)  # a dimension where every key is 0
+
+
 def test_validation_errors(device):
     q, k = _qk(1, 2, 2, 8, 16, device=device)
     with pytest.raises(ValueError):

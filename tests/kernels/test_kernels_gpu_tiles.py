@@ -43,6 +43,8 @@ def test_attention_tiles(triton_backend, oracle, monkeypatch, bm, bn):
         dict(causal=True),
         dict(causal=False, key_padding_mask=kpm),
         dict(causal=True, window=bn + 5),  # the window starts inside a key block
+        # the second query block's first row (bm): its window starts at a key block's last key
+        dict(causal=True, window=1 + (bm + 1) % bn),
     ]
     for case in cases:
         res = attention_with_entropy(q, k, v, backend=triton_backend, **case)
@@ -54,6 +56,13 @@ def test_attention_tiles(triton_backend, oracle, monkeypatch, bm, bn):
     tail = q[:, :, -(bm // 2 + 1):]
     res = attention_with_entropy(tail, k, v, causal=True, backend=triton_backend)
     out, ent, lse, _ = oracle.attention(tail, k, v, causal=True)
+    _close(res.out, out, 2e-5)
+    _close(res.entropy, ent, 2e-5)
+    # the last bm queries, one full block, with a window whose last row starts one key into the first key
+    # block: that block is inside some rows' windows only (the masked path, not the fast one)
+    last = q[:, :, -bm:]
+    res = attention_with_entropy(last, k, v, causal=True, window=n - 1, backend=triton_backend)
+    out, ent, lse, _ = oracle.attention(last, k, v, causal=True, window=n - 1)
     _close(res.out, out, 2e-5)
     _close(res.entropy, ent, 2e-5)
 
