@@ -65,3 +65,26 @@ def test_the_cli_shows_a_malformed_variable_as_an_error_not_a_traceback(tmp_path
     assert result.exit_code == 1
     assert "Error: LMSCOPE_AUTH='maybe' is neither on nor off" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "lmscope.db").exists()
+
+
+def test_each_documented_numeric_default_is_the_default():
+    """The defaults ENV_VARS (and so the README's table) states, "(default 3)", are what an unset variable gives:
+    the field a variable sets is found by setting it, then its default compared with the words."""
+    import dataclasses
+    import re
+
+    from lmscope.config import ENV_VARS
+
+    unset = Settings.from_env({})
+    checked = {}
+    for name, meaning in ENV_VARS.items():
+        stated = re.search(r"\(default (\d+)( MiB)?[;)]", meaning)
+        if not stated:
+            continue
+        changed = [f.name for f in dataclasses.fields(Settings)
+                   if getattr(Settings.from_env({name: "7"}), f.name) != getattr(unset, f.name)]
+        assert len(changed) == 1, (name, changed)
+        default = int(stated.group(1)) * (1024 * 1024 if stated.group(2) else 1)
+        checked[name] = getattr(unset, changed[0])
+        assert checked[name] == default, (name, meaning)
+    assert {"LMSCOPE_MAX_ATTEMPTS", "LMSCOPE_TASK_TIME_LIMIT", "LMSCOPE_PORT", "LMSCOPE_MAX_UPLOAD_BYTES"} <= set(checked)

@@ -455,6 +455,15 @@ def test_causal_dimension_rows_over_sliding_windows_and_one_key_windows_are_refu
         run_job(tmp_path, {"m": _sliding("mistral", window=1)}, documents, num_segments=1)
 
 
+def test_a_window_as_long_as_the_sequence_is_no_sliding_window(tmp_path, documents):
+    """A window of seq_len keys holds every key a row of seq_len tokens can see: the rows are full causal ones,
+    nothing is said about windows, and dimension_causal is not refused."""
+    out, _ = run_job(tmp_path, {"m": _sliding("mistral", window=SEQ_LEN)}, documents, num_segments=1,
+                     dimension_wise=True, dimension_segments=1, dimension_causal=True)
+    assert out.summary["sliding_windows"] == {}
+    assert all("window" not in s.labels for s in out.series if s.name == "uniform_bound")
+
+
 def test_a_sliding_window_the_model_ignores_changes_nothing(tmp_path, documents):
     """GLM-4 has no sliding window, whatever its config.json says: its rows see keys 0..t, and
     dimension_causal is not refused."""

@@ -66,6 +66,9 @@ def test_parameter_counts_and_prompt_loss(name, tmp_path):
     assert s["prompt_tokens"] == ids.shape[1] == len(PROMPT.encode()) + 1
     assert s["prompt_loss"] == pytest.approx(by_hand, abs=1e-5) == pytest.approx(hf, abs=1e-5)
     assert s["prompt_loss"] == pytest.approx(math.log(259), abs=0.5)  # random init: about uniform
+    assert s["prompt_perplexity"] == pytest.approx(math.exp(by_hand), rel=1e-5)  # e^loss, the loss in nats
+    # the model's likeliest token after the whole prompt (its last position's)
+    assert s["next_token"] == ctx.load_model(name).tokenizer.decode([int(logp[-1].argmax())])
     assert (tmp_path / "parameters.png").read_bytes()[:4] == b"\x89PNG"
     assert [done for done, _, _ in ctx.progress_log] == [1, 2, 3]
 

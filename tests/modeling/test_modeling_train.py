@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from lmscope.analyses.base import JobCancelled, JobFailed
 from lmscope.analyses.local import LocalContext
-from lmscope.analyses.train import BatchOrder, lr_at, run
+from lmscope.analyses.train import BatchOrder, evaluate, lr_at, make_optimizer, run
 from lmscope.modeling.loading import load_model
 from lmscope.params import validate_params
 from lmscope.params.train import TrainParams
@@ -72,12 +72,16 @@ def test_validation_loss_falls_below_the_unigram_entropy(reference, docs):
     assert s["unigram_val_entropy"] == pytest.approx(floor, rel=1e-9)
     assert s["unigram_val_entropy"] < s["unigram_entropy"]
     assert _series(out, "unigram_entropy").y == [s["unigram_entropy"]] * 2
+    # the training stream's own unigram entropy (no smoothing)
+    train_entropy = -sum(c / total * math.log(c / total) for c in counts.values())
+    assert s["unigram_train_entropy"] == pytest.approx(train_entropy, rel=1e-9)
 
     val = _series(out, "loss.val")
     assert val.x == [0, 25, 50, 75, 100, 125, 150]
     assert val.y[0] == pytest.approx(math.log(259), abs=0.3)  # random init ≈ uniform over the vocabulary
     assert s["val_loss"] == val.y[-1] < s["unigram_entropy"] - 0.05
     assert _series(out, "loss.train").x == list(range(1, 151))
+    assert s["train_loss"] == pytest.approx(sum(_series(out, "loss.train").y[-20:]) / 20)  # the last 20 steps
     assert s["tokens_seen"] == 150 * 16 * 32 and s["steps"] == 150
 
     # The final checkpoint is the model that scored that: reload it and score the val windows with HF's own loss.
@@ -294,6 +298,41 @@ def test_a_run_trains_on_the_stream_its_tokenizer_encodes_bos_included(docs, tmp
                        for special in (True, False))
     assert with_bos != plain
     assert out.summary["train_tokens"] == with_bos
+
+
+def test_each_epoch_visits_every_window_once_in_its_own_order():
+    order = BatchOrder(12, 4, 3)
+    epochs = [torch.cat([order(step) for step in range(e * 3, e * 3 + 3)]).tolist() for e in range(3)]
+    assert all(sorted(e) == list(range(12)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3  # reshuffled every epoch
+
+
+def test_only_matrices_and_embeddings_decay_with_the_documented_adamw():
+    """docs/models-and-datasets.md: AdamW (β = 0.9, 0.95), decay on matrices and embeddings only (not biases,
+    not norm gains)."""
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "proj": torch.nn.Linear(4, 4),
+                                 "norm": torch.nn.LayerNorm(4)})
+    p = TrainParams(dataset="d", weight_decay=0.25, lr=0.01)
+    optimizer = make_optimizer(model, p)
+    names = {id(prm): name for name, prm in model.named_parameters()}
+    groups = {g["weight_decay"]: sorted(names[id(prm)] for prm in g["params"]) for g in optimizer.param_groups}
+    assert groups == {0.25: ["emb.weight", "proj.weight"], 0.0: ["norm.bias", "norm.weight", "proj.bias"]}
+    assert all(g["lr"] == 0.01 and g["betas"] == (0.9, 0.95) for g in optimizer.param_groups)
+
+
+def test_validation_loss_weighs_every_token_the_same_with_a_short_last_batch():
+    """5 windows in batches of 2: the last batch holds one window, which counts for 1/5, not 1/3."""
+    from contextlib import nullcontext
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)).eval()
+    windows = torch.randint(0, 50, (5, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1]).logits.double()
+    by_hand = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), windows[:, 1:].reshape(-1)).item()
+    assert evaluate(model, windows, 2, nullcontext) == pytest.approx(by_hand, abs=1e-6)
 
 
 def test_every_valid_seed_orders_batches():

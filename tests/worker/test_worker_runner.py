@@ -239,6 +239,7 @@ def test_a_job_the_takeover_ends_without_running_lists_its_files(settings, sessi
               "cancelled": dict(attempts=1, cancel_requested=True, started_ago=5),
               "time-limit": dict(attempts=1, started_ago=19.9)}[how]  # the limit (20 s) killed it: not retried
     job_id = _a_killed_attempt(settings, make_job, **fields)
+    lost = job_row(job_id).worker
     status = runner.execute(job_id, settings, sessions, publisher)
 
     job = job_row(job_id)
@@ -247,6 +248,8 @@ def test_a_job_the_takeover_ends_without_running_lists_its_files(settings, sessi
     assert job.attempts == fields["attempts"] and job.finished_at is not None  # it did not run again
     if how == "time-limit":
         assert "LMSCOPE_TASK_TIME_LIMIT=20 s" in job.error_message
+    if how == "out-of-attempts":  # as the reaper says it: how often, when and where it was last seen
+        assert job.error_message.startswith("worker lost 2 times; last seen at ") and f" on {lost}" in job.error_message
     assert set(artifacts_of(sessions, job_id)) == {"attempt-1.txt", "checkpoints/step-5.txt"}
 
 
