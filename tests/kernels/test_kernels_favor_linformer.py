@@ -251,8 +251,13 @@ def test_linformer_triton_equals_explicit_softmax_over_projected_keys(triton_bac
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
     # per-head projections [H, rows, N] (indexed by query head, also with grouped-query k, v)
     e2, f2 = torch.stack([e, e.flip(0)]), torch.stack([f, f.flip(0)])
-    out2 = linformer_attention(q, k, v, e2, f2, backend=triton_backend)
-    torch.testing.assert_close(out2, linformer_attention(q, k, v, e2, f2, backend="reference"), rtol=1e-4, atol=1e-5)
+    group = q.shape[1] // k.shape[1]  # query head h reads kv head h // group, projected by E_h, F_h
+    kv = [(k[:, h // group:h // group + 1].double(), v[:, h // group:h // group + 1].double()) for h in range(q.shape[1])]
+    per_head = [oracle.softmax_attention(q[:, h:h + 1].double(), e2[h].double() @ kh, f2[h].double() @ vh, causal=False)
+                for h, (kh, vh) in enumerate(kv)]
+    for backend in (triton_backend, "reference"):
+        out2 = linformer_attention(q, k, v, e2, f2, backend=backend)
+        torch.testing.assert_close(out2.double(), torch.cat(per_head, 1), rtol=1e-4, atol=1e-5)
 
 
 def test_linformer_triton_bf16_attends_in_bf16_and_matches_the_reference(triton_backend, oracle, device):
