@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, require_positions
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses import entropy_plots
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
@@ -399,7 +399,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
         results.append(res)
         dim_results.append(dim)
         windows_used.append(len(windows))
-    backend = "+".join(sorted(backends))  # "triton" on GPU, "reference" on CPU
+    backend = "+".join(sorted(backends))  # each route a model took: triton, reference, attention-matrix, ...
     ctx.record("kernel_backend", backend)
 
     with ctx.stage("write"):
@@ -407,6 +407,11 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
         _save_arrays(ctx, params, steps, names, results, dim_results)
         _plots(ctx, params, steps, names, results, dim_results)
     return output
+
+
+def bin_edges(params: EntropyParams) -> np.ndarray:
+    """The histograms' bin edges: ``histogram_bins`` equal bins over [0, ln seq_len]."""
+    return np.linspace(0.0, math.log(params.seq_len), params.histogram_bins + 1)
 
 
 def _output(params, steps, names, results, dim_results, windows_used, backend) -> JobOutput:
@@ -423,7 +428,7 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
                 series.append(Series("dimension_entropy.near_uniform_pct", steps,
                                      [float(d["near_uniform_pct"][layer, head]) for d in dim_results], labels))
     positions = list(range(n))
-    edges = np.linspace(0.0, math.log(n), params.histogram_bins + 1)
+    edges = bin_edges(params)
     centres = ((edges[:-1] + edges[1:]) / 2).tolist()
     for step, name, r, d in zip(steps, names, results, dim_results):
         model_labels = {"step": step, "model": name}
@@ -484,7 +489,7 @@ def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
     arrays = {key: np.stack([r[key] for r in results]) for key in results[0] if key not in ("bound", "sliding_windows")}
     arrays.update(steps=np.array(steps), models=np.array(names),
                   uniform_bound_per_layer=np.stack([r["bound"] for r in results]),  # [M, L, N]
-                  bin_edges=np.linspace(0.0, math.log(params.seq_len), params.histogram_bins + 1),
+                  bin_edges=bin_edges(params),
                   uniform_bound=np.log(np.arange(params.seq_len) + 1.0))
     np.savez_compressed(ctx.artifact_dir / "entropy_by_position.npz", **arrays)
     if dim_results[0] is not None:
@@ -495,132 +500,8 @@ def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
             steps=np.array(steps), bin_edges=arrays["bin_edges"])
 
 
-# ---------------------------------------------------------------------------- plots
-
-
 def _plots(ctx, params, steps, names, results, dim_results) -> None:
-    plt = pyplot()
-    out = ctx.artifact_dir
-    last, last_name = results[-1], names[-1]
-    layers, heads = last["mean"].shape
-    n = params.seq_len
-
-    # what a fully mean-pooling head scores: mean of ln(t + 1), less in layers that all slide
-    uniform_mean = float(last["bound"].mean(1).max())
-    source = (f"{last_name} on {params.dataset}" if len(names) == 1
-              else f"{names[0]} … {last_name} on {params.dataset}")
-
-    # Layer × head heatmap of the mean entropy, annotated with the values.
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.7 * heads), max(3.5, 1.5 + 0.45 * layers)))
-    im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=0, vmax=uniform_mean)
-    if layers * heads <= 400:
-        for (layer, head), v in np.ndenumerate(last["mean"]):
-            ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="black" if v > 0.6 * uniform_mean else "white")
-    ax.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers))
-    ax.set_title(f"mean attention entropy (nats), {last_name} on {params.dataset}\n"
-                 f"scale top = uniform {uniform_mean:.2f} "
-                 f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
-    fig.colorbar(im, ax=ax, label="nats")
-    save(fig, out / "entropy_heatmap.png")
-
-    # Mean entropy per layer (±std over heads), one line per checkpoint.
-    fig, ax = plt.subplots(figsize=(6, 4))
-    cmap = plt.get_cmap("viridis")
-    for i, (step, r) in enumerate(zip(steps, results)):
-        per_layer = r["mean"].mean(1)
-        color = cmap(i / max(1, len(results) - 1))
-        # With many checkpoints label only the first and last: the colour runs from early to late.
-        label = names[i] if len(results) == 1 else (f"step {step}" if len(results) <= 8 or i in (0, len(results) - 1) else None)
-        ax.plot(range(layers), per_layer, marker="o", color=color, label=label)
-        if len(results) == 1:
-            ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
-                            color=color, alpha=0.2, label="± std over heads")
-    if last["sliding_windows"]:  # windowed layers have a lower ceiling
-        ax.plot(range(layers), last["bound"].mean(1), color="k", ls="--", drawstyle="steps-mid",
-                label="uniform (mean of ln(visible keys))")
-    else:
-        ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
-    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}", xticks=range(layers))
-    ax.legend(fontsize=7)
-    save(fig, out / "entropy_by_layer.png")
-
-    # Entropy against query position, per layer, with the uniform bound ln(t + 1).
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    positions = np.arange(n)
-    for layer in range(layers):
-        ax.plot(positions, last["by_position"][layer].mean(0), color=cmap(layer / max(1, layers - 1)),
-                label=f"layer {layer}")
-    ax.plot(positions, np.log(positions + 1.0), "k--", label="uniform bound ln(t+1)")
-    for w in sorted(set(last["sliding_windows"].values())):
-        in_window = [layer for layer, lw in last["sliding_windows"].items() if lw == w]
-        ax.plot(positions, np.log(np.minimum(positions + 1.0, w)), "k:",
-                label=f"ln(min(t+1, {w})): sliding layer(s) {', '.join(map(str, in_window))}")
-    ax.set(xlabel="query position t", ylabel="mean entropy (nats)",
-           title=f"attention entropy by position, {last_name} on {params.dataset}")
-    ax.legend(fontsize=7, ncol=2)
-    save(fig, out / "entropy_by_position.png")
-
-    if len(results) > 1:  # training dynamics: one panel per layer, one line per head
-        # checkpoints of one run lie on a step axis; other model lists are only in list order
-        over_training = params.train_job is not None or training_steps(names) is not None
-        cols = min(3, layers)
-        rows = math.ceil(layers / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
-        for layer in range(layers):
-            ax = axes[layer // cols][layer % cols]
-            for head in range(heads):
-                ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
-            ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
-            ax.set(title=f"layer {layer}", xlabel="training step" if over_training else "model",
-                   ylabel="mean entropy (nats)")
-            if not over_training:
-                ax.set_xticks(steps, names, rotation=30, ha="right", fontsize=7)
-            ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
-            if layer == 0:
-                ax.legend(fontsize=6)
-        for extra in range(layers, rows * cols):
-            axes[extra // cols][extra % cols].axis("off")
-        fig.suptitle(f"attention entropy over training, {source}" if over_training
-                     else f"attention entropy across models, on {params.dataset}")
-        save(fig, out / "entropy_over_training.png")
-
-    if dim_results[-1] is not None:
-        # Left: the histograms, on a log density axis (most rows sit in the last bins, next to the
-        # bound; a linear axis showed one spike). Right: the near-uniform share per layer × head.
-        d = dim_results[-1]
-        edges = np.linspace(0.0, math.log(n), params.histogram_bins + 1)
-        fig, (ax, hm) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
-        for layer in range(layers):
-            ax.stairs(d["hist_density"][layer], edges, color=cmap(layer / max(1, layers - 1)),
-                      label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
-        ax.set_yscale("log")
-        filled = np.flatnonzero(d["hist_density"].sum(0) > 0)
-        if filled.size:  # zoom on the occupied bins (often a few next to the bound), threshold in view
-            width = edges[1] - edges[0]
-            left = min(edges[max(filled[0] - 1, 0)], math.log(n) - params.near_uniform_margin - width)
-            ax.set_xlim(max(left, 0.0), edges[-1] + width / 2)
-        if params.dimension_causal:
-            # each row t has its own bound ln(t+1): no single threshold line to draw
-            ax.axvline(math.log(n), color="k", ls="--",
-                       label=f"ln({n}): bound of the last row (row t: near uniform above ln(t+1) − "
-                             f"{params.near_uniform_margin})")
-        else:
-            ax.axvline(math.log(n), color="k", ls="--", label=f"uniform ln({n}) = {math.log(n):.2f}")
-            ax.axvline(math.log(n) - params.near_uniform_margin, color="r", ls=":",
-                       label=f"near-uniform threshold (−{params.near_uniform_margin} nats)")
-        ax.set(xlabel="entropy of softmax(q_i k_iᵀ/√d) (nats)", ylabel="density (log scale)",
-               title=f"dimension-wise attention entropy, {last_name} on {params.dataset}\n"
-                     f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
-                     f"({'causal' if params.dimension_causal else 'bidirectional'})")
-        ax.legend(fontsize=7)
-        share = d["near_uniform_pct"]
-        im = hm.imshow(share, cmap="magma", aspect="auto", vmin=0, vmax=100)
-        if layers * heads <= 400:
-            for (layer, head), v in np.ndenumerate(share):
-                hm.text(head, layer, f"{v:.1f}", ha="center", va="center", fontsize=7,
-                        color="black" if v > 60 else "white")
-        hm.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers),
-               title=f"% of (dimension, query) rows within {params.near_uniform_margin} nats of uniform")
-        fig.colorbar(im, ax=hm, label="%")
-        save(fig, out / "dimension_entropy.png")
+    # checkpoints of one run lie on a step axis; other model lists are only in list order
+    over_training = params.train_job is not None or training_steps(names) is not None
+    entropy_plots.draw(ctx.artifact_dir, params, steps, names, results, dim_results, bin_edges(params),
+                       over_training=over_training)

@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, GPT2Config, GptOssConfig, GPTJConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from lmscope.analyses import entropy
+from lmscope.analyses import entropy, entropy_plots
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
@@ -502,14 +502,14 @@ def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch, names,
     import types
 
     saved = {}
-    monkeypatch.setattr(entropy, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    monkeypatch.setattr(entropy_plots, "save", lambda fig, path: saved.setdefault(path.name, fig))
     layers, heads, n = 4, 2, 8
     bound = np.log(np.arange(n) + 1.0)
     results = [{"mean": np.full((layers, heads), float(step)), "by_position": np.ones((layers, 3, n)),
                 "bound": np.stack([bound] * layers), "sliding_windows": {}} for step in (1, 2)]
     ctx = types.SimpleNamespace(artifact_dir=tmp_path)
-    entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki", train_job=None), steps, names, results,
-                   [None, None])
+    entropy._plots(ctx, types.SimpleNamespace(seq_len=n, dataset="wiki", train_job=None, histogram_bins=4), steps,
+                   names, results, [None, None])
     fig = saved["entropy_over_training.png"]
     fig.canvas.draw()
     shown = {ax.get_title(): [t.get_text() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
