@@ -49,7 +49,7 @@ class ApiFailure(click.ClickException):
         only_fields = bool(errors) and (detail.startswith("fix these fields: ")
                                         or detail == "; ".join(str(e.get("msg")) for e in errors))
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
-        click.echo(f"Error: {title}" if only_fields else f"Error: {self.error}", err=True)
+        click.echo(f"Error: {title}" if only_fields else f"Error: {self.error.headline}", err=True)
         for e in errors:
             loc = ".".join(str(p) for p in e.get("loc", []))
             click.echo(f"  {loc or '(body)'}: {e.get('msg')}", err=True)

@@ -48,7 +48,11 @@ class LmscopeError(Exception):
         self.status = status
         self.problem = problem
         title, detail = problem.get("title") or f"HTTP {status}", problem.get("detail")
-        super().__init__(f"{title}: {detail}" if detail else title)
+        self.headline = f"{title}: {detail}" if detail else title
+        # and each field message the detail does not already hold (an unknown kind's list of the kinds)
+        unsaid = [f"{'.'.join(str(p) for p in e.get('loc', [])) or '(body)'}: {e.get('msg')}"
+                  for e in problem.get("errors") or [] if str(e.get("msg")) not in (detail or "")]
+        super().__init__("\n  ".join([self.headline, *unsaid]))
 
     @property
     def type(self) -> str | None:

@@ -334,6 +334,26 @@ def test_choosing_a_kind_fills_in_its_example_and_never_overwrites_written_param
     # (each example runs: tests/test_cli.py submits them all, as `lmscope kinds KIND` prints them)
 
 
+def test_params_a_browser_restored_into_the_form_are_not_replaced_by_an_example(page, url, jobs):
+    """A reload in a browser that restores form fields (Firefox) puts the user's params back before the page's
+    script runs: they are not the page's first text, so the loaded kinds do not replace them."""
+    restore = """new MutationObserver((_, observer) => {
+        const p = document.getElementById('params');
+        if (p) { p.value = '{"model": "restored"}'; observer.disconnect(); }
+    }).observe(document, { childList: true, subtree: true });"""
+    added = page.page("Page.addScriptToEvaluateOnNewDocument", source=restore)["identifier"]
+    try:
+        page.goto(f"{url}/")
+        page.wait("!document.getElementById('use-example').hidden")  # the kinds are loaded
+        assert form_params(page) == {"model": "restored"}
+    finally:
+        page.page("Page.removeScriptToEvaluateOnNewDocument", identifier=added)
+    # without a restore, the form starts from the kind's example as the server gives it, written out
+    page.goto(f"{url}/")
+    page.wait("!document.getElementById('use-example').hidden")
+    assert page.js("document.getElementById('params').value") == '{\n  "model": "tiny-gpt2"\n}'
+
+
 def test_cancel_that_comes_too_late_says_so(page, url, jobs):
     a = jobs["a"]
     open_job(page, url, a)
@@ -634,6 +654,17 @@ def test_one_jobs_many_curves_each_have_a_style_of_their_own(page, url):
     for job, stroke in two:
         by_job.setdefault(job, set()).add(stroke)
     assert all(len(s) == 1 for s in by_job.values()) and len({s.pop() for s in by_job.values()}) == 2, two
+    # A comparison where one job alone has the series: its curves keep its colour (its legend line's), dashed apart.
+    alone = page.js("""(() => {
+        const curves = [0, 1, 2].map(i => ({ name: "e", labels: { layer: i }, x_meaning: "x",
+            jobs: { "8": { x: [1, 2], y: [1, i] } } }));
+        const svg = chart("e", curves, [{ id: 7 }, { id: 8 }]);
+        document.getElementById('detail').append(svg);
+        const legend = svg.querySelector('text.legend[data-job="8"]').previousElementSibling;
+        return { strokes: [...svg.querySelectorAll('polyline')].map(p => getComputedStyle(p).stroke),
+                 dashes: [...svg.querySelectorAll('polyline')].map(p => getComputedStyle(p).strokeDasharray),
+                 job8: getComputedStyle(legend).stroke }; })()""")
+    assert set(alone["strokes"]) == {alone["job8"]} and len(set(alone["dashes"])) == 3, alone
 
 
 def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
@@ -935,6 +966,19 @@ def test_narrow_screen_has_one_column(page, url, jobs):
     page.click(f'#jobs tr.job[data-id="{jobs["train"]}"] td.status')
     wait_job(page, jobs["train"])
     page.wait("Math.abs(document.getElementById('detail').getBoundingClientRect().top) < 2")
+    # A job opened while the server does not answer is not scrolled to later, when it does (the user has moved on).
+    page.goto(f"{url}/")
+    page.wait("document.querySelectorAll('#jobs tr.job').length > 0")
+    page.js("window.realFetch = window.fetch; window.fetch = () => Promise.reject(new TypeError('Failed to fetch')); true")
+    try:
+        page.js(f"location.hash = '#job={jobs['a']}'; true")
+        page.wait("document.getElementById('conn').textContent.includes('server unreachable')", timeout=10)
+    finally:
+        page.js("window.fetch = window.realFetch; true")
+    page.js("window.scrollTo(0, 0); true")
+    wait_job(page, jobs["a"])
+    wait_refreshes(page, 2)
+    assert page.js("window.scrollY") == 0
 
 
 def test_a_list_of_sweep_points_fits_its_panel(page, url, jobs):

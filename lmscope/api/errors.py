@@ -111,10 +111,12 @@ def unknown_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
 
 
 def missing_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
-    """'required (no default): a registered model name, e.g. tiny-gpt2' — pydantic says 'Field required'."""
+    """'required (no default): registered model name' — pydantic says 'Field required'. The description's
+    first clause only: a detail joins the fields with "; "."""
     parent = model_at(model, loc[:-1]) if loc else None
     field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
-    return "required (no default)" + (f": {field.description}" if field is not None and field.description else "")
+    what = field.description.split(";")[0].strip() if field is not None and field.description else ""
+    return "required (no default)" + (f": {what}" if what else "")
 
 
 def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:

@@ -45,7 +45,7 @@ class SubmitBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = Field(description="the job kind; GET /v1/kinds lists them")
+    kind: str = Field(description="the job kind (GET /v1/kinds lists them)")
     params: dict[str, Any] = Field(default_factory=dict, description="the kind's parameters")
     name: Annotated[str | None, AfterValidator(_one_line)] = Field(None, max_length=200, description="a label for people")
     tags: list[Tag] = Field(default_factory=list, max_length=32, description="free-form labels to filter by")

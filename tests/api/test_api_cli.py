@@ -232,6 +232,14 @@ def test_a_filter_error_keeps_the_apis_advice(cli):
     assert "unknown status 'bogus'; use one of queued, running" in r.stderr  # not only "query.status: unknown status"
 
 
+def test_an_unknown_kind_is_said_with_its_suggestion_and_the_kinds_once(cli):
+    r = cli("submit", "nrms")
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: Unknown job kind: kind 'nrms' does not exist; did you mean 'norms'?"), lines
+    assert len(lines) == 2 and lines[1].startswith("  kind: unknown kind; the kinds are ") and r.stderr.count("probe") == 1
+
+
 def test_an_unknown_model_is_said_once_with_the_field_it_is_in(cli):
     """The detail of an unknown reference only joins its field messages: it was printed twice."""
     r = cli("submit", "probe", "-p", "model=nope")

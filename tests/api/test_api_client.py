@@ -33,6 +33,15 @@ def test_errors_carry_the_problem(api, live, ann):
     assert e.value.status == 422 and e.value.type.endswith("/validation-error")
     assert [x["loc"] for x in e.value.errors] == [["params", "dtype"]]
     assert str(e.value).startswith("Invalid parameters for kind 'probe': fix these fields: params.dtype")
+    assert "\n" not in str(e.value)  # the detail says each field already: once
+    # a field message the detail does not hold is said too: an unknown kind's list of the kinds
+    with pytest.raises(LmscopeError) as e:
+        ann.submit("nrms", {})
+    headline, fields = str(e.value).split("\n")
+    assert headline.startswith("Unknown job kind: kind 'nrms' does not exist; did you mean 'norms'?")
+    from lmscope.params import KINDS
+
+    assert fields == "  kind: unknown kind; the kinds are " + ", ".join(sorted(k for k, s in KINDS.items() if s.submittable))
     with pytest.raises(LmscopeError) as e:
         ann.get(424242)
     assert e.value.status == 404 and str(e.value).startswith("Job not found: there is no job 424242")

@@ -599,9 +599,13 @@ def test_a_missing_field_says_it_has_no_default_and_what_it_takes(api):
     body = is_problem(api.submit(h, kind="norms", params={"dataset": "d"}), 422, "validation-error")
     assert body["errors"] == [{"loc": ["params", "model"], "type": "missing",
                                "msg": "required (no default): registered model name"}]
+    # a description's first clause: the detail joins the fields with "; " (dataset's says more after one)
+    body = is_problem(api.submit(h, kind="norms", params={"max_samples": 10}), 422, "validation-error")
+    assert body["detail"] == ("fix these fields: params.model: required (no default): registered model name; "
+                              "params.dataset: required (no default): registered dataset name")
     body = is_problem(api.client.post("/v1/jobs", headers=h, json={"params": {"model": "m"}}), 422, "validation-error")
     assert [(e["loc"], e["msg"]) for e in body["errors"]] == [
-        (["kind"], "required (no default): the job kind; GET /v1/kinds lists them")]
+        (["kind"], "required (no default): the job kind (GET /v1/kinds lists them)")]
 
 
 def test_unknown_fields_suggest_the_intended_name(api):
