@@ -76,16 +76,12 @@ def plain_forward(lm: LoadedModel, params: NormsParams, documents, device: str) 
 def job(lm: LoadedModel, params: NormsParams, documents, device: str,
         route: str = "auto") -> tuple[float, LocalContext, dict]:
     """The whole job; route "full" makes the inner loss re-run the whole last block (the generic path)."""
-    previous, norms.INNER_LOSS_ROUTE = norms.INNER_LOSS_ROUTE, route
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            ctx = LocalContext(d, models={lm.name: lm}, datasets={"wiki": documents}, device=device)
-            start = time.perf_counter()
-            out = norms.run(params, ctx)
-            sync(device)
-            return time.perf_counter() - start, ctx, out.summary
-    finally:
-        norms.INNER_LOSS_ROUTE = previous
+    with tempfile.TemporaryDirectory() as d:
+        ctx = LocalContext(d, models={lm.name: lm}, datasets={"wiki": documents}, device=device)
+        start = time.perf_counter()
+        out = norms.run(params, ctx, inner_loss_route=route)
+        sync(device)
+        return time.perf_counter() - start, ctx, out.summary
 
 
 def measuring(ctx: LocalContext) -> float:

@@ -41,7 +41,6 @@ LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the
 LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
 GRAM_CONTEXT_BYTES = 256 * 2**20  # the Gram condition's [pairs, T, D] contexts (gathered + float64 copy), per chunk
 TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
-INNER_LOSS_ROUTE = "auto"  # "full": always re-run the whole last block (the benchmark's comparison)
 
 
 # ---------------------------------------------------------------- the model's parts
@@ -583,7 +582,7 @@ class Progress:
 
 
 def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int, device,
-            points: int, pca_trajs: np.ndarray, progress: Progress) -> Measurements:
+            points: int, pca_trajs: np.ndarray, progress: Progress, inner_loss_route: str = "auto") -> Measurements:
     """One batched forward pass per batch: norms, PCA moments and (optionally) the inner loss."""
     S, D = len(samples.traj_sample), parts.lm_head.weight.shape[1]
     m = Measurements(np.zeros((S, points), np.float32), np.full((S, parts.num_layers), np.nan, np.float32),
@@ -604,7 +603,7 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
                 targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
                                         zip(samples.traj_sample[trajs], samples.traj_pos[trajs])], device=device)
                 m.losses[trajs] = inner_losses(parts, hidden, call, mask, rows, cols, targets,
-                                               INNER_LOSS_ROUTE).cpu().numpy()
+                                               inner_loss_route).cpu().numpy()
             progress.step("forward + inner loss")
         else:
             progress.step("forward")
@@ -652,7 +651,9 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
     return summary, series, kept
 
 
-def run(params: NormsParams, ctx: JobContext) -> JobOutput:
+def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto") -> JobOutput:
+    """The norms job. ``inner_loss_route="full"`` re-runs the whole last block for the inner loss instead of
+    only its current rows (the benchmark's comparison; the results are the same)."""
     lm = ctx.load_model(params.model, dtype=params.dtype)
     model, tokenizer = lm.model, lm.tokenizer
     parts = model_parts(model)
@@ -678,7 +679,7 @@ def run(params: NormsParams, ctx: JobContext) -> JobOutput:
                         + math.ceil(len(np.unique(samples.traj_sample[gram_chosen])) / params.batch_size)
                         + PLOTS)
     with kernel_attention(model, ctx):
-        m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs, progress)
+        m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs, progress, inner_loss_route)
         with ctx.stage("pca"):
             mean, components, explained = m.pca.fit(3)
             coords = ((torch.from_numpy(m.pca_points).to(device, torch.float64) - mean) @ components.T).cpu().numpy()
