@@ -124,7 +124,7 @@ class EntropyStats:
     def __init__(self, layers: int, heads: int, seq_len: int, bins: int, device="cpu"):
         f64 = dict(dtype=torch.float64, device=device)
         self.seq_len, self.bins = seq_len, bins
-        self.windows = 0  # full windows added (the same for every layer)
+        self.segments = 0  # token windows (segments) added, the same for every layer
         self.sum = torch.zeros(layers, heads, **f64)
         self.sum_sq = torch.zeros(layers, heads, **f64)
         self.sum_normalized = torch.zeros(layers, heads, **f64)
@@ -154,18 +154,18 @@ class EntropyStats:
         flat = (torch.arange(h, device=e.device)[None, :, None] * self.bins + idx).flatten()
         self.hist[layer] += torch.bincount(flat, minlength=h * self.bins).view(h, self.bins)
         if layer == 0:
-            self.windows += b
+            self.segments += b
 
     def result(self) -> dict[str, np.ndarray]:
-        rows = self.windows * self.seq_len
+        rows = self.segments * self.seq_len
         mean = self.sum / rows
         var = (self.sum_sq / rows - mean**2).clamp_min(0)
         hist = self.hist.double()
         return {
             "mean": mean.cpu().numpy(),  # [L, H]
             "std": var.sqrt().cpu().numpy(),  # [L, H]
-            "normalized_mean": (self.sum_normalized / (self.windows * (self.seq_len - 1))).cpu().numpy(),
-            "by_position": (self.by_position_sum / self.windows).cpu().numpy(),  # [L, H, N]
+            "normalized_mean": (self.sum_normalized / (self.segments * (self.seq_len - 1))).cpu().numpy(),
+            "by_position": (self.by_position_sum / self.segments).cpu().numpy(),  # [L, H, N]
             "hist_counts": self.hist.cpu().numpy(),  # [L, H, bins]
             # density per layer: integrates to 1 over [0, ln N]
             "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
@@ -294,7 +294,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
         # the bounds follow the windows the attention calls really received
         received = short_windows(name, params.seq_len, col.sliding_window)
         if received != stats.sliding_windows:
-            if stats.windows:
+            if stats.segments:
                 raise JobFailed(f"{name}: the layers' sliding windows changed between batches "
                                 f"({stats.sliding_windows} then {received})")
             stats.set_sliding_windows(received)
@@ -361,7 +361,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
     done = 0
     batches_per_model: list[int | None] = [None] * len(checkpoints)
 
-    def batches(n_windows: int) -> int:
+    def batch_count(n_windows: int) -> int:
         main = math.ceil(n_windows / params.batch_size)
         dim = math.ceil(min(n_windows, params.dimension_segments) / params.batch_size) if params.dimension_wise else 0
         return main + dim
@@ -392,7 +392,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
             params = params.model_copy(update={"seq_len": min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)})
         with ctx.stage("tokenize"):
             windows = _windows(params, loaded, documents, name)
-        batches_per_model[i] = batches(len(windows))
+        batches_per_model[i] = batch_count(len(windows))
         with ctx.stage("measure"):
             res, dim = measure_model(params, name, loaded, windows, report, backends)
         del loaded  # the worker's model cache decides what stays resident
