@@ -308,6 +308,11 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
 
     order = BatchOrder(len(train_windows), p.batch_size, p.seed)
     val_windows = val_windows.to(device)  # training windows stay on the CPU; each batch moves on its own
+    if not history["val"]:
+        history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
+    # the training loop's clock and step, which the checkpoints and the results below read
+    loop_start = time.perf_counter()
+    step = start_step
 
     def checkpoint(step: int) -> None:
         trainer_state = {"step": step, "run_name": run_name, "params": p.model_dump(), "history": history,
@@ -317,9 +322,6 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                          "lr_schedule": "warm-up + cosine, a function of the step (lmscope.analyses.train.lr_at)"}
         path = save_checkpoint(ckpt_root, step, model, tokenizer, optimizer, trainer_state)
         ctx.register_model(f"{run_name}@step{step}", path, step=step)
-
-    if not history["val"]:
-        history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
 
     def results(stopped: str | None = None) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
@@ -363,8 +365,6 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         return JobOutput(summary=summary, series=series)
 
     report_every = max(1, min(10, p.steps // 100))
-    loop_start = time.perf_counter()
-    step = start_step
     try:
         with ctx.stage("train"):
             while step < p.steps:
