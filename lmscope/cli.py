@@ -27,7 +27,7 @@ import click
 import lmscope
 from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS, INT32_MAX
-from lmscope.client import TERMINAL_STATES, Client, LmscopeError
+from lmscope.client import TERMINAL_STATES, Client, LmscopeError, field_line
 from lmscope.config import ConfigError
 
 
@@ -51,8 +51,7 @@ class ApiFailure(click.ClickException):
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
         click.echo(f"Error: {title}" if only_fields else f"Error: {self.error.headline}", err=True)
         for e in errors:
-            loc = ".".join(str(p) for p in e.get("loc", []))
-            click.echo(f"  {loc or '(body)'}: {e.get('msg')}", err=True)
+            click.echo(f"  {field_line(e)}", err=True)
 
 
 class LmscopeGroup(click.Group):

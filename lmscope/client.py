@@ -41,6 +41,11 @@ def default_url() -> str:
     return f"http://127.0.0.1:{int(port)}"
 
 
+def field_line(error: dict[str, Any]) -> str:
+    """One field error of a problem as the client and the CLI print it: "params.model: msg"."""
+    return f"{'.'.join(str(p) for p in error.get('loc', [])) or '(body)'}: {error.get('msg')}"
+
+
 class LmscopeError(Exception):
     """An error answered by the API (a problem document) or the failure to reach it (status 0)."""
 
@@ -50,8 +55,7 @@ class LmscopeError(Exception):
         title, detail = problem.get("title") or f"HTTP {status}", problem.get("detail")
         self.headline = f"{title}: {detail}" if detail else title
         # and each field message the detail does not already hold (an unknown kind's list of the kinds)
-        unsaid = [f"{'.'.join(str(p) for p in e.get('loc', [])) or '(body)'}: {e.get('msg')}"
-                  for e in problem.get("errors") or [] if str(e.get("msg")) not in (detail or "")]
+        unsaid = [field_line(e) for e in problem.get("errors") or [] if str(e.get("msg")) not in (detail or "")]
         super().__init__("\n  ".join([self.headline, *unsaid]))
 
     @property
