@@ -7,7 +7,8 @@ cut into non-overlapping windows of ``context + 1`` tokens: input ``w[:-1]``, ta
 Step ``s`` reads windows ``order[s·B : (s+1)·B]`` of an endless sequence of seeded permutations,
 one per epoch — the data position is a function of the step, which is what makes resume exact.
 
-Optimisation. AdamW (β = 0.9, 0.95; weight decay on every parameter of ≥ 2 dimensions (matrices and embeddings; not biases or norm gains)), learning rate
+Optimisation. AdamW (β = 0.9, 0.95; weight decay on every parameter of ≥ 2 dimensions: matrices and
+embeddings, not biases or norm gains), learning rate
     lr(s) = lr · (s+1)/warmup                                    for s < warmup
     lr(s) = lr · (r + (1−r)·½(1 + cos(π·(s−warmup)/(steps−warmup))))  afterwards, r = min_lr_ratio,
 gradient clipping, bf16 autocast on CUDA, fp32 on CPU.
@@ -226,137 +227,192 @@ def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
     return tokenizer
 
 
-def run(params: TrainParams, ctx: JobContext) -> JobOutput:
-    # Its import also turns off transformers' progress bars ("Writing model shards" at every checkpoint).
-    from lmscope.modeling.loading import load_model
+class TrainingRun:
+    """One attempt of a train job: continue from the newest checkpoint, if any, then train, checkpoint, report.
 
-    p = params
-    started = time.perf_counter()
-    run_name = p.run_name or f"run{ctx.job_id}"
-    ckpt_root = ctx.artifact_dir / CHECKPOINTS
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    device = ctx.device
-    use_bf16 = device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
-    ctx.record("precision", "bf16 autocast" if use_bf16 else "fp32")
+    ``run`` calls its steps in order: ``resume``, ``load_data``, ``build``, ``train``, ``results``.
+    """
 
-    def register_all() -> list[str]:
+    def __init__(self, p: TrainParams, ctx: JobContext):
+        self.p, self.ctx = p, ctx
+        self.started = time.perf_counter()
+        self.run_name = p.run_name or f"run{ctx.job_id}"
+        self.ckpt_root = ctx.artifact_dir / CHECKPOINTS
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        self.device = ctx.device
+        use_bf16 = self.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
+        ctx.record("precision", "bf16 autocast" if use_bf16 else "fp32")
+
+    def register_all(self) -> list[str]:
         names = []
-        for step, path in checkpoint_dirs(ckpt_root):
-            ctx.register_model(f"{run_name}@step{step}", path, step=step)
-            names.append(f"{run_name}@step{step}")
+        for step, path in checkpoint_dirs(self.ckpt_root):
+            self.ctx.register_model(f"{self.run_name}@step{step}", path, step=step)
+            names.append(f"{self.run_name}@step{step}")
         return names
 
-    for stale in ckpt_root.glob(".step-*.tmp"):  # half-written by an attempt that died while saving
-        shutil.rmtree(stale, ignore_errors=True)
-    # An earlier attempt of this job may have left checkpoints: continue from the newest.
-    existing = checkpoint_dirs(ckpt_root)
-    resume_dir = existing[-1][1] if existing else None
-    state: dict[str, Any] = json.loads((resume_dir / STATE_FILE).read_text()) if resume_dir else {}
-    if resume_dir:
-        old = {k: state["params"].get(k) for k in SHAPE_FIELDS}
-        new = {k: getattr(p, k) for k in SHAPE_FIELDS}
-        if old != new:
-            changed = [k for k in SHAPE_FIELDS if old[k] != new[k]]
-            raise JobFailed(f"the checkpoints in {ckpt_root} were made with other {', '.join(changed)}; "
-                            "submit a new job instead of retrying this one")
-        register_all()  # an attempt may have died between saving and registering
-        resumed = load_model(f"{run_name}@step{existing[-1][0]}", "checkpoint", str(resume_dir), device=device)
+    def resume(self) -> None:
+        """Find the newest checkpoint an earlier attempt of this job left, check it fits, load it."""
+        # Its import also turns off transformers' progress bars ("Writing model shards" at every checkpoint).
+        from lmscope.modeling.loading import load_model
 
-    with ctx.stage("data"):
-        documents = ctx.load_documents(p.dataset)
-        train_docs, val_docs = split_documents(documents, p.val_fraction)
-        ctx.progress(0, p.steps, "training the tokenizer" if p.tokenizer == "bpe" and not resume_dir else "tokenizing")
-        if resume_dir:
-            tokenizer = resumed.tokenizer
-        else:
-            tokenizer = _tokenizer_for(p, ctx, train_docs)
-        # Documents as the tokenizer encodes them, special tokens included; a run whose checkpoints
-        # predate that keeps its plain stream, or its resumed data would differ from attempt 1's.
-        special = state.get("stream_special_tokens", False) if resume_dir else True
+        for stale in self.ckpt_root.glob(".step-*.tmp"):  # half-written by an attempt that died while saving
+            shutil.rmtree(stale, ignore_errors=True)
+        existing = checkpoint_dirs(self.ckpt_root)
+        self.resume_dir = existing[-1][1] if existing else None
+        self.state: dict[str, Any] = {}
+        if self.resume_dir:
+            self.state = json.loads((self.resume_dir / STATE_FILE).read_text())
+        self.resumed = None
+        if self.resume_dir:
+            old = {k: self.state["params"].get(k) for k in SHAPE_FIELDS}
+            new = {k: getattr(self.p, k) for k in SHAPE_FIELDS}
+            if old != new:
+                changed = [k for k in SHAPE_FIELDS if old[k] != new[k]]
+                raise JobFailed(f"the checkpoints in {self.ckpt_root} were made with other {', '.join(changed)}; "
+                                "submit a new job instead of retrying this one")
+            self.register_all()  # an attempt may have died between saving and registering
+            self.resumed = load_model(f"{self.run_name}@step{existing[-1][0]}", "checkpoint", str(self.resume_dir),
+                                      device=self.device)
+
+    def load_data(self) -> None:
+        """The tokenizer, the training and validation windows, and the unigram baselines."""
         from lmscope.modeling.windows import token_windows
 
-        try:
-            train_windows = token_windows(tokenizer, train_docs, p.context + 1, None, special=special)
-        except ValueError:
-            raise JobFailed(f"the training split ({len(train_docs)} documents) holds less than one window of "
-                            f"{p.context + 1} tokens; use a larger dataset or lower context") from None
-        try:
-            val_windows = token_windows(tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size,
-                                        special=special)
-        except ValueError:
-            raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
-                            f"{p.context + 1} tokens; raise val_fraction or lower context") from None
-        vocab_size = len(tokenizer)
-        unigram_cross_entropy, unigram_train_entropy, unigram_val_entropy = unigram_baselines(
-            train_windows, val_windows[:, 1:], vocab_size)
+        p, ctx = self.p, self.ctx
+        with ctx.stage("data"):
+            documents = ctx.load_documents(p.dataset)
+            train_docs, val_docs = split_documents(documents, p.val_fraction)
+            ctx.progress(0, p.steps, "training the tokenizer" if p.tokenizer == "bpe" and not self.resume_dir
+                         else "tokenizing")
+            self.tokenizer = self.resumed.tokenizer if self.resumed else _tokenizer_for(p, ctx, train_docs)
+            # Documents as the tokenizer encodes them, special tokens included; a run whose checkpoints
+            # predate that keeps its plain stream, or its resumed data would differ from attempt 1's.
+            self.special = self.state.get("stream_special_tokens", False) if self.resume_dir else True
+            try:
+                self.train_windows = token_windows(self.tokenizer, train_docs, p.context + 1, None,
+                                                   special=self.special)
+            except ValueError:
+                raise JobFailed(f"the training split ({len(train_docs)} documents) holds less than one window of "
+                                f"{p.context + 1} tokens; use a larger dataset or lower context") from None
+            try:
+                val_windows = token_windows(self.tokenizer, val_docs, p.context + 1, p.eval_batches * p.batch_size,
+                                            special=self.special)
+            except ValueError:
+                raise JobFailed(f"the validation split ({len(val_docs)} documents) holds less than one window of "
+                                f"{p.context + 1} tokens; raise val_fraction or lower context") from None
+            self.vocab_size = len(self.tokenizer)
+            self.unigram_cross_entropy, self.unigram_train_entropy, self.unigram_val_entropy = unigram_baselines(
+                self.train_windows, val_windows[:, 1:], self.vocab_size)
+        # the training windows stay on the CPU; each batch moves on its own
+        self.val_windows = val_windows.to(self.device)
 
-    model = resumed.model if resume_dir else build_model(p, tokenizer).to(device)
-    model.train()
-    num_parameters = sum(prm.numel() for prm in model.parameters())
-    optimizer = make_optimizer(model, p)
-    history: dict[str, list] = state.get("history", {"train": [], "val": [], "lr": []})
-    start_step = state.get("step", 0)
-    wall_before = state.get("train_seconds", 0.0)
-    if resume_dir:
-        # on the CPU: load_state_dict moves the moments to the parameters' device but keeps AdamW's `step`
-        # where it was loaded, and a CUDA `step` costs a host sync per parameter per step
-        optimizer.load_state_dict(torch.load(resume_dir / OPTIMIZER_FILE, map_location="cpu")["optimizer"])
-        _set_rng_state(state["rng"])
-    else:
-        torch.manual_seed(p.seed)
+    def build(self) -> None:
+        """The model and optimiser, fresh or as the checkpoint left them; the history so far; the clock."""
+        p = self.p
+        self.model = self.resumed.model if self.resumed else build_model(p, self.tokenizer).to(self.device)
+        self.model.train()
+        self.num_parameters = sum(prm.numel() for prm in self.model.parameters())
+        self.optimizer = make_optimizer(self.model, p)
+        self.history: dict[str, list] = self.state.get("history", {"train": [], "val": [], "lr": []})
+        self.start_step = self.step = self.state.get("step", 0)
+        self.wall_before = self.state.get("train_seconds", 0.0)
+        if self.resume_dir:
+            # on the CPU: load_state_dict moves the moments to the parameters' device but keeps AdamW's `step`
+            # where it was loaded, and a CUDA `step` costs a host sync per parameter per step
+            self.optimizer.load_state_dict(
+                torch.load(self.resume_dir / OPTIMIZER_FILE, map_location="cpu")["optimizer"])
+            _set_rng_state(self.state["rng"])
+        else:
+            torch.manual_seed(p.seed)
+        self.order = BatchOrder(len(self.train_windows), p.batch_size, p.seed)
+        if not self.history["val"]:
+            self.history["val"].append([0, evaluate(self.model, self.val_windows, p.batch_size, self.autocast)])
+        self.loop_start = time.perf_counter()
 
-    order = BatchOrder(len(train_windows), p.batch_size, p.seed)
-    val_windows = val_windows.to(device)  # training windows stay on the CPU; each batch moves on its own
-    if not history["val"]:
-        history["val"].append([0, evaluate(model, val_windows, p.batch_size, autocast)])
-    # the training loop's clock and step, which the checkpoints and the results below read
-    loop_start = time.perf_counter()
-    step = start_step
+    def train(self) -> None:
+        """Steps from where the run stands to ``steps``: evaluate, checkpoint and report on their schedules."""
+        p, ctx, history = self.p, self.ctx, self.history
+        report_every = max(1, min(10, p.steps // 100))
+        with ctx.stage("train"):
+            while self.step < p.steps:
+                lr = lr_at(self.step, p)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                loss = next_token_loss(self.model, self.train_windows[self.order(self.step)].to(self.device),
+                                       self.autocast)
+                loss.backward()
+                if p.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                step = self.step
+                history["train"].append([step, loss.item()])
+                history["lr"].append([step, lr])
 
-    def checkpoint(step: int) -> None:
-        trainer_state = {"step": step, "run_name": run_name, "params": p.model_dump(), "history": history,
+                if step % p.eval_every == 0 or step == p.steps:
+                    history["val"].append([step, evaluate(self.model, self.val_windows, p.batch_size, self.autocast)])
+                if step % p.checkpoint_every == 0 or step == p.steps:
+                    self.checkpoint()
+                if step % report_every == 0 or step == p.steps:
+                    recent = [l for _, l in history["train"][-report_every:]]
+                    per_step = (time.perf_counter() - self.loop_start) / (step - self.start_step)
+                    ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
+                                                f"val {history['val'][-1][1]:.3f} · "
+                                                f"ETA {_eta(per_step * (p.steps - step))}")
+                else:  # a cancel or the time limit between reports: stop after this step, not up to 9 later
+                    ctx.check_cancelled()
+
+    def train_seconds(self) -> float:
+        return self.wall_before + time.perf_counter() - self.loop_start
+
+    def checkpoint(self) -> None:
+        p, step = self.p, self.step
+        trainer_state = {"step": step, "run_name": self.run_name, "params": p.model_dump(), "history": self.history,
                          "rng": _rng_state(), "tokens_seen": step * p.batch_size * p.context,
-                         "stream_special_tokens": special,
-                         "train_seconds": wall_before + time.perf_counter() - loop_start,
+                         "stream_special_tokens": self.special,
+                         "train_seconds": self.train_seconds(),
                          "lr_schedule": "warm-up + cosine, a function of the step (lmscope.analyses.train.lr_at)"}
-        path = save_checkpoint(ckpt_root, step, model, tokenizer, optimizer, trainer_state)
-        ctx.register_model(f"{run_name}@step{step}", path, step=step)
+        path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.optimizer, trainer_state)
+        self.ctx.register_model(f"{self.run_name}@step{step}", path, step=step)
 
-    def results(stopped: str | None = None) -> JobOutput:
+    def results(self, stopped: str | None = None) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
-        checkpoint_names = register_all()
-        train_seconds = wall_before + time.perf_counter() - loop_start
-        _plot(ctx.artifact_dir / "loss.png", run_name, p, history, unigram_cross_entropy,
-              [s for s, _ in checkpoint_dirs(ckpt_root)], stopped=(stopped, step) if stopped else None)
+        p, step, history = self.p, self.step, self.history
+        checkpoint_names = self.register_all()
+        train_seconds = self.train_seconds()
+        _plot(self.ctx.artifact_dir / "loss.png", self.run_name, p, history, self.unigram_cross_entropy,
+              [s for s, _ in checkpoint_dirs(self.ckpt_root)], stopped=(stopped, step) if stopped else None)
         tail = [l for _, l in history["train"][-20:]]
         train_x, train_y = thin(history["train"])
+        unigram = self.unigram_cross_entropy
         series = [
             Series("loss.train", train_x, train_y),
             Series("loss.val", [s for s, _ in history["val"]], [l for _, l in history["val"]]),
             Series("lr", *thin(history["lr"])),
-            Series("unigram_entropy", [0, step], [unigram_cross_entropy, unigram_cross_entropy],
+            Series("unigram_entropy", [0, step], [unigram, unigram],
                    {"definition": "val cross-entropy under the add-one train unigram, nats"}),
         ]
         summary = {
-            "run_name": run_name,
+            "run_name": self.run_name,
             "train_loss": sum(tail) / len(tail) if tail else None,  # mean of the last 20 steps
             "val_loss": history["val"][-1][1],
             "val_loss_step": history["val"][-1][0],
-            "unigram_entropy": unigram_cross_entropy,
-            "unigram_train_entropy": unigram_train_entropy,
-            "unigram_val_entropy": unigram_val_entropy,
+            "unigram_entropy": unigram,
+            "unigram_train_entropy": self.unigram_train_entropy,
+            "unigram_val_entropy": self.unigram_val_entropy,
             "steps": step,
             "tokens_seen": step * p.batch_size * p.context,
-            "epochs": step * p.batch_size / len(train_windows),
-            "train_tokens": int(train_windows.numel()),
-            "val_tokens": int(val_windows[:, 1:].numel()),
-            "vocab_size": vocab_size,
-            "num_parameters": num_parameters,
+            "epochs": step * p.batch_size / len(self.train_windows),
+            "train_tokens": int(self.train_windows.numel()),
+            "val_tokens": int(self.val_windows[:, 1:].numel()),
+            "vocab_size": self.vocab_size,
+            "num_parameters": self.num_parameters,
             "checkpoints": checkpoint_names,
-            "resumed_from_step": start_step if resume_dir else None,
+            "resumed_from_step": self.start_step if self.resume_dir else None,
             "train_seconds": round(train_seconds, 2),
-            "wall_seconds": round(time.perf_counter() - started, 2),
+            "wall_seconds": round(time.perf_counter() - self.started, 2),
         }
         if stopped:
             summary.update(partial=True, steps_planned=p.steps,
@@ -364,47 +420,28 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
                                 "and the checkpoints written until then stay registered")
         return JobOutput(summary=summary, series=series)
 
-    report_every = max(1, min(10, p.steps // 100))
-    try:
-        with ctx.stage("train"):
-            while step < p.steps:
-                lr = lr_at(step, p)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss = next_token_loss(model, train_windows[order(step)].to(device), autocast)
-                loss.backward()
-                if p.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                history["train"].append([step, loss.item()])
-                history["lr"].append([step, lr])
 
-                if step % p.eval_every == 0 or step == p.steps:
-                    history["val"].append([step, evaluate(model, val_windows, p.batch_size, autocast)])
-                if step % p.checkpoint_every == 0 or step == p.steps:
-                    checkpoint(step)
-                if step % report_every == 0 or step == p.steps:
-                    recent = [l for _, l in history["train"][-report_every:]]
-                    per_step = (time.perf_counter() - loop_start) / (step - start_step)
-                    ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
-                                                f"val {history['val'][-1][1]:.3f} · ETA {_eta(per_step * (p.steps - step))}")
-                else:  # a cancel or the time limit between reports: stop after this step, not up to 9 later
-                    ctx.check_cancelled()
+def run(params: TrainParams, ctx: JobContext) -> JobOutput:
+    training = TrainingRun(params, ctx)
+    training.resume()
+    training.load_data()
+    training.build()
+    try:
+        training.train()
     except JobCancelled:
-        if step >= p.steps:  # the cancel came with the last step: the run is complete
-            return results()
+        if training.step >= params.steps:  # the cancel came with the last step: the run is complete
+            return training.results()
         # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
-        raise JobCancelled(partial=results("cancelled")) from None
+        raise JobCancelled(partial=training.results("cancelled")) from None
     except JobFailed as e:
         if e.error_type != "time-limit":
             raise
-        if step >= p.steps:  # the limit came with the last step: the run is complete
-            return results()
+        if training.step >= params.steps:  # the limit came with the last step: the run is complete
+            return training.results()
         # The job fails, but like a cancelled run it keeps what it trained.
-        raise JobFailed(str(e), error_type=e.error_type, partial=results("stopped by the time limit")) from None
-    return results()
+        raise JobFailed(str(e), error_type=e.error_type,
+                        partial=training.results("stopped by the time limit")) from None
+    return training.results()
 
 
 def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], baseline: float,
