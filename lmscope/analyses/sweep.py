@@ -24,6 +24,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,9 @@ from lmscope.params.sweep import (
     effective_latent_dim,
     theory_latent_dim,
 )
+from lmscope.seeds import derived_seed
 
 # ============================================================================ sumformer_fit
-
-EQUIVARIANCE_SEED_OFFSET = 1_000_003  # its permutations: a stream apart from the data's (seed) and the shuffle's
 
 
 def relative_l2_error(pred: torch.Tensor, target: torch.Tensor) -> float:
@@ -133,7 +133,7 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
     # fused: one kernel per step for all parameters instead of several per tensor; these networks are
     # so small that the optimiser's per-tensor overhead is a third of a step (1.4x faster on a CPU)
     opt = torch.optim.Adam(model.parameters(), lr=t.lr, fused=device.type in ("cpu", "cuda"))
-    shuffle = torch.Generator().manual_seed(params.seed + 1)
+    shuffle = torch.Generator().manual_seed(derived_seed(params.seed, "shuffle"))
 
     epochs_x: list[int] = []
     losses: list[float] = []
@@ -171,7 +171,7 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
     model.eval()
     # The validation data are exchangeable, so the error cannot show a network that is not equivariant
     # (a trained Linformer's E, F weight positions differently): measure it, on the final network.
-    perm = random_permutations(len(x_val), params.seq_len, params.seed + EQUIVARIANCE_SEED_OFFSET)
+    perm = random_permutations(len(x_val), params.seq_len, derived_seed(params.seed, "equivariance"))
     equivariance = equivariance_error(model, x_val, perm)
 
     best = min(range(len(val_errors)), key=val_errors.__getitem__)
@@ -266,11 +266,6 @@ def linformer_projections(kind: str, k: int, seq_len: int, seed: int, device=Non
     raise ValueError(f"unknown linformer_projection {kind!r}; use pooling, shared or gaussian")
 
 
-def _projection_seed(seed: int, layer: int, k: int) -> int:
-    """A distinct, reproducible random draw per (seed, layer, k)."""
-    return (seed * 1_000_003 + layer * 10_007 + k) % (2**31)
-
-
 def sliding_window_note(short_windows: dict[int, int], seq_len: int) -> str:
     """What the summary says when selected layers slide over fewer keys than seq_len."""
     sizes = " / ".join(str(w) for w in sorted(set(short_windows.values())))
@@ -278,6 +273,109 @@ def sliding_window_note(short_windows: dict[int, int], seq_len: int) -> str:
             f"than seq_len {seq_len}; there the methods are compared with full softmax attention over the "
             "same q, k, v, not with the window the model uses (set seq_len at most the window to compare with "
             "the model's own attention)")
+
+
+def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
+    """(the loaded model, the layers to study): refused when a layer does not exist or lmscope's attention
+    function cannot read the model's q, k, v, or its attention is not plain softmax attention."""
+    from lmscope.kernels.hf import lmscope_attention_unsupported
+
+    with ctx.stage("load_model"):
+        loaded = ctx.load_model(params.model)
+    cfg = loaded.model.config
+    num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
+    require_positions(cfg, params.seq_len, params.model)
+    layers = list(range(num_layers)) if params.layers is None else list(params.layers)
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise JobFailed(f"layers {bad} do not exist: {params.model} has layers 0..{num_layers - 1}")
+    # q, k, v come from lmscope's attention function, and "exact" must be the model's own softmax
+    unsupported = lmscope_attention_unsupported(loaded.model)
+    if unsupported is not None:
+        raise JobFailed(f"the attention study reads each layer's q, k, v through lmscope's attention function, "
+                        f"which cannot run {params.model}: {unsupported}")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
+                        "attention Performer and Linformer approximate")
+    return loaded, layers
+
+
+class Approximation:
+    """``params.method`` with k features on one layer's q, k, v. The random features / projections are
+    drawn once per (layer, k), from the job's seed, and reused for every segment."""
+
+    def __init__(self, params: AttentionApproxParams, device: torch.device):
+        self.params, self.device = params, device
+        self.draws: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, layer: int, k: int, q, kk, v, scale: float):
+        from lmscope.kernels import draw_favor_projection, favor_attention, linformer_attention
+
+        p = self.params
+        if (layer, k) not in self.draws:
+            seed = derived_seed(p.seed, "projection", layer, k)
+            self.draws[layer, k] = (draw_favor_projection(k, q.shape[-1], seed, self.device)
+                                    if p.method == "performer" else
+                                    linformer_projections(p.linformer_projection, k, q.shape[2], seed, self.device))
+        if p.method == "performer":
+            return favor_attention(q, kk, v, projection=self.draws[layer, k], causal=True, scale=scale)
+        e, f = self.draws[layer, k]
+        return linformer_attention(q, kk, v, e, f, scale=scale)
+
+
+@dataclass
+class ApproxMeasurements:
+    errors: dict[tuple[int, int], list[float]]  # (layer, k) → relative error per segment
+    exact_seconds: float  # the exact kernel, all layers and segments
+    approx_seconds: dict[int, float]  # k → the approximation, all layers and segments
+    scales: dict[int, float] = field(default_factory=dict)  # layer → the softmax scale the model applies
+    short_windows: dict[int, int] = field(default_factory=dict)  # layer → its sliding window, when < seq_len
+    head_info: dict[str, int] = field(default_factory=dict)
+
+
+def measure_approximations(model, windows: torch.Tensor, layers: list[int], params: AttentionApproxParams,
+                           approx: Approximation, causal_ref: bool, ctx: JobContext) -> ApproxMeasurements:
+    """Every layer's q, k, v from a forward pass per batch of windows; the approximation's error against
+    exact attention in float64 for every k, and both timed."""
+    from lmscope.kernels import attention_with_entropy
+    from lmscope.kernels.hf import EntropyCollector
+
+    device = next(model.parameters()).device
+    ks = list(params.features)
+    m = ApproxMeasurements({(layer, k): [] for layer in layers for k in ks}, 0.0, {k: 0.0 for k in ks})
+    batches = list(range(0, len(windows), params.batch_size))
+    with torch.no_grad(), ctx.stage("measure"):
+        for b, start in enumerate(batches):
+            input_ids = windows[start:start + params.batch_size].to(device)
+            with EntropyCollector(model, capture_qkv=True) as col:
+                model(input_ids=input_ids, use_cache=False)
+            # the windows the attention calls received (some configs carry a sliding_window their model ignores)
+            m.short_windows.update({layer: col.sliding_window[layer] for layer in layers
+                                    if col.sliding_window.get(layer, params.seq_len) < params.seq_len})
+            for layer in layers:
+                q, kk, v = col.qkv[layer]
+                scale = m.scales[layer] = col.scaling[layer]  # the layer's own (GPT-2 may use 1/(√D·(l+1)))
+                m.head_info = {"num_heads": q.shape[1], "num_kv_heads": kk.shape[1], "head_dim": q.shape[-1]}
+                if b == 0:  # warm-up (Triton compilation, cuBLAS handles) outside the timings
+                    attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale)
+                    for k in ks:
+                        approx(layer, k, q, kk, v, scale)
+                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), device)
+                m.exact_seconds += dt
+                # the oracle: the reference kernel in float64, with the N × N matrix built explicitly,
+                # one window at a time (the float64 matrices of all heads of one window at most)
+                exact = torch.cat([attention_with_entropy(q[i:i + 1].double(), kk[i:i + 1].double(),
+                                                          v[i:i + 1].double(), causal=causal_ref, scale=scale,
+                                                          backend="reference").out
+                                   for i in range(q.shape[0])])
+                for k in ks:
+                    out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), device)
+                    m.approx_seconds[k] += dt
+                    m.errors[layer, k].extend(per_segment_rel_error(out, exact).tolist())
+                del exact
+            del col
+            ctx.progress(b + 1, len(batches), f"batch {b + 1}/{len(batches)} ({params.method}, seed {params.seed})")
+    return m
 
 
 def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobOutput:
@@ -292,31 +390,11 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     sliding window is shorter than seq_len it is not the model's windowed attention, which the summary
     says (`sliding_windows`, `sliding_window_note`).
     """
-    from lmscope.kernels import (attention_with_entropy, draw_favor_projection, favor_attention, kernel_backend,
-                                 linformer_attention)
-    from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
+    from lmscope.kernels import kernel_backend
     from lmscope.modeling.windows import token_windows
 
-    with ctx.stage("load_model"):
-        loaded = ctx.load_model(params.model)
-    model = loaded.model
-    device = next(model.parameters()).device
-    cfg = model.config
-    num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
-    require_positions(cfg, params.seq_len, params.model)
-    layers = list(range(num_layers)) if params.layers is None else list(params.layers)
-    bad = [layer for layer in layers if not 0 <= layer < num_layers]
-    if bad:
-        raise JobFailed(f"layers {bad} do not exist: {params.model} has layers 0..{num_layers - 1}")
-    # q, k, v come from lmscope's attention function, and "exact" must be the model's own softmax
-    unsupported = lmscope_attention_unsupported(model)
-    if unsupported is not None:
-        raise JobFailed(f"the attention study reads each layer's q, k, v through lmscope's attention function, "
-                        f"which cannot run {params.model}: {unsupported}")
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
-                        "attention Performer and Linformer approximate")
-
+    loaded, layers = _attention_study_model(params, ctx)
+    device = next(loaded.model.parameters()).device
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
     try:
@@ -330,63 +408,12 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     # FAVOR+ / Linformer pick theirs like the exact kernel (no gradients here): causal FAVOR+'s prefix
     # sums and Linformer's attention over the projected keys run in Triton on a GPU
     ctx.record("approximation_backend", backend)
+    m = measure_approximations(loaded.model, windows, layers, params, Approximation(params, device), causal_ref, ctx)
+
     ks = list(params.features)
-    # Random features / projections, drawn once per (layer, k) and reused for every segment.
-    draws: dict[tuple[int, int], Any] = {}
-
-    def approx(layer: int, k: int, q, kk, v, scale: float):
-        seed = _projection_seed(params.seed, layer, k)
-        if params.method == "performer":
-            if (layer, k) not in draws:
-                draws[layer, k] = draw_favor_projection(k, q.shape[-1], seed, device)
-            return favor_attention(q, kk, v, projection=draws[layer, k], causal=True, scale=scale)
-        if (layer, k) not in draws:
-            draws[layer, k] = linformer_projections(params.linformer_projection, k, q.shape[2], seed, device)
-        e, f = draws[layer, k]
-        return linformer_attention(q, kk, v, e, f, scale=scale)
-
-    errors = {(layer, k): [] for layer in layers for k in ks}  # per segment
-    t_exact = 0.0
-    t_approx = {k: 0.0 for k in ks}
-    batches = list(range(0, len(windows), params.batch_size))
-    head_info: dict[str, int] = {}
-    scales: dict[int, float] = {}
-    short_windows: dict[int, int] = {}
-    with torch.no_grad(), ctx.stage("measure"):
-        for b, start in enumerate(batches):
-            input_ids = windows[start:start + params.batch_size].to(device)
-            with EntropyCollector(model, capture_qkv=True) as col:
-                model(input_ids=input_ids, use_cache=False)
-            # the windows the attention calls received (some configs carry a sliding_window their model ignores)
-            short_windows.update({layer: col.sliding_window[layer] for layer in layers
-                                  if col.sliding_window.get(layer, params.seq_len) < params.seq_len})
-            for layer in layers:
-                q, kk, v = col.qkv[layer]
-                scale = scales[layer] = col.scaling[layer]  # the layer's own scale (GPT-2 may use 1/(√D·(l+1)))
-                head_info = {"num_heads": q.shape[1], "num_kv_heads": kk.shape[1], "head_dim": q.shape[-1]}
-                if b == 0:  # warm-up (Triton compilation, cuBLAS handles) outside the timings
-                    attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale)
-                    for k in ks:
-                        approx(layer, k, q, kk, v, scale)
-                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), device)
-                t_exact += dt
-                # the oracle: the reference kernel in float64, with the N × N matrix built explicitly,
-                # one window at a time (the float64 matrices of all heads of one window at most)
-                exact = torch.cat([attention_with_entropy(q[i:i + 1].double(), kk[i:i + 1].double(),
-                                                          v[i:i + 1].double(), causal=causal_ref, scale=scale,
-                                                          backend="reference").out
-                                   for i in range(q.shape[0])])
-                for k in ks:
-                    out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), device)
-                    t_approx[k] += dt
-                    errors[layer, k].extend(per_segment_rel_error(out, exact).tolist())
-                del exact
-            del col
-            ctx.progress(b + 1, len(batches), f"batch {b + 1}/{len(batches)} ({params.method}, seed {params.seed})")
-
     # mean over segments for each layer and k
-    curve = {layer: [sum(errors[layer, k]) / len(errors[layer, k]) for k in ks] for layer in layers}
-    ratios = [t_approx[k] / t_exact for k in ks]
+    curve = {layer: [sum(m.errors[layer, k]) / len(m.errors[layer, k]) for k in ks] for layer in layers}
+    ratios = [m.approx_seconds[k] / m.exact_seconds for k in ks]
     series = [Series("rel_error", ks, curve[layer], {"method": params.method, "layer": layer, "seed": params.seed})
               for layer in layers]
     series.append(Series("time_ratio", ks, ratios, {"method": params.method, "seed": params.seed}))
@@ -399,17 +426,17 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
         "layers": layers,
         "segments": len(windows),
         "seq_len": params.seq_len,
-        **head_info,
-        "softmax_scale": [scales[layer] for layer in layers],  # per layer, as the model applies it
+        **m.head_info,
+        "softmax_scale": [m.scales[layer] for layer in layers],  # per layer, as the model applies it
         "features": ks,
         "kernel_backend": backend,
-        "exact_seconds": round(t_exact, 4),
+        "exact_seconds": round(m.exact_seconds, 4),
         "rel_error_at_max_features": sum(curve[layer][-1] for layer in layers) / len(layers),
         "time_ratio_at_max_features": ratios[-1],
     }
-    if short_windows:
-        summary["sliding_windows"] = {str(layer): w for layer, w in sorted(short_windows.items())}
-        summary["sliding_window_note"] = sliding_window_note(short_windows, params.seq_len)
+    if m.short_windows:
+        summary["sliding_windows"] = {str(layer): w for layer, w in sorted(m.short_windows.items())}
+        summary["sliding_window_note"] = sliding_window_note(m.short_windows, params.seq_len)
     if len(windows) < params.num_segments:
         summary["note"] = f"the dataset holds only {len(windows)} windows of {params.seq_len} tokens"
     _plot_attention(ctx.artifact_dir / "attention_approx.png",
@@ -418,7 +445,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
                     title=f"{params.model} on {params.dataset}: {params.method} (seed {params.seed}) vs exact "
                           "softmax attention",
                     notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
-                    timing=_timing_note({backend}), windows=short_windows)
+                    timing=_timing_note({backend}), windows=m.short_windows)
     return JobOutput(summary, series)
 
 
