@@ -41,6 +41,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from lmscope.seeds import derived_seed
+
 
 def mlp(in_dim: int, hidden: int, depth: int, out_dim: int) -> nn.Sequential:
     """in → (Linear, ReLU) × depth → Linear → out."""
@@ -128,7 +130,7 @@ class OneLayerAttentionNet(nn.Module):
         self.w_v = nn.Linear(dp, dp, bias=False)  # identity: v_i = φ(x_i)
         self.psi = mlp(d + dp, hidden, depth, d)
         with torch.no_grad():
-            g = torch.Generator().manual_seed(seed + 7919)
+            g = torch.Generator().manual_seed(derived_seed(seed, "qk_init"))
             for w in (self.w_q.weight, self.w_k.weight):
                 w.copy_(torch.randn(w.shape, generator=g) * qk_init_std)
             self.w_v.weight.copy_(torch.eye(dp))
@@ -150,7 +152,8 @@ class OneLayerAttentionNet(nn.Module):
         if attention == "performer":
             from lmscope.kernels import draw_favor_projection
 
-            self.register_buffer("projection", draw_favor_projection(features, dp, seed, "cpu"))
+            projection = draw_favor_projection(features, dp, derived_seed(seed, "favor_projection"), "cpu")
+            self.register_buffer("projection", projection)
 
     @property
     def mean_scale(self) -> float:
