@@ -73,7 +73,7 @@ if [[ "$PART" == bench || "$PART" == bench-kernels || "$PART" == all ]]; then
 fi
 
 if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then
-  "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --samples 512 --json "$OUT/norms.json" 2>&1 \
+  "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
   # the longest-seq_len search stops at 32768 (the length) or at a 30-s run, to fit the call
