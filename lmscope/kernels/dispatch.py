@@ -3,7 +3,8 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``forward_backend``, ``check_heads``, ``check_grid``) and ``repeat_kv`` for grouped-query heads.
+the kernels share (``forward_backend``, ``check_heads``, ``check_grid``, ``fit_int32_offsets``) and ``repeat_kv``
+for grouped-query heads.
 """
 
 from __future__ import annotations
@@ -96,6 +97,20 @@ def check_grid(batch_heads: int) -> None:
     """The kernels put batch x heads on a grid axis that CUDA caps at 65535 programs."""
     if batch_heads > 65535:
         raise ValueError(f"B*H = {batch_heads} exceeds the CUDA grid limit (65535); split the batch")
+
+
+INT32_MAX = 2**31 - 1
+
+
+def fit_int32_offsets(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, N, D], or a contiguous copy when an offset inside one (batch, head) slice would pass
+    2^31 − 1: the kernels compute those in 32-bit integers (the slice's base is 64-bit). A view of
+    transformers' [B, N, H, D] layout has stride H·D along N, and passes it from N·H·D ≈ 2^31."""
+    if sum((size - 1) * stride for size, stride in zip(t.shape[2:], t.stride()[2:])) <= INT32_MAX:
+        return t
+    if t.shape[2:].numel() > INT32_MAX + 1:
+        raise ValueError(f"one head of {tuple(t.shape)} holds more than 2^31 elements; split the sequence")
+    return t.contiguous()
 
 
 def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:

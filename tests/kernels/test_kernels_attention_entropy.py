@@ -291,6 +291,21 @@ def test_validation_errors(device):
         attention_with_entropy(q, k, v, causal=False, window=4)
 
 
+def test_automatic_choice_runs_what_triton_cannot_take_on_the_reference(triton_backend, device, oracle, monkeypatch):
+    """A model with head_dim 512 (or float64 inputs) on a GPU: the automatic choice is Triton, which
+    cannot take them; the reference runs them and says so. Asked for by name, Triton refuses."""
+    from lmscope.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")  # what the automatic choice is on a GPU
+    for dtype, d in ((torch.float32, 288), (torch.float64, 16)):
+        q, k, v = _qkv(1, 2, 1, 9, d, device=device, dtype=dtype, seed=3)
+        res = attention_with_entropy(q, k, v, causal=True)
+        assert res.backend == "reference"
+        _check_against(res, oracle.attention(q, k, v, causal=True))
+        with pytest.raises(ValueError, match="backend='reference'"):
+            attention_with_entropy(q, k, v, causal=True, backend=triton_backend)
+
+
 def test_triton_rejects_float64(triton_backend, device):
     q, k, v = _qkv(1, 1, 1, 8, 16, device=device, dtype=torch.float64)
     with pytest.raises(ValueError, match="reference"):

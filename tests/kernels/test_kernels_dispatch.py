@@ -15,6 +15,22 @@ from lmscope.kernels import attention_with_entropy, dimension_entropy, dispatch,
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_offsets_inside_a_head_fit_32_bits():
+    """The kernels index inside one (batch, head) in int32: a view whose strides pass 2^31 there (the
+    [B, N, H, D] layout transposed, at N·H·D ≥ 2^31) is made contiguous; what fits is left alone.
+    Meta tensors: the shapes without the memory."""
+    fits = torch.empty(2, 4, 1000, 64, device="meta")
+    assert dispatch.fit_int32_offsets(fits) is fits
+    hf_layout = torch.empty(1, 300_000, 64, 128, device="meta").transpose(1, 2)  # stride along N: 64·128
+    assert (300_000 - 1) * hf_layout.stride(2) > 2**31 - 1
+    fixed = dispatch.fit_int32_offsets(hf_layout)
+    assert fixed.shape == hf_layout.shape and fixed.is_contiguous()
+    small_view = torch.empty(1, 1000, 64, 128, device="meta").transpose(1, 2)
+    assert dispatch.fit_int32_offsets(small_view) is small_view  # no copy where the strides fit
+    with pytest.raises(ValueError, match="split the sequence"):
+        dispatch.fit_int32_offsets(torch.empty(1, 1, 2**25, 128, device="meta"))
+
+
 def test_default_choice(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert kernel_backend("cpu") == "reference"

@@ -62,6 +62,15 @@ def _check(q, k, v, key_padding_mask, causal, softcap, window):
             raise ValueError("a sliding window needs causal=True")
 
 
+def _triton_refusal(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot take these inputs, or None."""
+    if q.dtype not in TRITON_DTYPES:
+        return f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype}"
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        return f"the Triton kernel supports head dims up to 256; got {q.shape[-1]}, {v.shape[-1]}"
+    return None
+
+
 def attention_with_entropy(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,11 +93,18 @@ def attention_with_entropy(
     softcap: Gemma 2's logit soft-capping, scores s → softcap · tanh(s / softcap) before the softmax.
     window: a causal sliding window (Mistral, Gemma 2): query i sees the ``window`` keys ending at
     i + (Nk - Nq).
-    backend: None (see ``kernel_backend``), "triton" or "reference". The Triton path has no autograd;
-    the reference path is differentiable.
+    backend: None (see ``kernel_backend``; what the Triton kernel cannot take, head dims above 256 or
+    float64, runs on the reference), "triton" or "reference". The Triton path has no autograd; the
+    reference path is differentiable.
     """
     _check(q, k, v, key_padding_mask, causal, softcap, window)
+    chosen = backend
     backend = resolve_backend(backend, q, k, v)
+    refusal = _triton_refusal(q, v) if backend == "triton" else None
+    if refusal and chosen is None:
+        backend = "reference"  # e.g. a model with head_dim 512 on a GPU: its job runs, and records the backend
+    elif refusal:
+        raise ValueError(f"{refusal} (use backend='reference' or None)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
@@ -96,10 +112,6 @@ def attention_with_entropy(
             q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, softcap=softcap, window=window
         )
         return AttentionEntropy(out, ent, lse, "reference")
-    if q.dtype not in TRITON_DTYPES:
-        raise ValueError(f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype} (use backend='reference')")
-    if q.shape[-1] > 256 or v.shape[-1] > 256:
-        raise ValueError(f"the Triton kernel supports head dims up to 256; got {q.shape[-1]}, {v.shape[-1]}")
     from .triton_kernel import attention_with_entropy_triton  # lazy: importing triton is optional
 
     with torch.no_grad():

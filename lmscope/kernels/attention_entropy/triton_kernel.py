@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_grid, interpreting, on_device_of
+from ..dispatch import check_grid, fit_int32_offsets, interpreting, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -278,6 +278,7 @@ def attention_with_entropy_triton(
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
         q, k, v = q.float(), k.float(), v.float()
+    q, k, v = fit_int32_offsets(q), fit_int32_offsets(k), fit_int32_offsets(v)
     b, h, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     check_grid(b * h)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_grid, interpreting, on_device_of
+from ..dispatch import check_grid, fit_int32_offsets, interpreting, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -121,6 +121,7 @@ def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, 
     """Launch the kernel; the public wrapper has validated shapes (q, k: [B, H(_kv), N, D])."""
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         q, k = q.float(), k.float()  # numpy (the interpreter) has no bfloat16
+    q, k = fit_int32_offsets(q), fit_int32_offsets(k)
     b, h, n, d = q.shape
     hk = k.shape[1]
     check_grid(b * h)
