@@ -82,7 +82,23 @@ def _weights_bytes(path: Path, dtype: torch.dtype) -> int:
     return n + sum(f.stat().st_size for f in path.glob("*.bin"))
 
 
-def _load_directory(path: str | None, dtype: torch.dtype, device: str):
+def _free_bytes(device: str) -> int:
+    """Memory free to this process on CUDA ``device``."""
+    target = torch.device(device)  # "cuda:1" is measured on GPU 1, not on the current device
+    free, _ = torch.cuda.mem_get_info(target)
+    # memory PyTorch's allocator holds but no tensor uses is free to this process too
+    return free + torch.cuda.memory_reserved(target) - torch.cuda.memory_allocated(target)
+
+
+def weights_fit(source: str, path: str | None, dtype: str, device: str) -> bool:
+    """Whether a model's weights fit on ``device`` with room for activations (always, off CUDA and
+    for the tiny built-ins)."""
+    if source == "builtin" or not path or not device.startswith("cuda") or not torch.cuda.is_available():
+        return True
+    return _weights_bytes(Path(path), _torch_dtype(dtype)) <= 0.9 * _free_bytes(device)
+
+
+def _load_directory(path: str | None, dtype: str, device: str):
     if not path:
         raise ModelLoadError("a directory or checkpoint model needs a path")
     p = Path(path)
@@ -90,19 +106,21 @@ def _load_directory(path: str | None, dtype: torch.dtype, device: str):
         raise ModelLoadError(f"{p} has no config.json; it is not a Hugging Face model directory")
     # No attn_implementation: transformers picks sdpa where the architecture has it, else eager
     # (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2).
-    kwargs: dict[str, Any] = dict(dtype=dtype, local_files_only=True)
+    kwargs: dict[str, Any] = dict(dtype=_torch_dtype(dtype), local_files_only=True)
     # Larger than the free GPU memory: let HF spread the layers over all visible GPUs (and CPU).
     # Needs the `accelerate` package; untested here (no GPU in CI).
-    sharded = False
-    if device.startswith("cuda") and torch.cuda.is_available():
-        target = torch.device(device)  # "cuda:1" is measured on GPU 1, not on the current device
-        free, _ = torch.cuda.mem_get_info(target)
-        # memory PyTorch's allocator holds but no tensor uses is free to this process too
-        free += torch.cuda.memory_reserved(target) - torch.cuda.memory_allocated(target)
-        if _weights_bytes(p, dtype) > 0.9 * free:  # leave room for activations
-            kwargs["device_map"] = "auto"
-            sharded = True
-    model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    sharded = not weights_fit("directory", path, dtype, device)
+    if sharded:
+        kwargs["device_map"] = "auto"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    except (ImportError, ValueError) as e:
+        if not sharded:
+            raise
+        size = _weights_bytes(p, _torch_dtype(dtype)) / 2**30
+        raise ModelLoadError(f"{p}: its weights ({size:.1f} GiB in {dtype}) do not fit in the free memory of "
+                             f"{device} ({_free_bytes(device) / 2**30:.1f} GiB), and spreading them over the GPUs "
+                             f"and the CPU failed: {e}") from None
     tokenizer = _load_tokenizer(p, getattr(model.config, "vocab_size", None))
     return model, tokenizer, sharded
 
@@ -162,7 +180,7 @@ def load_model(name: str, source: str, path: str | None, *, dtype: str = "float3
     if source == "builtin":
         model, tokenizer = _load_builtin(name)
     elif source in ("directory", "checkpoint"):
-        model, tokenizer, sharded = _load_directory(path, torch_dtype, device)
+        model, tokenizer, sharded = _load_directory(path, dtype, device)
     else:
         raise ModelLoadError(f"unknown model source {source!r}; use builtin, directory or checkpoint")
     if not sharded:
@@ -188,8 +206,11 @@ class ModelCache:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
-            # Make room before loading so two big models are never resident at once.
+            # Make room before loading so two big models are never resident at once, and a model that
+            # fits on the GPU once the cached ones are gone is not spread over devices beside them.
             while len(self._models) >= self.capacity:
+                self._evict_oldest()
+            while self._models and not weights_fit(source, path, dtype, device):
                 self._evict_oldest()
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,6 @@ def test_builtin_is_identical_in_a_fresh_process():
 
 
 def _repo_root():
-    from pathlib import Path
 
     return Path(__file__).resolve().parents[2]
 
@@ -151,6 +151,33 @@ def test_model_cache_is_lru_by_name_dtype_device():
     assert len(cache) == 2 and c is not a
     assert ("tiny-llama", "float32", "cpu") not in cache and ("tiny-gpt2", "float32", "cpu") in cache
     assert cache.get("tiny-llama", "builtin", None) is not b  # reloaded after eviction
+
+
+def test_model_cache_evicts_until_a_big_model_fits(tmp_path, monkeypatch):
+    """On a GPU, a model that fits once the cached ones are gone is loaded after evicting them, not
+    spread over devices beside them. A fake device with room for 3 units: each model is one unit,
+    except "big", which is two."""
+    from lmscope.modeling import loading
+
+    lm = load_model("tiny-gpt2", "builtin", None)
+    for name in ("small1", "small2", "big"):
+        lm.model.save_pretrained(tmp_path / name)
+    cache = ModelCache(capacity=3)
+    units = {"small1": 1, "small2": 1, "big": 2}
+    asked = []
+
+    def fake_fit(source, path, dtype, device):
+        asked.append(Path(path).name)
+        return sum(units[name] for name, _, _ in cache._models) + units[Path(path).name] <= 3
+
+    monkeypatch.setattr(loading, "weights_fit", fake_fit)
+    cache.get("small1", "directory", str(tmp_path / "small1"))
+    cache.get("small2", "directory", str(tmp_path / "small2"))
+    assert len(cache) == 2 and "big" not in asked  # every get asks; nothing was evicted so far
+    cache.get("big", "directory", str(tmp_path / "big"))  # 1 + 1 + 2 > 3: the oldest (small1) goes
+    assert [k[0] for k in cache._models] == ["small2", "big"]
+    cache.get("small2", "directory", str(tmp_path / "small2"))  # a hit asks nothing
+    assert [k[0] for k in cache._models] == ["big", "small2"]
 
 
 def test_token_windows_hand_example():
