@@ -28,6 +28,7 @@ import mimetypes
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -337,7 +338,21 @@ def _failure(e: BaseException, settings: Settings) -> tuple[str, str]:
     name = type(e).__name__
     if name in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
         return "time-limit", f"the job ran past its time limit ({settings.time_limit_setting}); use smaller parameters"
+    if name == "OutOfMemoryError":  # torch's, named rather than imported: the Celery parent never loads torch
+        first = (str(e) or name).splitlines()[0]
+        return "out-of-memory", (f"the device ran out of memory: {first} — lower batch_size, or the tokens per "
+                                 "sample (seq_len, max_tokens, context), or use dtype bfloat16")
     return name, str(e) or name
+
+
+def _release_device_memory() -> None:
+    """Give the memory a failed job's tensors held back to the device (torch's cache keeps it otherwise)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")  # loaded by the job if it used a device at all
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwargs) -> bool:
@@ -429,6 +444,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             if not isinstance(e, JobFailed):
                 log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
                 ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
+        if values.get("error_type") == "out-of-memory":  # the exception, and the tensors its frames held, are gone
+            _release_device_memory()
         if after_cancel:
             status = "cancelled"  # the results (if compute returned any) are stored with it
 

@@ -34,7 +34,7 @@ MODULE = __name__
 class CountParams(JobParams):
     steps: int = Field(5, ge=1, le=10_000_000)
     sleep: float = Field(0.0, ge=0.0, le=5.0)
-    fail: Literal["jobfailed", "exception"] | None = None
+    fail: Literal["jobfailed", "exception", "oom"] | None = None
     fail_at: int = 0  # step at which to fail
     plot: bool = True
     record_backend: str | None = None
@@ -72,6 +72,11 @@ def run_count(params: CountParams, ctx) -> JobOutput:
                 if params.fail == "jobfailed":
                     raise JobFailed(f"step {i} refuses to count; use fewer steps", error_type="bad-count",
                                     partial=partial() if params.keep_partial else None)
+                if params.fail == "oom":
+                    import torch
+
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                                 "total capacity of 79.1 GiB\nIf reserved but unallocated ...")
                 raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
             if params.sleep:
                 time.sleep(params.sleep)

@@ -282,6 +282,9 @@ def test_results_are_replaced_not_duplicated_by_a_retry(settings, sessions, make
 @pytest.mark.parametrize("params, error_type, message", [
     ({"fail": "jobfailed", "fail_at": 2}, "bad-count", "step 2 refuses to count; use fewer steps"),
     ({"fail": "exception", "fail_at": 3}, "RuntimeError", "boom at step 3"),
+    # torch's OutOfMemoryError: what it says, its first line only, and what to change
+    ({"fail": "oom", "fail_at": 2}, "out-of-memory", "the device ran out of memory: CUDA out of memory. Tried to "
+     "allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB — lower batch_size"),
     ({"steps": -1}, "invalid-params", "steps"),
     ({"colour": "red"}, "invalid-params", "colour"),
     ({"bad_series": True}, "ValueError", "storing the results failed: series 'bad' has 2 x values but 1 y values"),
