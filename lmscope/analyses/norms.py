@@ -593,7 +593,8 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, call = hidden_states(parts, input_ids, mask)
             states = hidden + [call.output] if params.include_last_layer else hidden
-            current = torch.stack([h[rows, cols] for h in states], 1).float()  # [n, L', D]
+            # a model spread over several GPUs keeps each layer's states on its own one
+            current = torch.stack([h[rows.to(h.device), cols.to(h.device)].to(device) for h in states], 1).float()
             m.norms[trajs] = current.norm(dim=-1).cpu().numpy()
             m.pca.add(current.reshape(-1, D))
             drawn = np.isin(trajs, pca_trajs)

@@ -304,8 +304,8 @@ class Approximation:
     """``params.method`` with k features on one layer's q, k, v. The random features / projections are
     drawn once per (layer, k), from the job's seed, and reused for every segment."""
 
-    def __init__(self, params: AttentionApproxParams, device: torch.device):
-        self.params, self.device = params, device
+    def __init__(self, params: AttentionApproxParams):
+        self.params = params
         self.draws: dict[tuple[int, int], Any] = {}
 
     def __call__(self, layer: int, k: int, q, kk, v, scale: float):
@@ -314,9 +314,10 @@ class Approximation:
         p = self.params
         if (layer, k) not in self.draws:
             seed = derived_seed(p.seed, "projection", layer, k)
-            self.draws[layer, k] = (draw_favor_projection(k, q.shape[-1], seed, self.device)
+            # on the layer's own device (a model spread over several GPUs)
+            self.draws[layer, k] = (draw_favor_projection(k, q.shape[-1], seed, q.device)
                                     if p.method == "performer" else
-                                    linformer_projections(p.linformer_projection, k, q.shape[2], seed, self.device))
+                                    linformer_projections(p.linformer_projection, k, q.shape[2], seed, q.device))
         if p.method == "performer":
             return favor_attention(q, kk, v, projection=self.draws[layer, k], causal=True, scale=scale)
         e, f = self.draws[layer, k]
@@ -360,7 +361,8 @@ def measure_approximations(model, windows: torch.Tensor, layers: list[int], para
                     attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale)
                     for k in ks:
                         approx(layer, k, q, kk, v, scale)
-                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), device)
+                # on the layer's own GPU (a model spread over several runs its later layers on others)
+                _, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), q.device)
                 m.exact_seconds += dt
                 # the oracle: the reference kernel in float64, with the N × N matrix built explicitly,
                 # one window at a time (the float64 matrices of all heads of one window at most)
@@ -369,7 +371,7 @@ def measure_approximations(model, windows: torch.Tensor, layers: list[int], para
                                                           backend="reference").out
                                    for i in range(q.shape[0])])
                 for k in ks:
-                    out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), device)
+                    out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), q.device)
                     m.approx_seconds[k] += dt
                     m.errors[layer, k].extend(per_segment_rel_error(out, exact).tolist())
                 del exact
@@ -408,7 +410,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     # FAVOR+ / Linformer pick theirs like the exact kernel (no gradients here): causal FAVOR+'s prefix
     # sums and Linformer's attention over the projected keys run in Triton on a GPU
     ctx.record("approximation_backend", backend)
-    m = measure_approximations(loaded.model, windows, layers, params, Approximation(params, device), causal_ref, ctx)
+    m = measure_approximations(loaded.model, windows, layers, params, Approximation(params), causal_ref, ctx)
 
     ks = list(params.features)
     # mean over segments for each layer and k
