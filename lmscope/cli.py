@@ -659,20 +659,20 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 @main.command()
 @click.option("--kind")
 @click.option("--status", help="e.g. running or queued,running")
-@click.option("--tag")
+@click.option("--tag", "tags", multiple=True, help="jobs with this tag (repeatable: with every one)")
 @click.option("--parent", help="a sweep's id: its children")
 @click.option("--children", "with_children", is_flag=True, help="also list sweeps' children (hidden by default)")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="at most this many jobs")
 @click.option("--all", "all_", is_flag=True, help="every job, however many")
 @click.option("--user", help="admins: only this user's jobs")
 @click.option("--json", "as_json", is_flag=True)
-def jobs(kind, status, tag, parent, with_children, limit, all_, user, as_json):
+def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
     """List your jobs (an admin: everyone's), newest first (a sweep's children only with --children,
     --parent ID or a child --kind)."""
     c = client()
     if parent is None and not with_children and (kind is None or kind not in _child_kinds(c)):
         parent = "none"  # one row per sweep, not one per grid point
-    filters = {"kind": kind, "status": status, "tag": tag, "parent": parent, "user": user}
+    filters = {"kind": kind, "status": status, "tag": list(tags) or None, "parent": parent, "user": user}
     if all_:
         items, more = list(c.list(page_size=500, **filters)), False
     else:  # one job past the limit tells whether the list was cut off
@@ -688,9 +688,13 @@ def jobs(kind, status, tag, parent, with_children, limit, all_, user, as_json):
                       *(f(j) for _, f in extra), j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
                     ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
     if more:  # cut off by --limit: say so, and how to see the rest
-        again = [f"--{k} {v}" for k, v in filters.items() if v is not None and not (k == "parent" and v == "none")]
+        again = [f"--{k} {v}" for k, vs in filters.items() if vs is not None and not (k == "parent" and vs == "none")
+                 for v in (vs if isinstance(vs, list) else [vs])]
         again += ["--children"] * with_children + ["--json"] * as_json + [f"--limit {limit * 2}"]
         click.echo(f"… more jobs: lmscope jobs {' '.join(again)} (or --all)", err=True)
+    elif not items and any("," in t for t in tags):  # the TAGS column joins a job's tags with commas
+        click.echo("a tag is matched whole: give --tag once per tag (--tag smoke --tag exp1: jobs with both)",
+                   err=True)
     elif not items and parent not in (None, "none") and parent.isdigit():
         job = c.get(int(parent))  # a missing job is a 404 that names it
         if not job.get("children"):
@@ -853,14 +857,24 @@ def comparison_rows(c) -> list[tuple[str, list[Any]]]:
     rows = [("kind", [j["kind"] for j in c.jobs]), ("status", [j["status"] for j in c.jobs])]
     if any(j.get("name") for j in c.jobs):
         rows.append(("name", [j.get("name") for j in c.jobs]))
-    rows += [(f"params.{k}", [v.get(i) for i in c.ids]) for k, v in c.params.items()]
-    rows += [(f"summary.{k}", [v.get(i) for i in c.ids]) for k, v in c.summary.items()]
+    rows += [(f"params.{k}", [v.get(i, ABSENT) for i in c.ids]) for k, v in c.params.items()]
+    rows += [(f"summary.{k}", [v.get(i, ABSENT) for i in c.ids]) for k, v in c.summary.items()]
     return rows
+
+
+class _Absent:
+    """A field a job does not have (`-` in a table), apart from one whose value is null."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
 
 
 def csv_value(v: Any) -> Any:
     """A CSV cell: strings and numbers as they are (in full), null empty, anything else as JSON."""
-    if v is None:
+    if v is None or v is ABSENT:
         return ""
     if isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
         return v
@@ -878,13 +892,16 @@ def _hint_shared_series(c) -> None:
 
 
 def _print_comparison(c, with_curves: bool) -> None:
-    from lmscope.compare import clip
+    from lmscope.compare import clip, labels_text
 
-    def cell(v):
+    def cell(v):  # a curve's y: None where the job has no value at that x
         return "-" if v is None else clip(summary_value(v), TABLE_CELL_WIDTH)
 
+    def field(v):  # a parameter or summary value: null where the job's value is null
+        return "-" if v is ABSENT else "null" if v is None else clip(summary_value(v), TABLE_CELL_WIDTH)
+
     head = [f"job {j['id']}" for j in c.jobs]
-    rows = [[name.removeprefix("summary."), *(cell(v) if name.startswith(("params.", "summary.")) else
+    rows = [[name.removeprefix("summary."), *(field(v) if name.startswith(("params.", "summary.")) else
                                               clip(v or "", TABLE_CELL_WIDTH) for v in values)]
             for name, values in comparison_rows(c)]
     print_table(rows, ["", *head])
@@ -892,7 +909,7 @@ def _print_comparison(c, with_curves: bool) -> None:
         _hint_shared_series(c)
         return
     for curve in c.curves:
-        tag = ", ".join(f"{k}={v}" for k, v in sorted(curve.labels.items()))
+        tag = labels_text(curve.labels, sorted(curve.labels))
         click.echo(f"\n{curve.name}" + (f" [{tag}]" if tag else ""))
         print_table([[summary_value(x), *(cell(y) for y in ys)] for x, ys in curve.aligned(c.ids)],
                     ["x", *head])

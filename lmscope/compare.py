@@ -3,8 +3,9 @@
 A join of what the API serves per job (its document and its series), done by `GET /v1/compare`
 (which `Client.compare`, `lmscope compare` and the dashboard use). Curves are matched by series name
 and labels (e.g. `norm.mean` of two models, or `entropy.mean` with `{layer: 2, head: 1}` of two
-checkpoints), leaving out the labels that only say which run a curve came from (`RUN_LABELS`: the
-job itself says that) unless a job needs them to tell its own curves apart; x values are aligned by
+checkpoints), leaving out the labels that only say which run a curve came from (`RUN_LABELS`, and the
+parameters in which the jobs differ: the job itself says that) unless a job needs them to tell its own
+curves apart; x values are aligned by
 value, in ascending order when they are numbers.
 """
 
@@ -22,13 +23,13 @@ Scalar = (int, float, str, bool, type(None))
 RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count")
 
 
-def _matching_labels(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] = RUN_LABELS) -> list[dict[str, Any]]:
     """The labels each of one job's series is matched on: without the run labels, or with the fewest of
     them that still tell the job's curves apart (`step` for a run over several checkpoints)."""
     def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
-        return [{k: v for k, v in (s.get("labels") or {}).items() if k not in RUN_LABELS or k in extra} for s in series]
+        return [{k: v for k, v in (s.get("labels") or {}).items() if k not in run_labels or k in extra} for s in series]
 
-    for extra in ((), ("step",), ("seed",), RUN_LABELS):
+    for extra in ((), ("step",), ("seed",), run_labels):
         labels = keep(extra)
         keys = Counter((s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, labels))
         if all(n == 1 for n in keys.values()):
@@ -108,20 +109,24 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     """Join jobs ({id, kind, name, status, params, summary}) with their series ([{name, labels, x, y}]),
     in the same order."""
     ids = [j["id"] for j in jobs]
+    # A job without a key is left out of its values (shown "-"), apart from one whose value is null.
     params: dict[str, dict[int, Any]] = {}
     for key in dict.fromkeys(k for j in jobs for k in (j.get("params") or {})):
-        values = {j["id"]: (j.get("params") or {}).get(key) for j in jobs}
-        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+        values = {j["id"]: j["params"][key] for j in jobs if key in (j.get("params") or {})}
+        if len(values) < len(jobs) or len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             params[key] = values
     summary: dict[str, dict[int, Any]] = {}
     for key in dict.fromkeys(k for j in jobs for k in (j.get("summary") or {})):
-        values = {j["id"]: (j.get("summary") or {}).get(key) for j in jobs}
+        values = {j["id"]: j["summary"][key] for j in jobs if key in (j.get("summary") or {})}
         if all(isinstance(v, Scalar) for v in values.values()):
             summary[key] = values
+    # A label that is a parameter in which the jobs differ names the job too: sweep grid points that
+    # differ in latent_dim label their curves with it, and are compared on one curve.
+    run_labels = RUN_LABELS + tuple(params)
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()
-        for s, labels in zip(series, _matching_labels(series)):
+        for s, labels in zip(series, _matching_labels(series, run_labels)):
             key = (s["name"], json.dumps(labels, sort_keys=True))
             seen[key] += 1
             # a job with the very same name and labels twice keeps both curves
@@ -174,7 +179,8 @@ def clip(text: str, width: int) -> str:
 
 
 def _value_text(v: Any) -> str:
-    return "-" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+    """A value as the tables write it: strings as they are, anything else as JSON (None: null)."""
+    return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
 
 
 def labels_text(labels: dict[str, Any], keys) -> str:
@@ -186,7 +192,7 @@ def labels_text(labels: dict[str, Any], keys) -> str:
 def job_label(c: Comparison, job: dict[str, Any], width: int = LEGEND_WIDTH) -> str:
     """`job 3 (model=tiny-gpt2)`: the job and the parameters in which it differs from the others
     (cut to `width` characters); the job's name when no parameter differs."""
-    diff = ", ".join(f"{k}={_value_text(v.get(job['id']))}" for k, v in c.params.items())
+    diff = ", ".join(f"{k}={_value_text(v[job['id']]) if job['id'] in v else '-'}" for k, v in c.params.items())
     what = diff or job.get("name") or ""
     return f"job {job['id']}" + (f" ({clip(what, width)})" if what else "")
 

@@ -555,6 +555,16 @@ def test_compare_csv_without_series_is_the_side_by_side_table(monkeypatch):
                                               'norm.mean,"{""unit"": ""L2 norm""}",1,2.0,2.5']
 
 
+def test_compare_table_writes_null_values_and_dashes_absent_ones(monkeypatch):
+    api = _two_jobs()
+    api.jobs[0]["params"]["loss_filter"] = None  # job 4 has no loss_filter
+    api.jobs[1]["summary"]["gram_condition_pct"] = None  # job 3 has no gram_condition_pct
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    rows = {line.split()[0]: line.split()[1:] for line in CliRunner().invoke(main, ["compare", "3", "4"]).stdout.splitlines()
+            if line.strip()}
+    assert rows["params.loss_filter"] == ["null", "-"] and rows["gram_condition_pct"] == ["-", "null"]
+
+
 def test_compare_table_cuts_long_values_but_json_keeps_them(monkeypatch):
     api = _two_jobs()
     monkeypatch.setattr("lmscope.cli.client", lambda: api)

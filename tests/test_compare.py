@@ -34,6 +34,34 @@ def test_two_sweeps_match_although_a_seed_failed_in_one():
     assert curve.labels == labels and curve.aligned([1, 2]) == [(1, [0.5, 0.4]), (2, [0.25, 0.3])]
 
 
+def test_grid_points_that_differ_in_a_labelled_parameter_share_one_curve():
+    """Sweep children label val_error with their own grid point: the latent_dim in which they differ
+    says which job a curve is, as the job's model does; the labels they share stay."""
+    labels = {"architecture": "mlp_sumformer", "token_dim": 2, "features": None}
+    c = compare([_job(6, "sumformer_fit", latent_dim=1, token_dim=2), _job(7, "sumformer_fit", latent_dim=4, token_dim=2)],
+                [[_series("val_error", {**labels, "latent_dim": 1}, [5, 10], [0.5, 0.4])],
+                 [_series("val_error", {**labels, "latent_dim": 4}, [5, 10], [0.3, 0.2])]])
+    [curve] = c.curves
+    assert curve.labels == labels and curve.aligned([6, 7]) == [(5, [0.5, 0.3]), (10, [0.4, 0.2])]
+    # a job whose own curves differ only in that label keeps them apart
+    both = [_series("val_error", {"latent_dim": d}, [1], [float(d)]) for d in (1, 4)]
+    c = compare([_job(1, latent_dim=1), _job(2, latent_dim=4)], [both, both[:1]])
+    assert [cv.labels for cv in c.curves if 1 in cv.by_job] == [{"latent_dim": 1}, {"latent_dim": 4}]
+
+
+def test_a_null_parameter_is_not_an_absent_one():
+    """loss_filter null (keep every sample) is a value; a job of another kind has no such field."""
+    from lmscope.compare import job_label
+
+    jobs = [_job(1, "norms", loss_filter=1.0), _job(2, "norms", loss_filter=None), _job(3, "probe")]
+    c = compare(jobs, [[], [], []])
+    assert c.params["loss_filter"] == {1: 1.0, 2: None}  # job 3 is left out, not None
+    assert [job_label(c, j) for j in c.jobs] == ["job 1 (loss_filter=1.0)", "job 2 (loss_filter=null)",
+                                                 "job 3 (loss_filter=-)"]
+    same = [_job(1, "norms", loss_filter=None), _job(2, "norms", loss_filter=None)]
+    assert "loss_filter" not in compare(same, [[], []]).params  # the same null twice: no difference
+
+
 def test_a_job_with_several_checkpoints_keeps_its_curves_apart():
     steps = [_series("entropy.layer_mean", {"model": f"r@step{s}", "step": s}, [0], [float(s)]) for s in (100, 200)]
     c = compare([_job(1), _job(2)], [steps, [_series("entropy.layer_mean", {"model": "m"}, [0], [7.0])]])
