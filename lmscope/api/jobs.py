@@ -131,9 +131,10 @@ def submit_job():
 
 
 @bp.get("/jobs")
-@query_params("kind", "status", "tag", "parent", "user", "limit", "page_token")
+@query_params("kind", "status", "tag", "parent", "user", "limit", "page_token", repeatable=("tag",))
 def list_jobs():
-    """List your jobs, newest first; filters kind, status, tag, parent (an id or `none`), user (admins)."""
+    """List your jobs, newest first; filters kind, status, tag (repeatable: jobs with every one), parent
+    (an id or `none`), user (admins)."""
     st, caller = state(), current_caller()
     limit = query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     q = select(Job, User.name).join(User, User.id == Job.user_id).order_by(Job.id.desc()).limit(limit + 1)
@@ -152,7 +153,8 @@ def list_jobs():
         wanted = status.split(",")
         if bad := [s for s in wanted if s not in JOB_STATES]:
             raise Problem(422, "validation-error", "Invalid status filter",
-                          f"unknown status {bad[0]!r}; use one of {', '.join(JOB_STATES)} (comma-separated)",
+                          f"unknown status {bad[0]!r}{did_you_mean(bad[0], JOB_STATES) or ';'} use one of "
+                          f"{', '.join(JOB_STATES)} (comma-separated)",
                           errors=[{"loc": ["query", "status"], "msg": "unknown status", "type": "enum"}])
         q = q.where(Job.status.in_(wanted))
     parent = request.args.get("parent")
@@ -181,9 +183,10 @@ def list_jobs():
             # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
             known = sorted(KINDS)
             raise Problem(422, "validation-error", "Unknown kind filter",
-                          f"there is no job kind {kind!r}; use one of: {', '.join(known)}",
+                          f"there is no job kind {kind!r}{did_you_mean(kind, known) or ';'} use one of: "
+                          f"{', '.join(known)}",
                           errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
-        if tag := request.args.get("tag"):
+        for tag in request.args.getlist("tag"):  # every one of them
             q = q.where(tag_filter(session, tag))
         rows = session.execute(q).all()
         page, more = rows[:limit], len(rows) > limit

@@ -128,9 +128,13 @@ def check_params(kind: str, params: dict[str, Any]):
 
 
 def _field_holding(parsed: list, value) -> list:
-    """The params field a referenced name came from, for the error's `loc` (e.g. ["params", "model"])."""
+    """The params field a referenced name came from, for the error's `loc` (e.g. ["params", "model"]):
+    a field the request set before one left at its default (`tokenizer=gpt2`, not train's default
+    `architecture` "gpt2")."""
     for p in parsed:
-        for field, v in p.model_dump().items():
+        values = p.model_dump()
+        for field in sorted(values, key=lambda f: f not in p.model_fields_set):
+            v = values[field]
             if v == value or (isinstance(v, list) and value in v):
                 return ["params", field]
     return ["params"]

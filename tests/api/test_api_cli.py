@@ -127,6 +127,25 @@ def test_jobs_says_when_the_list_was_cut_off(api, cli):
     assert len(every.stdout.splitlines()) == 4 and "more" not in every.stderr
 
 
+def test_jobs_with_every_tag_given(api, cli):
+    """`--tag` is repeatable (jobs with every tag); it kept only the last one, silently. A comma list,
+    as the TAGS column writes a job's tags, is one tag: the CLI says so when nothing matched."""
+    h = api.user("ann")
+    both = api.submit(h, tags=["smoke", "exp1"]).get_json()["id"]
+    smoke = api.submit(h, tags=["smoke"]).get_json()["id"]
+
+    def listed(*tags):
+        r = cli("jobs", *[a for t in tags for a in ("--tag", t)])
+        assert r.exit_code == 0, r.output
+        return [int(line.split()[0]) for line in r.stdout.splitlines()[1:]], r.stderr
+
+    assert listed("smoke") == ([smoke, both], "")
+    assert listed("smoke", "exp1") == ([both], "")
+    assert listed("nonexist", "smoke")[0] == []
+    ids, hint = listed("smoke,exp1")
+    assert ids == [] and "--tag smoke --tag exp1" in hint
+
+
 def test_an_admin_lists_one_users_jobs_and_a_user_cannot(api, cli, live):
     ann = api.submit(api.user("ann")).get_json()["id"]
     bob = api.submit(api.user("bob")).get_json()["id"]

@@ -93,11 +93,16 @@ def test_filters(api):
     assert ids("status=running") == [sweep["id"], probe]  # a sweep parent runs while its children do
     assert ids("status=queued,running") == sorted([probe, train, sweep["id"], *children], reverse=True)
     assert ids("tag=y") == [train] and ids("tag=x") == [train, probe] and ids("tag=nope") == []
+    assert ids("tag=x&tag=y") == [train] and ids("tag=y&tag=nope") == []  # jobs with every tag given
     assert ids(f"parent={sweep['id']}") == sorted(children, reverse=True)
     assert ids("parent=none") == [sweep["id"], train, probe]
     assert ids("") == sorted([probe, train, sweep["id"], *children], reverse=True)  # default: children included
     body = is_problem(api.client.get("/v1/jobs?status=done", headers=h), 422, "validation-error")
     assert "succeeded" in body["detail"]
+    body = is_problem(api.client.get("/v1/jobs?status=canceled", headers=h), 422, "validation-error")
+    assert "unknown status 'canceled'; did you mean 'cancelled'? use one of" in body["detail"]
+    body = is_problem(api.client.get("/v1/jobs?kind=norm", headers=h), 422, "validation-error")
+    assert "no job kind 'norm'; did you mean 'norms'? use one of" in body["detail"]
 
 
 def test_cancel_a_queued_job_cancels_it_now(api):

@@ -141,6 +141,10 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
                       "unknown-reference")
     assert "model 'tiny-gpt' is not registered; did you mean 'tiny-gpt2'?" in near["detail"]
     assert "dataset 'wikitext2' is not registered; did you mean 'wikitext-2'?" in near["detail"]
+    # a train job's tokenizer 'gpt2' (not registered) is the field to blame, not its architecture
+    # "gpt2", the default left as it is
+    tok = is_problem(api.submit(h, kind="train", params={"dataset": "d", "tokenizer": "gpt2"}), 422, "unknown-reference")
+    assert [e["loc"] for e in tok["errors"]] == [["params", "tokenizer"]]
     # An entropy job over another user's train job: that job "does not exist" for this user.
     other = api.submit(api.user("bob"), kind="train", params={"dataset": "d"}).get_json()
     body = is_problem(api.submit(h, kind="entropy", params={"dataset": "d", "train_job": other["id"]}),
