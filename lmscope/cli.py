@@ -14,6 +14,7 @@ database) happen only inside the commands that need them, so `lmscope jobs` star
 from __future__ import annotations
 
 import csv
+import difflib
 import itertools
 import json
 import re
@@ -66,6 +67,16 @@ class LmscopeGroup(click.Group):
 
 def client() -> Client:
     return Client()
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 document', '3 documents'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _a(word: str) -> str:
+    """'an entropy', 'a norms'."""
+    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
 
 
 # ---------------------------------------------------------------- params
@@ -129,6 +140,12 @@ def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
         raise
     if text_field and not isinstance(value, str) and not (value is None and "null" in types):
         return raw
+    if isinstance(value, str) and not text_field and raw.strip()[:1] in ("[", "{"):
+        try:  # `[1,2` meant a list: say where it stops parsing, not that a string is no list
+            strict_json.loads(raw)
+        except strict_json.StrictJsonError as e:
+            raise click.BadParameter(f"{key}={raw} starts like JSON but does not parse: {e} "
+                                     f"(a list is written [1, 2], an object {{\"a\": 1}})", param_hint="--param") from None
     return value
 
 
@@ -698,7 +715,7 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
     elif not items and parent not in (None, "none") and parent.isdigit():
         job = c.get(int(parent))  # a missing job is a 404 that names it
         if not job.get("children"):
-            click.echo(f"job {parent} is a {job['kind']} job, not a sweep: it has no children", err=True)
+            click.echo(f"job {parent} is {_a(job['kind'])} job, not a sweep: it has no children", err=True)
 
 
 @main.command()
@@ -950,12 +967,15 @@ def kinds(kind):
         return
     found = next((k for k in items if k["name"] == kind), None)
     if found is None:
-        raise click.ClickException(f"no kind {kind!r}; the kinds are: {', '.join(k['name'] for k in items)}")
+        names = [k["name"] for k in items]
+        close = difflib.get_close_matches(kind, names, n=1, cutoff=0.6)
+        raise click.ClickException(f"no kind {kind!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                                   + f" The kinds are: {', '.join(names)}")
     click.echo(f"{found['name']}: {found['description']}")
     if not found.get("submittable", True):
         click.echo(f"(made by {' / '.join(found.get('child_of') or [])}; not submitted on its own)")
     rows = schema_rows(found["params_schema"], found.get("defaults") or {})
-    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    widths = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in enumerate(("PARAMETER", "TYPE", "DEFAULT"))]
     click.echo(f"\n{'PARAMETER':{widths[0]}}  {'TYPE':{widths[1]}}  {'DEFAULT':{widths[2]}}  LIMITS AND MEANING")
     for name, type_, default, notes in rows:
         click.echo(f"{name:{widths[0]}}  {type_:{widths[1]}}  {default:{widths[2]}}  {notes}".rstrip())
@@ -1110,7 +1130,7 @@ def datasets_add(name, path, fmt, description):
         d = register_dataset_file(sessions, name, path, fmt, description=description)
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"registered dataset {d.name}: {d.num_documents} documents, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
+    click.echo(f"registered dataset {d.name}: {_count(d.num_documents, 'document')}, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
 
 
 @datasets.command("list")
@@ -1130,7 +1150,7 @@ def datasets_list():
 def datasets_upload(name, file, fmt, description):
     """Upload FILE as dataset NAME."""
     d = client().upload_dataset(name, file, fmt, description=description)
-    click.echo(f"uploaded dataset {d['name']}: {d['documents']} documents, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
+    click.echo(f"uploaded dataset {d['name']}: {_count(d['documents'], 'document')}, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,18 @@ def test_bundled_examples_are_found_from_any_directory(tmp_path, monkeypatch):
         build_params((), "mine.json")
 
 
+def test_a_list_that_does_not_parse_says_where_not_that_it_is_a_string():
+    """`grid.latent_dim=[1,2` was sent as the string "[1,2", and the answer hinted at a list of one."""
+    sweep = KINDS["sweep"].params.model_json_schema()
+    with pytest.raises(click.BadParameter, match=r"grid.latent_dim=\[1,2 starts like JSON but does not parse: "
+                                                 r"Expecting ',' delimiter at line 1, column 5"):
+        parse_param("[1,2", sweep, "grid.latent_dim")
+    assert parse_param("[1,2]", sweep, "grid.latent_dim") == [1, 2]
+    probe = KINDS["probe"].params.model_json_schema()
+    assert parse_param("[INST] hi", probe, "prompt") == "[INST] hi"  # a text field keeps any text
+    assert parse_value("[x") == "[x"  # without a schema, as before
+
+
 def test_string_fields_keep_the_text_of_their_values():
     """With the kind's schema (GET /v1/kinds), `model=123` stays "123"; other fields still parse as JSON."""
     train = KINDS["train"].params.model_json_schema()
