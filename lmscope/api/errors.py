@@ -135,6 +135,8 @@ _TYPE_HINTS = {
 }
 
 
+_BOUND_TYPES = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of")
+
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
@@ -180,6 +182,8 @@ def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = Non
             msg = NAME_RULE  # the rule in words, not the regular expression
         elif e["type"] in _TYPE_HINTS and "input" in e:
             msg = type_error_message(e["type"], e["input"])
+        elif e["type"] in _BOUND_TYPES and isinstance(e.get("input"), (int, float)):
+            msg += f"; got {json.dumps(e['input'])}"  # "Input should be greater than or equal to 1; got 0"
         out.append({"loc": [*prefix, *e["loc"]], "msg": msg, "type": e["type"]})
     return out
 

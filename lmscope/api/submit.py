@@ -181,7 +181,7 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
                            f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train or "
                            "`lmscope jobs --kind train`)"))
         elif ref.kind != "train":
-            errors.append((_field_holding(parsed, job_id), f"job {job_id} is a {ref.kind!r} job, not a 'train' job"))
+            errors.append((_field_holding(parsed, job_id), f"job {job_id} is {'an' if ref.kind[:1] in 'aeiou' else 'a'} {ref.kind!r} job, not a 'train' job"))
     if errors:
         raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])

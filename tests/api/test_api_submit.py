@@ -419,12 +419,13 @@ def test_sweep_values_out_of_range_are_named_where_they_are(api):
     mark it), not at the whole params object."""
     h = api.user("ann")
     attention = {"study": "attention", "model": "m", "dataset": "d", "seq_len": 16}
-    cases = [({"grid": {"token_dim": [2, 50]}}, ["params", "grid", "token_dim", 1], "less than or equal to 32"),
-             ({"grid": {"seq_len": [1]}}, ["params", "grid", "seq_len", 0], "greater than or equal to 2"),
-             ({"grid": {"latent_dim": [None, 0]}}, ["params", "grid", "latent_dim", 1], "greater than or equal to 1"),
-             ({**attention, "layers": [0, -1]}, ["params", "layers", 1], "greater than or equal to 0"),
+    # each with the value given ("; got 50"): the message names the bound, the value shows which one broke it
+    cases = [({"grid": {"token_dim": [2, 50]}}, ["params", "grid", "token_dim", 1], "less than or equal to 32; got 50"),
+             ({"grid": {"seq_len": [1]}}, ["params", "grid", "seq_len", 0], "greater than or equal to 2; got 1"),
+             ({"grid": {"latent_dim": [None, 0]}}, ["params", "grid", "latent_dim", 1], "greater than or equal to 1; got 0"),
+             ({**attention, "layers": [0, -1]}, ["params", "layers", 1], "greater than or equal to 0; got -1"),
              ({**attention, "layers": []}, ["params", "layers"], "at least 1 item"),
-             ({**attention, "features": [0]}, ["params", "features", 0], "greater than or equal to 1")]
+             ({**attention, "features": [0]}, ["params", "features", 0], "greater than or equal to 1; got 0")]
     for params, loc, msg in cases:
         body = is_problem(api.submit(h, kind="sweep", params=params), 422, "validation-error")
         assert [e["loc"] for e in body["errors"]] == [loc] and msg in body["errors"][0]["msg"], body["errors"]
