@@ -466,8 +466,8 @@ def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext)
     not_ok = sorted((c for c in children if c.status != "succeeded"), key=lambda c: c.status != "failed")
     def listed(status: str) -> list[dict[str, Any]]:
         ended = [c for c in not_ok if c.status == status][:MAX_LISTED_CHILDREN]
-        return [{"job_id": c.job_id, "status": c.status, "error": (c.error or "")[:500], "params": _short_params(c)}
-                for c in ended]
+        return [{"job_id": c.job_id, "status": c.status, **({"error": c.error[:500]} if c.error else {}),
+                 "params": _short_params(c)} for c in ended]
 
     # named by how they ended (a cancelled sweep can have hundreds of cancelled points, which say little)
     summary: dict[str, Any] = {"study": params.study, "failed_children": listed("failed")}
@@ -688,7 +688,8 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
                     keep[group(key)] = (err, key)
             keys, pruned = [key for _, key in keep.values()], what
         archs = {key[0] for key in keys}
-        for key in sorted(keys, key=str):
+        # by architecture, then by number: d'=4 before d'=16 (as text, 16 came first)
+        for key in sorted(keys, key=lambda key: (key[0], *(-1 if v is None else v for v in key[2:]))):
             arch, _, d, n, k, d_eff = key
             x, y = _mean_curve(curves[key])
             label = f"{arch} (d={d}, n={n}, d'={d_eff}" + (f", k={k}" if k else "") + ")"

@@ -601,7 +601,8 @@ def _fit_child(job_id, d, latent, seed, best, status="succeeded"):
     params = SumformerFitParams(architecture="mlp_sumformer", token_dim=d, seq_len=3, latent_dim=latent, seed=seed,
                                 train=tiny_train()).model_dump(mode="json")
     if status != "succeeded":
-        return ChildResult(job_id, "sumformer_fit", params, status, None, [], error="JobFailed: out of memory")
+        return ChildResult(job_id, "sumformer_fit", params, status, None, [],
+                           error="JobFailed: out of memory" if status == "failed" else None)
     labels = {"architecture": "mlp_sumformer"}
     curve = [Series("val_error", [2, 4, 6], [best * 3, best * 2, best], labels),
              Series("train_loss", [1, 2, 3], [1.0, 0.5, 0.25], labels)]
@@ -621,6 +622,7 @@ def test_a_cancelled_sweeps_summary_names_failed_and_cancelled_children_apart_at
     listed = out.summary["cancelled_children"]
     assert len(listed) == MAX_LISTED_CHILDREN == 100
     assert [c["job_id"] for c in listed] == list(range(100, 200)) and {c["status"] for c in listed} == {"cancelled"}
+    assert not any("error" in c for c in listed)  # a cancelled child has none (it said "error": "")
     [line] = [s for s in out.series if s.name == "best_val_error"]
     assert (list(line.x), list(line.y)) == ([2], [0.3])  # the one child that finished
 
@@ -831,3 +833,17 @@ def test_train_loss_is_the_mse_in_the_targets_units_on_the_training_split(tmp_pa
     (loss,) = [s for s in out.series if s.name == "train_loss"]
     assert loss.y[0] == pytest.approx(by_hand, rel=1e-4)
     assert out.summary["final_train_loss"] == loss.y[-1]
+
+
+def test_fig1_legend_orders_latent_dims_as_numbers(tmp_path, monkeypatch):
+    """d'=1, d'=4, d'=16 (sorted as text, 16 came before 4); architectures stay grouped."""
+    from lmscope.analyses import sweep
+
+    drawn = []
+    monkeypatch.setattr(sweep, "save", lambda fig, path: drawn.append(fig))
+    curves = {(arch, "fig2_poly", 1, 3, None, dp): [([5, 10], [0.5, 0.4])]
+              for arch in ("poly_sumformer", "mlp_sumformer") for dp in (16, 1, 4)}
+    assert sweep._plot_fig1(tmp_path / "fig1.png", curves)
+    [ax] = [a for a in drawn[0].axes if a.get_visible()]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == [f"{arch} (d=1, n=3, d'={dp})" for arch in ("mlp_sumformer", "poly_sumformer") for dp in (1, 4, 16)]
