@@ -121,8 +121,9 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
         if all(isinstance(v, Scalar) for v in values.values()):
             summary[key] = values
     # A label that is a parameter in which the jobs differ names the job too: sweep grid points that
-    # differ in latent_dim label their curves with it, and are compared on one curve.
-    run_labels = RUN_LABELS + tuple(params)
+    # differ in latent_dim label their curves with it, and are compared on one curve. Not one that only
+    # some jobs have: a sweep's curves per latent_dim match the one grid point's of the same latent_dim.
+    run_labels = RUN_LABELS + tuple(k for k, values in params.items() if len(values) == len(jobs))
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()

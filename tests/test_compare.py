@@ -47,6 +47,11 @@ def test_grid_points_that_differ_in_a_labelled_parameter_share_one_curve():
     both = [_series("val_error", {"latent_dim": d}, [1], [float(d)]) for d in (1, 4)]
     c = compare([_job(1, latent_dim=1), _job(2, latent_dim=4)], [both, both[:1]])
     assert [cv.labels for cv in c.curves if 1 in cv.by_job] == [{"latent_dim": 1}, {"latent_dim": 4}]
+    # a sweep (no latent_dim parameter: its grid has them) against one of its points: matched by latent_dim
+    sweep = [_series("val_error", {"latent_dim": d}, [5], [float(d)]) for d in (1, 4)]
+    c = compare([_job(1, "sweep", grid={"latent_dim": [1, 4]}), _job(2, "sumformer_fit", latent_dim=4)],
+                [sweep, [_series("val_error", {"latent_dim": 4}, [5], [0.1])]])
+    assert [(cv.labels, sorted(cv.by_job)) for cv in c.curves] == [({"latent_dim": 1}, [1]), ({"latent_dim": 4}, [1, 2])]
 
 
 def test_a_null_parameter_is_not_an_absent_one():

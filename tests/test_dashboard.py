@@ -612,8 +612,9 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
         assert got[case]["yLeft"] > got[case]["titleRight"], got[case]  # the labels stay right of the title
     assert {float(v) for v in got["logNarrow"]["y"]} <= {5.3, 5.35, 5.4, 5.45, 5.5, 5.55, 5.6}
     assert page.js("tickLabels([2.548665, 2.54867, 2.548675], 6)") == ["2.548665", "2.54867", "2.548675"]
-    # a parameter that differs by being null is named, as `lmscope compare --plot` names it
-    assert got["legend"] == ["job 1 · a (loss_filter=-)"]
+    # a parameter that differs by being null is named null, as `lmscope compare --plot` names it (a dash:
+    # the job has no such parameter)
+    assert got["legend"] == ["job 1 · a (loss_filter=null)"]
     assert got["styles"] == ["(no step)", "step=10"]  # a curve without the varying label is named, not blank
 
 
