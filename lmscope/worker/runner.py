@@ -26,6 +26,7 @@ import logging
 import math
 import mimetypes
 import os
+import re
 import shutil
 import socket
 import sys
@@ -323,7 +324,7 @@ def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher,
 
 # ---------------------------------------------------------------- running
 
-def _failure(e: BaseException, settings: Settings) -> tuple[str, str]:
+def _failure(e: BaseException, settings: Settings, kind: str | None = None) -> tuple[str, str]:
     """(error_type, message) for an exception that ended a job."""
     from pydantic import ValidationError
 
@@ -339,10 +340,28 @@ def _failure(e: BaseException, settings: Settings) -> tuple[str, str]:
     if name in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
         return "time-limit", f"the job ran past its time limit ({settings.time_limit_setting}); use smaller parameters"
     if name == "OutOfMemoryError":  # torch's, named rather than imported: the Celery parent never loads torch
-        first = (str(e) or name).splitlines()[0]
-        return "out-of-memory", (f"the device ran out of memory: {first} — lower batch_size, or the tokens per "
-                                 "sample (seq_len, max_tokens, context), or use dtype bfloat16")
+        return "out-of-memory", out_of_memory_message(str(e) or name, kind)
     return name, str(e) or name
+
+
+# torch's message goes on, on the same line, about other processes and the allocator's settings
+_OOM_TAIL = re.compile(r"\s+(Process \d|Including non-PyTorch|Of the allocated|If reserved)")
+# what a job's peak memory grows with (rows per batch, tokens per row); each kind is told those it has
+_SIZE_FIELDS = ("batch_size", "seq_len", "max_tokens", "context")
+
+
+def out_of_memory_message(text: str, kind: str | None) -> str:
+    """"the device ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has …; lower
+    batch_size or seq_len, or dtype bfloat16": torch's first sentences and the kind's own size fields."""
+    from lmscope.params import KINDS
+
+    head = _OOM_TAIL.split(text, maxsplit=1)[0].strip().rstrip(".")
+    fields = KINDS[kind].params.model_fields if kind in KINDS else {}
+    lower = [f for f in _SIZE_FIELDS if f in fields]
+    advice = [("lower " + " or ".join(lower)) if lower else "use smaller parameters"]
+    if "dtype" in fields:
+        advice.append("set dtype bfloat16")
+    return f"the device ran out of memory: {head}; {', or '.join(advice)}"
 
 
 def _release_device_memory() -> None:
@@ -437,7 +456,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                 values = dict(summary=output.summary)
         except Exception as e:
             status, output = "failed", e.partial if isinstance(e, JobFailed) else None
-            error_type, message = _failure(e, settings)
+            error_type, message = _failure(e, settings, attempt.kind)
             values = dict(error_type=error_type[:64], error_message=message)
             if output is not None:
                 values["summary"] = output.summary

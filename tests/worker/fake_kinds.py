@@ -75,8 +75,12 @@ def run_count(params: CountParams, ctx) -> JobOutput:
                 if params.fail == "oom":
                     import torch
 
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
-                                                 "total capacity of 79.1 GiB\nIf reserved but unallocated ...")
+                    # one line, as torch writes it
+                    raise torch.OutOfMemoryError(
+                        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
+                        "of which 1.20 GiB is free. Process 1234 has 77.90 GiB memory in use. Of the allocated "
+                        "memory 70.00 GiB is allocated by PyTorch. If reserved but unallocated memory is large try "
+                        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
                 raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
             if params.sleep:
                 time.sleep(params.sleep)

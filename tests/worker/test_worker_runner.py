@@ -282,9 +282,10 @@ def test_results_are_replaced_not_duplicated_by_a_retry(settings, sessions, make
 @pytest.mark.parametrize("params, error_type, message", [
     ({"fail": "jobfailed", "fail_at": 2}, "bad-count", "step 2 refuses to count; use fewer steps"),
     ({"fail": "exception", "fail_at": 3}, "RuntimeError", "boom at step 3"),
-    # torch's OutOfMemoryError: what it says, its first line only, and what to change
+    # torch's OutOfMemoryError: its sentences about this device, not the allocator's settings, and what to
+    # change among the kind's own fields (the count kind has none of batch_size, seq_len, …)
     ({"fail": "oom", "fail_at": 2}, "out-of-memory", "the device ran out of memory: CUDA out of memory. Tried to "
-     "allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB — lower batch_size"),
+     "allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.20 GiB is free; use smaller parameters"),
     ({"steps": -1}, "invalid-params", "steps"),
     ({"colour": "red"}, "invalid-params", "colour"),
     ({"bad_series": True}, "ValueError", "storing the results failed: series 'bad' has 2 x values but 1 y values"),
@@ -301,6 +302,22 @@ def test_failures_are_recorded_not_retried(settings, sessions, make_job, job_row
     assert job.environment["lmscope"] == lmscope.__version__
     assert series_of(sessions, job_id) == [] and publisher.published == []
     assert runner.execute(job_id, settings, sessions, publisher) is None  # a redelivery does not retry it
+
+
+def test_out_of_memory_names_the_fields_of_the_job_kind_that_shrink_it():
+    """torch's one-line message keeps its sentences about this device; the advice names only fields the
+    kind has (train has no dtype, probe no batch_size)."""
+    from lmscope.worker.runner import out_of_memory_message
+
+    torch_text = ("CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
+                  "1.20 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
+                  "allocated memory 70.00 GiB is allocated by PyTorch (https://pytorch.org/docs/stable/notes/cuda.html)")
+    head = ("the device ran out of memory: CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total "
+            "capacity of 79.10 GiB of which 1.20 GiB is free; ")
+    assert out_of_memory_message(torch_text, "entropy") == head + "lower batch_size or seq_len, or set dtype bfloat16"
+    assert out_of_memory_message(torch_text, "norms") == head + "lower batch_size or max_tokens, or set dtype bfloat16"
+    assert out_of_memory_message(torch_text, "train") == head + "lower batch_size or context"
+    assert out_of_memory_message(torch_text, "probe") == head + "use smaller parameters, or set dtype bfloat16"
 
 
 def test_unknown_kind_fails_with_a_clear_message(settings, sessions, make_job, job_row, publisher):
