@@ -550,7 +550,11 @@ def kernel_attention(model, ctx: JobContext):
         ctx.record("kernel_backend", own)
         yield
         return
-    reason = lmscope_attention_unsupported(model)
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) or 0) // (heads or 1)
+    reason = (f"head_dim {head_dim} > 256, past the Triton kernel's" if head_dim > 256 and backend == "triton"
+              else lmscope_attention_unsupported(model))
     if reason is not None:
         ctx.record("kernel_backend", f"{own} (the lmscope kernel cannot run this model: {reason})")
         yield

@@ -409,6 +409,21 @@ def test_a_model_the_kernel_cannot_run_keeps_its_own_attention(tmp_path, documen
     assert out.summary["samples"] == 6
 
 
+def test_a_head_dim_past_the_kernels_keeps_the_models_own_attention(tmp_path, documents, monkeypatch):
+    """head_dim 288 (> 256): where the Triton kernel would run, the job keeps the model's own attention
+    and says why, rather than a record of "triton" over attention that ran elsewhere."""
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
+    config = GPT2Config(n_layer=2, n_head=1, n_embd=288, n_positions=128, vocab_size=BYTE_VOCAB_SIZE,
+                        bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    lm = LoadedModel("wide-head", model, byte_tokenizer(), model_info(model))
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=4, gram_condition=False, pca_samples=2)
+    assert ctx.environment["kernel_backend"] == ("transformers-sdpa (the lmscope kernel cannot run this model: "
+                                                 "head_dim 288 > 256, past the Triton kernel's)")
+    assert out.summary["samples"] == 4
+
+
 @pytest.mark.gpu
 def test_the_kernel_route_on_the_device_matches_the_reference(llama_run, tmp_path, documents, device, monkeypatch):
     """What a GPU worker runs: the forward pass through lmscope's Triton kernel on the device (the

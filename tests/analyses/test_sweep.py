@@ -406,6 +406,7 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     }, internal=True)
     out = run_attention_approx(params, ctx)
     assert ctx.environment["approximation_backend"] == ("triton" if device == "cuda" else "reference")
+    assert ctx.environment["kernel_backend"] == out.summary["kernel_backend"] == ctx.environment["approximation_backend"]
     got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
 
     lm = ctx.load_model(name)
