@@ -12,5 +12,6 @@ def derived_seed(seed: int, *stream: str | int) -> int:
     Hashing (seed, stream) keeps the streams of one seed apart and those of nearby seeds too: with
     ``seed + 1`` for the shuffle, seed 0's shuffle read the same generator as seed 1's data.
     """
-    key = repr((int(seed),) + tuple(stream)).encode()
+    # ints as Python ints: a numpy integer's repr ("np.int64(3)") would hash differently
+    key = repr((int(seed),) + tuple(part if isinstance(part, str) else int(part) for part in stream)).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
