@@ -210,8 +210,12 @@ class ModelCache:
             # fits on the GPU once the cached ones are gone is not spread over devices beside them.
             while len(self._models) >= self.capacity:
                 self._evict_oldest()
-            while self._models and not weights_fit(source, path, dtype, device):
-                self._evict_oldest()
+            while not weights_fit(source, path, dtype, device):
+                same_device = [k for k in self._models if k[2] == device]  # others free nothing there
+                if not same_device:
+                    break
+                del self._models[same_device[0]]
+                _free_memory()
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded
             return loaded

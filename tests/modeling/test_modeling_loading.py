@@ -173,11 +173,18 @@ def test_model_cache_evicts_until_a_big_model_fits(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "weights_fit", fake_fit)
     cache.get("small1", "directory", str(tmp_path / "small1"))
     cache.get("small2", "directory", str(tmp_path / "small2"))
-    assert len(cache) == 2 and "big" not in asked  # every get asks; nothing was evicted so far
+    assert len(cache) == 2  # both fit: nothing was evicted
     cache.get("big", "directory", str(tmp_path / "big"))  # 1 + 1 + 2 > 3: the oldest (small1) goes
     assert [k[0] for k in cache._models] == ["small2", "big"]
+    asked.clear()
     cache.get("small2", "directory", str(tmp_path / "small2"))  # a hit asks nothing
-    assert [k[0] for k in cache._models] == ["big", "small2"]
+    assert [k[0] for k in cache._models] == ["big", "small2"] and asked == []
+    # a model that fits nowhere: the models cached on this device go (they might have been the room),
+    # those on another device stay (they free nothing here), and it loads anyway (spread, on a GPU)
+    cache._models[("elsewhere", "float32", "cuda:1")] = object()
+    monkeypatch.setattr(loading, "weights_fit", lambda source, path, dtype, device: False)
+    cache.get("small1", "directory", str(tmp_path / "small1"))
+    assert list(cache._models) == [("elsewhere", "float32", "cuda:1"), ("small1", "float32", "cpu")]
 
 
 def test_token_windows_hand_example():
