@@ -140,7 +140,8 @@ def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
         raise
     if text_field and not isinstance(value, str) and not (value is None and "null" in types):
         return raw
-    if isinstance(value, str) and not text_field and raw.strip()[:1] in ("[", "{"):
+    # only where the kind's schema says the field is no text (without one, "[INST] hi" may be a prompt)
+    if isinstance(value, str) and prop is not None and not text_field and raw.strip()[:1] in ("[", "{"):
         try:  # `[1,2` meant a list: say where it stops parsing, not that a string is no list
             strict_json.loads(raw)
         except strict_json.StrictJsonError as e:
@@ -705,13 +706,14 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
                       *(f(j) for _, f in extra), j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
                     ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
     if more:  # cut off by --limit: say so, and how to see the rest
-        again = [f"--{k} {v}" for k, vs in filters.items() if vs is not None and not (k == "parent" and vs == "none")
-                 for v in (vs if isinstance(vs, list) else [vs])]
+        again = [f"--{k} {shlex.quote(str(v))}" for k, vs in filters.items()
+                 if vs is not None and not (k == "parent" and vs == "none") for v in (vs if isinstance(vs, list) else [vs])]
         again += ["--children"] * with_children + ["--json"] * as_json + [f"--limit {limit * 2}"]
         click.echo(f"… more jobs: lmscope jobs {' '.join(again)} (or --all)", err=True)
     elif not items and any("," in t for t in tags):  # the TAGS column joins a job's tags with commas
-        click.echo("a tag is matched whole: give --tag once per tag (--tag smoke --tag exp1: jobs with both)",
-                   err=True)
+        split = [part.strip() for t in tags for part in t.split(",") if part.strip()]
+        click.echo(f"a tag is matched whole: give --tag once per tag ({' '.join('--tag ' + shlex.quote(t) for t in split)}: "
+                   "jobs with every one)", err=True)
     elif not items and parent not in (None, "none") and parent.isdigit():
         job = c.get(int(parent))  # a missing job is a 404 that names it
         if not job.get("children"):
@@ -969,7 +971,7 @@ def kinds(kind):
     if found is None:
         names = [k["name"] for k in items]
         close = difflib.get_close_matches(kind, names, n=1, cutoff=0.6)
-        raise click.ClickException(f"no kind {kind!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        raise click.ClickException(f"no kind {kind!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
                                    + f" The kinds are: {', '.join(names)}")
     click.echo(f"{found['name']}: {found['description']}")
     if not found.get("submittable", True):

@@ -130,6 +130,12 @@ def submit_job():
         return render_job(session, session.get(Job, job_id)), 202, {"Location": f"/v1/jobs/{job_id}"}
 
 
+def _use_one_of(word: str, names) -> str:
+    """"; did you mean 'cancelled'? Use one of: queued, …" (or "; use one of: …" when nothing is close)."""
+    close = did_you_mean(word, names)
+    return (f"{close} Use" if close else "; use") + f" one of: {', '.join(names)}"
+
+
 @bp.get("/jobs")
 @query_params("kind", "status", "tag", "parent", "user", "limit", "page_token", repeatable=("tag",))
 def list_jobs():
@@ -153,8 +159,7 @@ def list_jobs():
         wanted = status.split(",")
         if bad := [s for s in wanted if s not in JOB_STATES]:
             raise Problem(422, "validation-error", "Invalid status filter",
-                          f"unknown status {bad[0]!r}{did_you_mean(bad[0], JOB_STATES) or ';'} use one of "
-                          f"{', '.join(JOB_STATES)} (comma-separated)",
+                          f"unknown status {bad[0]!r}{_use_one_of(bad[0], JOB_STATES)} (comma-separated)",
                           errors=[{"loc": ["query", "status"], "msg": "unknown status", "type": "enum"}])
         q = q.where(Job.status.in_(wanted))
     parent = request.args.get("parent")
@@ -183,8 +188,7 @@ def list_jobs():
             # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
             known = sorted(KINDS)
             raise Problem(422, "validation-error", "Unknown kind filter",
-                          f"there is no job kind {kind!r}{did_you_mean(kind, known) or ';'} use one of: "
-                          f"{', '.join(known)}",
+                          f"there is no job kind {kind!r}{_use_one_of(kind, known)}",
                           errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
         for tag in request.args.getlist("tag"):  # every one of them
             q = q.where(tag_filter(session, tag))

@@ -47,7 +47,8 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
         "parameters": [
             _query("kind", {"type": "string"}, "only this kind"),
             _query("status", {"type": "string"}, "comma-separated statuses: queued,running,succeeded,failed,cancelled"),
-            _query("tag", {"type": "string"}, "only jobs with this tag (repeatable: jobs with every one)"),
+            {**_query("tag", {"type": "array", "items": {"type": "string"}},
+                      "only jobs with this tag (repeat: jobs with every one)"), "explode": True},
             _query("parent", {"type": "string"}, "a sweep's id lists its children; `none` lists top-level jobs only"),
             _query("user", {"type": "string"}, "admins: only this user's jobs"),
             _query("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size"),

@@ -253,7 +253,7 @@ def test_kinds_lists_child_kinds_as_not_submittable(cli):
 def test_a_filter_error_keeps_the_apis_advice(cli):
     r = cli("jobs", "--status", "bogus")
     assert r.exit_code == 1
-    assert "unknown status 'bogus'; use one of queued, running" in r.stderr  # not only "query.status: unknown status"
+    assert "unknown status 'bogus'; use one of: queued, running" in r.stderr  # not only "query.status: unknown status"
 
 
 def test_an_unknown_kind_is_said_with_its_suggestion_and_the_kinds_once(cli):

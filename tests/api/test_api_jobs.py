@@ -100,9 +100,9 @@ def test_filters(api):
     body = is_problem(api.client.get("/v1/jobs?status=done", headers=h), 422, "validation-error")
     assert "succeeded" in body["detail"]
     body = is_problem(api.client.get("/v1/jobs?status=canceled", headers=h), 422, "validation-error")
-    assert "unknown status 'canceled'; did you mean 'cancelled'? use one of" in body["detail"]
+    assert "unknown status 'canceled'; did you mean 'cancelled'? Use one of: queued," in body["detail"]
     body = is_problem(api.client.get("/v1/jobs?kind=norm", headers=h), 422, "validation-error")
-    assert "no job kind 'norm'; did you mean 'norms'? use one of" in body["detail"]
+    assert "no job kind 'norm'; did you mean 'norms'? Use one of: " in body["detail"]
 
 
 def test_cancel_a_queued_job_cancels_it_now(api):
