@@ -130,7 +130,7 @@ def test_a_list_that_does_not_parse_says_where_not_that_it_is_a_string():
     assert parse_param("[1,2]", sweep, "grid.latent_dim") == [1, 2]
     probe = KINDS["probe"].params.model_json_schema()
     assert parse_param("[INST] hi", probe, "prompt") == "[INST] hi"  # a text field keeps any text
-    assert parse_value("[x") == "[x"  # without a schema, as before
+    assert parse_value("[x") == "[x" and parse_param("[INST] hi", None, "prompt") == "[INST] hi"  # no schema: text
 
 
 def test_string_fields_keep_the_text_of_their_values():
