@@ -3,8 +3,8 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``forward_backend``, ``check_heads``, ``check_grid``, ``fit_int32_offsets``) and ``repeat_kv``
-for grouped-query heads.
+the kernels share (``choose_backend``, ``forward_backend``, ``check_heads``, ``check_grid``,
+``fit_int32_offsets``) and ``repeat_kv`` for grouped-query heads.
 """
 
 from __future__ import annotations
@@ -119,21 +119,34 @@ def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:
     return t if hk == h else t.repeat_interleave(h // hk, dim=1)
 
 
+def triton_dtype_refusal(t: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot take ``t``'s dtype (they take float32/float16/bfloat16), or None."""
+    return None if t.dtype in TRITON_DTYPES else f"the Triton kernels take float32/float16/bfloat16, not {t.dtype}"
+
+
+def choose_backend(backend: str | None, refusal: str | None, *tensors: torch.Tensor) -> str:
+    """``resolve_backend``, where ``refusal`` says why the Triton path cannot take these inputs (None: it
+    can). The automatic choice then runs the reference (a model with head_dim 512 on a GPU still runs, and
+    its result says which backend ran); asking for Triton by name is an error."""
+    if refusal is None:
+        return resolve_backend(backend, *tensors)
+    if backend is None:
+        return "reference"
+    if resolve_backend(backend, *tensors) == "triton":
+        raise ValueError(f"{refusal}; use backend='reference' or None")
+    return "reference"
+
+
 def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor) -> str:
-    """``resolve_backend`` for kernels whose Triton path is forward-only (FAVOR+, Linformer).
+    """``choose_backend`` for kernels whose Triton path is forward-only (FAVOR+, Linformer).
 
     The automatic choice keeps autograd working: when a tensor needs gradients the reference runs,
     on any device (training the sweep's networks). Asking for Triton then is an error, not a silent
-    loss of gradients; so are dtypes the Triton path does not take.
+    loss of gradients.
     """
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    exotic = tensors[0].dtype not in TRITON_DTYPES
-    if backend is None and (needs_grad or exotic):
-        return "reference"
-    if backend == "triton" and needs_grad:
-        raise ValueError(f"{name}: the Triton path has no autograd; use backend=None or 'reference' "
-                         "for tensors that need gradients (or run under torch.no_grad())")
-    if backend == "triton" and exotic:
-        raise ValueError(f"{name}: the Triton path takes float32/float16/bfloat16, not {tensors[0].dtype}; "
-                         "use backend='reference'")
-    return resolve_backend(backend, *tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        refusal = f"{name}: the Triton path has no autograd, and these tensors need gradients (or run under torch.no_grad())"
+    else:
+        refusal = triton_dtype_refusal(tensors[0])
+        refusal = refusal and f"{name}: {refusal}"
+    return choose_backend(backend, refusal, *tensors)

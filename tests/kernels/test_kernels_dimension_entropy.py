@@ -84,6 +84,17 @@ def test_a_late_large_key_leaves_the_earlier_causal_rows_uniform(backend, device
     _close(ent[0, 0, 1], uniform, atol=2e-5)  # a dimension where every key is 0
 
 
+def test_float64_runs_on_the_reference_unless_triton_is_asked_for(triton_backend, device, oracle, monkeypatch):
+    """The automatic choice (Triton, as on a GPU) runs what the Triton kernel cannot take on the reference."""
+    from lmscope.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    q, k = _qk(1, 2, 1, 9, 16, device=device, dtype=torch.float64)
+    _close(dimension_entropy(q, k, causal=True), oracle.dimension(q, k, causal=True), 1e-5)
+    with pytest.raises(ValueError, match="float64; use backend='reference'"):
+        dimension_entropy(q, k, causal=True, backend=triton_backend)
+
+
 def test_validation_errors(device):
     q, k = _qk(1, 2, 2, 8, 16, device=device)
     with pytest.raises(ValueError):

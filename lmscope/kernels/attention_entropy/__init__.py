@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import TRITON_DTYPES, check_heads, resolve_backend
+from ..dispatch import check_heads, choose_backend, triton_dtype_refusal
 from .naive import attention_with_entropy_reference
 
 
@@ -62,13 +62,14 @@ def _check(q, k, v, key_padding_mask, causal, softcap, window):
             raise ValueError("a sliding window needs causal=True")
 
 
+MAX_HEAD_DIM = 256  # the Triton kernel's largest head dim (its tiles hold a whole head)
+
+
 def _triton_refusal(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Triton kernel cannot take these inputs, or None."""
-    if q.dtype not in TRITON_DTYPES:
-        return f"the Triton kernel takes fp32/fp16/bf16; got {q.dtype}"
-    if q.shape[-1] > 256 or v.shape[-1] > 256:
-        return f"the Triton kernel supports head dims up to 256; got {q.shape[-1]}, {v.shape[-1]}"
-    return None
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}; got {q.shape[-1]}, {v.shape[-1]}"
+    return triton_dtype_refusal(q)
 
 
 def attention_with_entropy(
@@ -98,13 +99,7 @@ def attention_with_entropy(
     reference path is differentiable.
     """
     _check(q, k, v, key_padding_mask, causal, softcap, window)
-    chosen = backend
-    backend = resolve_backend(backend, q, k, v)
-    refusal = _triton_refusal(q, v) if backend == "triton" else None
-    if refusal and chosen is None:
-        backend = "reference"  # e.g. a model with head_dim 512 on a GPU: its job runs, and records the backend
-    elif refusal:
-        raise ValueError(f"{refusal} (use backend='reference' or None)")
+    backend = choose_backend(backend, _triton_refusal(q, v), q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
