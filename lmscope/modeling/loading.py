@@ -130,6 +130,13 @@ def max_positions(config) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
+def config_head_dim(config) -> int | None:
+    """Width of one attention head: the config's own head_dim (Qwen3, Gemma: not hidden_size / heads),
+    else hidden_size / heads; None when the config says neither."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    return getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+
+
 def model_info(model) -> dict[str, Any]:
     """Architecture facts of a loaded HF causal LM (the same keys as the models table)."""
     c = model.config
@@ -146,8 +153,7 @@ def model_info(model) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": kv_heads(c.to_dict(), heads),
         "hidden_size": getattr(c, "hidden_size", None),
-        # Qwen3, Gemma: an explicit head_dim, not hidden_size / heads
-        "head_dim": getattr(c, "head_dim", None) or (c.hidden_size // heads if heads and getattr(c, "hidden_size", None) else None),
+        "head_dim": config_head_dim(c),
         "vocab_size": getattr(c, "vocab_size", None),
         "num_parameters": num_parameters,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -215,7 +221,7 @@ class ModelCache:
                 if not same_device:
                     break
                 del self._models[same_device[0]]
-                _free_memory()
+                free_memory()
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded
             return loaded
@@ -225,7 +231,7 @@ class ModelCache:
         with self._lock:
             for key in [k for k in self._models if k[0] == name]:
                 del self._models[key]
-            _free_memory()
+            free_memory()
 
     def __len__(self) -> int:
         return len(self._models)
@@ -235,10 +241,11 @@ class ModelCache:
 
     def _evict_oldest(self) -> None:
         self._models.popitem(last=False)
-        _free_memory()
+        free_memory()
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
+    """Give memory no tensor uses back: collect cycles, and empty torch's CUDA cache."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

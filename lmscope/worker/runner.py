@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -364,16 +363,6 @@ def out_of_memory_message(text: str, kind: str | None) -> str:
     return f"the device ran out of memory: {head}; {', or '.join(advice)}"
 
 
-def _release_device_memory() -> None:
-    """Give the memory a failed job's tensors held back to the device (torch's cache keeps it otherwise)."""
-    import gc
-
-    gc.collect()
-    torch = sys.modules.get("torch")  # loaded by the job if it used a device at all
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwargs) -> bool:
     """``finish``, riding out a short database outage (hours of work should not fail on a blip)."""
     for attempt_number in range(retries + 1):
@@ -464,7 +453,9 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                 log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
                 ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
         if values.get("error_type") == "out-of-memory":  # the exception, and the tensors its frames held, are gone
-            _release_device_memory()
+            from lmscope.modeling.loading import free_memory  # torch is loaded: the job ran out of device memory
+
+            free_memory()
         if after_cancel:
             status = "cancelled"  # the results (if compute returned any) are stored with it
 
