@@ -69,11 +69,6 @@ def client() -> Client:
     return Client()
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 document', '3 documents'."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _a(word: str) -> str:
     """'an entropy', 'a norms'."""
     return ("an " if word[:1].lower() in "aeiou" else "a ") + word
@@ -1132,7 +1127,7 @@ def datasets_add(name, path, fmt, description):
         d = register_dataset_file(sessions, name, path, fmt, description=description)
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"registered dataset {d.name}: {_count(d.num_documents, 'document')}, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
+    click.echo(f"registered dataset {d.name}: {plural(d.num_documents, 'document')}, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
 
 
 @datasets.command("list")
@@ -1152,7 +1147,7 @@ def datasets_list():
 def datasets_upload(name, file, fmt, description):
     """Upload FILE as dataset NAME."""
     d = client().upload_dataset(name, file, fmt, description=description)
-    click.echo(f"uploaded dataset {d['name']}: {_count(d['documents'], 'document')}, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
+    click.echo(f"uploaded dataset {d['name']}: {plural(d['documents'], 'document')}, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
 
 
 if __name__ == "__main__":
