@@ -20,7 +20,8 @@ It is what a context-free model fitted on the training split scores on the same 
 ``loss.val``. ``unigram_val_entropy``, the entropy of those targets' own distribution, is what the
 best context-free model possible scores on them: a validation loss below it proves the model uses context.
 
-Checkpoints. Every ``checkpoint_every`` steps and at the end, ``checkpoints/step-N/`` (written to a
+Checkpoints. At step 0 (the initialisation, so curves over training start where training did), every
+``checkpoint_every`` steps and at the end, ``checkpoints/step-N/`` (written to a
 temporary folder, then renamed) holds the HF model (safetensors), the tokenizer, and
 ``trainer_state.json`` (step, loss history, RNG state; the lr schedule is a function of the step).
 The newest checkpoint also holds ``optimizer.pt`` (AdamW moments), dropped from older ones to save
@@ -329,6 +330,8 @@ class TrainingRun:
         if not self.history["val"]:
             self.history["val"].append([0, evaluate(self.model, self.val_windows, p.batch_size, self.autocast)])
         self.loop_start = time.perf_counter()
+        if not self.resume_dir:  # the untrained model: where curves over training start
+            self.checkpoint()
 
     def train(self) -> None:
         """Steps from where the run stands to ``steps``: evaluate, checkpoint and report on their schedules."""

@@ -39,21 +39,21 @@ def test_entropy_over_a_train_jobs_checkpoints(service):
              "context": 32, "tokenizer": "bpe", "vocab_size": 300, "steps": 4, "batch_size": 2, "checkpoint_every": 2,
              "eval_every": 2, "eval_batches": 1, "warmup_steps": 1, "run_name": "ent"}
     train_job = finished(client, worker, submit(client, "train", train))
-    assert train_job["summary"]["checkpoints"] == ["ent@step2", "ent@step4"]
+    assert train_job["summary"]["checkpoints"] == ["ent@step0", "ent@step2", "ent@step4"]  # from the init on
 
     params = {"train_job": train_job["id"], "dataset": "wiki-slice", "seq_len": 32, "num_segments": 3,
               "batch_size": 2, "dimension_wise": True, "dimension_segments": 1}
     job_id = submit(client, "entropy", params)
     job = finished(client, worker, job_id)
     s = job["summary"]
-    assert s["models"] == ["ent@step2", "ent@step4"] and s["steps"] == [2, 4]
+    assert s["models"] == ["ent@step0", "ent@step2", "ent@step4"] and s["steps"] == [0, 2, 4]
     assert (s["layers"], s["heads"], s["tokens"]) == (2, 4, 3 * 32)
     assert job["environment"]["kernel_backend"] == s["kernel_backend"] in ("reference", "triton")
-    assert job["progress"]["done"] == job["progress"]["total"] == 2 * (2 + 1)  # 2 + 1 batches per checkpoint
+    assert job["progress"]["done"] == job["progress"]["total"] == 3 * (2 + 1)  # 2 + 1 batches per checkpoint
 
     series = client.get(f"/v1/jobs/{job_id}/results").get_json()["series"]
     means = [x for x in series if x["name"] == "entropy.mean"]
-    assert len(means) == 2 * 4 and all(x["x"] == [2, 4] for x in means)
+    assert len(means) == 2 * 4 and all(x["x"] == [0, 2, 4] for x in means)
     artifacts = {a["name"]: a for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
     assert {"entropy_heatmap.png", "entropy_by_layer.png", "entropy_by_position.png", "entropy_over_training.png",
             "dimension_entropy.png", "entropy_by_position.npz", "dimension_entropy.npz"} <= set(artifacts)
@@ -71,7 +71,7 @@ def test_entropy_over_a_train_jobs_checkpoints(service):
     for layer, p in enumerate(attentions):
         p = p.double()
         ent = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)  # [W, H, N]
-        np.testing.assert_allclose(npz["by_position"][1, layer], ent.mean(0).numpy(), atol=2e-5)
+        np.testing.assert_allclose(npz["by_position"][2, layer], ent.mean(0).numpy(), atol=2e-5)
 
 
 def test_submit_refuses_bad_entropy_params(service):

@@ -95,7 +95,7 @@ def test_validation_loss_falls_below_the_unigram_entropy(reference, docs):
 
 def test_checkpoints_are_registered_models_with_tokenizer_and_resume_state(reference):
     ctx, out = reference
-    assert list(ctx.registered) == ["small@step50", "small@step100", "small@step150"]
+    assert list(ctx.registered) == ["small@step0", "small@step50", "small@step100", "small@step150"]
     assert out.summary["checkpoints"] == list(ctx.registered)
     for name, (path, step) in ctx.registered.items():
         assert path.name == f"step-{step}" and path.parent == ctx.artifact_dir / "checkpoints"
@@ -109,6 +109,20 @@ def test_checkpoints_are_registered_models_with_tokenizer_and_resume_state(refer
         assert (path / "optimizer.pt").is_file() == (step == 150)
     early = load_model("small@step50", "checkpoint", str(ctx.registered["small@step50"][0]))
     assert early.info["num_layers"] == 2 and early.info["num_parameters"] == out.summary["num_parameters"]
+
+
+def test_step_0_is_the_untrained_model(reference, docs):
+    """Curves over training (entropy with train_job) start at the initialisation: step 0 is the model
+    that scored the first validation point, before any update."""
+    ctx, out = reference
+    _, val_windows = _val_windows(docs)
+    untrained = load_model("small@step0", "checkpoint", str(ctx.registered["small@step0"][0]))
+    with torch.no_grad():
+        logits = untrained.model(input_ids=val_windows[:, :-1]).logits.double()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 259), val_windows[:, 1:].reshape(-1))
+    val = _series(out, "loss.val")
+    assert val.x[0] == 0 and loss.item() == pytest.approx(val.y[0], abs=1e-4)
+    assert loss.item() > val.y[-1] + 0.5  # and not a trained one
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -133,17 +147,20 @@ class FailingContext(LocalContext):
             raise self.error
 
 
-def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(reference, docs, tmp_path):
+@pytest.mark.parametrize("crash_at, resumed_from", [(70, 50), (20, 0)])
+def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(reference, docs, tmp_path,
+                                                                                      crash_at, resumed_from):
     ref_ctx, ref = reference
     with pytest.raises(RuntimeError, match="worker lost"):
-        run(TrainParams(**SMALL), FailingContext(tmp_path, datasets={"wiki": docs}, job_id=1, at=70, error=RuntimeError("worker lost")))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-50"]
+        run(TrainParams(**SMALL), FailingContext(tmp_path, datasets={"wiki": docs}, job_id=1, at=crash_at,
+                                                 error=RuntimeError("worker lost")))
+    assert sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").iterdir()) == list(range(0, crash_at, 50))
 
     second = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=1, attempt=2)
     out = run(TrainParams(**SMALL), second)
-    assert out.summary["resumed_from_step"] == 50
+    assert out.summary["resumed_from_step"] == resumed_from
     trained_steps = [done for done, _, stage in second.progress_log if stage.startswith("train loss")]
-    assert trained_steps[0] == 51 and trained_steps[-1] == 150  # steps 1..50 were not trained again
+    assert trained_steps[0] == resumed_from + 1 and trained_steps[-1] == 150  # steps before were not trained again
     # Same data order, optimizer moments and weights: the curves and the final weights are those of the uninterrupted run.
     assert _series(out, "loss.train").y == _series(ref, "loss.train").y
     assert _series(out, "loss.val").y == _series(ref, "loss.val").y
@@ -151,7 +168,7 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupte
     expected = load_model("b", "checkpoint", str(ref_ctx.registered["small@step150"][0])).model
     for got, want in zip(final.parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    assert list(second.registered) == ["small@step50", "small@step100", "small@step150"]
+    assert list(second.registered) == ["small@step0", "small@step50", "small@step100", "small@step150"]
 
 
 def test_a_run_checkpointed_before_the_bos_change_resumes_on_its_old_stream(reference, docs, tmp_path):
@@ -183,7 +200,7 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
     with pytest.raises(JobCancelled) as cancelled:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
     assert ctx.progress_log[-1][0] == 59
-    assert list(ctx.registered) == ["run3@step50"]
+    assert list(ctx.registered) == ["run3@step0", "run3@step50"]
     lm = load_model("run3@step50", "checkpoint", str(ctx.registered["run3@step50"][0]))
     assert lm.info["architecture"] == "gpt2"
 
@@ -192,7 +209,7 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
     partial = cancelled.value.partial
     summary = partial.summary
     assert summary["partial"] is True and summary["steps"] == 59 and summary["steps_planned"] == SMALL["steps"]
-    assert summary["checkpoints"] == ["run3@step50"] and "cancelled after step 59" in summary["note"]
+    assert summary["checkpoints"] == ["run3@step0", "run3@step50"] and "cancelled after step 59" in summary["note"]
     assert summary["tokens_seen"] == 59 * SMALL["batch_size"] * SMALL["context"]
     ref_train, ref_val = _series(reference[1], "loss.train"), _series(reference[1], "loss.val")
     train, val = _series(partial, "loss.train"), _series(partial, "loss.val")
@@ -210,7 +227,7 @@ def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, d
     ctx = FailingContext(tmp_path, datasets={"wiki": docs}, job_id=5, at=59, error=time_limit())
     with pytest.raises(JobFailed, match="time limit") as failed:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
-    assert failed.value.error_type == "time-limit" and list(ctx.registered) == ["run5@step50"]
+    assert failed.value.error_type == "time-limit" and list(ctx.registered) == ["run5@step0", "run5@step50"]
     partial = failed.value.partial
     assert partial.summary["partial"] is True and partial.summary["steps"] == 59
     assert "stopped by the time limit after step 59 of 150" in partial.summary["note"]
