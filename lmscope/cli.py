@@ -194,12 +194,15 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
         if not isinstance(loaded, dict):
             raise click.BadParameter(f"{params_file} must hold a JSON object", param_hint="--params")
         params = loaded
-    given: list[str] = []
+    given: dict[str, str] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         key = key.strip()
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not key=value (e.g. --param model=tiny-gpt2)", param_hint="--param")
+        if key in given:  # the later one would win unseen: a typo as often as not
+            raise click.BadParameter(f"{key!r} is given twice ({given[key]!r} and {pair!r}); give it once "
+                                     "(a list is written -p KEY='[1, 2]')", param_hint="--param")
         # `-p model.x=1 -p model=m` would drop model.x unseen (the other order fails in set_dotted);
         # replacing an object that came from --params is fine: the file is the base.
         nested = next((g for g in given if g.startswith(key + ".")), None)
@@ -207,7 +210,7 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
             raise click.BadParameter(f"{key!r} is given a value and also {nested!r}; give {key}=VALUE or "
                                      f"{key}.FIELD=VALUE, not both", param_hint="--param")
         set_dotted(params, key, parse_param(raw, schema, key))
-        given.append(key)
+        given[key] = pair
     return params
 
 

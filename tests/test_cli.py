@@ -84,6 +84,12 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
     with pytest.raises(click.BadParameter, match="'model' is given a value and also 'model.x'"):
         build_params(("model.x=1", "model=tiny-gpt2"), None)
     assert build_params(("train=3",), str(f)) == {"model": "a", "train": 3}
+    # a key given twice: the later value used to win unseen; over a --params value one -p is fine
+    with pytest.raises(click.BadParameter, match=r"'seq_len' is given twice \('seq_len=128' and 'seq_len=256'\)"):
+        build_params(("seq_len=128", "seq_len=256"), None)
+    with pytest.raises(click.BadParameter, match="'train.lr' is given twice"):
+        build_params(("train.lr=0.1", "train.lr=0.2"), str(f))
+    assert build_params(("model=c",), str(f))["model"] == "c"
     f.write_text("[1]")
     with pytest.raises(click.BadParameter):
         build_params((), str(f))
