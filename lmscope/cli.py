@@ -20,6 +20,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,15 +218,22 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
 # ---------------------------------------------------------------- progress
 
 class ProgressLine:
-    """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage` (a new line per change off a tty)."""
+    """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
+
+    Off a terminal (a log file, CI) each update is a new line, so only a change of status or, while
+    the status stays, one every ``LOG_EVERY`` seconds: a train job's ETA changes at every poll.
+    """
 
     WIDTH = 30
+    LOG_EVERY = 30.0
 
-    def __init__(self, job_id: int, stream=None):
+    def __init__(self, job_id: int, stream=None, clock=time.monotonic):
         self.job_id = job_id
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
+        self.clock = clock
         self.last_text = None
+        self.last_status, self.last_logged = None, 0.0
 
     def render(self, job: dict[str, Any], *, head: bool = True) -> str:
         p = job.get("progress") or {}
@@ -250,7 +258,11 @@ class ProgressLine:
             pad = max(0, len(self.last_text or "") - len(text))
             self.stream.write("\r" + text + " " * pad)
         else:
+            now = self.clock()
+            if job["status"] == self.last_status and now - self.last_logged < self.LOG_EVERY:
+                return
             self.stream.write(text + "\n")
+            self.last_status, self.last_logged = job["status"], now
         self.stream.flush()
         self.last_text = text
 

@@ -717,3 +717,29 @@ def test_compare_against_lmscope_up(lmscope_up, tmp_path):
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "parameters.by_layer")
     bad = lmscope(env, "compare", str(a), str(b), "--series", "parameters.by_layer", "--plot", str(tmp_path / "c.txt"))
     assert bad.returncode == 2 and "cannot draw a .txt file" in bad.stderr and bad.stdout == ""
+
+
+def test_progress_off_a_terminal_logs_status_changes_and_a_line_every_30_seconds():
+    """`--wait > log`: a train job's ETA changes at every poll (twice a second); the log gets a line when
+    the status changes and otherwise one per LOG_EVERY seconds, not one per poll."""
+    import io
+
+    from lmscope.cli import ProgressLine
+
+    now = [0.0]
+    out = io.StringIO()
+    line = ProgressLine(7, stream=out, clock=lambda: now[0])
+
+    def job(status, done, total=100):
+        return {"status": status, "progress": {"done": done, "total": total, "fraction": done / total,
+                                               "stage": f"train loss 3.2 · ETA {100 - done}s"}}
+
+    line(job("queued", 0))
+    for step in range(1, 122):  # 60.5 s of polls every 0.5 s, a new ETA each time
+        now[0] = step * 0.5
+        line(job("running", min(step, 100)))
+    now[0] += 0.5
+    line(job("succeeded", 100))
+    logged = out.getvalue().splitlines()
+    assert [l.split()[2] for l in logged] == ["queued", "running", "running", "running", "succeeded"]
+    assert " 1/100" in logged[1] and " 61/100" in logged[2] and " 100/100" in logged[3]  # at 0.5 s, 30.5 s, 60.5 s
