@@ -241,6 +241,9 @@ class ProgressLine:
         text = f"job {self.job_id} {job['status']}" if head else ""
         if job.get("cancel_requested") and job["status"] == "running":
             text += " (cancelling)"
+        queue = job.get("queue")
+        if queue and job["status"] == "queued":
+            text += f" ({queue['ahead']} ahead, {queue['running']} running)"
         if fraction is not None:
             filled = int(round(fraction * self.WIDTH))
             text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"

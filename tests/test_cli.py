@@ -743,3 +743,14 @@ def test_progress_off_a_terminal_logs_status_changes_and_a_line_every_30_seconds
     logged = out.getvalue().splitlines()
     assert [l.split()[2] for l in logged] == ["queued", "running", "running", "running", "succeeded"]
     assert " 1/100" in logged[1] and " 61/100" in logged[2] and " 100/100" in logged[3]  # at 0.5 s, 30.5 s, 60.5 s
+
+
+def test_progress_of_a_queued_job_says_what_it_waits_behind():
+    import io
+
+    from lmscope.cli import ProgressLine
+
+    line = ProgressLine(7, stream=io.StringIO())
+    queued = {"status": "queued", "progress": None, "queue": {"ahead": 2, "running": 1}}
+    assert line.render(queued) == "job 7 queued (2 ahead, 1 running)"
+    assert line.render({**queued, "status": "running"}) == "job 7 running"  # a stale queue field says nothing

@@ -366,6 +366,14 @@ def test_cancel_that_comes_too_late_says_so(page, url, jobs):
     assert requests.post(f"{url}/v1/jobs/{a}/cancel", timeout=30).status_code == 409  # what the API says
 
 
+def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
+    open_job(page, url, jobs["a"])
+    text = "progressText({status: 'queued', progress: null, timings: {}, queue: %s})"
+    assert page.js(text % "{ahead: 1, running: 2}") == "queued behind 1 job · 2 running"
+    assert page.js(text % "{ahead: 0, running: 1}") == "queued behind 0 jobs · 1 running"
+    assert page.js(text % "undefined") == "queued, waiting for a worker"  # a list row has no queue field
+
+
 def test_finished_job_page_is_not_rebuilt_by_refreshes(page, url, jobs):
     job = jobs["a"]
     open_job(page, url, job)

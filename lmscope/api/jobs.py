@@ -51,9 +51,20 @@ def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     return job
 
 
+def queue_position(session, job: Job) -> dict[str, int]:
+    """What a queued job waits behind: the queued jobs submitted before it (anyone's: the queue is shared,
+    first in, first out) and the jobs running now (sweep parents waiting for children hold no worker)."""
+    ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
+    running = session.scalar(select(func.count()).where(Job.status == "running", Job.waiting_children.is_(False)))
+    return {"ahead": ahead, "running": running}
+
+
 def render_job(session, job: Job) -> dict:
     children = children_counts(session, [job.id])[job.id] if is_parent_kind(job.kind) else None
-    return job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children)
+    body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children)
+    if job.status == "queued":
+        body["queue"] = queue_position(session, job)
+    return body
 
 
 def publish(ids: list[int]) -> list[int]:

@@ -219,6 +219,9 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "error": {"type": ["object", "null"], "properties": {"type": _NULLABLE_STR, "message": _NULLABLE_STR}},
         "summary": {"type": ["object", "null"]}, "environment": {"type": ["object", "null"]},
         "timings": {"type": "object"}, "children": {"type": ["object", "null"], "description": "counts by status (sweeps)"},
+        "queue": {"type": "object", "description": "only on one queued job (not in lists): queued jobs submitted "
+                  "before it, anyone's, and jobs running now",
+                  "properties": {"ahead": {"type": "integer"}, "running": {"type": "integer"}}},
         "links": {"type": "object", "additionalProperties": {"type": "string"}}}},
     "JobPage": {"type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},

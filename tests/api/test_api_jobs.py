@@ -31,6 +31,29 @@ def test_job_document(api):
     assert job["error"] == {"type": "invalid-input", "message": "no text"} and job["finished_at"].endswith("Z")
 
 
+def test_a_queued_job_says_what_it_waits_behind(api):
+    """`queue`: queued jobs submitted before it (anyone's: one shared queue) and jobs running now; a sweep
+    parent holds no worker, its queued children are ahead like any job."""
+    ann, bob = api.user("ann"), api.user("bob")
+    running = api.submit(ann).get_json()["id"]
+    api.set_job(running, status="running", attempts=1, started_at=utcnow())
+    sweep = api.submit(bob, kind="sweep", params=small_sweep(2)).get_json()["id"]  # parent running, 2 children queued
+    done = api.submit(bob).get_json()["id"]
+    api.set_job(done, status="succeeded")
+    first, second = api.submit(ann).get_json()["id"], api.submit(ann).get_json()["id"]
+
+    def queue(job_id):
+        return api.client.get(f"/v1/jobs/{job_id}", headers=ann).get_json().get("queue")
+
+    assert api.job_row(sweep).status == "running"
+    assert queue(first) == {"ahead": 2, "running": 1} and queue(second) == {"ahead": 3, "running": 1}
+    api.client.post(f"/v1/jobs/{first}/cancel", headers=ann)
+    assert queue(second) == {"ahead": 2, "running": 1}
+    assert queue(running) is None and queue(first) is None  # only queued jobs wait
+    listed = api.client.get("/v1/jobs?status=queued", headers=ann).get_json()["items"]
+    assert [j["id"] for j in listed] == [second] and "queue" not in listed[0]
+
+
 def test_other_users_jobs_are_404_and_admins_see_all(api):
     ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
     job_id = api.submit(ann).get_json()["id"]
