@@ -41,6 +41,7 @@ celery = make_celery(settings)
 load_extra_kinds()
 
 REDELIVER_AFTER_SECONDS = 5.0  # a database outage must not turn into a hot loop of deliveries
+EXIT_BROKEN_DEVICE = 70  # the pool child's exit status after a job left its GPU unusable
 REAPER_CHECK_SECONDS = 5.0
 REAPER_MAX_BACKOFF_SECONDS = 300.0
 
@@ -59,6 +60,14 @@ def run_job(job_id: int) -> None:
         log.error("%s", e)
         time.sleep(REDELIVER_AFTER_SECONDS)
         raise Reject(str(e), requeue=True) from None
+    if runner.broken_device:
+        # The job's failure is stored. A child whose CUDA context is broken would fail every later job, so
+        # it ends here and Celery forks a fresh one. The unacked message goes back to the queue
+        # (task_reject_on_worker_lost); its redelivery finds the job finished and is dropped.
+        log.critical("job %s left the GPU unusable in this process (%s); ending the process so that Celery "
+                     "starts a fresh one", job_id, runner.broken_device)
+        logging.shutdown()
+        os._exit(EXIT_BROKEN_DEVICE)
 
 
 @signals.worker_init.connect

@@ -103,6 +103,10 @@ class EmbeddedWorker:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
+            if runner.broken_device:  # every job would fail on it; queued jobs wait for the restart
+                log.critical("the GPU is unusable in this process (%s); this worker takes no more jobs: restart "
+                             "`lmscope up` (queued jobs stay queued and run after the restart)", runner.broken_device)
+                return
             self.publisher.wakeup.clear()
             try:
                 worked = self.run_once()

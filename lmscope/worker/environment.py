@@ -42,6 +42,21 @@ def worker_device() -> str:
     return _device_for_pid(os.getpid())
 
 
+def device_failure(device: str) -> str | None:
+    """After a failed job: None if ``device`` still runs work, else CUDA's error. An illegal address or a
+    device-side assert leaves the process's CUDA context unusable: every later call in the process fails."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as e:  # torch.AcceleratorError on recent torch, RuntimeError before
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
+
+
 def package_versions() -> dict[str, str]:
     """Versions of lmscope and of the heavy packages that are installed (importable) here."""
     versions = {"lmscope": lmscope.__version__, "python": platform.python_version()}

@@ -50,6 +50,7 @@ from lmscope.queue import Publisher, publish_jobs
 from lmscope.params import is_parent_kind
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
 from lmscope.worker.context import WorkerContext
+from lmscope.worker import environment
 from lmscope.worker.environment import environment_record, worker_device, worker_id
 
 log = logging.getLogger("lmscope.worker")
@@ -62,6 +63,11 @@ MEDIA_TYPES = {
     ".bin": "application/octet-stream", ".pt": "application/octet-stream", ".html": "text/html",
 }
 KEEP_BETWEEN_ATTEMPTS = "checkpoints"
+
+# Set when a job left this process's GPU unusable (``environment.device_failure``): CUDA fails every later
+# call in the process, so no later job may run here. The Celery task then ends the pool child (Celery
+# starts a fresh one); the embedded worker stops taking jobs until ``lmscope up`` is restarted.
+broken_device: str | None = None
 
 
 def give_back_values(kind: str, **overrides) -> dict[str, Any]:
@@ -452,6 +458,14 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             if not isinstance(e, JobFailed):
                 log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
                 ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
+            broken = environment.device_failure(device)
+            if broken:
+                global broken_device
+                broken_device = broken
+                values.update(error_type="device-error", error_message=(
+                    f"{message} — and the GPU is unusable in the worker process that ran the job ({broken}); "
+                    "that process runs no other job (a Celery worker starts a fresh one; `lmscope up` needs a "
+                    "restart). Often a kernel bug: submit the job again, and report it if it fails the same way"))
         if values.get("error_type") == "out-of-memory":  # the exception, and the tensors its frames held, are gone
             from lmscope.modeling.loading import free_memory  # torch is loaded: the job ran out of device memory
 

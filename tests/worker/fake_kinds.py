@@ -7,7 +7,10 @@ them around each test (tests/worker/conftest.py), so the rest of the suite never
   With ``keep_partial``, a cancel, a refusal (``fail="jobfailed"``) or the time limit keeps what was
   counted, as ``train`` keeps its loss curve. With ``block``, it first spends that many seconds in one
   call that reports no progress and that Celery's soft time limit cannot interrupt (as a long C or
-  CUDA call: SIGUSR1 is blocked meanwhile); only the hard limit stops it.
+  CUDA call: SIGUSR1 is blocked meanwhile); only the hard limit stops it. ``fail="broken_device"`` fails
+  as a kernel that leaves the GPU unusable does: the worker's device check
+  (``environment.device_failure``) is made to report CUDA's error in this process (a pool child that is
+  about to end, in the Celery tests), then a RuntimeError is raised.
 - ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator reports progress as
   ``analyses.sweep.aggregate`` does (0 of 1, then 1 of 1), adds their totals (taking ``aggregate_sleep``
   seconds) and counts how often it was called (in this process).
@@ -29,12 +32,13 @@ from lmscope.params import KINDS
 from lmscope.params.base import ChildSpec, JobParams, KindSpec
 
 MODULE = __name__
+ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 
 
 class CountParams(JobParams):
     steps: int = Field(5, ge=1, le=10_000_000)
     sleep: float = Field(0.0, ge=0.0, le=5.0)
-    fail: Literal["jobfailed", "exception", "oom"] | None = None
+    fail: Literal["jobfailed", "exception", "oom", "broken_device"] | None = None
     fail_at: int = 0  # step at which to fail
     plot: bool = True
     record_backend: str | None = None
@@ -81,6 +85,11 @@ def run_count(params: CountParams, ctx) -> JobOutput:
                         "of which 1.20 GiB is free. Process 1234 has 77.90 GiB memory in use. Of the allocated "
                         "memory 70.00 GiB is allocated by PyTorch. If reserved but unallocated memory is large try "
                         "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                if params.fail == "broken_device":
+                    from lmscope.worker import environment
+
+                    environment.device_failure = lambda device: ILLEGAL_ADDRESS
+                    raise RuntimeError(ILLEGAL_ADDRESS)
                 raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
             if params.sleep:
                 time.sleep(params.sleep)

@@ -7,12 +7,14 @@ one set of results, attempts == 2; (c) a message that was never sent → the rea
 start on an unmigrated database; (f) a delivery that finds the database failing gives its message back;
 (g) a reaper that dies is started again; (h) the job's own deadline fires before Celery's soft limit;
 (i) a job in a call the soft limit cannot interrupt, killed by the hard limit, fails with time-limit and
-is not retried; (j) a child killed on its last attempt fails at once, with its files listed.
+is not retried; (j) a child killed on its last attempt fails at once, with its files listed; (k) a job that
+leaves the GPU unusable ends its pool child, and the next job runs in a fresh one.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,6 +217,26 @@ def test_a_killed_child_is_retried_with_one_set_of_results(delivery, sessions, m
     assert series_names(sessions, job_id) == ["nan", "square"]  # exactly one set
     checkpoints = Path(delivery.settings.artifact_dir) / "jobs" / str(job_id) / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["from-attempt-1.txt", "from-attempt-2.txt"]
+
+
+def test_a_job_that_leaves_the_gpu_unusable_ends_its_pool_child(delivery, sessions, make_job, job_row):
+    """CUDA fails every call after an illegal address in that process: the job fails (device-error, not
+    retried), the child ends, and the next job runs in the fresh child Celery forks."""
+    worker = delivery.start()
+    broken = make_job(params={"plot": False, "fail": "broken_device", "fail_at": 1})
+    publish_jobs(delivery.publisher, sessions, [broken])
+    failed = wait_for_status(job_row, broken, "failed", timeout=60, worker_log=worker.log_path)
+    assert failed.error_type == "device-error" and "illegal memory access" in failed.error_message
+    later = make_job(params={"steps": 3, "plot": False})
+    publish_jobs(delivery.publisher, sessions, [later])
+    done = wait_for_status(job_row, later, timeout=60, worker_log=worker.log_path)
+    assert int(done.worker.rsplit(":", 1)[1]) != int(failed.worker.rsplit(":", 1)[1])
+    assert "ending the process so that Celery starts a fresh one" in worker.log_path.read_text()
+    # the job's message came back with the ended child; its redelivery found the job finished and was dropped
+    first_task = re.search(r"Task lmscope\.run_job\[([0-9a-f-]+)\] received", worker.log_path.read_text()).group(1)
+    wait_until(lambda: f"Task lmscope.run_job[{first_task}] succeeded" in worker.log_path.read_text(), timeout=30,
+               what="the redelivery of the failed job's message")
+    assert (job_row(broken).status, job_row(broken).attempts) == ("failed", 1)
 
 
 def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessions, make_job, job_row):

@@ -58,6 +58,22 @@ def test_runs_queued_jobs_oldest_first_and_aggregates_sweeps(settings, sessions,
     assert job_row(parent).summary["sum"] == 3 + 6 and fake_kinds.aggregate_calls - before == 1
 
 
+def test_after_a_job_left_the_gpu_unusable_no_other_job_runs_in_the_process(settings, sessions, make_job, job_row,
+                                                                            embedded, monkeypatch):
+    """Every later job would fail on a broken CUDA context: they stay queued for the restart instead."""
+    from lmscope.worker import environment, runner
+
+    monkeypatch.setattr(runner, "broken_device", None)
+    monkeypatch.setattr(environment, "device_failure", environment.device_failure)  # the fake kind replaces it
+    broken = make_job(params={"plot": False, "fail": "broken_device", "fail_at": 1})
+    later = make_job(params={"steps": 2, "plot": False})
+    worker = embedded()
+    wait_until(lambda: job_row(broken).status == "failed", timeout=30, what="the job that breaks the device")
+    wait_until(lambda: not any(t.is_alive() for t in worker._threads), timeout=10, what="the worker to stop")
+    assert job_row(broken).error_type == "device-error" and "restart" in job_row(broken).error_message
+    assert job_row(later).status == "queued"  # not run on the broken device, nor lost
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_job_knows_whether_other_jobs_share_its_process(settings, sessions, make_job, job_row, embedded, threads):
     job_id = make_job(params={"steps": 1, "plot": False, "record_shares_process": True})

@@ -304,6 +304,35 @@ def test_failures_are_recorded_not_retried(settings, sessions, make_job, job_row
     assert runner.execute(job_id, settings, sessions, publisher) is None  # a redelivery does not retry it
 
 
+def test_a_job_that_leaves_the_gpu_unusable_says_so_and_marks_the_process(settings, sessions, make_job, job_row,
+                                                                           publisher, monkeypatch):
+    """After a failure the worker checks the device; CUDA's sticky errors (an illegal address) fail every
+    later call in the process, so the job says so and the process is marked to run no other job."""
+    from lmscope.worker import environment
+
+    monkeypatch.setattr(runner, "broken_device", None)
+    checked = []
+    monkeypatch.setattr(environment, "device_failure", lambda device: checked.append(device) or None)
+    job_id = make_job(params={"plot": False, "fail": "exception", "fail_at": 2})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    assert checked == ["cpu"] and job_row(job_id).error_type == "RuntimeError" and runner.broken_device is None
+
+    monkeypatch.setattr(environment, "device_failure", lambda device: fake_kinds.ILLEGAL_ADDRESS)
+    job_id = make_job(params={"plot": False, "fail": "exception", "fail_at": 2})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    job = job_row(job_id)
+    assert (job.error_type, job.attempts) == ("device-error", 1)
+    assert job.error_message.startswith("boom at step 2 — and the GPU is unusable in the worker process that ran "
+                                        "the job (CUDA error: an illegal memory access was encountered)")
+    assert runner.broken_device == fake_kinds.ILLEGAL_ADDRESS
+
+
+def test_the_device_check_leaves_a_cpu_alone():
+    from lmscope.worker.environment import device_failure
+
+    assert device_failure("cpu") is None
+
+
 def test_out_of_memory_names_the_fields_of_the_job_kind_that_shrink_it():
     """torch's one-line message keeps its sentences about this device; the advice names only fields the
     kind has (train has no dtype, probe no batch_size)."""
