@@ -48,9 +48,9 @@ from lmscope.db.models import ACTIVE_STATES, TERMINAL_STATES, Artifact, Job, Ser
 from lmscope.db.progress import children_done, refresh_sweep_progress
 from lmscope.queue import Publisher, publish_jobs
 from lmscope.params import is_parent_kind
+from lmscope.worker import environment
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
 from lmscope.worker.context import WorkerContext
-from lmscope.worker import environment
 from lmscope.worker.environment import environment_record, worker_device, worker_id
 
 log = logging.getLogger("lmscope.worker")
