@@ -13,6 +13,7 @@ from lmscope.client import Client, LmscopeError
 from lmscope.db.models import Artifact, Series, utcnow
 
 from tests.conftest import free_port
+from tests.worker.helpers import wait_until
 
 
 @pytest.fixture
@@ -117,6 +118,29 @@ def test_wait_reports_progress_and_times_out(api, ann):
     assert seen[0] == ("queued", None) and seen[-1][0] == "succeeded"
     assert any(s == "running" for s, _ in seen)
     assert [d for s, d in seen if s == "running"] == sorted({d for s, d in seen if s == "running"})
+
+
+def test_wait_reports_a_queued_jobs_place_as_it_moves_up(api, ann):
+    first, job_id = ann.submit("probe", {"model": "m"})["id"], ann.submit("probe", {"model": "m"})["id"]
+    seen, moved = [], threading.Event()
+
+    def on_progress(j):
+        seen.append((j["status"], j.get("queue")))
+        if len(seen) == 2:
+            moved.set()
+
+    def worker():
+        wait_until(lambda: seen, timeout=10, what="the first report")
+        ann.cancel(first)  # the job ahead leaves the queue
+        moved.wait(10)
+        api.set_job(job_id, status="succeeded", finished_at=utcnow())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ann.wait(job_id, on_progress=on_progress, timeout=20, poll=0.05)
+    thread.join()
+    assert seen == [("queued", {"ahead": 1, "running": 0}), ("queued", {"ahead": 0, "running": 0}),
+                    ("succeeded", None)]
 
 
 def test_results_download_and_fetch(api, ann, tmp_path):
