@@ -52,7 +52,9 @@ def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
 def previous_training(client: Client, params: dict) -> dict | None:
     """A demo training run that already succeeded in this data directory, so a second `make demo` skips it."""
     for job in client.list(kind="train", status="succeeded", tag="demo"):  # full job documents
-        if all(job["params"].get(k) == v for k, v in params.items() if k != "run_name"):
+        # one trained before train wrote a step-0 checkpoint would leave the entropy curves without their start
+        from_init = any(c.endswith("@step0") for c in (job.get("summary") or {}).get("checkpoints", []))
+        if from_init and all(job["params"].get(k) == v for k, v in params.items() if k != "run_name"):
             print(f"\n== train: reusing job {job['id']} (delete {os.environ.get('LMSCOPE_DATA_DIR', '.demo')} to retrain)")
             return job
     return None

@@ -52,7 +52,7 @@ def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, s
     """(step, model name) of every model the job measures, in step order.
 
     ``train_job``: the run's checkpoints. ``models``: the ``@step<N>`` suffixes when every name has one
-    (and they differ), else the list index. ``model``: one model at x = 0.
+    (and they differ), else the list index. ``model``: one model at its ``@step<N>``, else at x = 0.
     """
     if params.train_job is not None:
         found = sorted(ctx.checkpoints_of(params.train_job))
@@ -60,8 +60,8 @@ def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, s
             raise JobFailed(f"train job {params.train_job} has no checkpoints yet; wait until it wrote one "
                             "(its summary lists them) or give 'model' / 'models' instead")
         return found
-    if params.model is not None:
-        return [(0, params.model)]
+    if params.model is not None:  # a checkpoint keeps its step: compared with a run's, it lines up
+        return [((training_steps([params.model]) or [0])[0], params.model)]
     names = list(params.models)
     steps = training_steps(names)
     return sorted(zip(steps, names)) if steps is not None else list(enumerate(names))

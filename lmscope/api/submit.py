@@ -185,6 +185,24 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
     if errors:
         raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])
+    for job_id in jobs:
+        _refuse_unfinished_train_job(session, session.get(Job, job_id))
+
+
+def _refuse_unfinished_train_job(session: Session, train: Job) -> None:
+    """A run still training has written some checkpoints (step 0 at once): measured now, its curve would
+    stop there without saying so. Say which checkpoints exist, to name them or to wait."""
+    if train.status not in ACTIVE_STATES:
+        return
+    names = list(session.scalars(select(Model.name).where(Model.job_id == train.id, Model.source == "checkpoint")
+                                 .order_by(Model.step)))
+    where = (f" (step {train.progress_done} of {train.progress_total})"
+             if train.status == "running" and train.progress_total else "")
+    so_far = (f", or name the checkpoints written so far: models={json.dumps(names)}" if len(names) > 1
+              else f", or name the one written so far: model={names[0]}" if names else "")
+    raise Problem(409, "train-job-unfinished", "Train job still running",
+                  f"train job {train.id} is still {train.status}{where}: its checkpoints would stop where it "
+                  f"stands; submit this job once it has finished (`lmscope wait {train.id}`){so_far}")
 
 
 def check_context(session: Session, parsed: list) -> None:

@@ -338,7 +338,9 @@ def test_checkpoint_list_rules():
     assert entropy.checkpoint_list(mk(models=["base", "r@step100"]), ctx) == [(0, "base"), (1, "r@step100")]
     assert entropy.checkpoint_list(mk(models=["a@step5", "b@step5"]), ctx) == [(0, "a@step5"), (1, "b@step5")]
     assert entropy.checkpoint_list(mk(train_job=3), ctx) == [(10, "r@step10"), (20, "r@step20")]
-    assert entropy.checkpoint_list(mk(model="r@step10"), ctx) == [(0, "r@step10")]  # one model: a single x = 0
+    # one model: a single x, its step when it is a checkpoint (compared with the run's own curve, it lines up)
+    assert entropy.checkpoint_list(mk(model="r@step10"), ctx) == [(10, "r@step10")]
+    assert entropy.checkpoint_list(mk(model="tiny-gpt2"), ctx) == [(0, "tiny-gpt2")]
     with pytest.raises(JobFailed, match="no checkpoints"):
         entropy.checkpoint_list(mk(train_job=4), ctx)
 

@@ -147,11 +147,32 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
     assert [e["loc"] for e in tok["errors"]] == [["params", "tokenizer"]]
     # An entropy job over another user's train job: that job "does not exist" for this user.
     other = api.submit(api.user("bob"), kind="train", params={"dataset": "d"}).get_json()
+    api.set_job(other["id"], status="succeeded")
     body = is_problem(api.submit(h, kind="entropy", params={"dataset": "d", "train_job": other["id"]}),
                       422, "unknown-reference")
     assert f"job {other['id']} does not exist" in body["detail"]
     assert api.submit(api.user("bob"), kind="entropy",
                       params={"dataset": "d", "train_job": other["id"]}).status_code == 202
+
+
+def test_an_entropy_job_over_a_train_job_still_running_is_refused_with_its_checkpoints_so_far(api):
+    """Its checkpoints would stop where the run stands (step 0 exists at once): say so, and what to do."""
+    h = api.user("ann")
+    train = api.submit(h, kind="train", params={"dataset": "d", "run_name": "r"}).get_json()["id"]
+    entropy = {"dataset": "d", "train_job": train}
+    body = is_problem(api.submit(h, kind="entropy", params=entropy), 409, "train-job-unfinished")
+    assert body["detail"] == (f"train job {train} is still queued: its checkpoints would stop where it stands; "
+                              f"submit this job once it has finished (`lmscope wait {train}`)")
+    api.set_job(train, status="running", progress_done=120, progress_total=600)
+    with api.sessions.begin() as session:
+        for step in (0, 100):
+            session.add(Model(name=f"r@step{step}", source="checkpoint", job_id=train, step=step))
+    body = is_problem(api.submit(h, kind="entropy", params=entropy), 409, "train-job-unfinished")
+    assert body["detail"].startswith(f"train job {train} is still running (step 120 of 600): ")
+    assert body["detail"].endswith('or name the checkpoints written so far: models=["r@step0", "r@step100"]')
+    assert api.submit(h, kind="entropy", params={"dataset": "d", "models": ["r@step0", "r@step100"]}).status_code == 202
+    api.set_job(train, status="failed")  # a run that stopped keeps what it wrote: measurable
+    assert api.submit(h, kind="entropy", params=entropy).status_code == 202
 
 
 def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
@@ -172,6 +193,7 @@ def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
     assert len(body["errors"]) == 1 and "the 1024 positions" in body["detail"]
     # a train job's checkpoints read its `context`
     train = api.submit(h, kind="train", params={"dataset": "d", "context": 64}).get_json()
+    api.set_job(train["id"], status="succeeded")
     body = is_problem(api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 65}),
                       422, "sequence-too-long")
     assert f"the 64 positions train job {train['id']}'s checkpoints can read" in body["detail"]
