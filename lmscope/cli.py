@@ -201,15 +201,17 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
         key = key.strip()
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not key=value (e.g. --param model=tiny-gpt2)", param_hint="--param")
-        if key in given:  # the later one would win unseen: a typo as often as not
-            raise click.BadParameter(f"{key!r} is given twice ({given[key]!r} and {pair!r}); give it once "
-                                     "(a list is written -p KEY='[1, 2]')", param_hint="--param")
-        # `-p model.x=1 -p model=m` would drop model.x unseen (the other order fails in set_dotted);
-        # replacing an object that came from --params is fine: the file is the base.
-        nested = next((g for g in given if g.startswith(key + ".")), None)
-        if nested:
-            raise click.BadParameter(f"{key!r} is given a value and also {nested!r}; give {key}=VALUE or "
-                                     f"{key}.FIELD=VALUE, not both", param_hint="--param")
+        # A later -p must not overwrite an earlier one unseen, wholly (the same key), in part (`-p train={…}
+        # -p train.epochs=5`) or by dropping it (`-p model.x=1 -p model=m`). Replacing or editing what came
+        # from --params is fine: the file is the base.
+        if key in given:
+            raise click.BadParameter(f"{key!r} is given twice ({given[key]!r} and {pair!r}); give it once",
+                                     param_hint="--param")
+        overlap = next((g for g in given if g.startswith(key + ".") or key.startswith(g + ".")), None)
+        if overlap:
+            outer, inner = sorted((key, overlap), key=len)
+            raise click.BadParameter(f"{outer!r} is given a value and also {inner!r}; give {outer}=VALUE or "
+                                     f"{inner}=VALUE, not both", param_hint="--param")
         set_dotted(params, key, parse_param(raw, schema, key))
         given[key] = pair
     return params
@@ -220,8 +222,8 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
 class ProgressLine:
     """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
 
-    Off a terminal (a log file, CI) each update is a new line, so only a change of status or, while
-    the status stays, one every ``LOG_EVERY`` seconds: a train job's ETA changes at every poll.
+    Off a terminal (a log file, CI) each update is a new line, so only a change of status (or a cancel
+    request) or, while it stays, one every ``LOG_EVERY`` seconds: a train job's ETA changes at every poll.
     """
 
     WIDTH = 30
@@ -261,11 +263,11 @@ class ProgressLine:
             pad = max(0, len(self.last_text or "") - len(text))
             self.stream.write("\r" + text + " " * pad)
         else:
-            now = self.clock()
-            if job["status"] == self.last_status and now - self.last_logged < self.LOG_EVERY:
+            now, state = self.clock(), (job["status"], bool(job.get("cancel_requested")))
+            if state == self.last_status and now - self.last_logged < self.LOG_EVERY:
                 return
             self.stream.write(text + "\n")
-            self.last_status, self.last_logged = job["status"], now
+            self.last_status, self.last_logged = state, now
         self.stream.flush()
         self.last_text = text
 
@@ -752,6 +754,9 @@ def show(job_id, as_json):
     if job.get("progress"):
         label = "last progress" if job["status"] in TERMINAL_STATES else "progress"
         click.echo(f"{label:12} {ProgressLine(job_id).render(job, head=False)}")
+    if job.get("queue") and job["status"] == "queued":
+        click.echo(f"{'queue':12} behind {plural(job['queue']['ahead'], 'queued job')}, "
+                   f"{job['queue']['running']} running")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):

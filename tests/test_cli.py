@@ -89,6 +89,10 @@ def test_dotted_keys_nest_and_params_files_are_the_base(tmp_path):
         build_params(("seq_len=128", "seq_len=256"), None)
     with pytest.raises(click.BadParameter, match="'train.lr' is given twice"):
         build_params(("train.lr=0.1", "train.lr=0.2"), str(f))
+    # an object, then one of its fields: the field used to win unseen (and the object to drop the file's others)
+    with pytest.raises(click.BadParameter, match="'train' is given a value and also 'train.epochs'"):
+        build_params(('train={"epochs": 3}', "train.epochs=5"), str(f))
+    assert build_params(("train.epochs=5",), str(f))["train"] == {"epochs": 5, "lr": 0.1}  # the file's lr kept
     assert build_params(("model=c",), str(f))["model"] == "c"
     f.write_text("[1]")
     with pytest.raises(click.BadParameter):
@@ -743,6 +747,12 @@ def test_progress_off_a_terminal_logs_status_changes_and_a_line_every_30_seconds
     logged = out.getvalue().splitlines()
     assert [l.split()[2] for l in logged] == ["queued", "running", "running", "running", "succeeded"]
     assert " 1/100" in logged[1] and " 61/100" in logged[2] and " 100/100" in logged[3]  # at 0.5 s, 30.5 s, 60.5 s
+
+    # a cancel request is news at once, not at the next 30 s line
+    line(job("running", 1))
+    now[0] += 1
+    line({**job("running", 2), "cancel_requested": True})
+    assert out.getvalue().splitlines()[-1].startswith("job 7 running (cancelling)")
 
 
 def test_progress_of_a_queued_job_says_what_it_waits_behind():

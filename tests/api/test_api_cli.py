@@ -174,6 +174,9 @@ def test_show_says_whether_a_queued_job_was_handed_to_the_queue(api, cli):
     assert "published_at" not in cli("show", str(job_id)).stdout
     api.set_job(job_id, published_at=utcnow())
     assert "published_at" in cli("show", str(job_id)).stdout
+    # and what it waits behind
+    later = api.submit(api.user("ann")).get_json()["id"]
+    assert "queue        behind 1 queued job, 0 running" in cli("show", str(later)).stdout.splitlines()
 
 
 def test_show_prints_text_as_written(api, cli):
