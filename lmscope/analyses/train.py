@@ -464,7 +464,9 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     for s in checkpoint_steps:
         ax.axvline(s, color="lightgray", ls=":", lw=0.8)
     ax.set_yscale("log")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5 on a short run's axis
 
     for formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 5, 6, 7 rather than 5×10⁰
         formatter(ScalarFormatter())
