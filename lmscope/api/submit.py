@@ -200,7 +200,7 @@ def _refuse_unfinished_train_job(session: Session, train: Job) -> None:
              if train.status == "running" and train.progress_total else "")
     so_far = (f", or name the checkpoints written so far: models={json.dumps(names)}" if len(names) > 1
               else f", or name the one written so far: model={names[0]}" if names else "")
-    raise Problem(409, "train-job-unfinished", "Train job still running",
+    raise Problem(409, "train-job-unfinished", "Train job not finished",
                   f"train job {train.id} is still {train.status}{where}: its checkpoints would stop where it "
                   f"stands; submit this job once it has finished (`lmscope wait {train.id}`){so_far}")
 
