@@ -15,7 +15,11 @@ def test_a_second_demo_reuses_the_training_job_that_succeeded(api, live):
 
     job = client.submit("train", params, name="demo run", tags=["demo"])
     assert demo.previous_training(client, params) is None  # queued, not finished: train again
-    api.set_job(job["id"], status="succeeded")
+    # a run from before train wrote a step-0 checkpoint: its entropy curves would not start at 0, train again
+    api.set_job(job["id"], status="succeeded", summary={"checkpoints": ["demo@step300", "demo@step600"]})
+    assert demo.previous_training(client, params) is None
+    checkpoints = {"checkpoints": ["demo@step0", "demo@step300", "demo@step600"]}
+    api.set_job(job["id"], summary=checkpoints)
     assert demo.previous_training(client, params)["id"] == job["id"]
     # the demo renames its run when an unfinished one left `demo@step…` checkpoints: still the same run
     assert demo.previous_training(client, {**params, "run_name": "demo-2"})["id"] == job["id"]
@@ -26,5 +30,5 @@ def test_a_second_demo_reuses_the_training_job_that_succeeded(api, live):
     # the same params without the demo tag are someone else's run, not the demo's
     api.set_job(job["id"], status="failed")
     other = client.submit("train", params, name="not the demo")
-    api.set_job(other["id"], status="succeeded")
+    api.set_job(other["id"], status="succeeded", summary=checkpoints)
     assert demo.previous_training(client, params) is None
