@@ -262,10 +262,9 @@ class TrainingRun:
         existing = checkpoint_dirs(self.ckpt_root)
         self.resume_dir = existing[-1][1] if existing else None
         self.state: dict[str, Any] = {}
-        if self.resume_dir:
-            self.state = json.loads((self.resume_dir / STATE_FILE).read_text())
         self.resumed = None
         if self.resume_dir:
+            self.state = json.loads((self.resume_dir / STATE_FILE).read_text())
             old = {k: self.state["params"].get(k) for k in SHAPE_FIELDS}
             new = {k: getattr(self.p, k) for k in SHAPE_FIELDS}
             if old != new:
@@ -330,14 +329,14 @@ class TrainingRun:
         if not self.history["val"]:
             self.history["val"].append([0, evaluate(self.model, self.val_windows, p.batch_size, self.autocast)])
         self.loop_start = time.perf_counter()
-        if not self.resume_dir:  # the untrained model: where curves over training start
-            self.checkpoint()
 
     def train(self) -> None:
         """Steps from where the run stands to ``steps``: evaluate, checkpoint and report on their schedules."""
         p, ctx, history = self.p, self.ctx, self.history
         report_every = max(1, min(10, p.steps // 100))
         with ctx.stage("train"):
+            if not self.resume_dir:  # the untrained model: where curves over training start
+                self.checkpoint()
             while self.step < p.steps:
                 lr = lr_at(self.step, p)
                 for group in self.optimizer.param_groups:

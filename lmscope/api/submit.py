@@ -158,7 +158,7 @@ def _training_run_hint(session: Session, caller: Caller, name: str) -> str:
 
 
 def check_refs(session: Session, caller: Caller, parsed: list) -> None:
-    """Every model, dataset and train job the params name must exist (and the job be visible)."""
+    """Every model, dataset and train job the params name must exist (and the job be visible and finished)."""
     models = sorted({m for p in parsed for m in p.model_refs()})
     datasets = sorted({d for p in parsed for d in p.dataset_refs()})
     jobs = sorted({j for p in parsed for j in p.job_refs()})
