@@ -245,7 +245,8 @@ class ProgressLine:
             text += " (cancelling)"
         queue = job.get("queue")
         if queue and job["status"] == "queued":
-            text += f" ({queue['ahead']} ahead, {queue['running']} running)"
+            text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
+                     else f" ({queue['ahead']} ahead, {queue['running']} running)")
         if fraction is not None:
             filled = int(round(fraction * self.WIDTH))
             text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"
@@ -757,6 +758,8 @@ def show(job_id, as_json):
     if job.get("queue") and job["status"] == "queued":
         click.echo(f"{'queue':12} behind {plural(job['queue']['ahead'], 'queued job')}, "
                    f"{job['queue']['running']} running")
+        if job["queue"].get("worker_stopped"):
+            click.echo(f"{'':12} no worker takes jobs: {job['queue']['worker_stopped']}")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):

@@ -101,6 +101,7 @@ def _serve_holding_the_data_dir(settings: Settings) -> None:
                          "LMSCOPE_PORT; no job was touched") from None
     recovered = recover_interrupted(settings, sessions)
     worker = EmbeddedWorker(settings, sessions, publisher).start()
+    app.extensions["lmscope"].worker_stopped = worker.stopped_reason
 
     def _shutdown(signum, _frame):
         log.info("signal %s: shutting down", signum)

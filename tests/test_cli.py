@@ -764,3 +764,5 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     queued = {"status": "queued", "progress": None, "queue": {"ahead": 2, "running": 1}}
     assert line.render(queued) == "job 7 queued (2 ahead, 1 running)"
     assert line.render({**queued, "status": "running"}) == "job 7 running"  # a stale queue field says nothing
+    stopped = {**queued, "queue": {"ahead": 0, "running": 0, "worker_stopped": "the GPU is unusable; restart"}}
+    assert line.render(stopped) == "job 7 queued (no worker takes jobs: the GPU is unusable; restart)"

@@ -372,6 +372,8 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     assert page.js(text % "{ahead: 1, running: 2}") == "queued behind 1 job · 2 running"
     assert page.js(text % "{ahead: 0, running: 1}") == "queued behind 0 jobs · 1 running"
     assert page.js(text % "undefined") == "queued, waiting for a worker"  # a list row has no queue field
+    assert (page.js(text % "{ahead: 0, running: 0, worker_stopped: 'the GPU is unusable; restart'}")
+            == "queued; no worker takes jobs: the GPU is unusable; restart")
 
 
 def test_finished_job_page_is_not_rebuilt_by_refreshes(page, url, jobs):

@@ -36,8 +36,8 @@ def ping_broker(url: str, timeout: float = 2.0) -> None:
 
 @bp.get("/readyz")
 def readyz():
-    """Ready to serve: the database answers and has this lmscope's schema, and, when configured, the
-    broker answers a ping."""
+    """Ready to serve: the database answers and has this lmscope's schema, when configured the broker
+    answers a ping, and under `lmscope up` its worker still takes jobs."""
     st = state()
     checks, failed = {}, []
     problem = schema_problem(st.engine)
@@ -51,9 +51,14 @@ def readyz():
         except Exception as e:
             checks["broker"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
             failed.append("broker")
+    stopped = st.worker_stopped and st.worker_stopped()
+    if st.worker_stopped:  # `lmscope up`: its worker is part of being ready
+        checks["worker"] = "ok" if not stopped else f"error: {stopped}"
+        if stopped:
+            failed.append("worker")
     if failed:
-        raise Problem(503, "not-ready", "Not ready",
-                      "; ".join(f"{name}: {checks[name]}" for name in failed)
-                      + " — check that the service is up and LMSCOPE_DATABASE_URL / LMSCOPE_BROKER_URL point at it",
-                      headers={"Retry-After": "5"}, checks=checks)
+        detail = "; ".join(f"{name}: {checks[name]}" for name in failed)
+        if set(failed) & {"database", "broker"}:
+            detail += " — check that the service is up and LMSCOPE_DATABASE_URL / LMSCOPE_BROKER_URL point at it"
+        raise Problem(503, "not-ready", "Not ready", detail, headers={"Retry-After": "5"}, checks=checks)
     return {"status": "ready", "checks": checks}

@@ -51,12 +51,17 @@ def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     return job
 
 
-def queue_position(session, job: Job) -> dict[str, int]:
+def queue_position(session, job: Job) -> dict[str, int | str]:
     """What a queued job waits behind: the queued jobs submitted before it (anyone's: the queue is shared,
-    first in, first out) and the jobs running now (sweep parents waiting for children hold no worker)."""
+    first in, first out) and the jobs running now (sweep parents waiting for children hold no worker);
+    under `lmscope up`, also why its worker takes no more jobs, if it does not."""
     ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
     running = session.scalar(select(func.count()).where(Job.status == "running", Job.waiting_children.is_(False)))
-    return {"ahead": ahead, "running": running}
+    queue: dict[str, int | str] = {"ahead": ahead, "running": running}
+    stopped = state().worker_stopped and state().worker_stopped()
+    if stopped:
+        queue["worker_stopped"] = stopped
+    return queue
 
 
 def render_job(session, job: Job) -> dict:

@@ -220,8 +220,10 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "summary": {"type": ["object", "null"]}, "environment": {"type": ["object", "null"]},
         "timings": {"type": "object"}, "children": {"type": ["object", "null"], "description": "counts by status (sweeps)"},
         "queue": {"type": "object", "description": "only on one queued job (not in lists): queued jobs submitted "
-                  "before it, anyone's, and jobs running now",
-                  "properties": {"ahead": {"type": "integer"}, "running": {"type": "integer"}}},
+                  "before it, anyone's, and jobs running now; under `lmscope up`, worker_stopped says why its worker "
+                  "takes no more jobs (e.g. an unusable GPU) when it does not",
+                  "properties": {"ahead": {"type": "integer"}, "running": {"type": "integer"},
+                                 "worker_stopped": {"type": "string"}}},
         "links": {"type": "object", "additionalProperties": {"type": "string"}}}},
     "JobPage": {"type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from flask import current_app
 from sqlalchemy import Engine
@@ -20,6 +20,9 @@ class ApiState:
     sessions: sessionmaker
     publisher: Publisher
     metrics: Any = None
+    # `lmscope up` only: why its worker takes no more jobs (None while it takes them). Set by lmscope.up,
+    # which wires the worker beside the API (the API never imports the worker).
+    worker_stopped: Callable[[], str | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -60,6 +60,13 @@ class EmbeddedWorker:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)
 
+    def stopped_reason(self) -> str | None:
+        """Why this worker takes no more jobs, in words for the job page and /readyz; None while it takes them."""
+        if runner.broken_device:
+            return (f"the GPU is unusable in this process ({runner.broken_device}); restart `lmscope up`: "
+                    "queued jobs stay queued and run after the restart")
+        return None
+
     # ------------------------------------------------------------ the loop
 
     def next_queued(self) -> int | None:
@@ -103,9 +110,9 @@ class EmbeddedWorker:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            if runner.broken_device:  # every job would fail on it; queued jobs wait for the restart
-                log.critical("the GPU is unusable in this process (%s); this worker takes no more jobs: restart "
-                             "`lmscope up` (queued jobs stay queued and run after the restart)", runner.broken_device)
+            stopped = self.stopped_reason()
+            if stopped:  # every job would fail on it; queued jobs wait for the restart
+                log.critical("this worker takes no more jobs: %s", stopped)
                 return
             self.publisher.wakeup.clear()
             try:

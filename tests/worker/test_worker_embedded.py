@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -213,6 +214,31 @@ def test_serve_keeps_jobs_across_a_restart(tmp_path):
                        what="the interrupted job after the restart")
         with sessions() as s:
             assert s.get(Job, long).summary["total"] == sum(range(1, 4001))
+
+
+def test_after_a_device_error_up_says_on_queued_jobs_and_readyz_that_a_restart_is_needed(tmp_path):
+    """Its worker stops taking jobs: a queued job's page and /readyz say why and what to do; the restart runs it."""
+    pytest.importorskip("flask")
+    data = tmp_path / "data"
+    with open(tmp_path / "serve.log", "w") as log:
+        with _serving(data, log) as (_, base):
+            assert _http("GET", f"{base}/readyz")["checks"]["worker"] == "ok"
+            broken = _http("POST", f"{base}/v1/jobs", {"kind": "count",
+                                                       "params": {"plot": False, "fail": "broken_device", "fail_at": 1}})
+            wait_until(lambda: _http("GET", f"{base}/v1/jobs/{broken['id']}")["status"] == "failed", timeout=30,
+                       what="the job that breaks the device")
+            later = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 2, "plot": False}})
+            queue = _http("GET", f"{base}/v1/jobs/{later['id']}")["queue"]
+            assert fake_kinds.ILLEGAL_ADDRESS in queue["worker_stopped"]
+            assert "restart `lmscope up`" in queue["worker_stopped"]
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _http("GET", f"{base}/readyz")
+            problem = json.loads(refused.value.read())
+            assert refused.value.code == 503 and problem["checks"]["worker"].startswith("error: the GPU is unusable")
+            assert "LMSCOPE_DATABASE_URL" not in problem["detail"]  # the database is fine: not its advice
+        with _serving(data, log) as (_, base):
+            wait_until(lambda: _http("GET", f"{base}/v1/jobs/{later['id']}")["status"] == "succeeded", timeout=60,
+                       what="the queued job after the restart")
 
 
 def test_a_second_up_that_cannot_serve_leaves_running_jobs_alone(tmp_path):
