@@ -13,6 +13,7 @@ problem's title and detail, which say what to change.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import time
 import unicodedata
@@ -119,7 +120,7 @@ class Client:
         if name is not None:
             body["name"] = name
         if tags:
-            body["tags"] = list(tags)
+            body["tags"] = [tags] if isinstance(tags, str) else list(tags)  # "smoke" is one tag, not five
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         r = self.request("POST", "/v1/jobs", json=body, headers=headers)
         job = r.json()
@@ -133,13 +134,18 @@ class Client:
     def page(self, *, limit: int = 50, page_token: str | None = None, **filters) -> dict[str, Any]:
         """One page of jobs: {"items": [...], "next_page_token": str | None} (filters as in `list`)."""
         params = {k: v for k, v in filters.items() if v is not None}
+        if isinstance(params.get("status"), (list, tuple, set)):  # the API takes one "queued,running"
+            params["status"] = ",".join(params["status"])
+        if isinstance(params.get("tag"), str):
+            params["tag"] = [params["tag"]]
         params["limit"] = limit
         if page_token:
             params["page_token"] = page_token
         return self._json("GET", "/v1/jobs", params=params)
 
     def list(self, *, page_size: int = 100, **filters) -> Iterator[dict[str, Any]]:
-        """Every job matching the filters (kind, status, tag, parent, user), newest first, across pages."""
+        """Every job matching the filters, newest first, across pages: kind, status (one or a list: any of
+        them), tag (one or a list: all of them), parent, user."""
         token = None
         while True:
             page = self.page(limit=page_size, page_token=token, **filters)
@@ -217,6 +223,9 @@ class Client:
         (as in `results`), matched by series name and labels."""
         from lmscope.compare import Comparison
 
+        if isinstance(job_ids, (str, int)) or not all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in job_ids):
+            raise TypeError(f"compare takes a list of job ids, e.g. compare([12, 14]), not {job_ids!r}")
         names = [series] if isinstance(series, str) else list(series or [])
         params = [("jobs", ",".join(str(int(i)) for i in job_ids))] + [("series", n) for n in names]
         return Comparison.from_json(self._json("GET", "/v1/compare", params=params))
@@ -225,9 +234,11 @@ class Client:
         return self._json("GET", f"/v1/jobs/{int(job_id)}/artifacts")["items"]
 
     def download(self, job_id: int, name: str, dest: str | Path) -> Path:
-        """Save one artifact; `dest` is a file path or an existing directory. Returns the path written."""
+        """Save one artifact; `dest` is a file path or a directory (one that exists, or a path ending in "/",
+        made if needed). Returns the path written."""
+        as_dir = str(dest).endswith(("/", os.sep))
         dest = Path(dest)
-        if dest.is_dir():
+        if as_dir or dest.is_dir():
             dest = dest / Path(name).name
         dest.parent.mkdir(parents=True, exist_ok=True)
         response = self.request("GET", f"/v1/jobs/{int(job_id)}/artifacts/{quote(name)}", stream=True)

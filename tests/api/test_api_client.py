@@ -92,6 +92,18 @@ def test_submit_list_cancel_and_idempotency(api, ann):
     assert [j["id"] for j in ann.list(status="cancelled")] == [ids[0]]
 
 
+def test_one_tag_a_list_of_statuses_and_bad_job_ids_mean_what_a_researcher_meant(api, ann):
+    """A string is one tag (not one per letter); a list of statuses is any of them; compare wants a list of ids."""
+    tagged = ann.submit("probe", {"model": "m"}, tags="smoke")
+    assert tagged["tags"] == ["smoke"] and [j["id"] for j in ann.list(tag="smoke")] == [tagged["id"]]
+    other = ann.submit("probe", {"model": "m"})["id"]
+    ann.cancel(other)
+    assert [j["id"] for j in ann.list(status=["queued", "cancelled"])] == [other, tagged["id"]]
+    for wrong in (tagged["id"], f"{tagged['id']},{other}", [str(other)]):
+        with pytest.raises(TypeError, match=r"list of job ids, e.g. compare\(\[12, 14\]\)"):
+            ann.compare(wrong)
+
+
 def test_wait_reports_progress_and_times_out(api, ann):
     job_id = ann.submit("probe", {"model": "m"})["id"]
     with pytest.raises(TimeoutError):
@@ -162,6 +174,9 @@ def test_results_download_and_fetch(api, ann, tmp_path):
     for name, data in files.items():
         assert (tmp_path / "out" / name).read_bytes() == data
     assert ann.download(job_id, "b.npz", tmp_path).read_bytes() == files["b.npz"]
+    into = f"{tmp_path / 'new-folder'}/"  # a trailing slash names a folder, made if missing
+    assert ann.download(job_id, "plots/a.png", into) == tmp_path / "new-folder" / "a.png"
+    assert (tmp_path / "new-folder" / "a.png").read_bytes() == files["plots/a.png"]
 
 
 def test_datasets_and_models(api, ann, tmp_path):
