@@ -20,21 +20,30 @@ from typing import Any
 Scalar = (int, float, str, bool, type(None))
 # Labels naming the run rather than the quantity: two entropy jobs label their layer means with
 # their own model and step, two sweep children with their own seed.
-RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count")
+# Which run a curve came from, and what a run counted along the way (how many trajectories a norms
+# job's inner-loss curves average: a property of the run, not of the curve).
+RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count", "kept", "total", "trajectories", "over")
+# Run labels that name a point within a run (a checkpoint, a seed): when one job needs them to tell its
+# curves apart, another job's curve with the same value is that point's too (a single checkpoint
+# `run@step600` against the run's step-600 curve).
+POINT_LABELS = ("step", "seed")
 
 
-def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] = RUN_LABELS) -> list[dict[str, Any]]:
-    """The labels each of one job's series is matched on: without the run labels, or with the fewest of
-    them that still tell the job's curves apart (`step` for a run over several checkpoints)."""
+def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] = RUN_LABELS,
+                     points: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+    """The labels each of one job's series is matched on, and the run labels it needed: without the run
+    labels, or with the fewest of them that still tell the job's curves apart (`step` for a run over
+    several checkpoints). The `points` labels are kept wherever they have a value."""
     def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
-        return [{k: v for k, v in (s.get("labels") or {}).items() if k not in run_labels or k in extra} for s in series]
+        return [{k: v for k, v in (s.get("labels") or {}).items()
+                 if k not in run_labels or k in extra or (k in points and v is not None)} for s in series]
 
     for extra in ((), ("step",), ("seed",), run_labels):
         labels = keep(extra)
         keys = Counter((s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, labels))
         if all(n == 1 for n in keys.values()):
-            return labels
-    return labels  # the very same name and labels twice: both are kept, in order
+            return labels, extra
+    return labels, extra  # the very same name and labels twice: both are kept, in order
 
 
 def _x_key(x: Any) -> Any:
@@ -124,10 +133,11 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     # differ in latent_dim label their curves with it, and are compared on one curve. Not one that only
     # some jobs have: a sweep's curves per latent_dim match the one grid point's of the same latent_dim.
     run_labels = RUN_LABELS + tuple(k for k, values in params.items() if len(values) == len(jobs))
+    points = tuple(k for k in POINT_LABELS if any(k in _matching_labels(series, run_labels)[1] for series in series_of))
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()
-        for s, labels in zip(series, _matching_labels(series, run_labels)):
+        for s, labels in zip(series, _matching_labels(series, run_labels, points)[0]):
             key = (s["name"], json.dumps(labels, sort_keys=True))
             seen[key] += 1
             # a job with the very same name and labels twice keeps both curves

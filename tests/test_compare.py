@@ -88,6 +88,31 @@ def test_two_runs_over_checkpoints_match_step_by_step():
     assert by_step[200] == {1: ([0], [200.0]), 2: ([0], [201.0])}
 
 
+def test_one_checkpoint_matches_the_same_step_of_a_run_over_checkpoints():
+    """`entropy model=run@step200` against `entropy train_job=run`: the run needs its steps apart, and the
+    single checkpoint's curve is its step 200's; a plain model (no step) stays a curve of its own."""
+    run = [_series("entropy.layer_mean", {"model": f"r@step{s}", "step": s}, [0], [float(s)]) for s in (100, 200)]
+    one = [_series("entropy.layer_mean", {"model": "r@step200", "step": 200}, [0], [2.5])]
+    plain = [_series("entropy.layer_mean", {"model": "m", "step": None}, [0], [7.0])]
+    c = compare([_job(1, train_job=1), _job(2, model="r@step200"), _job(3, model="m")], [run, one, plain])
+    by_labels = {tuple(sorted(curve.labels.items())): curve.by_job for curve in c.curves}
+    assert by_labels == {(("step", 100),): {1: ([0], [100.0])},
+                         (("step", 200),): {1: ([0], [200.0]), 2: ([0], [2.5])},
+                         (): {3: ([0], [7.0])}}
+
+
+def test_what_a_norms_run_counted_does_not_keep_its_inner_loss_apart():
+    """Two models' loss_filter keeps different numbers of trajectories: still one inner_loss.mean curve."""
+    def run(kept, y):
+        about = {"kept": kept, "total": 30, "loss_filter": 4.0, "over": "kept", "trajectories": kept}
+        return [_series("inner_loss.mean", about, [0, 1], y)]
+
+    c = compare([_job(1, "norms", model="a@step600"), _job(2, "norms", model="a@step300")],
+                [run(16, [5.0, 3.0]), run(13, [6.0, 4.0])])
+    [curve] = c.curves
+    assert curve.labels == {"loss_filter": 4.0} and curve.aligned([1, 2]) == [(0, [5.0, 6.0]), (1, [3.0, 4.0])]
+
+
 def test_the_same_name_and_labels_twice_in_one_job_keeps_both():
     twice = [_series("loss", {}, [0], [1.0]), _series("loss", {}, [0], [2.0])]
     c = compare([_job(1), _job(2)], [twice, [_series("loss", {}, [0], [5.0])]])
