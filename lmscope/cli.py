@@ -822,8 +822,9 @@ def results(job_id, fmt, series):
                    "per job; with --series the curves (series, labels, x, one column per job)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="also draw the curves into this file (.png, .pdf, .svg, ...: its extension picks the format)")
+@click.option("--logx", is_flag=True, help="with --plot: a log x axis")
 @click.option("--logy", is_flag=True, help="with --plot: a log y axis")
-def compare(job_ids, series, fmt, plot_path, logy):
+def compare(job_ids, series, fmt, plot_path, logx, logy):
     """Jobs side by side: the parameters that differ, the summaries, and (--series) the curves."""
     if len(set(job_ids)) < 2:
         raise click.UsageError("give at least two different job ids, e.g. `lmscope compare 3 5`")
@@ -861,7 +862,7 @@ def compare(job_ids, series, fmt, plot_path, logy):
         if not c.curves:
             _nothing_to_plot(c, series)
         try:
-            click.echo(f"plot: {plot_comparison(c, plot_path, logy=logy)}", err=True)
+            click.echo(f"plot: {plot_comparison(c, plot_path, logx=logx, logy=logy)}", err=True)
         except (RuntimeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:

@@ -102,6 +102,10 @@ class Comparison:
                             "jobs": {str(j): {"x": x, "y": y} for j, (x, y) in c.by_job.items()}} for c in self.curves],
                 "missing": self.missing, "shared_series": self.shared_series}
 
+    def plot(self, path: str | Path, *, logx: bool = False, logy: bool = False) -> Path:
+        """Draw the curves into `path` (.png, .pdf, .svg, ...) as `lmscope compare --plot` does."""
+        return plot_comparison(self, path, logx=logx, logy=logy)
+
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "Comparison":
         def by_int(values: dict[str, Any]) -> dict[int, Any]:
@@ -222,19 +226,25 @@ def _is_integer(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()
 
 
-def comparison_figure(c: Comparison, *, logy: bool = False):
-    """The comparison as a matplotlib Figure: one panel per series name, one colour per job.
+# Line looks a reader tells apart in a legend: four dash patterns, then the same with markers.
+LOOKS = [(dash, marker) for marker in (None, "o", "s") for dash in ("-", "--", ":", "-.")]
+
+
+def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
+    """The comparison as a matplotlib Figure: one panel per series name.
 
     Each panel: x labelled with what x is (`x_meaning`), y with the series name (and its `unit` label);
-    a legend entry per job saying what differs between the jobs (`job_label`); the labels its curves
-    share under the title, and the labels that vary between its curves in the legend, one line style
-    each (up to four label sets; more are drawn in the same styles and named in the title only).
+    the labels its curves share under the title. Jobs and the label sets that vary between its curves
+    (e.g. layers) are told apart by colour and by line look: colour for whichever is more numerous, a
+    look (dash pattern, then markers; twelve) for the other, both named in the legend — a job by what
+    differs between the jobs (`job_label`). Past twelve looks (or twenty colours) they repeat, and the
+    title says how many curves there are by which labels.
     """
     plot_formats()  # matplotlib is there
     import matplotlib
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, NullFormatter
 
     names = list(dict.fromkeys(curve.name for curve in c.curves))
     if not names:
@@ -245,45 +255,72 @@ def comparison_figure(c: Comparison, *, logy: bool = False):
     rows = -(-len(names) // cols)
     fig = Figure(figsize=(5.2 * cols, 4.0 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
-    colours = matplotlib.colormaps["tab10"]
-    styles = ["-", "--", ":", "-."]
     job_labels = {job["id"]: job_label(c, job) for job in c.jobs}
     for ax, name in zip(axes.flat, names):
         curves = [curve for curve in c.curves if curve.name == name]
+        jobs = [job for job in c.jobs if any(job["id"] in cv.by_job for cv in curves)]
         keys = list(dict.fromkeys(k for curve in curves for k in curve.labels))
         first = curves[0].labels
         shared = {k: first[k] for k in keys
                   if all(k in cv.labels and _value_text(cv.labels[k]) == _value_text(first[k]) for cv in curves)}
         varying = [k for k in keys if k not in shared]
         unit = shared.pop("unit", None)
-        named_styles = len(curves) <= len(styles)
+        # colour for the more numerous of jobs and label sets: 2 jobs × 8 layers is 8 colours, 2 looks
+        colour_curves = bool(varying) and len(curves) > len(jobs)
+        n_colours, n_looks = (len(curves), len(jobs)) if colour_curves else (len(jobs), len(curves))
+        palette = matplotlib.colormaps["tab10" if n_colours <= 10 else "tab20"]
+        named = n_colours <= palette.N and n_looks <= len(LOOKS)
+        dot = "." if max(len(x) for cv in curves for x, _ in cv.by_job.values()) < 30 else None  # few points: marked
         for li, curve in enumerate(curves):
-            for ji, job in enumerate(c.jobs):
+            for ji, job in enumerate(jobs):
                 if job["id"] not in curve.by_job:
                     continue
                 x, y = curve.by_job[job["id"]]
-                ax.plot(x, y, styles[li % len(styles)], color=colours(ji % 10), marker="." if len(x) < 30 else None,
-                        alpha=0.9 if len(curves) < 8 else 0.5)
-        # the legend: each job once (its colour), then each label set that varies (its line style)
-        handles = [Line2D([], [], color=colours(ji % 10), marker=".", label=job_labels[job["id"]])
-                   for ji, job in enumerate(c.jobs) if any(job["id"] in cv.by_job for cv in curves)]
-        if varying and named_styles:
-            handles += [Line2D([], [], linestyle=styles[li], color="grey",
-                               label=clip(labels_text(cv.labels, varying), LEGEND_WIDTH))
+                colour, (dash, marker) = ((palette(li % palette.N), LOOKS[ji % len(LOOKS)]) if colour_curves
+                                          else (palette(ji % palette.N), LOOKS[li % len(LOOKS)]))
+                ax.plot(x, y, linestyle=dash, color=colour, marker=marker or dot,
+                        markersize=4 if marker else None, markevery=max(1, len(x) // 15),
+                        alpha=0.9 if len(curves) * len(jobs) < 16 else 0.6)
+        # the legend: each job, then each label set that varies, by its colour or its look
+        def entry(i: int, text: str, by_colour: bool) -> Line2D:
+            dash, marker = LOOKS[i % len(LOOKS)]
+            return (Line2D([], [], color=palette(i % palette.N), marker=".", label=text) if by_colour
+                    else Line2D([], [], linestyle=dash, marker=marker or dot, markersize=4 if marker else None,
+                                color="dimgrey", label=text))
+
+        handles = [entry(ji, job_labels[job["id"]], not colour_curves) for ji, job in enumerate(jobs)]
+        if varying and named:
+            handles += [entry(li, clip(labels_text(cv.labels, varying), LEGEND_WIDTH), colour_curves)
                         for li, cv in enumerate(curves)]
         common = labels_text(shared, shared)
-        if varying and not named_styles:
+        if varying and not named:
             common = ", ".join(filter(None, [f"{len(curves)} curves by {', '.join(varying)}", common]))
         ax.set_title(name + (f"\n{clip(common, TITLE_WIDTH)}" if common else ""), fontsize=9)
         ax.set_xlabel(x_meaning(name), fontsize=8)
         ax.set_ylabel(name + (f" ({unit})" if unit is not None else ""), fontsize=8)
         xs = [v for cv in curves for x, _ in cv.by_job.values() for v in x]
-        if xs and all(_is_integer(v) for v in xs):
+        if xs and all(_is_integer(v) for v in xs) and not logx:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        numeric = [float(v) for v in xs if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        unlogged = sum(v <= 0 for v in numeric)
+        if logx and unlogged == len(numeric):  # e.g. layer 0 alone: a linear axis, and why
+            ax.set_xlabel(f"{x_meaning(name)} (linear: no x > 0 for a log axis)", fontsize=8)
+        elif logx:
+            if unlogged:
+                ax.set_xlabel(f"{x_meaning(name)} (log; {unlogged} point(s) at x ≤ 0 not drawn)", fontsize=8)
+            ax.set_xscale("log")
+            distinct = sorted({v for v in numeric if v > 0})
+            if 1 < len(distinct) <= 12:  # a sweep's k = 16, 32, ...: those values as plain ticks
+                ax.set_xticks(distinct, [f"{v:g}" for v in distinct])
+                ax.xaxis.set_minor_formatter(NullFormatter())
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(handles=handles, fontsize=7)
+        if len(handles) > 6:  # beside the panel, not over its lines (savefig's tight box takes it in)
+            ax.legend(handles=handles, fontsize=7, handlelength=3, loc="upper left", bbox_to_anchor=(1.01, 1),
+                      ncol=2 if len(handles) > 16 else 1)
+        else:
+            ax.legend(handles=handles, fontsize=7, handlelength=3)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
     fig.suptitle("compared: " + ", ".join(f"job {j['id']} ({j['kind']})" for j in c.jobs))
@@ -291,7 +328,7 @@ def comparison_figure(c: Comparison, *, logy: bool = False):
     return fig
 
 
-def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> Path:
+def plot_comparison(c: Comparison, path: str | Path, *, logx: bool = False, logy: bool = False) -> Path:
     """Draw `comparison_figure` into `path`, in the format its extension names (.png without one).
     Returns the path written."""
     path = Path(path)
@@ -300,7 +337,7 @@ def plot_comparison(c: Comparison, path: str | Path, *, logy: bool = False) -> P
     formats = plot_formats()
     if path.suffix[1:].lower() not in formats:
         raise ValueError(f"cannot draw a {path.suffix} file; the formats are: {', '.join(sorted(formats))}")
-    fig = comparison_figure(c, logy=logy)
+    fig = comparison_figure(c, logx=logx, logy=logy)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return path

@@ -166,6 +166,41 @@ def test_labels_that_vary_go_in_the_legend_and_shared_ones_in_the_title():
     assert ax.get_xlabel().startswith("k ") and ax.get_ylabel() == "rel_error"
 
 
+def test_two_jobs_over_eight_layers_give_each_line_its_own_colour_and_look():
+    """More label sets than jobs: a colour per layer (the same in both jobs), a look per job; all named."""
+    def series(base):
+        return [_series("rel_error", {"method": "performer", "layer": layer}, [16, 32, 64], [base + layer, base, 1.0])
+                for layer in range(8)]
+
+    c = compare([_job(1, model="a"), _job(2, model="b")], [series(0.0), series(100.0)])
+    ax = comparison_figure(c, logx=True).axes[0]
+    assert _legend(ax) == ["job 1 (model=a)", "job 2 (model=b)", *(f"layer={layer}" for layer in range(8))]
+    lines = [(line.get_color(), line.get_linestyle(), line.get_marker()) for line in ax.get_lines()]
+    assert len(lines) == 16 and len(set(lines)) == 16
+    colours = {line.get_ydata()[0]: line.get_color() for line in ax.get_lines()}  # y[0] = base + layer
+    assert all(colours[0.0 + layer] == colours[100.0 + layer] for layer in range(8))  # a layer's colour in both jobs
+    assert len(set(colours.values())) == 8 and ax.get_xscale() == "log"
+    # the legend's look for each job is the one its lines are drawn with
+    job_looks = [(h.get_linestyle(), h.get_marker()) for h in ax.get_legend().legend_handles[:2]]
+    assert [(ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines()[:2]] == job_looks
+
+
+def test_a_log_x_axis_says_what_it_could_not_draw():
+    c = compare([_job(1, model="a"), _job(2, model="b")],
+                [[_series("norm.mean", {}, [0, 1, 2], [1.0, 2.0, 3.0]), _series("entropy.mean", {}, [0], [1.0])],
+                 [_series("norm.mean", {}, [0, 1, 2], [1.5, 2.5, 3.5]), _series("entropy.mean", {}, [0], [2.0])]])
+    norm, entropy = comparison_figure(c, logx=True).axes[:2]
+    assert norm.get_xscale() == "log" and norm.get_xlabel().endswith("(log; 2 point(s) at x ≤ 0 not drawn)")
+    assert entropy.get_xscale() == "linear" and entropy.get_xlabel() == "training step (linear: no x > 0 for a log axis)"
+
+
+def test_past_what_a_legend_can_name_the_title_counts_the_curves():
+    jobs = [_job(i, model=f"m{i}") for i in range(1, 14)]  # 13 jobs: more than the twelve looks
+    c = compare(jobs, [[_series("s", {"layer": layer}, [0], [1.0]) for layer in range(25)] for _ in jobs])
+    ax = comparison_figure(c).axes[0]
+    assert ax.get_title() == "s\n25 curves by layer" and not any("layer=" in t for t in _legend(ax))
+
+
 def test_unknown_series_fractional_x_and_long_differences():
     """An unknown series' x is "x"; fractional x keeps fractional ticks; a long difference is cut."""
     long_a, long_b = "a" * 80, "b" * 80

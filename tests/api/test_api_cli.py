@@ -393,7 +393,7 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
     assert by_layer[1] == {str(b): {"x": [0], "y": [0.8]}}  # matched by labels, not by position
 
     plot = cli("compare", str(a), str(b), "--series", "norm.mean", "--series", "entropy.mean",
-               "--plot", str(tmp_path / "cmp.png"))
+               "--plot", str(tmp_path / "cmp.png"), "--logx")
     assert plot.exit_code == 0, plot.output
     from PIL import Image
 
