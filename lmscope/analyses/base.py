@@ -41,6 +41,13 @@ class JobFailed(Exception):
         self.partial = partial
 
 
+def context_seq_len(config, default: int) -> int:
+    """The seq_len a job uses when none is given: ``default``, or the model's context when shorter."""
+    from lmscope.modeling.loading import max_positions
+
+    return min(default, max_positions(config) or default)
+
+
 def require_positions(config, seq_len: int, model_name: str) -> None:
     """Refuse windows of ``seq_len`` tokens that a model cannot read (its position table is shorter)."""
     from lmscope.modeling.loading import max_positions

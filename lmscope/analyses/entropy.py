@@ -39,9 +39,8 @@ import re
 import numpy as np
 import torch
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, require_positions
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, context_seq_len, require_positions
 from lmscope.analyses import entropy_plots
-from lmscope.modeling.loading import max_positions
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
 
@@ -388,8 +387,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
                             f"{first_shape[1][0]} × {first_shape[1][1]}; one entropy job follows the same heads "
                             "across its models (checkpoints of one run): submit one job per architecture")
         if params.seq_len is None:  # not given: 512, or the (first) model's context when shorter
-            max_pos = max_positions(loaded.model.config)
-            params = params.model_copy(update={"seq_len": min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)})
+            params = params.model_copy(update={"seq_len": context_seq_len(loaded.model.config, DEFAULT_SEQ_LEN)})
         with ctx.stage("tokenize"):
             windows = _windows(params, loaded, documents, name)
         batches_per_model[i] = batch_count(len(windows))

@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
-from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series, require_positions
+from lmscope.analyses.base import (ChildResult, JobContext, JobFailed, JobOutput, Series, context_seq_len,
+                                   require_positions)
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.sweep import (
+    DEFAULT_ATTENTION_SEQ_LEN,
     AttentionApproxParams,
     SumformerFitParams,
     SweepParams,
@@ -276,14 +278,17 @@ def sliding_window_note(short_windows: dict[int, int], seq_len: int) -> str:
 
 
 def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
-    """(the loaded model, the layers to study): refused when a layer does not exist or lmscope's attention
-    function cannot read the model's q, k, v, or its attention is not plain softmax attention."""
+    """(the loaded model, the layers to study, params with seq_len set): refused when a layer does not exist
+    or lmscope's attention function cannot read the model's q, k, v, or its attention is not plain softmax
+    attention."""
     from lmscope.kernels.hf import lmscope_attention_unsupported
 
     with ctx.stage("load_model"):
         loaded = ctx.load_model(params.model)
     cfg = loaded.model.config
     num_layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer"))
+    if params.seq_len is None:  # not given: 512, or the model's context when shorter
+        params = params.model_copy(update={"seq_len": context_seq_len(cfg, DEFAULT_ATTENTION_SEQ_LEN)})
     require_positions(cfg, params.seq_len, params.model)
     layers = list(range(num_layers)) if params.layers is None else list(params.layers)
     bad = [layer for layer in layers if not 0 <= layer < num_layers]
@@ -297,7 +302,7 @@ def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
     if getattr(cfg, "attn_logit_softcapping", None):
         raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
                         "attention Performer and Linformer approximate")
-    return loaded, layers
+    return loaded, layers, params
 
 
 class Approximation:
@@ -397,7 +402,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     from lmscope.kernels import kernel_backend
     from lmscope.modeling.windows import token_windows
 
-    loaded, layers = _attention_study_model(params, ctx)
+    loaded, layers, params = _attention_study_model(params, ctx)
     device = next(loaded.model.parameters()).device
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
@@ -621,18 +626,22 @@ def _aggregate_attention(params: SweepParams, ok: list[ChildResult], ctx: JobCon
              for m, layer, x in sorted(points) if len(err[m, layer].get(x, [])) < ran[m]]
     if short:
         summary["points_missing_seeds"] = short
-    # the children read the same windows of the same model; their union, should they ever disagree
+    # the children read the same windows of the same model (seq_len set by them when the sweep left it to the model)
+    seq_len = params.seq_len or next((c.summary["seq_len"] for c in ok if (c.summary or {}).get("seq_len")), None)
+    if seq_len is not None:
+        summary["seq_len"] = seq_len
+    # their union, should they ever disagree
     windowed = {int(k): w for c in ok for k, w in ((c.summary or {}).get("sliding_windows") or {}).items()}
     if windowed:
         summary["sliding_windows"] = {str(layer): w for layer, w in sorted(windowed.items())}
-        summary["sliding_window_note"] = sliding_window_note(windowed, params.seq_len)
+        summary["sliding_window_note"] = sliding_window_note(windowed, seq_len)
     seeds = len(params.seed_list)
     _plot_attention(ctx.artifact_dir / "attention_approx.png", panels, times,
                     title=f"{params.model} on {params.dataset}: approximations vs exact softmax attention "
-                          f"({params.num_segments} windows of {params.seq_len} tokens; "
+                          f"({params.num_segments} windows of {seq_len} tokens; "
                           + ("1 seed: one random draw per k" if seeds == 1 else f"mean over {seeds} seeds, band = min–max")
                           + ")",
-                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=params.seq_len,
+                    notes={"linformer": PROJECTION_LABELS[params.linformer_projection]}, seq_len=seq_len,
                     timing=_timing_note({(c.summary or {}).get("kernel_backend", "?") for c in ok}),
                     windows=windowed)
     return JobOutput(summary, series)

@@ -60,6 +60,9 @@ SumformerSeqLen = Annotated[int, Field(ge=2, le=256)]
 FeatureCount = Annotated[int, Field(ge=1, le=65536)]  # k: random features (Performer) / projected keys (Linformer)
 LayerIndex = Annotated[int, Field(ge=0)]
 AttentionSeqLen = Annotated[int, Field(ge=2, le=65536)]
+DEFAULT_ATTENTION_SEQ_LEN = 512
+ATTENTION_SEQ_LEN_ABOUT = (f"tokens per window; default {DEFAULT_ATTENTION_SEQ_LEN}, or the model's context length "
+                           "when shorter")
 SegmentCount = Annotated[int, Field(ge=1, le=100_000)]
 WindowBatch = Annotated[int, Field(ge=1, le=1024)]
 DEFAULT_ATTENTION_FEATURES = (16, 32, 64, 128, 256, 512, 1024)
@@ -187,7 +190,7 @@ class AttentionApproxParams(JobParams):
     method: ApproxMethod = "performer"
     features: list[FeatureCount] = Field(default_factory=lambda: list(DEFAULT_ATTENTION_FEATURES), min_length=1)
     layers: list[LayerIndex] | None = Field(None, description="layer indices; null = all layers")
-    seq_len: AttentionSeqLen = 512
+    seq_len: AttentionSeqLen | None = Field(None, description=ATTENTION_SEQ_LEN_ABOUT)
     num_segments: SegmentCount = 16
     batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
@@ -205,7 +208,7 @@ class AttentionApproxParams(JobParams):
         return [self.dataset]
 
     def positions_read(self) -> tuple[str, int] | None:
-        return ("seq_len", self.seq_len)
+        return ("seq_len", self.seq_len) if self.seq_len is not None else None
 
     def layers_read(self) -> tuple[str, str, list[int]] | None:
         return ("layers", self.model, self.layers) if self.layers is not None else None
@@ -258,7 +261,7 @@ class SweepParams(JobParams):
     methods: list[ApproxMethod] = Field(default_factory=lambda: ["performer", "linformer"], min_length=1)
     features: list[FeatureCount] = Field(default_factory=lambda: list(DEFAULT_ATTENTION_FEATURES), min_length=1,
                                          max_length=MAX_GRID_LIST)
-    seq_len: AttentionSeqLen = 512
+    seq_len: AttentionSeqLen | None = Field(None, description=ATTENTION_SEQ_LEN_ABOUT)
     num_segments: SegmentCount = 16
     batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
@@ -308,10 +311,13 @@ class SweepParams(JobParams):
             if missing:
                 raise ValueError(f"study='attention' needs {' and '.join(missing)}")
             seeds = self.seed_list
-            if not seeds or len(set(seeds)) != len(seeds) or (isinstance(self.seeds, int) and self.seeds > MAX_GRID_LIST):
-                raise ValueError(f"seeds: give a count in [1, {MAX_GRID_LIST}] or distinct seeds, got {self.seeds}")
+            if not seeds or len(set(seeds)) != len(seeds) or len(seeds) > MAX_GRID_LIST:
+                raise ValueError(f"seeds: give a count in [1, {MAX_GRID_LIST}] or at most {MAX_GRID_LIST} distinct "
+                                 f"seeds, got {self.seeds}")
             if len(set(self.methods)) != len(self.methods):
                 raise ValueError("methods must not repeat values")
+            if len(set(self.features)) != len(self.features):
+                raise ValueError(f"features must not repeat values, got {self.features}")
         return self
 
     def model_refs(self) -> list[str]:
@@ -321,7 +327,7 @@ class SweepParams(JobParams):
         return [self.dataset] if self.dataset else []
 
     def positions_read(self) -> tuple[str, int] | None:
-        return ("seq_len", self.seq_len) if self.study == "attention" else None
+        return ("seq_len", self.seq_len) if self.study == "attention" and self.seq_len is not None else None
 
     def layers_read(self) -> tuple[str, str, list[int]] | None:
         if self.study != "attention" or self.layers is None or self.model is None:

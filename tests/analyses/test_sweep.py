@@ -664,6 +664,34 @@ def test_aggregation_averages_over_seeds_and_reports_failed_children(tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
 
 
+def test_attention_study_without_seq_len_reads_the_model_s_whole_context(tmp_path):
+    """As entropy: seq_len not given is 512, or the model's context when shorter (here 24 positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lmscope.analyses.base import LoadedModel
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=24, vocab_size=259)
+    model = LoadedModel("m", GPT2LMHeadModel(config).eval(), byte_tokenizer())
+    ctx = LocalContext(tmp_path, models={"m": model}, datasets={"w": ["hello world, " * 60]})
+    params = validate_params("attention_approx", {"model": "m", "dataset": "w", "num_segments": 2, "features": [4]},
+                             internal=True)
+    assert params.seq_len is None and params.positions_read() is None  # nothing for the API to refuse
+    out = run_attention_approx(params, ctx)
+    assert out.summary["seq_len"] == 24 and out.summary["segments"] == 2
+    # the parent says which seq_len its children read, in its summary and its plot's title
+    child = ChildResult(1, "attention_approx", {"method": "performer", "seed": 0}, "succeeded", out.summary, out.series)
+    sweep = SweepParams(study="attention", model="m", dataset="w", features=[4], seeds=1, methods=["performer"])
+    assert aggregate(sweep, [child], LocalContext(tmp_path / "parent")).summary["seq_len"] == 24
+
+
+def test_attention_sweep_lists_repeat_no_value_and_hold_at_most_64_seeds():
+    for bad, match in (({"features": [16, 16]}, "features must not repeat"),
+                       ({"seeds": list(range(65))}, "at most 64 distinct seeds"), ({"seeds": [1, 1]}, "distinct seeds")):
+        with pytest.raises(ValidationError, match=match):
+            validate_params("sweep", {"study": "attention", "model": "m", "dataset": "d", **bad})
+
+
 def test_attention_aggregation_means_over_seeds(tmp_path):
     def child(i, method, seed, scale):
         series = [Series("rel_error", [16, 64], [scale * 0.4, scale * 0.1], {"method": method, "layer": layer, "seed": seed})

@@ -191,6 +191,9 @@ def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
     body = is_problem(api.submit(h, kind="sweep", params={"study": "attention", "model": "tiny-llama", "dataset": "d",
                                                            "seq_len": 2048, "seeds": 2}), 422, "sequence-too-long")
     assert len(body["errors"]) == 1 and "the 1024 positions" in body["detail"]
+    # left to the model (no seq_len): accepted whatever its context; the worker picks min(512, context)
+    assert api.submit(h, kind="sweep", params={"study": "attention", "model": "tiny-llama", "dataset": "d",
+                                               "seeds": 1}).status_code == 202
     # a train job's checkpoints read its `context`
     train = api.submit(h, kind="train", params={"dataset": "d", "context": 64}).get_json()
     api.set_job(train["id"], status="succeeded")
