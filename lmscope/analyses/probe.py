@@ -106,6 +106,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
                         "so there is a next token to predict")
     device = next(model.parameters()).device
     ids = ids.to(device)
+    ctx.record("kernel_backend", f"transformers-{model.config._attn_implementation}")  # the model's own attention
     with ctx.stage("forward"), torch.no_grad():
         start = time.perf_counter()
         logits = model(input_ids=ids).logits.float()

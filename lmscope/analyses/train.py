@@ -244,6 +244,7 @@ class TrainingRun:
         use_bf16 = self.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
         ctx.record("precision", "bf16 autocast" if use_bf16 else "fp32")
+        ctx.record("kernel_backend", "transformers-sdpa")  # training needs autograd: no lmscope kernel (build_model)
 
     def register_all(self) -> list[str]:
         names = []

@@ -137,16 +137,17 @@ def choose_backend(backend: str | None, refusal: str | None, *tensors: torch.Ten
     return "reference"
 
 
-def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor) -> str:
-    """``choose_backend`` for kernels whose Triton path is forward-only (FAVOR+, Linformer).
+def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor, refusal: str | None = None) -> str:
+    """``choose_backend`` for the kernels, whose Triton paths are all forward-only.
 
     The automatic choice keeps autograd working: when a tensor needs gradients the reference runs,
     on any device (training the sweep's networks). Asking for Triton then is an error, not a silent
-    loss of gradients.
+    loss of gradients. ``refusal``: what else the Triton path cannot take (default: the first tensor's
+    dtype).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         refusal = f"{name}: the Triton path has no autograd, and these tensors need gradients (or run under torch.no_grad())"
     else:
-        refusal = triton_dtype_refusal(tensors[0])
+        refusal = refusal if refusal is not None else triton_dtype_refusal(tensors[0])
         refusal = refusal and f"{name}: {refusal}"
     return choose_backend(backend, refusal, *tensors)

@@ -44,14 +44,19 @@ def worker_device() -> str:
 
 def device_failure(device: str) -> str | None:
     """After a failed job: None if ``device`` still runs work, else CUDA's error. An illegal address or a
-    device-side assert leaves the process's CUDA context unusable: every later call in the process fails."""
+    device-side assert leaves the process's CUDA context unusable: every later call in the process fails.
+    Running out of memory does not (the probe itself may, while another job holds the memory)."""
     if not device.startswith("cuda"):
         return None
     import torch
 
+    if not torch.cuda.is_initialized():  # the job never touched CUDA: it cannot have broken it
+        return None
     try:
         torch.cuda.synchronize(device)
         torch.ones(1, device=device).add_(1).item()
+    except torch.OutOfMemoryError:
+        return None
     except Exception as e:  # torch.AcceleratorError on recent torch, RuntimeError before
         return (str(e).strip().splitlines() or [type(e).__name__])[0]
     return None

@@ -458,7 +458,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             if not isinstance(e, JobFailed):
                 log.exception("job %s (%s) failed", attempt.job_id, attempt.kind)
                 ctx.record("traceback", "".join(traceback.format_exception(e))[-8000:])
-            broken = environment.device_failure(device)
+            # out of memory is no sticky error, and the probe could run out of memory itself
+            broken = environment.device_failure(device) if error_type != "out-of-memory" else None
             if broken:
                 global broken_device
                 broken_device = broken

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lmscope.kernels import draw_favor_projection, draw_linformer_projections, favor_attention, linformer_attention
+from lmscope.kernels import (attention_with_entropy, dimension_entropy, draw_favor_projection, draw_linformer_projections,
+                             favor_attention, linformer_attention)
 
 
 def _qkv(b, h, n, d, *, hk=None, spread=0.5, seed=0, dtype=torch.float64):
@@ -292,8 +293,31 @@ def test_the_triton_paths_leave_gradients_to_the_reference(triton_backend, devic
         linformer_attention(*grads, e, f, backend="triton")
     with pytest.raises(ValueError, match="float64"):
         favor_attention(q.double(), k.double(), v.double(), projection=w, backend="triton")
+    with pytest.raises(ValueError, match="no autograd"):
+        attention_with_entropy(*grads, backend="triton")
+    with pytest.raises(ValueError, match="no autograd"):
+        dimension_entropy(grads[0], grads[1], backend="triton")
     # chosen automatically (here forced to Triton as on a GPU), training still gets its gradients
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
-    out = favor_attention(*grads, projection=w, causal=True) + linformer_attention(*grads, e, f)
+    res = attention_with_entropy(*grads)
+    out = (favor_attention(*grads, projection=w, causal=True) + linformer_attention(*grads, e, f) + res.out
+           + dimension_entropy(grads[0], grads[1]).sum(2, keepdim=True).transpose(2, 3))
+    assert res.backend == "reference"
     out.sum().backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in grads)
+
+
+def test_linformer_on_head_dims_its_triton_attention_cannot_take_runs_the_reference(triton_backend, oracle,
+                                                                                     device, monkeypatch):
+    """Linformer attends over the projected keys with attention_with_entropy's kernel (head dims up to
+    256): a model with head_dim 288 on a GPU gets the reference from the automatic choice, as the exact side."""
+    from lmscope.kernels import dispatch
+
+    q, k, v = (t.to(device) for t in _qkv(1, 2, 12, 288, spread=0.3, seed=4, dtype=torch.float32))
+    e, f = draw_linformer_projections(4, 12, seed=1, device=device)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")  # what the automatic choice is on a GPU
+    out = linformer_attention(q, k, v, e, f)
+    expected = oracle.softmax_attention(q.double(), (e.double() @ k.double()), (f.double() @ v.double()), causal=False)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="head dims up to 256.*backend='reference'"):
+        linformer_attention(q, k, v, e, f, backend=triton_backend)

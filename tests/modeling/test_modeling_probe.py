@@ -43,6 +43,7 @@ def test_parameter_counts_and_prompt_loss(name, tmp_path):
     out = run(ProbeParams(model=name, prompt=PROMPT), ctx)
     s = out.summary
     model = ctx.load_model(name).model  # built-ins are bit-identical on every load
+    assert ctx.environment["kernel_backend"] == f"transformers-{model.config._attn_implementation}"
     groups, attn_by_layer, mlp_by_layer = expected_groups(model)
 
     assert s["parameters"] == groups

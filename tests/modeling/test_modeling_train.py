@@ -60,6 +60,7 @@ def _val_windows(docs):
 def test_validation_loss_falls_below_the_unigram_entropy(reference, docs):
     ctx, out = reference
     s = out.summary
+    assert ctx.environment["kernel_backend"] == "transformers-sdpa"  # what trained it, on any device
     train_stream, val_windows = _val_windows(docs)
     # The baseline, recomputed in float64 by counting: val targets under the add-one train unigram.
     counts, total = Counter(train_stream), len(train_stream)

@@ -315,7 +315,12 @@ def test_a_job_that_leaves_the_gpu_unusable_says_so_and_marks_the_process(settin
     monkeypatch.setattr(environment, "device_failure", lambda device: checked.append(device) or None)
     job_id = make_job(params={"plot": False, "fail": "exception", "fail_at": 2})
     assert runner.execute(job_id, settings, sessions, publisher) == "failed"
-    assert checked == ["cpu"] and job_row(job_id).error_type == "RuntimeError" and runner.broken_device is None
+    assert checked == [environment.worker_device()]  # "cpu" here, "cuda" on a GPU machine
+    assert job_row(job_id).error_type == "RuntimeError" and runner.broken_device is None
+    # out of memory is no broken device: not even checked (the probe could run out of memory too)
+    job_id = make_job(params={"plot": False, "fail": "oom", "fail_at": 2})
+    assert runner.execute(job_id, settings, sessions, publisher) == "failed"
+    assert len(checked) == 1 and job_row(job_id).error_type == "out-of-memory" and runner.broken_device is None
 
     monkeypatch.setattr(environment, "device_failure", lambda device: fake_kinds.ILLEGAL_ADDRESS)
     job_id = make_job(params={"plot": False, "fail": "exception", "fail_at": 2})
@@ -331,6 +336,33 @@ def test_the_device_check_leaves_a_cpu_alone():
     from lmscope.worker.environment import device_failure
 
     assert device_failure("cpu") is None
+
+
+def test_the_device_check_calls_a_probe_that_runs_out_of_memory_no_broken_device(monkeypatch):
+    """The probe's one-element tensor can meet a full device (another job's memory): not a sticky error.
+    A process that never touched CUDA is not probed at all; a failing synchronize is CUDA's error."""
+    import torch
+
+    from lmscope.worker.environment import device_failure
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: pytest.fail("probed a device never used"))
+    assert device_failure("cuda") is None
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(torch, "ones", full)
+    assert device_failure("cuda") is None
+
+    def sticky(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    assert device_failure("cuda") == "CUDA error: an illegal memory access was encountered"
 
 
 def test_out_of_memory_names_the_fields_of_the_job_kind_that_shrink_it():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import check_heads, choose_backend, triton_dtype_refusal
+from ..dispatch import check_heads, forward_backend, triton_dtype_refusal
 from .naive import attention_with_entropy_reference
 
 
@@ -65,7 +65,7 @@ def _check(q, k, v, key_padding_mask, causal, softcap, window):
 MAX_HEAD_DIM = 256  # the Triton kernel's largest head dim (its tiles hold a whole head)
 
 
-def _triton_refusal(q: torch.Tensor, v: torch.Tensor) -> str | None:
+def attention_triton_refusal(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Triton kernel cannot take these inputs, or None."""
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}; got {q.shape[-1]}, {v.shape[-1]}"
@@ -94,12 +94,12 @@ def attention_with_entropy(
     softcap: Gemma 2's logit soft-capping, scores s → softcap · tanh(s / softcap) before the softmax.
     window: a causal sliding window (Mistral, Gemma 2): query i sees the ``window`` keys ending at
     i + (Nk - Nq).
-    backend: None (see ``kernel_backend``; what the Triton kernel cannot take, head dims above 256 or
-    float64, runs on the reference), "triton" or "reference". The Triton path has no autograd; the
-    reference path is differentiable.
+    backend: None (see ``kernel_backend``; what the Triton kernel cannot take, head dims above 256,
+    float64 or tensors that need gradients, runs on the reference), "triton" or "reference". The Triton
+    path has no autograd; the reference path is differentiable.
     """
     _check(q, k, v, key_padding_mask, causal, softcap, window)
-    backend = choose_backend(backend, _triton_refusal(q, v), q, k, v)
+    backend = forward_backend(backend, "attention_with_entropy", q, k, v, refusal=attention_triton_refusal(q, v))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":

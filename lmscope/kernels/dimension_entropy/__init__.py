@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_heads, choose_backend, triton_dtype_refusal
+from ..dispatch import check_heads, forward_backend
 from .naive import dimension_entropy_reference
 
 
@@ -24,7 +24,8 @@ def dimension_entropy(
     of softmax_m(scale * q[b,h,n,i] * k[b,h_kv,m,i]) over the keys m visible to query n (m <= n
     when causal). scale defaults to 1/sqrt(D), the usual attention scale (a model may scale its own
     scores otherwise: GPT-2's scale_attn_by_inverse_layer_idx, Gemma's query_pre_attn_scalar).
-    backend: None (see ``kernel_backend``; float64 runs on the reference), "triton" or "reference".
+    backend: None (see ``kernel_backend``; float64, or tensors that need gradients, run on the reference),
+    "triton" or "reference".
     """
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -35,7 +36,7 @@ def dimension_entropy(
         raise ValueError("sequence length must be at least 1")
     if q.dtype != k.dtype:
         raise ValueError(f"q and k dtypes differ: {q.dtype}, {k.dtype}")
-    backend = choose_backend(backend, triton_dtype_refusal(q), q, k)
+    backend = forward_backend(backend, "dimension_entropy", q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":

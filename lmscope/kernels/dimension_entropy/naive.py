@@ -35,7 +35,9 @@ def dimension_entropy_reference(
     for i in range(0, d, chunk):
         s = qf[:, :, i : i + chunk, :, None] * kf[:, :, i : i + chunk, None, :] * scale  # [B,H,c,N,N]
         logp = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        # masked entries have p = 0 and logp = -inf: drop them instead of forming 0 * (-inf)
-        plogp = torch.where(allowed, logp.exp() * logp, torch.zeros((), device=q.device))
+        # masked entries have p = 0 and logp = -inf: zero them before the product, so that neither 0 * (-inf)
+        # nor its gradient (which torch.where would still form) is a NaN
+        logp = logp.masked_fill(~allowed, 0.0)
+        plogp = logp.exp().masked_fill(~allowed, 0.0) * logp
         out.append(-plogp.sum(dim=-1))
     return torch.cat(out, dim=2)

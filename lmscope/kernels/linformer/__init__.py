@@ -25,7 +25,8 @@ def linformer_attention(
     q: [B, H, N, D]; k, v: [B, H_kv, N, D(v)]; E, F: [k, N] shared by all heads, or anything that
     broadcasts against [B, H, k, N] (e.g. per-head [H, k, N]). scale defaults to 1/sqrt(D).
     With E = F = I_N this is exact softmax attention.
-    backend: None (Triton on CUDA, the reference elsewhere and whenever gradients are needed), "triton"
+    backend: None (Triton on CUDA, the reference elsewhere and for what Triton cannot take: gradients,
+    head dims above 256, float64), "triton"
     (forward only: the projections are matmuls, the attention over the k projected keys runs in
     :func:`attention_with_entropy`'s kernel, non-causal) or "reference".
     """
@@ -44,8 +45,10 @@ def linformer_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     E, F = E.to(q.device), F.to(q.device)
-    if forward_backend(backend, "linformer_attention", q, k, v) == "triton":
-        from ..attention_entropy import attention_with_entropy
+    from ..attention_entropy import attention_triton_refusal, attention_with_entropy
+
+    # the attention over the projected keys runs in attention_with_entropy's kernel: its limits are these
+    if forward_backend(backend, "linformer_attention", q, k, v, refusal=attention_triton_refusal(q, v)) == "triton":
 
         with torch.no_grad():
             if E.ndim > 2 or F.ndim > 2:  # per-head projections are indexed by query head
