@@ -6,6 +6,7 @@ test checks that it sets only names listed in ``ENV_VARS``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,19 +47,23 @@ class ConfigError(ValueError):
     """An environment variable holds a value lmscope cannot use; the message names it and what to write."""
 
 
-def _number(env, name, default, kind):
+def _number(env, name, default, kind, positive=True):
+    """A count, a size or a duration: a finite number above 0 (``positive``)."""
     raw = env.get(name)
     if raw is None:
         return default
+    what = "a whole number" if kind is int else "a number"
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError:
-        what = "a whole number" if kind is int else "a number"
         raise ConfigError(f"{name}={raw!r} is not {what}; write e.g. {name}={default} (the default)") from None
+    if positive and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}={raw!r} must be {what} above 0; write e.g. {name}={default} (the default)")
+    return value
 
 
-def _int(env, name, default):
-    return _number(env, name, default, int)
+def _int(env, name, default, positive=True):
+    return _number(env, name, default, int, positive)
 
 
 def _float(env, name, default):
@@ -152,7 +157,7 @@ class Settings:
             task_time_limit=_int(env, "LMSCOPE_TASK_TIME_LIMIT", 21600),
             wikitext2_path=Path(wikitext) if wikitext else default_wikitext,
             host=env.get("LMSCOPE_HOST", "127.0.0.1"),
-            port=_int(env, "LMSCOPE_PORT", 8765),
+            port=_int(env, "LMSCOPE_PORT", 8765, positive=False),  # 0: a free port; `lmscope up` checks the range
             allowed_hosts=tuple(h.strip().lower() for h in env.get("LMSCOPE_ALLOWED_HOSTS", "").split(",") if h.strip()),
         )
         values.update(overrides)

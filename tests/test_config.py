@@ -53,6 +53,22 @@ def test_a_malformed_number_names_its_variable_and_the_default():
     with pytest.raises(ConfigError, match="LMSCOPE_HEARTBEAT_SECONDS='5s' is not a number"):
         Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "5s"})
     assert Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "2.5"}).heartbeat_seconds == 2.5
+    # a number that parses but means nothing: no heartbeat every -5 s, no stale-after of nan
+    for name, raw in (("LMSCOPE_HEARTBEAT_SECONDS", "-5"), ("LMSCOPE_STALE_AFTER_SECONDS", "nan"),
+                      ("LMSCOPE_STALE_AFTER_SECONDS", "inf"), ("LMSCOPE_MAX_ATTEMPTS", "0")):
+        with pytest.raises(ConfigError, match=rf"{name}='{raw}' must be a (whole )?number above 0; write e.g. {name}="):
+            Settings.from_env({name: raw})
+
+
+def test_autotune_is_on_or_off_and_anything_else_is_refused(monkeypatch):
+    from lmscope.kernels.tuning import autotuning
+
+    for raw, on in (("", True), ("1", True), ("On", True), ("0", False), (" off ", False), ("no", False)):
+        monkeypatch.setenv("LMSCOPE_AUTOTUNE", raw)
+        assert autotuning() is on
+    monkeypatch.setenv("LMSCOPE_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="LMSCOPE_AUTOTUNE='maybe' is neither on nor off"):
+        autotuning()
 
 
 def test_the_cli_shows_a_malformed_variable_as_an_error_not_a_traceback(tmp_path):

@@ -41,7 +41,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
                         "description": "same key + same body → the first job (200); a different body → 422"}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitJob"}}}},
         "responses": {"202": _json("Job", "accepted; Location names the job"), "200": _json("Job", "an idempotent replay"),
-                      "400": PROBLEM, "409": PROBLEM, "422": PROBLEM, "429": PROBLEM},
+                      "400": PROBLEM, "409": PROBLEM, "415": PROBLEM, "422": PROBLEM, "429": PROBLEM},
     },
     ("get", "jobs.list_jobs"): {
         "parameters": [
@@ -76,17 +76,18 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {"200": {
             "description": "the file, with the media type it was recorded with; images, JSON and text are served inline",
             "content": {media: {"schema": {"type": "string", "format": "binary"}}
-                        for media in ("image/png", "application/json", "text/plain", "text/csv", "application/octet-stream")}}}},
+                        for media in ("image/png", "application/json", "text/plain", "text/csv", "application/octet-stream")}},
+        "304": {"description": "If-None-Match named the file's ETag (its sha256): you have it already"}}},
     ("get", "events.job_events"): {
         "parameters": [_query("timeout", {"type": "number", "default": 300, "exclusiveMinimum": 0, "maximum": 3600},
                               "longest stream in seconds")],
         "responses": {"200": {"description": "events `status`, `progress`, `end` (and `timeout`)",
-                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, "422": PROBLEM},
     },
     ("post", "registry.register_model"): {
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RegisterModelBody"}}}},
         "responses": {"201": {"description": "registered"}, "400": PROBLEM, "403": PROBLEM, "409": PROBLEM,
-                      "422": PROBLEM},
+                      "415": PROBLEM, "422": PROBLEM},
     },
     ("post", "registry.upload_dataset"): {
         "parameters": [_query("name", {"type": "string"}, "dataset name (raw-body uploads)"),
@@ -173,6 +174,8 @@ def build_spec(app: Flask) -> dict[str, Any]:
                 op["description"] = "\n".join(doc[1:]).strip()
             if "requestBody" in extra:
                 op["requestBody"] = extra["requestBody"]
+            # without tokens (LMSCOPE_AUTH=0): host-not-allowed on any route, cross-origin-request on a change
+            op["responses"].setdefault("403", PROBLEM)
             if rule.endpoint not in PUBLIC:
                 op["responses"].setdefault("401", PROBLEM)
                 if rule.arguments:
@@ -248,6 +251,7 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "summary": {"type": "object", "description": "scalar summary key → {job id: value}"},
         "series": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "labels": {"type": "object"},
+            "x_meaning": {"type": "string", "description": "what x is, as an axis label (\"x\" when unknown)"},
             "jobs": {"type": "object", "description": "job id → {x, y}"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names no job has"},
         "shared_series": {"type": "array", "items": {"type": "string"}, "description": "names every job has"}}},

@@ -58,6 +58,41 @@ def test_the_documented_query_parameters_are_the_ones_each_endpoint_reads(api):
             assert sorted(documented) == sorted(reads), (method, path)
 
 
+def test_the_statuses_the_server_answers_are_the_documented_ones(api, make_api):
+    """A client generated from /openapi.json knows each answer: a gzip body (415), a bad events timeout (422),
+    an artifact the caller has (304), a request addressed to a name without tokens (403)."""
+    import gzip
+    import hashlib
+
+    from lmscope.db.models import Artifact
+
+    spec = api.client.get("/openapi.json").get_json()
+
+    def documented(path, method, response, status):
+        assert response.status_code == status
+        assert str(status) in spec["paths"][path][method]["responses"], (path, method, status)
+
+    h = api.user("ann")
+    documented("/v1/jobs", "post", api.client.post("/v1/jobs", headers={**h, "Content-Encoding": "gzip"},
+                                                  data=gzip.compress(b'{"kind": "probe"}'), content_type="application/json"), 415)
+    job = api.submit(h).get_json()["id"]
+    documented("/v1/jobs/{job_id}/events", "get", api.client.get(f"/v1/jobs/{job}/events?timeout=0", headers=h), 422)
+    data = b"\x89PNG" + bytes(64)
+    path = api.settings.artifact_dir / "jobs" / str(job) / "a.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    with api.sessions.begin() as session:
+        session.add(Artifact(job_id=job, name="a.png", media_type="image/png", size=len(data),
+                             sha256=hashlib.sha256(data).hexdigest()))
+    etag = api.client.get(f"/v1/jobs/{job}/artifacts/a.png", headers=h).headers["ETag"]
+    documented("/v1/jobs/{job_id}/artifacts/{name}", "get",
+               api.client.get(f"/v1/jobs/{job}/artifacts/a.png", headers={**h, "If-None-Match": etag}), 304)
+    open_api = make_api(auth=False)
+    for path, method in (("/v1/jobs", "get"), ("/v1/jobs", "post"), ("/healthz", "get")):
+        documented(path, method, getattr(open_api.client, method)(path, headers={"Host": "evil.example:5000"}), 403)
+    assert "x_meaning" in spec["components"]["schemas"]["Comparison"]["properties"]["series"]["items"]["properties"]
+
+
 def test_docs_page_is_self_contained(api):
     r = api.client.get("/docs")
     assert r.status_code == 200 and r.mimetype == "text/html"
