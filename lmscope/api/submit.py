@@ -157,6 +157,17 @@ def _training_run_hint(session: Session, caller: Caller, name: str) -> str:
             + (f", or give train_job={job} to an entropy job for all of them" if job is not None else ""))
 
 
+def _path_hint(what: str, name: str) -> str:
+    """A file or directory path where a registered name belongs: how to make it one."""
+    if not any(c in name for c in "/\\") and not name.endswith((".txt", ".raw", ".jsonl", ".json", ".csv")):
+        return ""
+    if what == "dataset":
+        return ("; jobs take a registered name, not a path: upload the file first (`lmscope datasets upload NAME "
+                "FILE`, Client.upload_dataset(name, path) or POST /v1/datasets) and give NAME")
+    return ("; jobs take a registered name, not a path: register the directory first (`lmscope models register NAME DIR`, "
+            "Client.register_model(name, path) or POST /v1/models) and give NAME")
+
+
 def check_refs(session: Session, caller: Caller, parsed: list) -> None:
     """Every model, dataset and train job the params name must exist (and the job be visible and finished)."""
     models = sorted({m for p in parsed for m in p.model_refs()})
@@ -173,7 +184,8 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
             run = _training_run_hint(session, caller, n) if table is Model else ""
             errors.append((_field_holding(parsed, n), f"{what} {n!r} is not registered"
                            + (run or did_you_mean(n, everything)
-                              + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)")))
+                              + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)")
+                           + (_path_hint(what, n) if not run else "")))
     for job_id in jobs:
         ref = session.get(Job, job_id)
         if ref is None or not caller.can_see(ref.user_id):

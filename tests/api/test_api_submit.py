@@ -141,6 +141,14 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
                       "unknown-reference")
     assert "model 'tiny-gpt' is not registered; did you mean 'tiny-gpt2'?" in near["detail"]
     assert "dataset 'wikitext2' is not registered; did you mean 'wikitext-2'?" in near["detail"]
+    assert "not a path" not in near["detail"]
+    # a path where a name belongs: how to make it one
+    paths = is_problem(api.submit(h, kind="norms", params={"model": "/models/my-llama", "dataset": "/tmp/corpus.txt"}),
+                       422, "unknown-reference")
+    assert ("dataset '/tmp/corpus.txt' is not registered (list datasets: GET /v1/datasets or `lmscope datasets`); "
+            "jobs take a registered name, not a path: upload the file first (`lmscope datasets upload NAME FILE`"
+            in paths["detail"])
+    assert "register the directory first (`lmscope models register NAME DIR`" in paths["detail"]
     # a train job's tokenizer 'gpt2' (not registered) is the field to blame, not its architecture
     # "gpt2", the default left as it is
     tok = is_problem(api.submit(h, kind="train", params={"dataset": "d", "tokenizer": "gpt2"}), 422, "unknown-reference")
