@@ -166,6 +166,7 @@ X_MEANINGS: dict[str, str] = {
     "entropy.histogram": "attention entropy (nats)",
     "dimension_entropy": "training step",
     "dimension_entropy.histogram": "dimension-wise entropy (nats)",
+    "dimension_entropy.gap_histogram": "nats below the uniform bound ln(visible keys)",
     "uniform_bound": "query position t",
     "parameters.by_layer": "layer",
     "val_error": "epoch",

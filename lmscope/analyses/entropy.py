@@ -173,8 +173,22 @@ class EntropyStats:
         }
 
 
+GAP_BINS_PER_DECADE = 8
+GAP_FLOOR = 1e-4  # nats: closer to the bound than this is uniform up to float32 rounding (the first bin)
+
+
+def gap_edges(seq_len: int) -> np.ndarray:
+    """Bin edges of the distance below the uniform bound, ln(visible keys) − H: [0, 1e-4], then log-spaced
+    bins up to ln(seq_len) — the near-uniform margin (0.03) falls inside them, where equal bins over
+    [0, ln N] are wider than it."""
+    top = math.log(max(seq_len, 2))
+    bins = max(1, math.ceil(math.log10(top / GAP_FLOOR) * GAP_BINS_PER_DECADE))
+    return np.concatenate([[0.0], np.geomspace(GAP_FLOOR, top, bins + 1)])
+
+
 class DimensionStats:
-    """Entropies of the per-dimension softmax rows: histogram and near-uniform share per layer × head."""
+    """Entropies of the per-dimension softmax rows: histograms (of the entropy, and of its distance below
+    the uniform bound) and the near-uniform share per layer × head."""
 
     def __init__(self, layers: int, heads: int, seq_len: int, bins: int, margin: float, causal: bool, device="cpu"):
         self.seq_len, self.bins, self.causal = seq_len, bins, causal
@@ -188,6 +202,8 @@ class DimensionStats:
         self.near = torch.zeros(layers, heads, dtype=torch.int64, device=device)
         self.rows = torch.zeros(layers, heads, dtype=torch.int64, device=device)
         self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
+        self.gap_edges = torch.tensor(gap_edges(seq_len), dtype=torch.float64, device=device)
+        self.gap_hist = torch.zeros(layers, len(self.gap_edges) - 1, dtype=torch.int64, device=device)
         self.own_scales: dict[int, float] = {}  # layers whose own softmax scale is not 1/sqrt(d)
 
     def note_scale(self, layer: int, own: float, head_dim: int) -> None:
@@ -204,6 +220,10 @@ class DimensionStats:
         idx = (e / self.bin_width).floor().long().clamp_(0, self.bins - 1)
         flat = (torch.arange(h, device=e.device)[None, :, None, None] * self.bins + idx).flatten()
         self.hist[layer] += torch.bincount(flat, minlength=h * self.bins).view(h, self.bins)
+        gap = (self.bound[self.first:] - e).clamp_(min=0.0)  # rounding can put H a hair above its bound
+        gap_bins = len(self.gap_edges) - 1
+        gap_idx = (torch.bucketize(gap.flatten(), self.gap_edges[1:-1], right=True)).clamp_(0, gap_bins - 1)
+        self.gap_hist[layer] += torch.bincount(gap_idx, minlength=gap_bins)
 
     def result(self) -> dict[str, np.ndarray]:
         hist = self.hist.double()
@@ -213,6 +233,9 @@ class DimensionStats:
             "near_uniform_pct_all": float(100.0 * self.near.sum().double() / self.rows.sum().double()),
             "hist_counts": self.hist.cpu().numpy(),
             "hist_density": (hist.sum(1) / (hist.sum((1, 2))[:, None] * self.bin_width)).cpu().numpy(),
+            "gap_edges": self.gap_edges.cpu().numpy(),
+            "gap_counts": self.gap_hist.cpu().numpy(),  # [L, gap bins], heads pooled
+            "gap_pct": (100.0 * self.gap_hist.double() / self.gap_hist.sum(1, keepdim=True).double()).cpu().numpy(),
             "own_scales": dict(sorted(self.own_scales.items())),
         }
 
@@ -428,6 +451,8 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
     positions = list(range(n))
     edges = bin_edges(params)
     centres = ((edges[:-1] + edges[1:]) / 2).tolist()
+    gaps = gap_edges(n)  # the first bin [0, 1e-4] is named by its top, the others by their geometric centre
+    gap_centres = [float(gaps[1])] + np.sqrt(gaps[1:-1] * gaps[2:]).tolist()
     for step, name, r, d in zip(steps, names, results, dim_results):
         model_labels = {"step": step, "model": name}
         series.append(Series("entropy.layer_mean", list(range(layers)), r["mean"].mean(1).tolist(), model_labels))
@@ -437,6 +462,8 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             series.append(Series("entropy.histogram", centres, r["hist_density"][layer].tolist(), labels))
             if d is not None:
                 series.append(Series("dimension_entropy.histogram", centres, d["hist_density"][layer].tolist(), labels))
+                series.append(Series("dimension_entropy.gap_histogram", gap_centres, d["gap_pct"][layer].tolist(),
+                                     labels))
     series.append(Series("uniform_bound", positions, [math.log(t + 1) for t in positions], {}))
     for layer, w in last["sliding_windows"].items():  # these rows see min(t + 1, W) keys
         series.append(Series("uniform_bound", positions, last["bound"][layer].tolist(), {"layer": layer, "window": w}))
@@ -495,6 +522,7 @@ def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
             ctx.artifact_dir / "dimension_entropy.npz",
             near_uniform_pct=np.stack([d["near_uniform_pct"] for d in dim_results]),
             hist_counts=np.stack([d["hist_counts"] for d in dim_results]),
+            gap_counts=np.stack([d["gap_counts"] for d in dim_results]), gap_edges=gap_edges(params.seq_len),
             steps=np.array(steps), bin_edges=arrays["bin_edges"])
 
 

@@ -286,6 +286,16 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
         (srs,) = series(out, "dimension_entropy.histogram", layer=layer)
         np.testing.assert_allclose(srs.x, (edges[:-1] + edges[1:]) / 2)
         assert np.abs(np.array(srs.y) * np.diff(edges) * ent.size - counts).sum() <= 2 + 1e-6
+        # the distance below the bound, on [0, 1e-4] then log-spaced bins: numpy's histogram of bound − H
+        gap = np.clip(bound[first:] - ent, 0, None)
+        gap_edges = arrays["gap_edges"]
+        assert gap_edges[0] == 0 and gap_edges[1] == pytest.approx(1e-4) and gap_edges[-1] == pytest.approx(math.log(n))
+        assert np.all(np.diff(np.log(gap_edges[1:])) == pytest.approx(np.log(gap_edges[2] / gap_edges[1])))
+        gap_counts, _ = np.histogram(gap, bins=gap_edges)
+        assert np.abs(arrays["gap_counts"][0, layer] - gap_counts).sum() <= 2
+        (gsrs,) = series(out, "dimension_entropy.gap_histogram", layer=layer)
+        assert len(gsrs.x) == len(gap_edges) - 1 and sum(gsrs.y) == pytest.approx(100.0)
+        assert np.abs(np.array(gsrs.y) / 100 * gap.size - gap_counts).sum() <= 2 + 1e-6
         # every head has as many rows, so the layer's share is the mean of the heads' shares
         per_layer.append(float(near.mean()))
     assert 0 < out.summary["near_uniform_pct"] < 100  # a meaningful mix, not a degenerate case
