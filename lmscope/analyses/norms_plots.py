@@ -74,17 +74,28 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
 
 
 def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_last_layer: bool, title: str) -> None:
-    """Each trajectory as a 3-D polyline in the top principal components; circle = h0, triangle = last point."""
+    """Each trajectory as a 3-D polyline in the top principal components, its points coloured by layer (the
+    colour bar names them); circle = h0, triangle = last point."""
     plt = pyplot()
-    fig = plt.figure(figsize=(7, 6))
+    fig = plt.figure(figsize=(7.6, 6))
     ax = fig.add_subplot(projection="3d")
-    colors = plt.cm.viridis(np.linspace(0, 1, max(1, len(coords))))
+    points = coords.shape[1] if coords.ndim == 3 else 0
+    depth = np.arange(points)
+    norm = plt.Normalize(0, max(1, points - 1))
+    dots = None
     for i, c in enumerate(coords):
         c = np.pad(c, ((0, 0), (0, max(0, 3 - c.shape[1]))))  # a model narrower than 3 dims
-        ax.plot(c[:, 0], c[:, 1], c[:, 2], color=colors[i], lw=1, alpha=0.8)
-        ax.scatter(*c[0, :3], color=colors[i], marker="o", s=18, label="start (h0)" if i == 0 else None)
-        ax.scatter(*c[-1, :3], color=colors[i], marker="^", s=26,
+        ax.plot(c[:, 0], c[:, 1], c[:, 2], color="0.55", lw=0.8, alpha=0.6)
+        dots = ax.scatter(c[:, 0], c[:, 1], c[:, 2], c=depth, cmap="viridis", norm=norm, s=8, depthshade=False)
+        ax.scatter(*c[0, :3], color=plt.cm.viridis(norm(0)), marker="o", s=22, edgecolor="k", linewidth=0.4,
+                   label="start (h0)" if i == 0 else None)
+        ax.scatter(*c[-1, :3], color=plt.cm.viridis(norm(points - 1)), marker="^", s=30, edgecolor="k", linewidth=0.4,
                    label=("end (last block, pre-norm)" if include_last_layer else "end (last point)") if i == 0 else None)
+    if dots is not None:
+        bar = fig.colorbar(dots, ax=ax, shrink=0.6, pad=0.1, label="hidden state")
+        names = layer_names(points, include_last_layer)
+        step = max(1, -(-points // 12))  # at most a dozen tick labels
+        bar.set_ticks(list(depth[::step]), labels=names[::step])
     pcs = [f"PC{k + 1} ({100 * v:.1f} %)" for k, v in enumerate(list(explained) + [0.0] * (3 - len(explained)))]
     ax.set_xlabel(pcs[0], fontsize=8)
     ax.set_ylabel(pcs[1], fontsize=8)
