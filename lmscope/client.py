@@ -17,6 +17,7 @@ import numbers
 import os
 import time
 import unicodedata
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import quote
@@ -223,11 +224,12 @@ class Client:
         (as in `results`), matched by series name and labels."""
         from lmscope.compare import Comparison
 
-        if isinstance(job_ids, (str, int)) or not all(
-                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in job_ids):
+        # a list, a tuple or a generator (read once) of ints; not "12,14", not 12
+        ids = list(job_ids) if isinstance(job_ids, Iterable) and not isinstance(job_ids, (str, bytes)) else None
+        if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
             raise TypeError(f"compare takes a list of job ids, e.g. compare([12, 14]), not {job_ids!r}")
         names = [series] if isinstance(series, str) else list(series or [])
-        params = [("jobs", ",".join(str(int(i)) for i in job_ids))] + [("series", n) for n in names]
+        params = [("jobs", ",".join(str(int(i)) for i in ids))] + [("series", n) for n in names]
         return Comparison.from_json(self._json("GET", "/v1/compare", params=params))
 
     def artifacts(self, job_id: int) -> list[dict[str, Any]]:

@@ -21,12 +21,22 @@ Scalar = (int, float, str, bool, type(None))
 # Labels naming the run rather than the quantity: two entropy jobs label their layer means with
 # their own model and step, two sweep children with their own seed.
 # Which run a curve came from, and what a run counted along the way (how many trajectories a norms
-# job's inner-loss curves average: a property of the run, not of the curve).
-RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count", "kept", "total", "trajectories", "over")
+# job's inner-loss curves average: a property of the run, not of the curve; `over`, what they average,
+# stays).
+RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count", "kept", "total", "trajectories")
 # Run labels that name a point within a run (a checkpoint, a seed): when one job needs them to tell its
 # curves apart, another job's curve with the same value is that point's too (a single checkpoint
 # `run@step600` against the run's step-600 curve).
 POINT_LABELS = ("step", "seed")
+
+
+def _names_a_point(key: str, value: Any, labels: dict[str, Any]) -> bool:
+    """A step that is a checkpoint's (its model is `run@step<N>`; an entropy job on a plain model says step 0,
+    a list of plain models their index), or a seed."""
+    if key == "step":
+        model = labels.get("model")
+        return isinstance(model, str) and model.endswith(f"@step{value}")
+    return value is not None
 
 
 def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] = RUN_LABELS,
@@ -36,7 +46,8 @@ def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] =
     several checkpoints). The `points` labels are kept wherever they have a value."""
     def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{k: v for k, v in (s.get("labels") or {}).items()
-                 if k not in run_labels or k in extra or (k in points and v is not None)} for s in series]
+                 if k not in run_labels or k in extra or (k in points and _names_a_point(k, v, s.get("labels")))}
+                for s in series]
 
     for extra in ((), ("step",), ("seed",), run_labels):
         labels = keep(extra)
@@ -137,7 +148,9 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     # differ in latent_dim label their curves with it, and are compared on one curve. Not one that only
     # some jobs have: a sweep's curves per latent_dim match the one grid point's of the same latent_dim.
     run_labels = RUN_LABELS + tuple(k for k, values in params.items() if len(values) == len(jobs))
-    points = tuple(k for k in POINT_LABELS if any(k in _matching_labels(series, run_labels)[1] for series in series_of))
+    # the point labels some job needs (not its last resort, every run label, which another job cannot share)
+    needed = [_matching_labels(series, run_labels)[1] for series in series_of]
+    points = tuple(k for k in POINT_LABELS if any(k in extra for extra in needed if extra != run_labels))
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()

@@ -93,12 +93,26 @@ def test_one_checkpoint_matches_the_same_step_of_a_run_over_checkpoints():
     single checkpoint's curve is its step 200's; a plain model (no step) stays a curve of its own."""
     run = [_series("entropy.layer_mean", {"model": f"r@step{s}", "step": s}, [0], [float(s)]) for s in (100, 200)]
     one = [_series("entropy.layer_mean", {"model": "r@step200", "step": 200}, [0], [2.5])]
-    plain = [_series("entropy.layer_mean", {"model": "m", "step": None}, [0], [7.0])]
+    plain = [_series("entropy.layer_mean", {"model": "m", "step": 0}, [0], [7.0])]  # entropy's step for a plain model
     c = compare([_job(1, train_job=1), _job(2, model="r@step200"), _job(3, model="m")], [run, one, plain])
     by_labels = {tuple(sorted(curve.labels.items())): curve.by_job for curve in c.curves}
     assert by_labels == {(("step", 100),): {1: ([0], [100.0])},
                          (("step", 200),): {1: ([0], [200.0]), 2: ([0], [2.5])},
                          (): {3: ([0], [7.0])}}
+    # a list of plain models is stepped by index: model b (index 0) is not a run's step 0, nor model m
+    listed = [_series("entropy.layer_mean", {"model": name, "step": i}, [0], [float(i)]) for i, name in enumerate("ab")]
+    c = compare([_job(4, models=["a", "b"]), _job(3, model="m")], [listed, plain])
+    assert [sorted(curve.by_job) for curve in c.curves] == [[4], [4], [3]]
+
+
+def test_a_job_with_one_curve_twice_does_not_make_others_keep_their_run_labels():
+    """Two checkpoints of one run compared (each names its step) against a job whose same-named curves
+    only its model tells apart: the checkpoints still share their curve."""
+    twice = [_series("s", {"model": "x", "step": 0}, [0], [1.0]), _series("s", {"model": "x", "step": 0}, [0], [2.0])]
+    c = compare([_job(1, model="r@step300"), _job(2, model="r@step600"), _job(3, model="x")],
+                [[_series("s", {"model": "r@step300", "step": 300}, [0], [3.0])],
+                 [_series("s", {"model": "r@step600", "step": 600}, [0], [6.0])], twice])
+    assert [sorted(curve.by_job) for curve in c.curves][0] == [1, 2]
 
 
 def test_what_a_norms_run_counted_does_not_keep_its_inner_loss_apart():
@@ -110,7 +124,14 @@ def test_what_a_norms_run_counted_does_not_keep_its_inner_loss_apart():
     c = compare([_job(1, "norms", model="a@step600"), _job(2, "norms", model="a@step300")],
                 [run(16, [5.0, 3.0]), run(13, [6.0, 4.0])])
     [curve] = c.curves
-    assert curve.labels == {"loss_filter": 4.0} and curve.aligned([1, 2]) == [(0, [5.0, 6.0]), (1, [3.0, 4.0])]
+    assert curve.labels == {"loss_filter": 4.0, "over": "kept"}
+    assert curve.aligned([1, 2]) == [(0, [5.0, 6.0]), (1, [3.0, 4.0])]
+    # what a curve averages is no count: one over every finite trajectory is another curve
+    everything = [_series("inner_loss.mean", {"kept": 0, "total": 30, "loss_filter": 4.0,
+                                              "over": "all finite: none passed loss_filter", "trajectories": 30},
+                          [0, 1], [9.0, 8.0])]
+    c = compare([_job(1, "norms", model="a@step600"), _job(3, "norms", model="a@step0")], [run(16, [5.0, 3.0]), everything])
+    assert len(c.curves) == 2
 
 
 def test_the_same_name_and_labels_twice_in_one_job_keeps_both():

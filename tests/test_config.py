@@ -61,7 +61,7 @@ def test_a_malformed_number_names_its_variable_and_the_default():
 
 
 def test_autotune_is_on_or_off_and_anything_else_is_refused(monkeypatch):
-    from lmscope.kernels.tuning import autotuning
+    from lmscope.kernels.dispatch import autotuning  # needs no triton
 
     for raw, on in (("", True), ("1", True), ("On", True), ("0", False), (" off ", False), ("no", False)):
         monkeypatch.setenv("LMSCOPE_AUTOTUNE", raw)

@@ -159,7 +159,8 @@ def _training_run_hint(session: Session, caller: Caller, name: str) -> str:
 
 def _path_hint(what: str, name: str) -> str:
     """A file or directory path where a registered name belongs: how to make it one."""
-    if not any(c in name for c in "/\\") and not name.endswith((".txt", ".raw", ".jsonl", ".json", ".csv")):
+    # names may hold "/" and "." (org/model, corpus.v2): only what reads as a path on a disk
+    if not (name.startswith(("/", "./", "../", "~")) or "\\" in name):
         return ""
     if what == "dataset":
         return ("; jobs take a registered name, not a path: upload the file first (`lmscope datasets upload NAME "
@@ -182,10 +183,10 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
         everything = list(session.scalars(select(table.name))) if missing else []
         for n in missing:
             run = _training_run_hint(session, caller, n) if table is Model else ""
+            near = did_you_mean(n, everything)
             errors.append((_field_holding(parsed, n), f"{what} {n!r} is not registered"
-                           + (run or did_you_mean(n, everything)
-                              + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)")
-                           + (_path_hint(what, n) if not run else "")))
+                           + (run or near + f" (list {what}s: GET /v1/{what}s or `lmscope {what}s`)")
+                           + (_path_hint(what, n) if not run and not near else "")))
     for job_id in jobs:
         ref = session.get(Job, job_id)
         if ref is None or not caller.can_see(ref.user_id):

@@ -44,6 +44,21 @@ def on_device_of(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+AUTOTUNE_ENV_VAR = "LMSCOPE_AUTOTUNE"
+
+
+def autotuning() -> bool:
+    """``LMSCOPE_AUTOTUNE``: on (unset, empty, 1 / true / yes / on) or off (0 / false / no / off); read at
+    every launch that tunes. Anything else is refused, as lmscope.config refuses its variables."""
+    word = os.environ.get(AUTOTUNE_ENV_VAR, "").strip().lower()
+    if word in ("", "1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{AUTOTUNE_ENV_VAR}={os.environ[AUTOTUNE_ENV_VAR]!r} is neither on nor off; write "
+                     f"{AUTOTUNE_ENV_VAR}=1 (on) or {AUTOTUNE_ENV_VAR}=0 (off)")
+
+
 def forced_backend() -> str | None:
     """The backend ``LMSCOPE_KERNEL_BACKEND`` asks for (validated), or None when it is unset."""
     value = os.environ.get(ENV_VAR, "").strip().lower()

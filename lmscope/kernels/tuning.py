@@ -9,25 +9,9 @@ correctness and must fit a short GPU session.
 
 from __future__ import annotations
 
-import os
-
 import triton
 
-from .dispatch import interpreting
-
-AUTOTUNE_ENV_VAR = "LMSCOPE_AUTOTUNE"
-
-
-def autotuning() -> bool:
-    """``LMSCOPE_AUTOTUNE``: on (unset, empty, 1 / true / yes / on) or off (0 / false / no / off); read at
-    every launch that tunes. Anything else is refused, as lmscope.config refuses its variables."""
-    word = os.environ.get(AUTOTUNE_ENV_VAR, "").strip().lower()
-    if word in ("", "1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{AUTOTUNE_ENV_VAR}={os.environ[AUTOTUNE_ENV_VAR]!r} is neither on nor off; write "
-                     f"{AUTOTUNE_ENV_VAR}=1 (on) or {AUTOTUNE_ENV_VAR}=0 (off)")
+from .dispatch import autotuning, interpreting
 
 
 def autotune_on_gpu(fn, *, configs: list, key: list[str], interpreter_blocks: dict[str, int],

@@ -61,6 +61,8 @@ FeatureCount = Annotated[int, Field(ge=1, le=65536)]  # k: random features (Perf
 LayerIndex = Annotated[int, Field(ge=0)]
 AttentionSeqLen = Annotated[int, Field(ge=2, le=65536)]
 DEFAULT_ATTENTION_SEQ_LEN = 512
+# Defaults stored rows may hold from before they changed (a full dump of the other study's fields)
+FORMER_DEFAULTS = {"seq_len": 512}
 ATTENTION_SEQ_LEN_ABOUT = (f"tokens per window; default {DEFAULT_ATTENTION_SEQ_LEN}, or the model's context length "
                            "when shorter")
 SegmentCount = Annotated[int, Field(ge=1, le=100_000)]
@@ -285,7 +287,8 @@ class SweepParams(JobParams):
         submitted = bool(info.context and info.context.get("submitted"))
         fields = type(self).model_fields
         stray = [f for f in other if f in self.model_fields_set
-                 and (submitted or getattr(self, f) != fields[f].get_default(call_default_factory=True))]
+                 and (submitted or getattr(self, f) not in (fields[f].get_default(call_default_factory=True),
+                                                            FORMER_DEFAULTS.get(f)))]
         if stray:
             meant = {"seeds": "grid.seed", "batch_size": "train.batch_size", "features": "grid.features",
                      "seq_len": "grid.seq_len"} if self.study == "sumformer" else {}

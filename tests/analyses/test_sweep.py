@@ -63,6 +63,9 @@ def test_stored_params_keep_only_their_study_and_validate_back_to_the_same():
     assert set(sumformer.stored()) == {"study", "target", "architectures", "grid", "train"}
     assert set(attention.stored()) == {"study", "model", "dataset", "layers", "methods", "features", "seq_len",
                                        "num_segments", "batch_size", "linformer_projection", "seeds"}
+    # a row stored before the attention study's seq_len defaulted to the model's context holds 512
+    former = {**sumformer.model_dump(mode="json"), "seq_len": 512}
+    assert validate_params("sweep", former, internal=True).study == "sumformer"
     for p in (sumformer, attention):
         assert SweepParams.model_validate(p.stored()) == p
         assert SweepParams.model_validate(json.loads(json.dumps(p.stored()))) == p

@@ -99,7 +99,8 @@ def test_one_tag_a_list_of_statuses_and_bad_job_ids_mean_what_a_researcher_meant
     other = ann.submit("probe", {"model": "m"})["id"]
     ann.cancel(other)
     assert [j["id"] for j in ann.list(status=["queued", "cancelled"])] == [other, tagged["id"]]
-    for wrong in (tagged["id"], f"{tagged['id']},{other}", [str(other)]):
+    assert ann.compare(j["id"] for j in ann.list()).ids == [other, tagged["id"]]  # a generator of ids is fine
+    for wrong in (tagged["id"], f"{tagged['id']},{other}", [str(other)], 1.5):
         with pytest.raises(TypeError, match=r"list of job ids, e.g. compare\(\[12, 14\]\)"):
             ann.compare(wrong)
 

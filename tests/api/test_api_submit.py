@@ -149,6 +149,9 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
             "jobs take a registered name, not a path: upload the file first (`lmscope datasets upload NAME FILE`"
             in paths["detail"])
     assert "register the directory first (`lmscope models register NAME DIR`" in paths["detail"]
+    named = is_problem(api.submit(h, kind="norms", params={"model": "org/llama-7b", "dataset": "d"}), 422,
+                       "unknown-reference")
+    assert "not a path" not in named["detail"]  # registered names may hold "/"
     # a train job's tokenizer 'gpt2' (not registered) is the field to blame, not its architecture
     # "gpt2", the default left as it is
     tok = is_problem(api.submit(h, kind="train", params={"dataset": "d", "tokenizer": "gpt2"}), 422, "unknown-reference")
