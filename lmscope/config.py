@@ -83,10 +83,11 @@ def time_limits(hard: int) -> tuple[int, float]:
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _bool(env, name, default: bool) -> bool:
-    """1/true/yes/on or 0/false/no/off (any case); anything else is refused rather than guessed."""
+def on_off(env, name, default: bool) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case; unset or empty: ``default``); anything else is refused
+    rather than guessed."""
     raw = env.get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return default
     word = raw.strip().lower()
     if word in TRUE_WORDS or word in FALSE_WORDS:
@@ -146,7 +147,7 @@ class Settings:
             broker_url=broker,
             artifact_dir=Path(env.get("LMSCOPE_ARTIFACT_DIR", data_dir / "artifacts")).expanduser().absolute(),
             model_dirs=[Path(p).expanduser().absolute() for p in env.get("LMSCOPE_MODEL_DIRS", "").split(os.pathsep) if p],
-            auth=_bool(env, "LMSCOPE_AUTH", default=bool(broker)),
+            auth=on_off(env, "LMSCOPE_AUTH", default=bool(broker)),
             max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
             max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),
             max_sweep_points=_int(env, "LMSCOPE_MAX_SWEEP_POINTS", 256),

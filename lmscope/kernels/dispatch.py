@@ -3,7 +3,7 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``choose_backend``, ``forward_backend``, ``check_heads``, ``check_grid``,
+the kernels share (``forward_backend``, ``check_heads``, ``check_grid``,
 ``fit_int32_offsets``) and ``repeat_kv`` for grouped-query heads.
 """
 
@@ -15,6 +15,8 @@ import importlib.util
 import os
 
 import torch
+
+from lmscope.config import on_off
 
 BACKENDS = ("triton", "reference")
 ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
@@ -48,15 +50,9 @@ AUTOTUNE_ENV_VAR = "LMSCOPE_AUTOTUNE"
 
 
 def autotuning() -> bool:
-    """``LMSCOPE_AUTOTUNE``: on (unset, empty, 1 / true / yes / on) or off (0 / false / no / off); read at
-    every launch that tunes. Anything else is refused, as lmscope.config refuses its variables."""
-    word = os.environ.get(AUTOTUNE_ENV_VAR, "").strip().lower()
-    if word in ("", "1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{AUTOTUNE_ENV_VAR}={os.environ[AUTOTUNE_ENV_VAR]!r} is neither on nor off; write "
-                     f"{AUTOTUNE_ENV_VAR}=1 (on) or {AUTOTUNE_ENV_VAR}=0 (off)")
+    """``LMSCOPE_AUTOTUNE`` on (the default) or off, read at every launch that tunes; anything else is
+    refused, as lmscope.config refuses its variables."""
+    return on_off(os.environ, AUTOTUNE_ENV_VAR, True)
 
 
 def forced_backend() -> str | None:
@@ -139,30 +135,20 @@ def triton_dtype_refusal(t: torch.Tensor) -> str | None:
     return None if t.dtype in TRITON_DTYPES else f"the Triton kernels take float32/float16/bfloat16, not {t.dtype}"
 
 
-def choose_backend(backend: str | None, refusal: str | None, *tensors: torch.Tensor) -> str:
-    """``resolve_backend``, where ``refusal`` says why the Triton path cannot take these inputs (None: it
-    can). The automatic choice then runs the reference (a model with head_dim 512 on a GPU still runs, and
-    its result says which backend ran); asking for Triton by name is an error."""
-    if refusal is None:
-        return resolve_backend(backend, *tensors)
-    if backend is None:
-        return "reference"
-    if resolve_backend(backend, *tensors) == "triton":
-        raise ValueError(f"{refusal}; use backend='reference' or None")
-    return "reference"
-
-
 def forward_backend(backend: str | None, name: str, *tensors: torch.Tensor, refusal: str | None = None) -> str:
-    """``choose_backend`` for the kernels, whose Triton paths are all forward-only.
+    """``resolve_backend`` for the kernels, whose Triton paths are all forward-only, given what the Triton
+    path cannot take: tensors that need gradients, and ``refusal`` (default: the first tensor's dtype).
 
-    The automatic choice keeps autograd working: when a tensor needs gradients the reference runs,
-    on any device (training the sweep's networks). Asking for Triton then is an error, not a silent
-    loss of gradients. ``refusal``: what else the Triton path cannot take (default: the first tensor's
-    dtype).
+    The automatic choice then runs the reference, on any device (training the sweep's networks keeps its
+    gradients; a model with head_dim 512 on a GPU still runs, and its result says which backend ran).
+    Asking for Triton by name is an error, not a silent loss of gradients.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        refusal = f"{name}: the Triton path has no autograd, and these tensors need gradients (or run under torch.no_grad())"
-    else:
-        refusal = refusal if refusal is not None else triton_dtype_refusal(tensors[0])
-        refusal = refusal and f"{name}: {refusal}"
-    return choose_backend(backend, refusal, *tensors)
+        refusal = "the Triton path has no autograd, and these tensors need gradients (or run under torch.no_grad())"
+    elif refusal is None:
+        refusal = triton_dtype_refusal(tensors[0])
+    if refusal is None:
+        return resolve_backend(backend, *tensors)
+    if backend is not None and resolve_backend(backend, *tensors) == "triton":
+        raise ValueError(f"{name}: {refusal}; use backend='reference' or None")
+    return "reference"

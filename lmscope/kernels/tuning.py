@@ -3,8 +3,8 @@
 Under ``TRITON_INTERPRET=1`` the autotuner would "benchmark" every config on the CPU, so the bare
 kernel runs there with fixed blocks instead. ``LMSCOPE_AUTOTUNE=0`` keeps only each kernel's first
 candidate on a GPU too (the first of its config list after pruning, which for the attention kernel is
-sorted by tile, not the order its ``_TILES`` table lists): one compile per shape instead of one per candidate, for test runs that check
-correctness and must fit a short GPU session.
+sorted by tile, not the order its ``_TILES`` table lists): one compile per shape instead of one per
+candidate, for test runs that check correctness and must fit a short GPU session.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ def linformer_attention(
 
     # the attention over the projected keys runs in attention_with_entropy's kernel: its limits are these
     if forward_backend(backend, "linformer_attention", q, k, v, refusal=attention_triton_refusal(q, v)) == "triton":
-
         with torch.no_grad():
             if E.ndim > 2 or F.ndim > 2:  # per-head projections are indexed by query head
                 k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
