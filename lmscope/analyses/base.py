@@ -41,6 +41,11 @@ class JobFailed(Exception):
         self.partial = partial
 
 
+def own_attention(model) -> str:
+    """What a job records as its kernel_backend when the model runs its own attention: transformers-sdpa, ..."""
+    return f"transformers-{model.config._attn_implementation}"
+
+
 def context_seq_len(config, default: int) -> int:
     """The seq_len a job uses when none is given: ``default``, or the model's context when shorter."""
     from lmscope.modeling.loading import max_positions

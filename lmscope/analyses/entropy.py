@@ -186,6 +186,12 @@ def gap_edges(seq_len: int) -> np.ndarray:
     return np.concatenate([[0.0], np.geomspace(GAP_FLOOR, top, bins + 1)])
 
 
+def gap_centres(edges: np.ndarray) -> list[float]:
+    """Where each gap bin sits on a log axis: the first, [0, 1e-4], at its top; the others at their
+    geometric centre."""
+    return [float(edges[1])] + np.sqrt(edges[1:-1] * edges[2:]).tolist()
+
+
 class DimensionStats:
     """Entropies of the per-dimension softmax rows: histograms (of the entropy, and of its distance below
     the uniform bound) and the near-uniform share per layer × head."""
@@ -451,8 +457,6 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
     positions = list(range(n))
     edges = bin_edges(params)
     centres = ((edges[:-1] + edges[1:]) / 2).tolist()
-    gaps = gap_edges(n)  # the first bin [0, 1e-4] is named by its top, the others by their geometric centre
-    gap_centres = [float(gaps[1])] + np.sqrt(gaps[1:-1] * gaps[2:]).tolist()
     for step, name, r, d in zip(steps, names, results, dim_results):
         model_labels = {"step": step, "model": name}
         series.append(Series("entropy.layer_mean", list(range(layers)), r["mean"].mean(1).tolist(), model_labels))
@@ -462,8 +466,8 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             series.append(Series("entropy.histogram", centres, r["hist_density"][layer].tolist(), labels))
             if d is not None:
                 series.append(Series("dimension_entropy.histogram", centres, d["hist_density"][layer].tolist(), labels))
-                series.append(Series("dimension_entropy.gap_histogram", gap_centres, d["gap_pct"][layer].tolist(),
-                                     labels))
+                series.append(Series("dimension_entropy.gap_histogram", gap_centres(d["gap_edges"]),
+                                     d["gap_pct"][layer].tolist(), labels))
     series.append(Series("uniform_bound", positions, [math.log(t + 1) for t in positions], {}))
     for layer, w in last["sliding_windows"].items():  # these rows see min(t + 1, W) keys
         series.append(Series("uniform_bound", positions, last["bound"][layer].tolist(), {"layer": layer, "window": w}))
@@ -522,12 +526,11 @@ def _save_arrays(ctx, params, steps, names, results, dim_results) -> None:
             ctx.artifact_dir / "dimension_entropy.npz",
             near_uniform_pct=np.stack([d["near_uniform_pct"] for d in dim_results]),
             hist_counts=np.stack([d["hist_counts"] for d in dim_results]),
-            gap_counts=np.stack([d["gap_counts"] for d in dim_results]), gap_edges=gap_edges(params.seq_len),
+            gap_counts=np.stack([d["gap_counts"] for d in dim_results]), gap_edges=dim_results[0]["gap_edges"],
             steps=np.array(steps), bin_edges=arrays["bin_edges"])
 
 
 def _plots(ctx, params, steps, names, results, dim_results) -> None:
     # checkpoints of one run lie on a step axis; other model lists are only in list order
     over_training = params.train_job is not None or training_steps(names) is not None
-    entropy_plots.draw(ctx.artifact_dir, params, steps, names, results, dim_results, bin_edges(params),
-                       over_training=over_training)
+    entropy_plots.draw(ctx.artifact_dir, params, steps, names, results, dim_results, over_training=over_training)

@@ -15,7 +15,7 @@ import numpy as np
 from lmscope.analyses.plotting import pyplot, save
 
 
-def draw(out: Path, params, steps, names, results, dim_results, edges: np.ndarray, *, over_training: bool) -> None:
+def draw(out: Path, params, steps, names, results, dim_results, *, over_training: bool) -> None:
     """Every plot of the job into ``out``; ``over_training``: the models are checkpoints of one run (a step axis)."""
     last, last_name = results[-1], names[-1]
     # what a fully mean-pooling head scores: mean of ln(t + 1), less in layers that all slide
@@ -28,8 +28,7 @@ def draw(out: Path, params, steps, names, results, dim_results, edges: np.ndarra
     if len(results) > 1:
         over_models(out / "entropy_over_training.png", steps, names, results, source, params.dataset, over_training)
     if dim_results[-1] is not None:
-        dimension_entropy(out / "dimension_entropy.png", dim_results[-1], params, edges,
-                          f"{last_name} on {params.dataset}")
+        dimension_entropy(out / "dimension_entropy.png", dim_results[-1], params, f"{last_name} on {params.dataset}")
 
 
 def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> None:
@@ -123,7 +122,7 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
     save(fig, path)
 
 
-def dimension_entropy(path: Path, d: dict, params, edges: np.ndarray, title_source: str) -> None:
+def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
     """Left: how far each row's entropy lies below its uniform bound, ln(visible keys) − H, per layer, on
     log-spaced bins (equal bins over [0, ln N] are wider than the 0.03-nat margin, and nearly every row
     sits in the last one); left of the margin's line a row is near uniform. Right: the near-uniform share
@@ -146,7 +145,7 @@ def dimension_entropy(path: Path, d: dict, params, edges: np.ndarray, title_sour
     ax.set_xscale("log")
     filled = np.flatnonzero(d["gap_pct"].sum(0) > 0)
     if filled.size:  # the occupied bins, the margin in view
-        ax.set_xlim(plot_edges[filled[0]], max(plot_edges[filled[-1] + 1], margin * 3))
+        ax.set_xlim(min(plot_edges[filled[0]], margin / 3), max(plot_edges[filled[-1] + 1], margin * 3))
     ax.axvline(margin, color="r", ls=":", label=f"near-uniform margin ({margin} nats): rows left of it")
     bound = "ln(t+1), row t" if params.dimension_causal else f"ln({n}) = {math.log(n):.2f}"
     ax.set(xlabel=f"nats below the uniform bound {bound} (log scale; first bin: < {floor:g})",

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.windows import document_samples
 from lmscope.params.norms import NormsParams
@@ -547,7 +547,7 @@ def kernel_attention(model, ctx: JobContext):
     from lmscope.modeling.loading import config_head_dim
 
     backend = kernel_backend(next(model.parameters()).device)
-    own = f"transformers-{model.config._attn_implementation}"
+    own = own_attention(model)
     if backend != "triton" and forced_backend() is None:
         ctx.record("kernel_backend", own)
         yield

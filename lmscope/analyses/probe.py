@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.probe import ProbeParams
 
@@ -106,7 +106,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
                         "so there is a next token to predict")
     device = next(model.parameters()).device
     ids = ids.to(device)
-    ctx.record("kernel_backend", f"transformers-{model.config._attn_implementation}")  # the model's own attention
+    ctx.record("kernel_backend", own_attention(model))
     with ctx.stage("forward"), torch.no_grad():
         start = time.perf_counter()
         logits = model(input_ids=ids).logits.float()

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series, own_attention
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.train import TrainParams
 
@@ -244,7 +244,6 @@ class TrainingRun:
         use_bf16 = self.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else nullcontext
         ctx.record("precision", "bf16 autocast" if use_bf16 else "fp32")
-        ctx.record("kernel_backend", "transformers-sdpa")  # training needs autograd: no lmscope kernel (build_model)
 
     def register_all(self) -> list[str]:
         names = []
@@ -312,6 +311,7 @@ class TrainingRun:
         """The model and optimiser, fresh or as the checkpoint left them; the history so far; the clock."""
         p = self.p
         self.model = self.resumed.model if self.resumed else build_model(p, self.tokenizer).to(self.device)
+        self.ctx.record("kernel_backend", own_attention(self.model))  # training needs autograd: no lmscope kernel
         self.model.train()
         self.num_parameters = sum(prm.numel() for prm in self.model.parameters())
         self.optimizer = make_optimizer(self.model, p)

@@ -215,13 +215,12 @@ class ModelCache:
             # Make room before loading so two big models are never resident at once, and a model that
             # fits on the GPU once the cached ones are gone is not spread over devices beside them.
             while len(self._models) >= self.capacity:
-                self._evict_oldest()
+                self._evict(next(iter(self._models)))
             while not weights_fit(source, path, dtype, device):
                 same_device = [k for k in self._models if k[2] == device]  # others free nothing there
                 if not same_device:
                     break
-                del self._models[same_device[0]]
-                free_memory()
+                self._evict(same_device[0])
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded
             return loaded
@@ -239,8 +238,9 @@ class ModelCache:
     def __contains__(self, key: tuple[str, str, str]) -> bool:
         return key in self._models
 
-    def _evict_oldest(self) -> None:
-        self._models.popitem(last=False)
+    def _evict(self, key: tuple[str, str, str]) -> None:
+        """Drop one cached model (the oldest first: the dict is in use order) and give its memory back."""
+        del self._models[key]
         free_memory()
 
 

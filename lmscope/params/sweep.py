@@ -287,8 +287,8 @@ class SweepParams(JobParams):
         submitted = bool(info.context and info.context.get("submitted"))
         fields = type(self).model_fields
         stray = [f for f in other if f in self.model_fields_set
-                 and (submitted or getattr(self, f) not in (fields[f].get_default(call_default_factory=True),
-                                                            FORMER_DEFAULTS.get(f)))]
+                 and (submitted or getattr(self, f) != fields[f].get_default(call_default_factory=True)
+                      and (f not in FORMER_DEFAULTS or getattr(self, f) != FORMER_DEFAULTS[f]))]
         if stray:
             meant = {"seeds": "grid.seed", "batch_size": "train.batch_size", "features": "grid.features",
                      "seq_len": "grid.seq_len"} if self.study == "sumformer" else {}
