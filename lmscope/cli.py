@@ -14,7 +14,6 @@ database) happen only inside the commands that need them, so `lmscope jobs` star
 from __future__ import annotations
 
 import csv
-import difflib
 import itertools
 import json
 import re
@@ -31,6 +30,7 @@ from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS, INT32_MAX
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError, field_line
 from lmscope.config import ConfigError
+from lmscope.wording import article, did_you_mean
 
 
 # ---------------------------------------------------------------- errors
@@ -68,11 +68,6 @@ class LmscopeGroup(click.Group):
 
 def client() -> Client:
     return Client()
-
-
-def _a(word: str) -> str:
-    """'an entropy', 'a norms'."""
-    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
 
 
 # ---------------------------------------------------------------- params
@@ -244,7 +239,7 @@ class ProgressLine:
         if job.get("cancel_requested") and job["status"] == "running":
             text += " (cancelling)"
         queue = job.get("queue")
-        if queue and job["status"] == "queued":
+        if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
                      else f" ({queue['ahead']} ahead, {queue['running']} running)")
         if fraction is not None:
@@ -264,7 +259,8 @@ class ProgressLine:
             pad = max(0, len(self.last_text or "") - len(text))
             self.stream.write("\r" + text + " " * pad)
         else:
-            now, state = self.clock(), (job["status"], bool(job.get("cancel_requested")))
+            now = self.clock()
+            state = (job["status"], bool(job.get("cancel_requested")), bool((job.get("queue") or {}).get("worker_stopped")))
             if state == self.last_status and now - self.last_logged < self.LOG_EVERY:
                 return
             self.stream.write(text + "\n")
@@ -733,7 +729,7 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
     elif not items and parent not in (None, "none") and parent.isdigit():
         job = c.get(int(parent))  # a missing job is a 404 that names it
         if not job.get("children"):
-            click.echo(f"job {parent} is {_a(job['kind'])} job, not a sweep: it has no children", err=True)
+            click.echo(f"job {parent} is {article(job['kind'])} {job['kind']} job, not a sweep: it has no children", err=True)
 
 
 @main.command()
@@ -992,9 +988,7 @@ def kinds(kind):
     found = next((k for k in items if k["name"] == kind), None)
     if found is None:
         names = [k["name"] for k in items]
-        close = difflib.get_close_matches(kind, names, n=1, cutoff=0.6)
-        raise click.ClickException(f"no kind {kind!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
-                                   + f" The kinds are: {', '.join(names)}")
+        raise click.ClickException(f"no kind {kind!r}{did_you_mean(kind, names) or '.'} The kinds are: {', '.join(names)}")
     click.echo(f"{found['name']}: {found['description']}")
     if not found.get("submittable", True):
         click.echo(f"(made by {' / '.join(found.get('child_of') or [])}; not submitted on its own)")

@@ -137,8 +137,6 @@ class Client:
         params = {k: v for k, v in filters.items() if v is not None}
         if isinstance(params.get("status"), (list, tuple, set)):  # the API takes one "queued,running"
             params["status"] = ",".join(params["status"])
-        if isinstance(params.get("tag"), str):
-            params["tag"] = [params["tag"]]
         params["limit"] = limit
         if page_token:
             params["page_token"] = page_token

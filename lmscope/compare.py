@@ -317,7 +317,7 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         numeric = [float(v) for v in xs if isinstance(v, (int, float)) and not isinstance(v, bool)]
         unlogged = sum(v <= 0 for v in numeric)
-        if logx and unlogged == len(numeric):  # e.g. layer 0 alone: a linear axis, and why
+        if logx and numeric and unlogged == len(numeric):  # e.g. layer 0 alone: a linear axis, and why
             ax.set_xlabel(f"{x_meaning(name)} (linear: no x > 0 for a log axis)", fontsize=8)
         elif logx:
             if unlogged:

@@ -32,7 +32,7 @@ ENV_VARS = {
     "LMSCOPE_TASK_TIME_LIMIT": "hard time limit of one job attempt in seconds (default 21600)",
     "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/..., else data/...)",
     "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton | reference",
-    "LMSCOPE_AUTOTUNE": "0 = Triton kernels launch their first candidate tile instead of autotuning (one compile per shape: GPU test runs); default 1 (on); anything else fails the job that launches a kernel",
+    "LMSCOPE_AUTOTUNE": "0 = Triton kernels launch their first candidate tile instead of autotuning (one compile per shape: GPU test runs); default 1 (on; also true/false, yes/no, on/off); anything else fails the job that launches a kernel",
     "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
     "LMSCOPE_ALLOWED_HOSTS": "comma-separated host names a server without authentication answers to besides IP addresses and localhost (e.g. gpubox); other names are refused, so a web page cannot reach it through DNS rebinding",
     "LMSCOPE_HOST": "address `lmscope up` binds (default 127.0.0.1; gunicorn takes its own --bind)",

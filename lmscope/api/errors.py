@@ -7,7 +7,6 @@ turned into problems by the handlers registered in `register_error_handlers`.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
 import time
@@ -21,6 +20,7 @@ from werkzeug.exceptions import HTTPException
 
 from lmscope.catalog import NAME_PATTERN, NAME_RULE
 from lmscope.db.engine import schema_problem
+from lmscope.wording import did_you_mean  # noqa: F401 (the API's modules import it from here)
 
 PROBLEM_BASE = "https://lmscope.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -117,12 +117,6 @@ def missing_field_message(model: type[BaseModel] | None, loc: tuple) -> str:
     field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
     what = field.description.split(";")[0].strip() if field is not None and field.description else ""
     return "required (no default)" + (f": {what}" if what else "")
-
-
-def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
-    """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""
-    close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 # pydantic's type errors say what was wanted; these also say what was given and how to write it.

@@ -51,8 +51,8 @@ def readyz():
         except Exception as e:
             checks["broker"] = f"error: {type(e).__name__}: {e}".splitlines()[0]
             failed.append("broker")
-    stopped = st.worker_stopped and st.worker_stopped()
     if st.worker_stopped:  # `lmscope up`: its worker is part of being ready
+        stopped = st.worker_stop_reason()
         checks["worker"] = "ok" if not stopped else f"error: {stopped}"
         if stopped:
             failed.append("worker")

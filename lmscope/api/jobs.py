@@ -58,7 +58,7 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
     ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
     running = session.scalar(select(func.count()).where(Job.status == "running", Job.waiting_children.is_(False)))
     queue: dict[str, int | str] = {"ahead": ahead, "running": running}
-    stopped = state().worker_stopped and state().worker_stopped()
+    stopped = state().worker_stop_reason()
     if stopped:
         queue["worker_stopped"] = stopped
     return queue
@@ -206,7 +206,7 @@ def list_jobs():
             raise Problem(422, "validation-error", "Unknown kind filter",
                           f"there is no job kind {kind!r}{_use_one_of(kind, known)}",
                           errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
-        for tag in request.args.getlist("tag"):  # every one of them
+        for tag in filter(None, request.args.getlist("tag")):  # every one of them (an empty one: no filter)
             q = q.where(tag_filter(session, tag))
         rows = session.execute(q).all()
         page, more = rows[:limit], len(rows) > limit

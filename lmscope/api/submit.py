@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from lmscope.api.auth import Caller
 from lmscope.api.errors import Problem, describe_errors, did_you_mean, fields_problem, pydantic_errors
 from lmscope.config import Settings
+from lmscope.wording import article
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
 
@@ -194,7 +195,7 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
                            f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train or "
                            "`lmscope jobs --kind train`)"))
         elif ref.kind != "train":
-            errors.append((_field_holding(parsed, job_id), f"job {job_id} is {'an' if ref.kind[:1] in 'aeiou' else 'a'} {ref.kind!r} job, not a 'train' job"))
+            errors.append((_field_holding(parsed, job_id), f"job {job_id} is {article(ref.kind)} {ref.kind!r} job, not a 'train' job"))
     if errors:
         raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])

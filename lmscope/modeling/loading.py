@@ -12,7 +12,6 @@ GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels swit
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -25,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lmscope.catalog import (BUILTIN_MODELS, TOKENIZER_FILES, kv_heads, safetensors_parameter_count,
                              tokenizer_source)
 from lmscope.modeling.loaded import LoadedModel
+from lmscope.modeling.memory import free_memory
 from lmscope.modeling.tokenization import byte_tokenizer
 
 __all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "model_info", "max_positions",
@@ -244,8 +244,3 @@ class ModelCache:
         free_memory()
 
 
-def free_memory() -> None:
-    """Give memory no tensor uses back: collect cycles, and empty torch's CUDA cache."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -60,14 +60,16 @@ def run_job(job_id: int) -> None:
         log.error("%s", e)
         time.sleep(REDELIVER_AFTER_SECONDS)
         raise Reject(str(e), requeue=True) from None
-    if runner.broken_device:
-        # The job's failure is stored. A child whose CUDA context is broken would fail every later job, so
-        # it ends here and Celery forks a fresh one. The unacked message goes back to the queue
-        # (task_reject_on_worker_lost); its redelivery finds the job finished and is dropped.
-        log.critical("job %s left the GPU unusable in this process (%s); ending the process so that Celery "
-                     "starts a fresh one", job_id, runner.broken_device)
-        logging.shutdown()
-        os._exit(EXIT_BROKEN_DEVICE)
+    finally:
+        if runner.broken_device:
+            # A child whose CUDA context is broken would fail every later job, so it ends here (also when
+            # storing the failure failed) and Celery forks a fresh one. The unacked message goes back to the
+            # queue (task_reject_on_worker_lost); its redelivery finds the job finished and is dropped, or
+            # runs it again on a sound device if its failure could not be stored.
+            log.critical("job %s left the GPU unusable in this process (%s); ending the process so that "
+                         "Celery starts a fresh one", job_id, runner.broken_device)
+            logging.shutdown()
+            os._exit(EXIT_BROKEN_DEVICE)
 
 
 @signals.worker_init.connect

@@ -468,7 +468,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                     "that process runs no other job (a Celery worker starts a fresh one; `lmscope up` needs a "
                     "restart). Often a kernel bug: submit the job again, and report it if it fails the same way"))
         if values.get("error_type") == "out-of-memory":  # the exception, and the tensors its frames held, are gone
-            from lmscope.modeling.loading import free_memory  # torch is loaded: the job ran out of device memory
+            from lmscope.modeling.memory import free_memory  # torch is loaded: the job ran out of device memory
 
             free_memory()
         if after_cancel:

@@ -18,8 +18,13 @@ helpers = importlib.import_module("tests.worker.helpers")
 
 
 @pytest.fixture(autouse=True)
-def test_kinds():
-    """The test-only job kinds exist for the duration of each worker test."""
+def test_kinds(monkeypatch):
+    """The test-only job kinds exist for the duration of each worker test. The process-wide marks a
+    `fail="broken_device"` job leaves (a broken device, a replaced device check) end with the test."""
+    from lmscope.worker import environment, runner
+
+    monkeypatch.setattr(runner, "broken_device", None)
+    monkeypatch.setattr(environment, "device_failure", environment.device_failure)
     fake_kinds.register()
     yield
     fake_kinds.unregister()

@@ -60,12 +60,8 @@ def test_runs_queued_jobs_oldest_first_and_aggregates_sweeps(settings, sessions,
 
 
 def test_after_a_job_left_the_gpu_unusable_no_other_job_runs_in_the_process(settings, sessions, make_job, job_row,
-                                                                            embedded, monkeypatch):
+                                                                            embedded):
     """Every later job would fail on a broken CUDA context: they stay queued for the restart instead."""
-    from lmscope.worker import environment, runner
-
-    monkeypatch.setattr(runner, "broken_device", None)
-    monkeypatch.setattr(environment, "device_failure", environment.device_failure)  # the fake kind replaces it
     broken = make_job(params={"plot": False, "fail": "broken_device", "fail_at": 1})
     later = make_job(params={"steps": 2, "plot": False})
     worker = embedded()

@@ -310,7 +310,6 @@ def test_a_job_that_leaves_the_gpu_unusable_says_so_and_marks_the_process(settin
     later call in the process, so the job says so and the process is marked to run no other job."""
     from lmscope.worker import environment
 
-    monkeypatch.setattr(runner, "broken_device", None)
     checked = []
     monkeypatch.setattr(environment, "device_failure", lambda device: checked.append(device) or None)
     job_id = make_job(params={"plot": False, "fail": "exception", "fail_at": 2})

@@ -1,0 +1,16 @@
+"""How lmscope's messages name things, shared by the API's problems and the CLI (no dependencies)."""
+
+from __future__ import annotations
+
+import difflib
+
+
+def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
+    """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def article(word: str) -> str:
+    """'an' before 'entropy', 'a' before 'norms'."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
