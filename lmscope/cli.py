@@ -77,12 +77,17 @@ def parse_value(text: str) -> Any:
 
     NaN and Infinity are refused (a usage error): the API takes strict JSON only.
     """
+    return _parse_json_or_text(text)[0]
+
+
+def _parse_json_or_text(text: str) -> tuple[Any, strict_json.StrictJsonError | None]:
+    """`parse_value` and, when the text is no JSON, why it did not parse."""
     try:
-        return strict_json.loads(text)
+        return strict_json.loads(text), None
     except strict_json.NonFiniteNumber as e:
         raise click.BadParameter(f"{text!r}: {e}", param_hint="--param") from None
-    except strict_json.StrictJsonError:
-        return text
+    except strict_json.StrictJsonError as e:
+        return text, e
 
 
 def field_schema(schema: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
@@ -124,7 +129,7 @@ def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
     types = json_types(schema, prop) if prop is not None else {"any"}
     text_field = types - {"null"} == {"string"}
     try:
-        value = parse_value(raw)
+        value, not_json = _parse_json_or_text(raw)
     except click.BadParameter:
         if text_field:  # `run_name=NaN` is a name
             return raw
@@ -132,12 +137,10 @@ def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
     if text_field and not isinstance(value, str) and not (value is None and "null" in types):
         return raw
     # only where the kind's schema says the field is no text (without one, "[INST] hi" may be a prompt)
-    if isinstance(value, str) and prop is not None and not text_field and raw.strip()[:1] in ("[", "{"):
-        try:  # `[1,2` meant a list: say where it stops parsing, not that a string is no list
-            strict_json.loads(raw)
-        except strict_json.StrictJsonError as e:
-            raise click.BadParameter(f"{key}={raw} starts like JSON but does not parse: {e} "
-                                     f"(a list is written [1, 2], an object {{\"a\": 1}})", param_hint="--param") from None
+    if not_json is not None and prop is not None and not text_field and raw.strip()[:1] in ("[", "{"):
+        # `[1,2` meant a list: say where it stops parsing, not that a string is no list
+        raise click.BadParameter(f"{key}={raw} starts like JSON but does not parse: {not_json} "
+                                 f"(a list is written [1, 2], an object {{\"a\": 1}})", param_hint="--param")
     return value
 
 

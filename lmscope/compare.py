@@ -244,6 +244,12 @@ def _is_integer(v: Any) -> bool:
 LOOKS = [(dash, marker) for marker in (None, "o", "s") for dash in ("-", "--", ":", "-.")]
 
 
+def line_look(i: int, dot: str | None) -> dict[str, Any]:
+    """matplotlib line keywords of look `i`; `dot` marks the points of looks without a marker of their own."""
+    dash, marker = LOOKS[i % len(LOOKS)]
+    return {"linestyle": dash, "marker": marker or dot, "markersize": 4 if marker else None}
+
+
 def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
     """The comparison as a matplotlib Figure: one panel per series name.
 
@@ -290,17 +296,13 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
                 if job["id"] not in curve.by_job:
                     continue
                 x, y = curve.by_job[job["id"]]
-                colour, (dash, marker) = ((palette(li % palette.N), LOOKS[ji % len(LOOKS)]) if colour_curves
-                                          else (palette(ji % palette.N), LOOKS[li % len(LOOKS)]))
-                ax.plot(x, y, linestyle=dash, color=colour, marker=marker or dot,
-                        markersize=4 if marker else None, markevery=max(1, len(x) // 15),
+                colour, look = (li, ji) if colour_curves else (ji, li)
+                ax.plot(x, y, color=palette(colour % palette.N), **line_look(look, dot), markevery=max(1, len(x) // 15),
                         alpha=0.9 if len(curves) * len(jobs) < 16 else 0.6)
         # the legend: each job, then each label set that varies, by its colour or its look
         def entry(i: int, text: str, by_colour: bool) -> Line2D:
-            dash, marker = LOOKS[i % len(LOOKS)]
             return (Line2D([], [], color=palette(i % palette.N), marker=".", label=text) if by_colour
-                    else Line2D([], [], linestyle=dash, marker=marker or dot, markersize=4 if marker else None,
-                                color="dimgrey", label=text))
+                    else Line2D([], [], color="dimgrey", label=text, **line_look(i, dot)))
 
         handles = [entry(ji, job_labels[job["id"]], not colour_curves) for ji, job in enumerate(jobs)]
         if varying and named:

@@ -541,7 +541,7 @@ def kernel_attention(model, ctx: JobContext):
     afterwards (models are cached and shared between jobs). On CPU PyTorch's SDPA is kept: the
     kernel's reference path is ~4× slower there and gives the same numbers. Norms need no entropies,
     so a model the kernel cannot run (Falcon, GPT-J, Bloom, attention sinks) keeps its own attention."""
-    from lmscope.kernels.attention_entropy import MAX_HEAD_DIM
+    from lmscope.kernels.attention_entropy import head_dim_refusal
     from lmscope.kernels.dispatch import forced_backend, kernel_backend
     from lmscope.kernels.hf import lmscope_attention, lmscope_attention_unsupported
     from lmscope.modeling.loading import config_head_dim
@@ -552,9 +552,8 @@ def kernel_attention(model, ctx: JobContext):
         ctx.record("kernel_backend", own)
         yield
         return
-    head_dim = config_head_dim(model.config) or 0
-    reason = (f"head_dim {head_dim} > {MAX_HEAD_DIM}, past the Triton kernel's"
-              if head_dim > MAX_HEAD_DIM and backend == "triton" else lmscope_attention_unsupported(model))
+    reason = ((head_dim_refusal(config_head_dim(model.config) or 0) if backend == "triton" else None)
+              or lmscope_attention_unsupported(model))
     if reason is not None:
         ctx.record("kernel_backend", f"{own} (the lmscope kernel cannot run this model: {reason})")
         yield

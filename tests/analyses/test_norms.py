@@ -420,7 +420,7 @@ def test_a_head_dim_past_the_kernels_keeps_the_models_own_attention(tmp_path, do
     lm = LoadedModel("wide-head", model, byte_tokenizer(), model_info(model))
     out, ctx = run_job(tmp_path, lm, documents, max_samples=4, gram_condition=False, pca_samples=2)
     assert ctx.environment["kernel_backend"] == ("transformers-sdpa (the lmscope kernel cannot run this model: "
-                                                 "head_dim 288 > 256, past the Triton kernel's)")
+                                                 "the Triton kernel supports head dims up to 256; got 288)")
     assert out.summary["samples"] == 4
 
 

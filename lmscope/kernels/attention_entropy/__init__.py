@@ -65,11 +65,16 @@ def _check(q, k, v, key_padding_mask, causal, softcap, window):
 MAX_HEAD_DIM = 256  # the Triton kernel's largest head dim (its tiles hold a whole head)
 
 
+def head_dim_refusal(*head_dims: int) -> str | None:
+    """Why the Triton kernel cannot take heads this wide, or None."""
+    if max(head_dims) > MAX_HEAD_DIM:
+        return f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}; got {', '.join(map(str, head_dims))}"
+    return None
+
+
 def attention_triton_refusal(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Triton kernel cannot take these inputs, or None."""
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        return f"the Triton kernel supports head dims up to {MAX_HEAD_DIM}; got {q.shape[-1]}, {v.shape[-1]}"
-    return triton_dtype_refusal(q)
+    return head_dim_refusal(q.shape[-1], v.shape[-1]) or triton_dtype_refusal(q)
 
 
 def attention_with_entropy(
