@@ -255,10 +255,11 @@ def hidden_states(parts: ModelParts, input_ids, attention_mask) -> tuple[list[to
 def _tile(obj, batch: int, times: int, name: str | None = None):
     """Repeat every per-sample tensor (first dim = batch) `times` along the batch axis (layer-major).
 
+    A 1-D tensor is per position, not per sample (``cache_position`` is [T], and T may equal the batch).
     BLOOM's ``alibi`` is per sample and head, flattened batch-major to [batch·heads, 1, T]: it is
     repeated as [batch, heads, …] so that row (l·batch + b)·heads + h stays sample b's head h.
     """
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+    if isinstance(obj, torch.Tensor) and obj.dim() > 1:
         if name == "alibi" and obj.shape[0] % batch == 0:
             per_sample = obj.reshape(batch, -1, *obj.shape[1:])
             return per_sample.repeat(times, *[1] * (per_sample.dim() - 1)).flatten(0, 1)

@@ -464,6 +464,19 @@ def test_inner_loss_routes_agree_in_float32(llama_run, documents):
     torch.testing.assert_close(fast, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_the_whole_block_route_repeats_per_sample_arguments_only():
+    """Re-running a block for c layers at once repeats what is per sample (first dim = batch), layer-major,
+    and leaves what is per position alone, even when the sequence is as long as the batch."""
+    B, T, c = 4, 4, 3
+    x, mask = torch.randn(B, T, 8), torch.ones(B, 1, T, T)
+    tiled = norms._tile({"hidden": x, "attention_mask": mask, "cache_position": torch.arange(T),
+                         "position_embeddings": (torch.randn(B, T, 2), torch.randn(1, T, 2))}, B, c)
+    assert torch.equal(tiled["hidden"], torch.cat([x] * c)) and tiled["attention_mask"].shape == (c * B, 1, T, T)
+    assert torch.equal(tiled["cache_position"], torch.arange(T))
+    cos, sin = tiled["position_embeddings"]
+    assert cos.shape == (c * B, T, 2) and sin.shape == (1, T, 2)  # a [1, T, …] tensor broadcasts as it is
+
+
 # ---------------------------------------------------------------- Gram condition (Proposition 1)
 
 def linear_map(module, dim):
