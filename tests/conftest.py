@@ -80,8 +80,7 @@ class PostgresCluster:
             if self.as_root:
                 shutil.chown(self.dir, "postgres", "postgres")
             self._run([_pg_bin("initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "trust", "--no-sync"])
-            self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "start",
-                       "-o", f"-p {self.port} -k {self.dir} -h 127.0.0.1 -F -c max_connections=200"])
+            self.resume()
         except BaseException:
             # pg_ctl -w gives up waiting on a slow start and leaves the server running: stop it, if any, and
             # remove the folder; the original error is the one raised.
@@ -90,6 +89,14 @@ class PostgresCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def pause(self):
+        """Stop the server (connections dropped), keeping its data: ``resume`` starts it again."""
+        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "fast", "-w", "stop"])
+
+    def resume(self):
+        self._run([_pg_bin("pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "start",
+                   "-o", f"-p {self.port} -k {self.dir} -h 127.0.0.1 -F -c max_connections=200"])
 
     def _run(self, argv):
         if self.as_root:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from sqlalchemy import update
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
@@ -22,6 +22,12 @@ from lmscope.db.models import Job, utcnow
 
 log = logging.getLogger("lmscope.worker")
 
+# How long a step that needs the database (storing results, registering a checkpoint, looking up a model)
+# waits for it through an outage before the attempt gives up (its row stays running; the reaper re-queues it).
+OUTAGE_PATIENCE_SECONDS = 300.0
+
+T = TypeVar("T")
+
 
 class AttemptLost(Exception):
     """This attempt no longer owns its job row (re-queued by the reaper or taken over)."""
@@ -29,6 +35,11 @@ class AttemptLost(Exception):
 
 class WorkerShutdown(Exception):
     """The embedded worker is stopping; the job goes back to the queue."""
+
+
+def is_outage(e: BaseException) -> bool:
+    """A database that does not answer (down, restarting, connection dropped), not a bad statement."""
+    return isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)
 
 
 class OutageLog:
@@ -45,7 +56,7 @@ class OutageLog:
 
     def failed(self, e: BaseException) -> None:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
-        if not (isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)):
+        if not is_outage(e):
             log.warning("%s failed: %s", self.what, reason)  # not an outage: said every time, not counted
             return
         self.failures += 1  # tries failed in this outage
@@ -78,6 +89,28 @@ class Attempt:
         """SQL condition: the row is still this attempt's."""
         return (Job.id == self.job_id) & (Job.status == "running") & (Job.worker == self.worker) & \
             (Job.attempts == self.number)
+
+
+def through_outage(what: str, work: Callable[[], T], *, stop: threading.Event | None = None,
+                   patience: float | None = None) -> T:
+    """``work()``, tried again while the database does not answer (up to ``patience`` seconds, by default
+    OUTAGE_PATIENCE_SECONDS, or until ``stop`` is set): a job storing its results or registering a
+    checkpoint while PostgreSQL restarts goes on instead of failing for good. Any other error is raised."""
+    outage = OutageLog(what)
+    give_up = time.monotonic() + (OUTAGE_PATIENCE_SECONDS if patience is None else patience)
+    wait = 0.5
+    while True:
+        try:
+            result = work()
+        except SQLAlchemyError as e:
+            if not is_outage(e) or (stop is not None and stop.is_set()) or time.monotonic() + wait > give_up:
+                raise
+            outage.failed(e)
+            time.sleep(wait)
+            wait = min(2 * wait, 10.0)
+            continue
+        outage.worked()
+        return result
 
 
 class Heartbeat(threading.Thread):

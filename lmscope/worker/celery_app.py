@@ -55,6 +55,8 @@ def run_job(job_id: int) -> None:
     """Run one delivery of a job id. Never raises for a job's own failure: the row records it."""
     try:
         runner.execute(int(job_id), settings, session_factory_for(settings), CeleryPublisher(app=celery))
+    except runner.DatabaseLostDuringJob as e:
+        log.error("%s", e)  # acked: the row, still running, is the reaper's to re-queue
     except runner.DatabaseUnavailable as e:
         # Acked, the message would be gone and the job left queued until the reaper's late republish.
         log.error("%s", e)

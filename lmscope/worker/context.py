@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.catalog import config_facts, parse_documents, safetensors_parameter_count, sha256_bytes
 from lmscope.db.models import Dataset, Job, Model, utcnow
-from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, OutageLog, WorkerShutdown
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, OutageLog, WorkerShutdown, through_outage
 
 PROGRESS_WRITES_PER_SECOND = 4
 MODEL_CACHE_CAPACITY = 2
@@ -157,9 +157,16 @@ class WorkerContext:
 
     # ------------------------------------------------------------ models and data
 
+    def _read(self, what: str, statement):
+        def read():
+            with self._sf() as session:
+                return session.execute(statement).all()
+
+        return through_outage(f"{what} of job {self.job_id}", read, stop=self._shutdown)
+
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
-        with self._sf() as session:
-            row = session.execute(select(Model.name, Model.source, Model.path).where(Model.name == name)).one_or_none()
+        rows = self._read("model lookup", select(Model.name, Model.source, Model.path).where(Model.name == name))
+        row = rows[0] if rows else None
         if row is None:
             raise JobFailed(f"model {name!r} is not registered; list models with GET /v1/models or register a "
                             "Hugging Face directory with POST /v1/models", error_type="unknown-model")
@@ -176,15 +183,18 @@ class WorkerContext:
         self.environment.setdefault("models", {})[name] = {"source": row.source, "dtype": dtype}
         count = loaded.info.get("num_parameters")
         if count:  # a directory with only *.bin weights is registered without a count: known once loaded
-            with self._sf() as session, session.begin():
-                session.execute(update(Model).where(Model.name == name, Model.num_parameters.is_(None))
-                                .values(num_parameters=int(count)))
+            try:
+                with self._sf() as session, session.begin():
+                    session.execute(update(Model).where(Model.name == name, Model.num_parameters.is_(None))
+                                    .values(num_parameters=int(count)))
+            except SQLAlchemyError as e:  # a catalogue detail: the job needs the model, not the count
+                log.warning("model %r: could not record its parameter count: %s", name, e)
         return loaded
 
     def load_documents(self, dataset: str) -> list[str]:
-        with self._sf() as session:
-            row = session.execute(select(Dataset.path, Dataset.format, Dataset.sha256)
-                                  .where(Dataset.name == dataset)).one_or_none()
+        rows = self._read("dataset lookup", select(Dataset.path, Dataset.format, Dataset.sha256)
+                          .where(Dataset.name == dataset))
+        row = rows[0] if rows else None
         if row is None:
             raise JobFailed(f"dataset {dataset!r} is not registered; list datasets with GET /v1/datasets or "
                             "upload one with POST /v1/datasets", error_type="unknown-dataset")
@@ -226,18 +236,22 @@ class WorkerContext:
             vocab_size=facts.vocab_size, dtype=facts.dtype, info=facts.info, job_id=self.job_id, step=step,
             num_parameters=sum(safetensors_parameter_count(w) for w in weights) if weights else None,
         )
+
+        def upsert() -> None:
+            with self._sf() as session, session.begin():
+                row = session.execute(select(Model).where(Model.name == name)).scalar_one_or_none()
+                if row is None:
+                    session.add(Model(name=name, **values))
+                elif row.source != "checkpoint" or (row.job_id not in (None, self.job_id)):
+                    raise JobFailed(f"model name {name!r} is already taken by another model; choose another "
+                                    "run name", error_type="name-taken")
+                else:
+                    for key, value in values.items():
+                        setattr(row, key, value)
+
         for _ in range(2):  # a concurrent insert of the same name: the second round updates it
             try:
-                with self._sf() as session, session.begin():
-                    row = session.execute(select(Model).where(Model.name == name)).scalar_one_or_none()
-                    if row is None:
-                        session.add(Model(name=name, **values))
-                    elif row.source != "checkpoint" or (row.job_id not in (None, self.job_id)):
-                        raise JobFailed(f"model name {name!r} is already taken by another model; choose another "
-                                        "run name", error_type="name-taken")
-                    else:
-                        for key, value in values.items():
-                            setattr(row, key, value)
+                through_outage(f"checkpoint registration of job {self.job_id}", upsert, stop=self._shutdown)
                 break
             except IntegrityError:
                 continue
@@ -245,8 +259,7 @@ class WorkerContext:
             _model_cache.forget(name)
 
     def checkpoints_of(self, train_job_id: int) -> list[tuple[int, str]]:
-        with self._sf() as session:
-            rows = session.execute(select(Model.step, Model.name)
-                                   .where(Model.job_id == train_job_id, Model.source == "checkpoint")
-                                   .order_by(Model.step, Model.id)).all()
+        rows = self._read("checkpoint lookup", select(Model.step, Model.name)
+                          .where(Model.job_id == train_job_id, Model.source == "checkpoint")
+                          .order_by(Model.step, Model.id))
         return [(int(r.step if r.step is not None else 0), r.name) for r in rows]

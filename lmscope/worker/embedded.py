@@ -95,6 +95,9 @@ class EmbeddedWorker:
             return runner.execute(job_id, self.settings, self.session_factory, self.publisher,
                                   worker=worker_id(), shutdown=self.stopping,
                                   shares_process=len(self._threads) > 1)
+        except runner.DatabaseLostDuringJob as e:
+            log.error("%s", e)
+            return None
         except Exception:  # keep serving; the job's row tells what happened (or the reaper recovers it)
             log.exception("job %s: the worker failed outside the job", job_id)
             return None

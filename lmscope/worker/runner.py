@@ -49,7 +49,7 @@ from lmscope.db.progress import children_done, refresh_sweep_progress
 from lmscope.queue import Publisher, publish_jobs
 from lmscope.params import is_parent_kind
 from lmscope.worker import environment
-from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown
+from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown, is_outage, through_outage
 from lmscope.worker.context import WorkerContext
 from lmscope.worker.environment import environment_record, worker_device, worker_id
 
@@ -369,18 +369,6 @@ def out_of_memory_message(text: str, kind: str | None) -> str:
     return f"the device ran out of memory: {head}; {', or '.join(advice)}"
 
 
-def _finish_retrying(session_factory, attempt, status, retries: int = 3, **kwargs) -> bool:
-    """``finish``, riding out a short database outage (hours of work should not fail on a blip)."""
-    for attempt_number in range(retries + 1):
-        try:
-            return finish(session_factory, attempt, status, **kwargs)
-        except OperationalError as e:
-            if attempt_number == retries:
-                raise
-            log.warning("job %s: storing results failed (%s); retrying", attempt.job_id, e)
-            time.sleep(2 ** attempt_number)
-
-
 def record_start_environment(session_factory: sessionmaker[Session], attempt: Attempt, device: str) -> None:
     """Where the attempt runs, written before it computes: a job whose worker dies (and that the reaper
     fails as worker-lost) still says on which host, device and versions it last ran. The record written
@@ -450,6 +438,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
             if output is not None:
                 values = dict(summary=output.summary)
         except Exception as e:
+            if is_outage(e):  # no failure of the job's, even if the database answers again by now
+                raise DatabaseLostDuringJob(attempt, e) from e
             status, output = "failed", e.partial if isinstance(e, JobFailed) else None
             error_type, message = _failure(e, settings, attempt.kind)
             values = dict(error_type=error_type[:64], error_message=message)
@@ -484,10 +474,12 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
                                                    attempt=attempt.number, worker=attempt.worker)
         values["heartbeat_at"] = utcnow()
         try:
-            stored = _finish_retrying(session_factory, attempt, status, output=output, artifact_dir=folder, **values)
+            # hours of work should not fail on a database restart: wait for it (stopping for a shutdown)
+            stored = through_outage(f"storing the results of job {attempt.job_id}", lambda: finish(
+                session_factory, attempt, status, output=output, artifact_dir=folder, **values), stop=shutdown)
         except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
-            if isinstance(e, OperationalError):
-                raise  # the database is unreachable: the row stays running and the reaper retries the job
+            if is_outage(e):  # the database is unreachable: the row stays running and the reaper retries the job
+                raise DatabaseLostDuringJob(attempt, e) from e
             if output is None:
                 raise
             log.exception("job %s: storing results failed", attempt.job_id)
@@ -507,6 +499,17 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         return status
     finally:
         heartbeat.stop()
+
+
+class DatabaseLostDuringJob(Exception):
+    """The database stopped answering while the job ran (longer than the context waits for it): the row
+    stays ``running``, its heartbeat goes stale and the reaper re-queues it (the attempt counts)."""
+
+    def __init__(self, attempt: Attempt, error: Exception):
+        first_line = (str(error).splitlines() or [repr(error)])[0]
+        super().__init__(f"job {attempt.job_id} attempt {attempt.number}: the database failed during the job "
+                         f"({type(error).__name__}: {first_line}); it stays running, and the reaper re-queues it "
+                         "once its heartbeat is stale")
 
 
 class DatabaseUnavailable(Exception):

@@ -10,7 +10,9 @@ them around each test (tests/worker/conftest.py), so the rest of the suite never
   CUDA call: SIGUSR1 is blocked meanwhile); only the hard limit stops it. ``fail="broken_device"`` fails
   as a kernel that leaves the GPU unusable does: the worker's device check
   (``environment.device_failure``) is made to report CUDA's error in this process (a pool child that is
-  about to end, in the Celery tests), then a RuntimeError is raised.
+  about to end, in the Celery tests), then a RuntimeError is raised. ``fail="database"`` raises the
+  error a dropped database connection gives. With ``checkpoint_at``, that step registers a checkpoint
+  (``count-<job>@step<N>``) as ``train`` does.
 - ``fake_sweep``: a parent kind whose children are ``count`` jobs; its aggregator reports progress as
   ``analyses.sweep.aggregate`` does (0 of 1, then 1 of 1), adds their totals (taking ``aggregate_sleep``
   seconds) and counts how often it was called (in this process).
@@ -38,7 +40,7 @@ ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 class CountParams(JobParams):
     steps: int = Field(5, ge=1, le=10_000_000)
     sleep: float = Field(0.0, ge=0.0, le=5.0)
-    fail: Literal["jobfailed", "exception", "oom", "broken_device"] | None = None
+    fail: Literal["jobfailed", "exception", "oom", "broken_device", "database"] | None = None
     fail_at: int = 0  # step at which to fail
     plot: bool = True
     record_backend: str | None = None
@@ -46,6 +48,7 @@ class CountParams(JobParams):
     record_shares_process: bool = False  # record ctx.shares_process in the environment
     keep_partial: bool = False  # a cancel or failure keeps what was counted (summary, series `square`)
     block: float = Field(0.0, ge=0.0, le=600.0)  # seconds in a call the soft time limit cannot interrupt
+    checkpoint_at: int = 0  # the step that registers a checkpoint (0: none)
 
 
 def run_count(params: CountParams, ctx) -> JobOutput:
@@ -90,10 +93,20 @@ def run_count(params: CountParams, ctx) -> JobOutput:
 
                     environment.device_failure = lambda device: ILLEGAL_ADDRESS
                     raise RuntimeError(ILLEGAL_ADDRESS)
+                if params.fail == "database":
+                    from sqlalchemy.exc import OperationalError
+
+                    raise OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
                 raise RuntimeError(f"boom at step {i}")  # a plain bug in an analysis
             if params.sleep:
                 time.sleep(params.sleep)
             xs.append(i)
+            if i == params.checkpoint_at:
+                folder = checkpoints / f"step{i}"
+                folder.mkdir(exist_ok=True)
+                (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 1,
+                                                                "n_embd": 8, "vocab_size": 16}))
+                ctx.register_model(f"count-{ctx.job_id}@step{i}", folder, step=i)
             try:
                 ctx.progress(i, params.steps, "counting")
             except JobCancelled:
