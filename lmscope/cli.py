@@ -245,6 +245,9 @@ class ProgressLine:
         if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
                      else f" ({queue['ahead']} ahead, {queue['running']} running)")
+        if job["status"] == "queued" and job.get("attempts") and fraction is not None:  # re-queued: the last attempt's
+            done = f" ({p.get('done') or 0}/{p['total']})" if p.get("total") is not None else ""
+            return f"{text}; its last attempt got to {fraction * 100:.1f}%{done}".strip()
         if fraction is not None:
             filled = int(round(fraction * self.WIDTH))
             text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"
@@ -757,6 +760,9 @@ def show(job_id, as_json):
     if job.get("queue") and job["status"] == "queued":
         click.echo(f"{'queue':12} behind {plural(job['queue']['ahead'], 'queued job')}, "
                    f"{job['queue']['running']} running")
+        if job["queue"].get("unsent"):
+            click.echo(f"{'':12} not handed to the broker yet: it is sent when the broker answers "
+                       "(GET /readyz says whether it does)")
         if job["queue"].get("worker_stopped"):
             click.echo(f"{'':12} no worker takes jobs: {job['queue']['worker_stopped']}")
     if job.get("children"):

@@ -58,7 +58,10 @@ def readyz():
             failed.append("worker")
     if failed:
         detail = "; ".join(f"{name}: {checks[name]}" for name in failed)
-        if set(failed) & {"database", "broker"}:
-            detail += " — check that the service is up and LMSCOPE_DATABASE_URL / LMSCOPE_BROKER_URL point at it"
+        # a schema to migrate says what to do itself; an unreachable service needs its URL checked
+        unreachable = [n for n in ("database", "broker") if n in failed and "lmscope db upgrade" not in checks[n]]
+        if unreachable:
+            detail += " — check that " + "; ".join(f"the {n} is up and LMSCOPE_{n.upper()}_URL points at it"
+                                                    for n in unreachable)
         raise Problem(503, "not-ready", "Not ready", detail, headers={"Retry-After": "5"}, checks=checks)
     return {"status": "ready", "checks": checks}

@@ -54,13 +54,17 @@ def load_visible_job(session, caller: Caller, job_id: int) -> Job:
 def queue_position(session, job: Job) -> dict[str, int | str]:
     """What a queued job waits behind: the queued jobs submitted before it (anyone's: the queue is shared,
     first in, first out) and the jobs running now (sweep parents waiting for children hold no worker);
-    under `lmscope up`, also why its worker takes no more jobs, if it does not."""
+    under `lmscope up`, also why its worker takes no more jobs, if it does not; with a broker, whether
+    the job is still to be handed to it (a broker that was down when it was submitted)."""
     ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
     running = session.scalar(select(func.count()).where(Job.status == "running", Job.waiting_children.is_(False)))
-    queue: dict[str, int | str] = {"ahead": ahead, "running": running}
-    stopped = state().worker_stop_reason()
+    queue: dict[str, int | str | bool] = {"ahead": ahead, "running": running}
+    st = state()
+    stopped = st.worker_stop_reason()
     if stopped:
         queue["worker_stopped"] = stopped
+    if job.published_at is None and st.worker_stopped is None:  # with a broker (`lmscope up` reads SQL)
+        queue["unsent"] = True  # the broker did not take it (yet): the reaper sends it again when it answers
     return queue
 
 

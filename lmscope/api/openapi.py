@@ -224,9 +224,10 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "timings": {"type": "object"}, "children": {"type": ["object", "null"], "description": "counts by status (sweeps)"},
         "queue": {"type": "object", "description": "only on one queued job (not in lists): queued jobs submitted "
                   "before it, anyone's, and jobs running now; under `lmscope up`, worker_stopped says why its worker "
-                  "takes no more jobs (e.g. an unusable GPU) when it does not",
+                  "takes no more jobs (e.g. an unusable GPU) when it does not; unsent: true while the broker has "
+                  "not taken the job (it was down at submit; the reaper sends it when it answers)",
                   "properties": {"ahead": {"type": "integer"}, "running": {"type": "integer"},
-                                 "worker_stopped": {"type": "string"}}},
+                                 "worker_stopped": {"type": "string"}, "unsent": {"type": "boolean"}}},
         "links": {"type": "object", "additionalProperties": {"type": "string"}}}},
     "JobPage": {"type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},

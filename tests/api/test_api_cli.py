@@ -170,10 +170,12 @@ def test_an_admin_lists_one_users_jobs_and_a_user_cannot(api, cli, live):
 
 def test_show_says_whether_a_queued_job_was_handed_to_the_queue(api, cli):
     job_id = api.submit(api.user("ann")).get_json()["id"]
-    api.set_job(job_id, published_at=None)
-    assert "published_at" not in cli("show", str(job_id)).stdout
+    api.set_job(job_id, published_at=None)  # the broker was down at submit
+    shown = cli("show", str(job_id)).stdout
+    assert "published_at" not in shown and "not handed to the broker yet" in shown
     api.set_job(job_id, published_at=utcnow())
-    assert "published_at" in cli("show", str(job_id)).stdout
+    shown = cli("show", str(job_id)).stdout
+    assert "published_at" in shown and "not handed to the broker" not in shown
     # and what it waits behind
     later = api.submit(api.user("ann")).get_json()["id"]
     assert "queue        behind 1 queued job, 0 running" in cli("show", str(later)).stdout.splitlines()

@@ -26,7 +26,8 @@ def test_readiness_pings_the_broker(make_api, redis_server):
     r = api.client.get("/readyz")
     body = is_problem(r, 503, "not-ready")
     assert body["checks"]["database"] == "ok" and body["checks"]["broker"].startswith("error")
-    assert "broker" in body["detail"] and r.headers["Retry-After"]
+    assert "the broker is up and LMSCOPE_BROKER_URL points at it" in body["detail"] and r.headers["Retry-After"]
+    assert "DATABASE_URL" not in body["detail"]
 
 
 def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(make_api, tmp_path, caplog):
@@ -39,6 +40,7 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
     assert started.exc_info is None
     body = is_problem(empty.client.get("/readyz"), 503, "not-ready")
     assert "no lmscope tables" in body["checks"]["database"] and "lmscope db upgrade" in body["detail"]
+    assert "LMSCOPE_DATABASE_URL points at it" not in body["detail"]  # it does; the schema is what is missing
     r = empty.client.get("/v1/jobs")
     body = is_problem(r, 503, "database-unavailable")
     assert "no lmscope tables; create them with `lmscope db upgrade`" in body["detail"] and r.headers["Retry-After"]
@@ -49,7 +51,8 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
     down = make_api(database_url=f"postgresql+psycopg://lmscope@127.0.0.1:{port}/lmscope")
     body = is_problem(down.client.get("/v1/jobs", headers={"Authorization": "Bearer x"}), 503, "database-unavailable")
     assert body["detail"].startswith("the database does not answer (OperationalError")
-    assert "database" in is_problem(down.client.get("/readyz"), 503, "not-ready")["checks"]
+    body = is_problem(down.client.get("/readyz"), 503, "not-ready")
+    assert body["checks"]["database"].startswith("error") and "LMSCOPE_DATABASE_URL points at it" in body["detail"]
 
 
 def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api, caplog):
