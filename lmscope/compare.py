@@ -194,12 +194,49 @@ X_MEANINGS: dict[str, str] = {
 }
 
 
+# What y is, the same way: the quantity and its unit, for a plot's y axis.
+Y_MEANINGS: dict[str, str] = {
+    "norm": "L2 norm of the current token's hidden state",
+    "inner_loss": "inner loss: cross-entropy at the current token (nats)",
+    "entropy": "attention entropy (nats)",
+    "entropy.normalized_mean": "attention entropy / ln(visible keys)",
+    "entropy.histogram": "probability density (1/nat)",
+    "dimension_entropy": "% of (dimension, query) rows near uniform",
+    "dimension_entropy.histogram": "probability density (1/nat)",
+    "dimension_entropy.gap_histogram": "% of rows",
+    "uniform_bound": "ln(visible keys) (nats)",
+    "parameters.by_layer": "parameters",
+    "val_error": "relative L2 validation error",
+    "train_loss": "training loss (MSE, target units²)",
+    "best_val_error": "best relative L2 validation error",
+    "theory_latent_dim": "theory d′ = C(n+d,d) − 1",
+    "rel_error": "relative L2 error of the attention output",
+    "time_ratio": "approximation time / exact kernel time",
+    "loss": "next-token loss (nats)",
+    "lr": "learning rate",
+    "unigram_entropy": "unigram cross-entropy (nats)",
+}
+
+
+def _meaning(table: dict[str, str], name: str) -> str | None:
+    for key in sorted(table, key=len, reverse=True):  # the longest match wins
+        if name == key or name.startswith(key + "."):
+            return table[key]
+    return None
+
+
 def x_meaning(name: str) -> str:
     """What a series' x values are (`X_MEANINGS`), or "x" when lmscope does not know the series."""
-    for key in sorted(X_MEANINGS, key=len, reverse=True):
-        if name == key or name.startswith(key + "."):
-            return X_MEANINGS[key]
-    return "x"
+    return _meaning(X_MEANINGS, name) or "x"
+
+
+def y_meaning(name: str, unit: Any = None) -> str:
+    """A y axis label: what the series' values are (`Y_MEANINGS`) and its name, e.g. "attention entropy
+    (nats) [entropy.mean]"; an unknown series is its name (and its `unit` label, if it has one)."""
+    meaning = _meaning(Y_MEANINGS, name)
+    if meaning is not None:
+        return f"{meaning} [{name}]"
+    return name + (f" ({unit})" if unit is not None else "")
 
 
 def clip(text: str, width: int) -> str:
@@ -253,7 +290,7 @@ def line_look(i: int, dot: str | None) -> dict[str, Any]:
 def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
     """The comparison as a matplotlib Figure: one panel per series name.
 
-    Each panel: x labelled with what x is (`x_meaning`), y with the series name (and its `unit` label);
+    Each panel: x labelled with what x is (`x_meaning`), y with what y is and the series name (`y_meaning`);
     the labels its curves share under the title. Jobs and the label sets that vary between its curves
     (e.g. layers) are told apart by colour and by line look: colour for whichever is more numerous, a
     look (dash pattern, then markers; twelve) for the other, both named in the legend — a job by what
@@ -313,10 +350,10 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
             common = ", ".join(filter(None, [f"{len(curves)} curves by {', '.join(varying)}", common]))
         ax.set_title(name + (f"\n{clip(common, TITLE_WIDTH)}" if common else ""), fontsize=9)
         ax.set_xlabel(x_meaning(name), fontsize=8)
-        ax.set_ylabel(name + (f" ({unit})" if unit is not None else ""), fontsize=8)
+        ax.set_ylabel(y_meaning(name, unit), fontsize=8)
         xs = [v for cv in curves for x, _ in cv.by_job.values() for v in x]
-        if xs and all(_is_integer(v) for v in xs) and not logx:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not logx:  # few enough ticks that 750, 1000, 1250 do not run together beside a legend
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=bool(xs) and all(_is_integer(v) for v in xs)))
         numeric = [float(v) for v in xs if isinstance(v, (int, float)) and not isinstance(v, bool)]
         unlogged = sum(v <= 0 for v in numeric)
         if logx and numeric and unlogged == len(numeric):  # e.g. layer 0 alone: a linear axis, and why

@@ -718,7 +718,7 @@ def test_compare_against_lmscope_up(lmscope_up, tmp_path):
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == [f"job {a} (model=tiny-gpt2)", f"job {b} (model=tiny-llama)", "group=attention",
                       "group=mlp", "group=norms", "group=total"]
-    assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "parameters.by_layer")
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "parameters [parameters.by_layer]")
     bad = lmscope(env, "compare", str(a), str(b), "--series", "parameters.by_layer", "--plot", str(tmp_path / "c.txt"))
     assert bad.returncode == 2 and "cannot draw a .txt file" in bad.stderr and bad.stdout == ""
 
@@ -766,3 +766,6 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     assert line.render({**queued, "status": "running"}) == "job 7 running"  # a stale queue field says nothing
     stopped = {**queued, "queue": {"ahead": 0, "running": 0, "worker_stopped": "the GPU is unusable; restart"}}
     assert line.render(stopped) == "job 7 queued (no worker takes jobs: the GPU is unusable; restart)"
+    # re-queued after a lost worker: the progress is its last attempt's, said as such and without a bar
+    requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}
+    assert line.render(requeued) == "job 7 queued (2 ahead, 1 running); its last attempt got to 70.0% (84/120)"

@@ -167,7 +167,7 @@ def test_the_plot_labels_its_axes_and_names_jobs_by_what_differs():
                  [_series("norm.mean", {"unit": "L2 norm"}, [0, 1, 2, 3], [0.5, 0.9, 1.1, 1.4])]])
     fig = comparison_figure(c)
     ax = fig.axes[0]
-    assert ax.get_xlabel().startswith("hidden state") and ax.get_ylabel() == "norm.mean (L2 norm)"
+    assert ax.get_xlabel().startswith("hidden state") and ax.get_ylabel() == "L2 norm of the current token's hidden state [norm.mean]"
     assert _legend(ax) == ["job 3 (model=tiny-gpt2)", "job 4 (model=tiny-llama)"]
     assert ax.get_title() == "norm.mean"
     fig.canvas.draw()  # ticks are placed at drawing time: whole numbers only for layer indices
@@ -184,7 +184,7 @@ def test_labels_that_vary_go_in_the_legend_and_shared_ones_in_the_title():
     ax = comparison_figure(c).axes[0]
     assert _legend(ax) == ["job 1 (model=a)", "job 2 (model=b)", "layer=0", "layer=1"]
     assert ax.get_title() == "rel_error\nmethod=performer"
-    assert ax.get_xlabel().startswith("k ") and ax.get_ylabel() == "rel_error"
+    assert ax.get_xlabel().startswith("k ") and ax.get_ylabel() == "relative L2 error of the attention output [rel_error]"
 
 
 def test_two_jobs_over_eight_layers_give_each_line_its_own_colour_and_look():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses.plotting import MANY_LINES, OrderedColours, pyplot, save, sparse_ticks
 
 
 def draw(out: Path, params, steps, names, results, dim_results, *, over_training: bool) -> None:
@@ -23,7 +23,8 @@ def draw(out: Path, params, steps, names, results, dim_results, *, over_training
     source = (f"{last_name} on {params.dataset}" if len(names) == 1
               else f"{names[0]} … {last_name} on {params.dataset}")
     heatmap(out / "entropy_heatmap.png", last, f"{last_name} on {params.dataset}", uniform_mean)
-    by_layer(out / "entropy_by_layer.png", steps, names, results, source, uniform_mean)
+    checkpoint_names = [f"step {step}" for step in steps] if over_training else names
+    by_layer(out / "entropy_by_layer.png", checkpoint_names, results, source, uniform_mean)
     by_position(out / "entropy_by_position.png", last, f"{last_name} on {params.dataset}")
     if len(results) > 1:
         over_models(out / "entropy_over_training.png", steps, names, results, source, params.dataset, over_training)
@@ -31,17 +32,28 @@ def draw(out: Path, params, steps, names, results, dim_results, *, over_training
         dimension_entropy(out / "dimension_entropy.png", dim_results[-1], params, f"{last_name} on {params.dataset}")
 
 
+def _layer_ticks(layers: int, windows: dict) -> tuple[list[int], list[str]]:
+    """Layer tick positions and labels; a layer that slides over a window is marked "W"."""
+    at = sparse_ticks(layers)
+    return at, [f"{layer} W" if layer in windows else str(layer) for layer in at]
+
+
 def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> None:
-    """Layer × head heatmap of the mean entropy, annotated with the values."""
+    """Layer × head heatmap of the mean entropy, annotated with the values (up to 400 cells)."""
     plt = pyplot()
     layers, heads = last["mean"].shape
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.7 * heads), max(3.5, 1.5 + 0.45 * layers)))
+    # cells shrink for big models, so that 32 × 32 stays a figure one reads whole at its own size
+    cell_w, cell_h = (0.7, 0.45) if layers * heads <= 400 else (0.3, 0.25)
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.5 + cell_w * heads), max(3.5, 1.8 + cell_h * layers)))
     im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=0, vmax=uniform_mean)
     if layers * heads <= 400:
         for (layer, head), v in np.ndenumerate(last["mean"]):
             ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
                     color="black" if v > 0.6 * uniform_mean else "white")
-    ax.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers))
+    at, names = _layer_ticks(layers, last["sliding_windows"])
+    ax.set(xlabel="head", ylabel="layer" + (" (W: sliding window, a lower ceiling)" if last["sliding_windows"] else ""),
+           xticks=sparse_ticks(heads))
+    ax.set_yticks(at, names)
     ax.set_title(f"mean attention entropy (nats), {title_source}\n"
                  f"scale top = uniform {uniform_mean:.2f} "
                  f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
@@ -49,76 +61,108 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
     save(fig, path)
 
 
-def by_layer(path: Path, steps, names, results, source: str, uniform_mean: float) -> None:
-    """Mean entropy per layer (±std over heads), one line per checkpoint."""
+def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> None:
+    """Mean entropy per layer (±std over heads), one line per model ("step N" for a run's checkpoints),
+    coloured early to late."""
     plt = pyplot()
     last = results[-1]
     layers = last["mean"].shape[0]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    cmap = plt.get_cmap("viridis")
-    for i, (step, r) in enumerate(zip(steps, results)):
+    fig, ax = plt.subplots(figsize=(max(6.0, 3 + 0.22 * layers), 4))
+    colours = OrderedColours(range(len(results)), "model")
+    for i, r in enumerate(results):
         per_layer = r["mean"].mean(1)
-        color = cmap(i / max(1, len(results) - 1))
-        # With many checkpoints label only the first and last: the colour runs from early to late.
-        label = names[i] if len(results) == 1 else (f"step {step}" if len(results) <= 8 or i in (0, len(results) - 1) else None)
-        ax.plot(range(layers), per_layer, marker="o", color=color, label=label)
+        label = colours.label(names[i])
+        ax.plot(range(layers), per_layer, marker="o" if len(results) <= MANY_LINES else None, ms=4,
+                color=colours(i), label=label)
         if len(results) == 1:
             ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
-                            color=color, alpha=0.2, label="± std over heads")
+                            color=colours(i), alpha=0.2, label="± std over heads")
+    colours.colour_bar(fig, ax, names)
     if last["sliding_windows"]:  # windowed layers have a lower ceiling
         ax.plot(range(layers), last["bound"].mean(1), color="k", ls="--", drawstyle="steps-mid",
                 label="uniform (mean of ln(visible keys))")
     else:
         ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
-    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}", xticks=range(layers))
+    ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}")
+    ax.set_xticks(*_layer_ticks(layers, last["sliding_windows"]))
     ax.legend(fontsize=7)
     save(fig, path)
 
 
 def by_position(path: Path, last: dict, title_source: str) -> None:
-    """Entropy against query position, per layer, with the uniform bound ln(t + 1) (and each window's)."""
+    """Entropy against query position, per layer, with the uniform bound ln(t + 1) (and each window's).
+
+    Past 256 positions x is logarithmic: ln(t+1) rises in the first few per cent of a linear axis.
+    Position 0 sees one key (entropy 0) and is left off a log axis."""
     plt = pyplot()
     layers, _, n = last["by_position"].shape
-    cmap = plt.get_cmap("viridis")
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    positions = np.arange(n)
+    windows = last["sliding_windows"]
+    colours = OrderedColours(range(layers), "layer")
+    fig, ax = plt.subplots(figsize=(7.5 if colours.many else 6.5, 4.5))
+    logx = n >= 256
+    positions = np.arange(n)[1:] if logx else np.arange(n)
     for layer in range(layers):
-        ax.plot(positions, last["by_position"][layer].mean(0), color=cmap(layer / max(1, layers - 1)),
-                label=f"layer {layer}")
-    ax.plot(positions, np.log(positions + 1.0), "k--", label="uniform bound ln(t+1)")
-    for w in sorted(set(last["sliding_windows"].values())):
-        in_window = [layer for layer, lw in last["sliding_windows"].items() if lw == w]
-        ax.plot(positions, np.log(np.minimum(positions + 1.0, w)), "k:",
-                label=f"ln(min(t+1, {w})): sliding layer(s) {', '.join(map(str, in_window))}")
-    ax.set(xlabel="query position t", ylabel="mean entropy (nats)", title=f"attention entropy by position, {title_source}")
-    ax.legend(fontsize=7, ncol=2)
+        ax.plot(positions, last["by_position"][layer].mean(0)[positions], color=colours(layer),
+                ls="--" if layer in windows else "-", label=colours.label(f"layer {layer}"))
+    colours.colour_bar(fig, ax)
+    ax.plot(positions, np.log(positions + 1.0), "k--", lw=1.2, label="uniform bound ln(t+1)")
+    for w in sorted(set(windows.values())):
+        in_window = [layer for layer, lw in windows.items() if lw == w]
+        which = (f"sliding layer(s) {', '.join(map(str, in_window))}" if len(in_window) <= 4
+                 else f"{len(in_window)} sliding layers (dashed)")
+        ax.plot(positions, np.log(np.minimum(positions + 1.0, w)), "k:", label=f"ln(min(t+1, {w})): {which}")
+    if logx:
+        ax.set_xscale("log")
+    ax.set(xlabel="query position t" + (" (log scale; t = 0, one visible key, left off)" if logx else ""),
+           ylabel="mean entropy (nats)", title=f"attention entropy by position, {title_source}")
+    ax.legend(fontsize=7, ncol=1 if colours.many else 2)
     save(fig, path)
 
 
 def over_models(path: Path, steps, names, results, source: str, dataset: str, over_training: bool) -> None:
-    """Training dynamics: one panel per layer, one line per head, across the checkpoints (or models)."""
+    """Training dynamics: one panel per layer, one line per head, across the checkpoints (or models).
+
+    Steps spread over decades (0, 1, 2, 4, …, 143000) go on a symmetric-log axis, so that the early
+    checkpoints do not sit on top of each other."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     plt = pyplot()
     last = results[-1]
     layers, heads = last["mean"].shape
-    cols = min(3, layers)
+    cols = min(3 if layers <= 9 else 4, layers)
     rows = math.ceil(layers / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
+    # more heads than tab10 has colours: a colour map, named by a colour bar
+    colours = OrderedColours(range(heads), "head", cmap="turbo") if heads > 10 else None
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + (1 if colours else 0), 3.2 * rows),
+                             sharex=True, sharey=True, squeeze=False, layout="constrained")
+    positive = [s for s in steps if s > 0]
+    symlog = over_training and len(positive) > 1 and max(positive) / min(positive) > 100
     for layer in range(layers):
         ax = axes[layer // cols][layer % cols]
         for head in range(heads):
-            ax.plot(steps, [r["mean"][layer, head] for r in results], marker=".", label=f"head {head}")
+            ax.plot(steps, [r["mean"][layer, head] for r in results], marker=None if colours or len(steps) > 30 else ".",
+                    color=colours(head) if colours else None, lw=1 if colours else 1.5,
+                    label=None if colours else f"head {head}")
         ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
         # checkpoints of one run lie on a step axis; other model lists are only in list order
         ax.set(title=f"layer {layer}", xlabel="training step" if over_training else "model", ylabel="mean entropy (nats)")
         if not over_training:
             ax.set_xticks(steps, names, rotation=30, ha="right", fontsize=7)
+        elif symlog:
+            ax.set_xscale("symlog", linthresh=min(positive))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+        if over_training:
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 20k, not 20000 running into 40000
         ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
         if layer == 0:
             ax.legend(fontsize=6)
     for extra in range(layers, rows * cols):
         axes[extra // cols][extra % cols].axis("off")
-    fig.suptitle(f"attention entropy over training, {source}" if over_training
-                 else f"attention entropy across models, on {dataset}")
+    if colours:
+        colours.colour_bar(fig, axes.ravel().tolist(), shrink=0.5, aspect=40)
+    fig.suptitle(f"attention entropy over training, {source}" + (" (symmetric log step axis)" if symlog else "")
+                 if over_training else f"attention entropy across models, on {dataset}")
     save(fig, path)
 
 
@@ -133,15 +177,17 @@ def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
     layers, heads = share.shape
     gaps = d["gap_edges"]  # [0, floor], then log-spaced
     floor = float(gaps[1])
-    cmap = plt.get_cmap("viridis")
-    fig, (ax, hm) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    colours = OrderedColours(range(layers), "layer")
+    fig, (ax, hm) = plt.subplots(1, 2, figsize=(12, max(4.8, 1.8 + 0.2 * layers)),
+                                 gridspec_kw={"width_ratios": [1.3, 1]})
     plot_edges = gaps.copy()
     plot_edges[0] = floor * gaps[1] / gaps[2]  # the [0, floor] bin drawn one bin wide, left of floor
     styles = ["-", "--", "-.", ":"]
     for layer in range(layers):
-        ax.stairs(d["gap_pct"][layer], plot_edges, color=cmap(layer / max(1, layers - 1)), lw=1.6,
-                  ls=styles[layer % len(styles)],
-                  label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
+        ax.stairs(d["gap_pct"][layer], plot_edges, color=colours(layer), lw=1.6 if layers <= MANY_LINES else 1,
+                  ls=styles[layer % len(styles)] if layers <= MANY_LINES else "-",
+                  label=colours.label(f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)"))
+    colours.colour_bar(fig, ax)
     ax.set_xscale("log")
     filled = np.flatnonzero(d["gap_pct"].sum(0) > 0)
     if filled.size:  # the occupied bins, the margin in view
@@ -161,7 +207,7 @@ def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
         for (layer, head), v in np.ndenumerate(share):
             hm.text(head, layer, f"{v:.1f}", ha="center", va="center", fontsize=7,
                     color="black" if v > lo + 0.6 * (100 - lo) else "white")
-    hm.set(xlabel="head", ylabel="layer", xticks=range(heads), yticks=range(layers),
+    hm.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers),
            title=f"% of (dimension, query) rows within {margin} nats of uniform")
     fig.colorbar(im, ax=hm, label=f"% (scale from {lo:g})")
     save(fig, path)

@@ -711,7 +711,8 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
                                params.include_last_layer, title, summary["sequence_pct"], summary["pair_pct"])
         progress.step("plots")
         if params.inner_loss:
-            norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title)
+            norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title,
+                                        vocab_size=parts.lm_head.weight.shape[0])
         progress.step("plots")
         norms_plots.plot_pca3d(out / "pca3d.png", coords, explained.cpu().numpy(), params.include_last_layer, title)
         progress.step("plots")

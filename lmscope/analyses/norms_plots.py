@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses.plotting import pyplot, save, sparse_ticks
 
 
 def layer_names(points: int, include_last_layer: bool) -> list[str]:
@@ -16,32 +17,51 @@ def layer_names(points: int, include_last_layer: bool) -> list[str]:
     return names
 
 
+def _layer_axis(ax, points: int, include_last_layer: bool) -> None:
+    names = layer_names(points, include_last_layer)
+    at = sparse_ticks(points, 20)
+    ax.set_xticks(at, [names[i] for i in at], fontsize=8)
+
+
 def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_layer: bool, title: str,
                sequence_pct: float, pair_pct: float) -> None:
-    """Mean and median norm per layer, the 10–90 % band, and a few single trajectories."""
+    """Mean and median norm per layer, the 10–90 % band, and a few single trajectories.
+
+    The y axis is logarithmic when the norms span more than a factor of 20 (an embedding output far
+    smaller than the last blocks', or tokens with massive activations): on a linear axis the band of
+    the other trajectories would be a flat line at the bottom."""
     S, points = norms.shape
     x = np.arange(points)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * points + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 0.45 * points + 3)), 4.5))
     for i, s in enumerate(lines):
         ax.plot(x, norms[s], color="tab:gray", lw=0.7, alpha=0.5, label="single trajectories" if i == 0 else None)
     q10, q90 = np.quantile(norms, [0.1, 0.9], axis=0)
     ax.fill_between(x, q10, q90, color="tab:blue", alpha=0.2, label="10–90 % of trajectories")
-    ax.plot(x, norms.mean(0), color="tab:blue", lw=2.2, marker="o", label="mean")
+    ax.plot(x, norms.mean(0), color="tab:blue", lw=2.2, marker="o" if points <= 40 else None, label="mean")
     ax.plot(x, np.median(norms, 0), color="tab:orange", lw=1.5, ls="--", label="median")
-    ax.set_xticks(x, layer_names(points, include_last_layer), fontsize=8)
+    drawn = np.concatenate([q10, q90, norms[lines].ravel()]) if len(lines) else np.concatenate([q10, q90])
+    positive = drawn[np.isfinite(drawn) & (drawn > 0)]
+    log = positive.size > 0 and positive.max() / positive.min() > 20
+    if log:
+        ax.set_yscale("log")
+    _layer_axis(ax, points, include_last_layer)
     ax.set_xlabel("hidden state (h0 = embedding output, hl = output of block l)")
-    ax.set_ylabel("L2 norm of the current token's hidden state")
+    ax.set_ylabel("L2 norm of the current token's hidden state" + (" (log scale)" if log else ""))
     ax.set_title(f"{title}: {S} trajectories\nnon-decreasing: {sequence_pct:.1f} % of sequences, "
                  f"{pair_pct:.1f} % of pairs (null {100 * 2.0 ** -(points - 1):.3g} %)", fontsize=10)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both" if log else "major")
     ax.legend(fontsize=8, loc="upper left")
     save(fig, path)
 
 
-def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filter: float | None, title: str) -> None:
-    """Mean ± std of the inner loss per layer on a log scale, over the kept trajectories (all finite ones
-    if none is kept)."""
+def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filter: float | None, title: str,
+                    vocab_size: int | None = None) -> None:
+    """Mean ± std of the inner loss per layer on a log scale, and the median, over the kept trajectories
+    (all finite ones if none is kept); ln(vocabulary), the loss of a uniform guess, for reference.
+
+    Per-token cross-entropy is skewed (std often above the mean): where mean − std falls below the 5th
+    percentile the band stops there, rather than at a floor decades below every value."""
     from matplotlib.ticker import LogFormatter
 
     S, L = losses.shape
@@ -50,16 +70,23 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
     if not use.any():
         use = np.ones(S, bool)  # nothing finite to draw: the plot shows that, rather than nothing
     mean, std = losses[use].mean(0), losses[use].std(0)
-    floor = max(float(losses[use].min()), 1e-6) * 0.5  # a log axis cannot show mean - std ≤ 0
+    q05 = np.quantile(losses[use], 0.05, axis=0)
+    lower = np.maximum(mean - std, np.maximum(q05, 1e-6))  # a log axis cannot show mean - std ≤ 0
+    cut = bool((mean - std < lower).any())
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * L + 3), 4.5))
-    ax.fill_between(x, np.maximum(mean - std, floor), mean + std, color="tab:green", alpha=0.25, label="mean ± std")
-    ax.plot(x, mean, color="tab:green", lw=2, marker="o", label="mean")
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 0.45 * L + 3)), 4.5))
+    ax.fill_between(x, lower, mean + std, color="tab:green", alpha=0.25,
+                    label="mean ± std" + (" (cut at the 5th percentile)" if cut else ""))
+    ax.plot(x, mean, color="tab:green", lw=2, marker="o" if L <= 40 else None, label="mean")
+    ax.plot(x, np.median(losses[use], 0), color="tab:olive", lw=1.3, ls="--", label="median")
+    if vocab_size:
+        ax.axhline(math.log(vocab_size), color="k", ls=":", lw=1,
+                   label=f"ln(vocabulary) = {math.log(vocab_size):.2f}: a uniform guess")
     ax.set_yscale("log")
     # decimal tick labels ("5.6", not "5.6×10⁰"); minor ticks labelled only when the range is narrow
     ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
     ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
-    ax.set_xticks(x)
+    ax.set_xticks(sparse_ticks(L, 20))
     ax.set_xlabel("layer l whose hidden state h_l goes through the last block")
     ax.set_ylabel("cross-entropy at the current token (nats, log scale)")
     rule = "all with a finite loss" if loss_filter is None else f"final loss ≤ {loss_filter:g}"
@@ -75,15 +102,17 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
 
 def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_last_layer: bool, title: str) -> None:
     """Each trajectory as a 3-D polyline in the top principal components, its points coloured by layer (the
-    colour bar names them); circle = h0, triangle = last point."""
+    colour bar names them); circle = h0, triangle = last point. A few trajectories far larger than the
+    rest (``far_trajectories``) are left out, and the title says how many."""
     plt = pyplot()
+    far = far_trajectories(coords)
     fig = plt.figure(figsize=(7.6, 6))
     ax = fig.add_subplot(projection="3d")
     points = coords.shape[1] if coords.ndim == 3 else 0
     depth = np.arange(points)
     norm = plt.Normalize(0, max(1, points - 1))
     dots = None
-    for i, c in enumerate(coords):
+    for i, c in enumerate(coords[~far] if len(coords) else coords):
         c = np.pad(c, ((0, 0), (0, max(0, 3 - c.shape[1]))))  # a model narrower than 3 dims
         ax.plot(c[:, 0], c[:, 1], c[:, 2], color="0.55", lw=0.8, alpha=0.6)
         dots = ax.scatter(c[:, 0], c[:, 1], c[:, 2], c=depth, cmap="viridis", norm=norm, s=8, depthshade=False)
@@ -94,13 +123,28 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     if dots is not None:
         bar = fig.colorbar(dots, ax=ax, shrink=0.6, pad=0.1, label="hidden state")
         names = layer_names(points, include_last_layer)
-        step = max(1, -(-points // 12))  # at most a dozen tick labels
-        bar.set_ticks(list(depth[::step]), labels=names[::step])
+        at = sparse_ticks(points, 12)  # about a dozen tick labels, the last point's among them
+        bar.set_ticks(at, labels=[names[i] for i in at])
     pcs = [f"PC{k + 1} ({100 * v:.1f} %)" for k, v in enumerate(list(explained) + [0.0] * (3 - len(explained)))]
     ax.set_xlabel(pcs[0], fontsize=8)
     ax.set_ylabel(pcs[1], fontsize=8)
     ax.set_zlabel(pcs[2], fontsize=8)
-    ax.set_title(f"{title}: {len(coords)} trajectories in the top 3 principal components", fontsize=10)
+    ax.set_title(f"{title}: {len(coords) - int(far.sum())} trajectories in the top 3 principal components"
+                 + (f"\n({int(far.sum())} far larger trajectories not drawn; all are in pca.npz)" if far.any() else ""),
+                 fontsize=10)
     if len(coords):
         ax.legend(fontsize=8, loc="upper left")
     save(fig, path)
+
+
+def far_trajectories(coords: np.ndarray, factor: float = 4.0) -> np.ndarray:
+    """Which trajectories reach more than ``factor`` times as far from the centre of all points as the
+    median trajectory does (massive activations): drawn, they would shrink all the others into one blob.
+    None are marked when they are more than a fifth of all (then they are no outliers)."""
+    if coords.ndim != 3 or len(coords) < 5:
+        return np.zeros(len(coords), bool)
+    centre = np.median(coords.reshape(-1, coords.shape[-1]), axis=0)
+    reach = np.linalg.norm(coords - centre, axis=-1).max(axis=1)  # per trajectory
+    far = reach > factor * np.median(reach)
+    return far if far.sum() <= len(coords) / 5 else np.zeros(len(coords), bool)
+

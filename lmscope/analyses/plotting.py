@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
 
 def pyplot():
     """``matplotlib.pyplot``; the first import picks the Agg backend (workers have no display).
@@ -70,3 +72,61 @@ def _wrap_wide_titles(fig) -> None:
             chars = max(10, min(chars - 1, int(chars * room / width)))
             title.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in lines))
             title._lmscope_unwrapped = original
+
+
+MANY_LINES = 8  # past this many ordered lines (layers, checkpoints), a colour bar names them, not a legend
+
+
+class OrderedColours:
+    """Colours for lines in an order (layers, heads, checkpoints): a sequential colour map over `values`.
+
+    Up to MANY_LINES lines each gets a legend entry (`label`); past that a legend would cover the data,
+    so `label` gives None and `colour_bar` names the colours instead.
+    """
+
+    def __init__(self, values, name: str, cmap: str = "viridis", *, log: bool = False):
+        plt = pyplot()
+        self.values, self.name = list(values), name
+        lo, hi = min(self.values), max(self.values)
+        if log and lo > 0 and hi > lo:
+            from matplotlib.colors import LogNorm
+            self.norm = LogNorm(lo, hi)
+        else:
+            self.norm = plt.Normalize(lo, hi if hi > lo else lo + 1)
+        self.cmap = plt.get_cmap(cmap)
+        # viridis' and plasma's tops are a pale yellow a thin line vanishes in: stop short of it
+        self.top = 0.9 if cmap in ("viridis", "plasma") else 1.0
+        self.many = len(self.values) > MANY_LINES
+
+    def __call__(self, i: int):
+        return self.cmap(self.top * self.norm(self.values[i]))
+
+    def label(self, text: str) -> str | None:
+        return None if self.many else text
+
+    def colour_bar(self, fig, ax, names: list[str] | None = None, **kwargs) -> None:
+        """A colour bar naming the lines, when there are too many for a legend; `names` (one per value)
+        label its ticks (checkpoints coloured in order, named by their steps)."""
+        if not self.many:
+            return
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import ListedColormap
+
+        shown = ListedColormap(self.cmap(np.linspace(0, self.top, 256)))
+        bar = fig.colorbar(ScalarMappable(norm=self.norm, cmap=shown), ax=ax, label=self.name, **kwargs)
+        if names is not None:
+            at = sparse_ticks(len(self.values), 10)
+            bar.set_ticks([self.values[i] for i in at], labels=[names[i] for i in at])
+
+
+def sparse_ticks(n: int, most: int = 16) -> list[int]:
+    """0 … n−1, every k-th so that about `most` tick labels are written, the last always among them
+    (32 layers: 0, 2, 4, …, 30, 31)."""
+    step = max(1, -(-n // most))
+    at = list(range(0, n, step))
+    if at and at[-1] != n - 1:
+        if len(at) > 1 and n - 1 - at[-1] <= step / 2:
+            at[-1] = n - 1  # moved, not added: two labels one apart would overlap
+        else:
+            at.append(n - 1)
+    return at

@@ -32,7 +32,7 @@ import torch
 
 from lmscope.analyses.base import (ChildResult, JobContext, JobFailed, JobOutput, Series, context_seq_len,
                                    require_positions)
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses.plotting import OrderedColours, pyplot, save
 from lmscope.params.sweep import (
     DEFAULT_ATTENTION_SEQ_LEN,
     AttentionApproxParams,
@@ -734,7 +734,7 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     panels = sorted({(key[0], key[1], key[3], key[4]) for key in best}, key=str)
     if not panels:
         return
-    fig, axes = _grid(plt, len(panels), width=5.5, height=4.2)
+    fig, axes = _grid(plt, len(panels), width=5.5, height=4.6, layout="constrained")
     cmap = plt.get_cmap("viridis")
     for ax, (arch, target, n, k) in zip(axes, panels):
         ds = sorted({key[2] for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k)})
@@ -746,16 +746,25 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
             ax.plot(xs, [m for m, _, _ in stats], marker="o", ms=3, color=color, label=f"d={d}")
             if any(len(per_x[x]) > 1 for x in xs):
                 ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=color, alpha=0.15)
-            ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1.6, alpha=0.9)
+            # theory d′ as a triangle of the line's colour on the top edge (ten dotted verticals in
+            # neighbouring greens could not be told apart), and a dotted vertical for a few d
+            ax.plot([theory_latent_dim(d, n)], [1.0], marker="v", ms=8, color=color, mec="k", mew=0.4,
+                    transform=ax.get_xaxis_transform(), clip_on=False)
+            if len(ds) <= 3:
+                ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1.6, alpha=0.9)
         xs_all = [x for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k) for x in best[key]]
         theory = [theory_latent_dim(d, n) for d in ds]
         ax.set_xlim(min(xs_all + theory) / 1.5, max(xs_all + theory) * 1.5)  # every theory d′ inside the frame
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         title = f"{arch} on {target}, n={n}" + (f", k={k}" if k else "")
-        ax.set(xlabel="latent dimension d′", ylabel="best relative L2 validation error", title=title)
+        ax.set(xlabel="latent dimension d′", ylabel="best relative L2 validation error")
+        ax.set_title(title, pad=12)  # above the theory triangles
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, title="dotted: theory d′=C(n+d,d)−1", title_fontsize=7)
+        # below the panel, as in Fig. 1: inside, it covers whichever curves run through its corner
+        ax.legend(fontsize=7, ncol=min(5, len(ds)), loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  title="▼ on the top edge" + (" and dotted" if len(ds) <= 3 else "") + ": theory d′ = C(n+d,d)−1",
+                  title_fontsize=7)
     fig.suptitle("Fig. 2: best validation error vs latent dimension\n(mean over seeds, band = min–max over seeds)")
     save(fig, path)
 
@@ -773,33 +782,40 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
     methods = sorted({m for m, _ in panels})
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
     axes = list(axes.flat)
-    cmap = plt.get_cmap("plasma")
     for ax, method in zip(axes, methods):
         layers = sorted(layer for m, layer in panels if m == method)
+        colours = OrderedColours(layers, "layer", cmap="plasma")
         for i, layer in enumerate(layers):
             xs, ys, los, his = panels[method, layer]
-            color = cmap(i / max(len(layers), 1))
+            color = colours(i)
             # float rounding (~1e-7) would stretch the log axis over decades that mean nothing
-            label = f"layer {layer}" + (f" (window {windows[layer]} in the model)" if windows and layer in windows else "")
-            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, label=label)
+            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, lw=1 if colours.many else 1.5,
+                    label=colours.label(f"layer {layer}" + (" (W)" if windows and layer in windows else "")))
             exact = [(x, ERROR_FLOOR) for x, y in zip(xs, ys) if y < ERROR_FLOOR]
             if exact:
                 ax.plot(*zip(*exact), "v", ms=7, color=color)
-            if los is not None:
+            if los is not None and not colours.many:  # many layers' bands would only smear the panel
                 ax.fill_between(xs, [max(v, ERROR_FLOOR) for v in los], [max(v, ERROR_FLOOR) for v in his],
                                 color=color, alpha=0.15)
         if any(y < ERROR_FLOOR for layer in layers for y in panels[method, layer][1]):
             ax.plot([], [], "v", color="gray", label=f"< {ERROR_FLOOR:g}: exact up to rounding")
         if method == "linformer" and seq_len and max(panels[method, layers[0]][0]) >= seq_len:
             ax.axvline(seq_len, color="gray", ls="--", lw=1, label=f"k = N = {seq_len}")
+        ax.axhline(1.0, color="gray", ls=":", lw=1, label="1: the error of a zero output")
+        colours.colour_bar(fig, ax)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ref = "causal" if method == "performer" else "bidirectional"
         extra = f" ({notes[method]})" if notes and method in notes else ""
+        slid = ""
+        if windows:  # once for the panel, not on every layer's entry
+            sizes = ", ".join(str(w) for w in sorted(set(windows.values())))
+            slid = (f"\n{len(windows)} layer{'s' if len(windows) > 1 else ''} (W) slide over {sizes} keys in the model"
+                    if not colours.many else f"\n{len(windows)} layers slide over {sizes} keys in the model")
         ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
-               title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else ""))
+               title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else "") + slid)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=1 if colours.many else 2)
     ax = axes[-1]
     for method, (xs, ys) in sorted(times.items()):
         ax.plot(xs, ys, marker="o", ms=3, label=method)

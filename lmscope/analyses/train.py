@@ -455,14 +455,20 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8, label="train (each step)")
     # The trend through batch noise: a centred running median, so one spiky batch neither lifts the
     # line for the next steps nor makes it drop when it leaves the window (a trailing mean did both).
-    half = 10
+    # Its window grows with the run (a two-hundredth of it, at least 21 steps), so long runs read smooth too.
+    half = max(10, len(losses) // 400)
     smooth = [statistics.median(losses[max(0, i - half):i + half + 1]) for i in range(len(losses))]
     ax.plot(steps, smooth, color="tab:blue", label=f"train (running median of {2 * half + 1} steps)")
-    ax.plot([s for s, _ in history["val"]], [l for _, l in history["val"]], "o-", color="tab:orange", ms=3,
+    val = history["val"]
+    ax.plot([s for s, _ in val], [l for _, l in val], "o-" if len(val) <= 40 else "-", color="tab:orange", ms=3,
             label="validation")
     ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline {baseline:.2f}")
-    for s in checkpoint_steps:
-        ax.axvline(s, color="lightgray", ls=":", lw=0.8)
+    if len(checkpoint_steps) <= 20:
+        for s in checkpoint_steps:
+            ax.axvline(s, color="lightgray", ls=":", lw=0.8)
+    else:  # a line each would grey the panel out: ticks along its top instead
+        ax.plot(checkpoint_steps, [1.0] * len(checkpoint_steps), "|", color="gray", ms=6,
+                transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_yscale("log")
     from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
@@ -471,9 +477,10 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     for formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 5, 6, 7 rather than 5×10⁰
         formatter(ScalarFormatter())
     ax.set_ylabel("next-token loss (nats, log scale)")
-    ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context} "
-                 f"(dotted: checkpoints)" + (f"\n{stopped[0]} at step {stopped[1]} of {p.steps}" if stopped else ""),
-                 fontsize=9)
+    marks = "dotted lines" if len(checkpoint_steps) <= 20 else "ticks along the top"
+    ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context}, "
+                 f"on {p.dataset} ({marks}: {len(checkpoint_steps)} checkpoints)"
+                 + (f"\n{stopped[0]} at step {stopped[1]} of {p.steps}" if stopped else ""), fontsize=9)
     ax.legend()
     ax_lr.plot([s for s, _ in history["lr"]], [v for _, v in history["lr"]], color="tab:green")
     ax_lr.set_xlabel("step")

@@ -35,3 +35,152 @@ def test_titles_wider_than_the_figure_wrap_and_keep_every_word(tmp_path):
     assert ax.title.get_text().count("\n") >= 1
     assert ax.title.get_text().split() == title.split()  # wrapped at spaces, nothing cut
     assert fig._suptitle.get_text() == "short"  # titles that fit are left alone
+
+
+# ---------------------------------------------------------------- plots of real-model sizes
+
+import math  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from lmscope.analyses import entropy_plots, norms_plots  # noqa: E402
+from lmscope.analyses.plotting import MANY_LINES, sparse_ticks  # noqa: E402
+
+
+def test_sparse_ticks_keep_about_most_labels_and_always_the_last():
+    assert sparse_ticks(8) == list(range(8))  # few: every one
+    assert sparse_ticks(32) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 31]  # 30 moved, not added
+    assert sparse_ticks(33) == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 32]
+    assert sparse_ticks(1) == [0] and sparse_ticks(0) == []
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plot modules would save, by file name."""
+    saved = {}
+    made = []
+    for module in (entropy_plots, norms_plots):
+        monkeypatch.setattr(module, "save", lambda fig, path: (made.append(fig), saved.setdefault(path.name, fig)))
+    yield saved
+    for fig in made:  # save() would have closed them
+        pyplot().close(fig)
+
+
+def entropy_results(layers, heads, n, steps, windows=None):
+    bound = np.tile(np.log(np.arange(n) + 1.0), (layers, 1))
+    for layer, w in (windows or {}).items():
+        bound[layer] = np.log(np.minimum(np.arange(n) + 1.0, w))
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in steps:
+        by_position = bound[:, None, :] * rng.uniform(0.3, 1.0, (layers, heads, 1))
+        out.append({"mean": by_position.mean(2), "by_position": by_position, "bound": bound,
+                    "sliding_windows": dict(windows or {})})
+    return out
+
+
+def test_a_32_layer_model_names_its_layers_by_a_colour_bar_and_a_long_context_reads_on_a_log_axis(drawn, tmp_path):
+    """32 layer entries made a legend that covered the curves; ln(t+1) over 2048 positions rose in the first
+    few per cent of a linear axis. Windowed layers are marked on the heatmap."""
+    layers, heads, n = 32, 4, 2048
+    params = types.SimpleNamespace(dataset="wiki", seq_len=n)
+    results = entropy_results(layers, heads, n, [0], windows={0: 512, 2: 512})
+    entropy_plots.draw(tmp_path, params, [0], ["m"], results, [None], over_training=False)
+    fig = drawn["entropy_by_position.png"]
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and "t = 0" in ax.get_xlabel()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert not any(t.startswith("layer ") for t in legend) and len(legend) == 2  # the bounds only
+    assert [a.get_ylabel() for a in fig.axes[1:]] == ["layer"]  # the colour bar
+    lines = [line for line in ax.get_lines() if line.get_label().startswith("_")]  # the layers' curves
+    assert len(lines) == layers and lines[0].get_linestyle() == "--" and lines[1].get_linestyle() == "-"
+    np.testing.assert_allclose(lines[5].get_xdata(), np.arange(1, n))  # position 0 left off the log axis
+    heat = drawn["entropy_heatmap.png"].axes[0]
+    ticks = [t.get_text() for t in heat.get_yticklabels()]
+    assert ticks[:2] == ["0 W", "2 W"] and ticks[-1] == "31" and len(ticks) == len(sparse_ticks(layers))
+
+    few = entropy_results(4, heads, 128, [0])
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0], ["m"], few, [None],
+                       over_training=False)
+    ax = drawn["entropy_by_position.png"].axes[0]
+    assert ax.get_xscale() == "log"  # the first figure's, still in the dict: setdefault keeps it
+    drawn.clear()
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0], ["m"], few, [None],
+                       over_training=False)
+    ax = drawn["entropy_by_position.png"].axes[0]
+    assert ax.get_xscale() == "linear" and len(drawn["entropy_by_position.png"].axes) == 1
+    assert [t.get_text() for t in ax.get_legend().get_texts()][:4] == [f"layer {i}" for i in range(4)]
+
+
+def test_checkpoints_spread_over_decades_sit_on_a_symmetric_log_step_axis(drawn, tmp_path):
+    """Pythia-style checkpoints 0, 1, 2, 4, …, 143000: on a linear axis all but the last few sit at x ≈ 0.
+    More than 10 heads: tab10's colours would repeat, so a colour map and a colour bar name them."""
+    steps = [0, 1, 2, 4, 8, 16, 512, 1000, 33000, 143000]
+    results = entropy_results(2, 12, 16, steps)
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=16), steps,
+                       [f"run@step{s}" for s in steps], results, [None] * len(steps), over_training=True)
+    fig = drawn["entropy_over_training.png"]
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("layer")]
+    assert [ax.get_xscale() for ax in panels] == ["symlog", "symlog"]
+    assert any(ax.get_ylabel() == "head" for ax in fig.axes)  # the colour bar
+    assert len({line.get_color() for line in panels[0].get_lines()[:12]}) == 12
+    by_layer = drawn["entropy_by_layer.png"]
+    assert len(steps) > MANY_LINES and by_layer.axes[-1].get_ylabel() == "model"
+    assert [t.get_text() for t in by_layer.axes[-1].get_yticklabels()][-1] == "step 143000"
+
+
+def test_the_inner_loss_band_stops_at_the_5th_percentile_and_ln_vocab_is_drawn(drawn, tmp_path):
+    """Per-token cross-entropy is skewed: mean − std ≤ 0 was drawn at half the smallest loss, six decades
+    below every curve."""
+    rng = np.random.default_rng(1)
+    losses = np.stack([rng.gamma(0.5, m / 0.5, 400) for m in (9.0, 6.0, 3.0)], 1) + 1e-7
+    kept = np.ones(400, bool)
+    norms_plots.plot_inner_loss(tmp_path / "inner_loss.png", losses, kept, None, "m", vocab_size=1000)
+    ax = drawn["inner_loss.png"].axes[0]
+    band = ax.collections[0].get_paths()[0].vertices
+    lower = band[1:4, 1]  # fill_between's outline: the lower edge first
+    np.testing.assert_allclose(lower, np.quantile(losses, 0.05, axis=0), rtol=1e-6)
+    assert (losses.mean(0) - losses.std(0) < lower).all()
+    reference = [line for line in ax.get_lines() if "uniform guess" in line.get_label()]
+    assert len(reference) == 1 and reference[0].get_ydata()[0] == pytest.approx(math.log(1000))
+    assert "cut at the 5th percentile" in [t.get_text() for t in ax.get_legend().get_texts()][0]
+
+
+def test_a_few_far_larger_trajectories_are_left_out_of_the_3d_plot_and_counted():
+    rng = np.random.default_rng(2)
+    coords = rng.normal(0, 1, (40, 6, 3))
+    coords[[3, 17]] *= 50  # massive activations
+    far = norms_plots.far_trajectories(coords)
+    assert np.flatnonzero(far).tolist() == [3, 17]
+    half = rng.normal(0, 1, (40, 6, 3))
+    half[:20] *= 50  # half of them that large: no outliers, two kinds of trajectory
+    assert not norms_plots.far_trajectories(half).any()
+
+
+def test_norms_spanning_decades_go_on_a_log_axis(drawn, tmp_path):
+    norms = np.outer(np.ones(50), [1.0, 5.0, 20.0, 80.0]) * np.random.default_rng(3).uniform(0.8, 1.2, (50, 4))
+    norms_plots.plot_norms(tmp_path / "norms.png", norms, np.arange(5), False, "m", 10.0, 60.0)
+    assert drawn["norms.png"].axes[0].get_yscale() == "log"
+    drawn.clear()
+    norms_plots.plot_norms(tmp_path / "norms.png", norms[:, 1:3], np.arange(5), False, "m", 10.0, 60.0)
+    assert drawn["norms.png"].axes[0].get_yscale() == "linear"
+
+
+def test_the_attention_study_plot_of_many_layers_names_them_by_a_colour_bar(monkeypatch, tmp_path):
+    from lmscope.analyses import sweep
+
+    saved = {}
+    monkeypatch.setattr(sweep, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    ks = [16, 32, 64]
+    panels = {("performer", layer): (ks, [0.5, 0.3, 0.2], [0.4, 0.2, 0.1], [0.6, 0.4, 0.3]) for layer in range(12)}
+    sweep._plot_attention(tmp_path / "attention_approx.png", panels, {"performer": (ks, [0.2, 0.4, 0.8])},
+                          title="t", windows={layer: 8 for layer in range(12)})
+    fig = saved["attention_approx.png"]
+    ax = fig.axes[0]
+    assert not any(t.get_text().startswith("layer") for t in ax.get_legend().get_texts())
+    assert any(a.get_ylabel() == "layer" for a in fig.axes)  # the colour bar
+    assert not ax.collections  # twelve min–max bands would smear the panel
+    assert "12 layers slide over 8 keys in the model" in ax.get_title()
+    assert [line.get_ydata()[0] for line in ax.get_lines() if "zero output" in line.get_label()] == [1.0]
