@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import shlex
 import sqlite3
@@ -503,7 +504,11 @@ def test_submit_wait_fetch_against_lmscope_up(lmscope_up, tmp_path):
     as_json = json.loads(lmscope(env, "results", "1").stdout)
     as_csv = lmscope(env, "results", "1", "--format", "csv").stdout.splitlines()
     assert as_csv[0] == "series,labels,x,y"
-    assert len(as_csv) - 1 == sum(len(s["x"]) for s in as_json["series"])
+    # row by row the JSON's points: name, labels (JSON), x, y, in order
+    rows = list(csv.reader(as_csv[1:]))
+    expected = [(s["name"], s["labels"], x, y) for s in as_json["series"] for x, y in zip(s["x"], s["y"])]
+    assert [(name, json.loads(labels), float(x), float(y)) for name, labels, x, y in rows] == \
+        [(name, labels, float(x), float(y)) for name, labels, x, y in expected]
 
     shown = lmscope(env, "show", "1", "--json")
     assert json.loads(shown.stdout)["summary"]["num_layers"] == 4

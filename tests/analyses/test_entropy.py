@@ -67,10 +67,10 @@ def series(output, name, **labels):
     return found
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_entropies_match_eager_attention(tmp_path, documents, arch):
+@pytest.mark.parametrize("arch, bins", [("gpt2", 7), ("llama", 50)])
+def test_entropies_match_eager_attention(tmp_path, documents, arch, bins):
     loaded = tiny_model(arch)
-    out, ctx = run_job(tmp_path, {"m": loaded}, documents)
+    out, ctx = run_job(tmp_path, {"m": loaded}, documents, histogram_bins=bins)
 
     windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 5)
     ref = eager_entropies(loaded, windows)  # [L, W, H, N]
@@ -95,7 +95,7 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch):
         (s,) = series(out, "entropy.by_position", layer=layer)
         np.testing.assert_allclose(s.y, ref[layer].mean((0, 1)), atol=2e-5)
         # Histogram on fixed bins [0, ln N]: the same counts as numpy's (a value on a bin edge may flip).
-        counts, edges = np.histogram(ref[layer], bins=50, range=(0, math.log(n)))
+        counts, edges = np.histogram(ref[layer], bins=bins, range=(0, math.log(n)))
         assert np.abs(arrays["hist_counts"][0, layer].sum(0) - counts).sum() <= 2
         (s,) = series(out, "entropy.histogram", layer=layer)
         assert np.sum(np.array(s.y) * np.diff(edges)) == pytest.approx(1.0)

@@ -189,6 +189,8 @@ def test_trajectories_match_each_sample_run_alone(arch, request, documents):
     np.testing.assert_allclose(series["norm.mean"].y, expected.mean(0), rtol=1e-5)
     np.testing.assert_allclose(series["norm.std"].y, expected.std(0), rtol=1e-4)
     np.testing.assert_allclose(series["norm.median"].y, np.median(expected, 0), rtol=1e-5)
+    for q in (10, 90):  # the band around the mean
+        np.testing.assert_allclose(series[f"norm.q{q}"].y, np.quantile(np.asarray(expected), q / 100, axis=0), rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

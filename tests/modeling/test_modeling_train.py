@@ -360,3 +360,14 @@ def test_every_valid_seed_orders_batches():
     small = BatchOrder(100, 4, 7)  # seeds that fitted keep their order (runs resume as before)
     g = torch.Generator().manual_seed(7 * 1_000_003 + 0)
     assert small(0).tolist() == torch.randperm(100, generator=g)[:4].tolist()
+
+
+def test_long_runs_are_thinned_to_block_means_at_each_blocks_last_step():
+    """Series of runs past 5000 steps: block means, x = the block's last step (a worked example)."""
+    from lmscope.analyses.train import thin
+
+    xs, ys = thin([[i, float(i)] for i in range(1, 13)], max_points=5)  # stride ⌈12/5⌉ = 3
+    assert xs == [3, 6, 9, 12] and ys == [2.0, 5.0, 8.0, 11.0]
+    xs, ys = thin([[i, float(i * i)] for i in range(1, 8)], max_points=5)  # stride 2, a short last block
+    assert xs == [2, 4, 6, 7] and ys == [2.5, 12.5, 30.5, 49.0]
+    assert thin([[1, 2.0], [2, 3.0]]) == ([1, 2], [2.0, 3.0])  # short runs: as they are
