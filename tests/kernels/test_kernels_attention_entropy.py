@@ -58,7 +58,9 @@ def test_low_precision_inputs(backend, device, oracle, dtype):
     res = attention_with_entropy(q, k, v, causal=True, backend=backend)
     assert res.out.dtype == dtype and res.entropy.dtype == torch.float32 and res.lse.dtype == torch.float32
     out, ent, lse, _ = oracle.attention(q, k, v, causal=True)
-    _close(res.out, out, atol=2e-2, rtol=1e-2)  # output rounded to 8 (bf16) / 11 (fp16) bits
+    # output rounded to 8 (bf16) / 11 (fp16) bits, and on a GPU P rounded to them before P @ V
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    _close(res.out, out, atol=tol, rtol=tol / 2)
     _close(res.entropy, ent, atol=1e-4)  # fp32 accumulation
     _close(res.lse, lse, atol=1e-4)
 

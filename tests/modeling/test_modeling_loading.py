@@ -88,7 +88,7 @@ def test_a_saved_directory_reloads_with_the_same_logits(name, tmp_path):
         assert again.info["num_parameters"] == original.info["num_parameters"]
     half = load_model("copy", "directory", str(tmp_path), dtype="bfloat16")
     assert next(half.model.parameters()).dtype == torch.bfloat16 and half.info["dtype"] == "bfloat16"
-    torch.testing.assert_close(_logits(half).float(), _logits(original), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(_logits(half).float(), _logits(original), atol=2e-2, rtol=2e-2)  # bf16 weights: ~5e-3 off
 
 
 def test_a_bf16_model_keeps_rope_frequencies_in_float32(tmp_path):
