@@ -532,3 +532,20 @@ def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch, names,
     if not trained:
         assert all(labels == names for labels in shown.values())
     assert ("over training" in fig._suptitle.get_text()) == trained
+
+
+def test_dtype_runs_the_model_in_that_precision(tmp_path, documents):
+    """`dtype="bfloat16"` loads the model in bf16 (a job that ignored it would run float32 weights)."""
+    loaded = {}
+
+    class Recording(LocalContext):
+        def load_model(self, name, *, dtype="float32"):
+            loaded[name] = lm = super().load_model(name, dtype=dtype)
+            return lm
+
+    for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        ctx = Recording(tmp_path / dtype, datasets={"wiki": documents})
+        out = entropy.run(EntropyParams(model="tiny-llama", dataset="wiki", seq_len=SEQ_LEN, num_segments=3,
+                                        batch_size=3, dtype=dtype), ctx)
+        assert {p.dtype for p in loaded["tiny-llama"].model.parameters()} == {torch_dtype}
+        assert 0 < out.summary["mean_entropy"] <= math.log(SEQ_LEN)
