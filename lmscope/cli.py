@@ -1122,6 +1122,27 @@ def models_register(name, path):
     click.echo(f"registered model {m['name']}: {m.get('architecture')}, {m.get('layers')} layers, {m.get('params')} params")
 
 
+@models.command("delete")
+@click.argument("names", nargs=-1)
+@click.option("--run", metavar="NAME", help="every checkpoint of training run NAME (NAME@step<N>)")
+def models_delete(names, run=None):
+    """Remove models from the registry and free their names (their files stay): checkpoints of your own
+    runs (`--run NAME` for all of a run's), or, for admins, any registered model but the built-ins."""
+    c = client()
+    names = list(names)
+    if run is not None:
+        found = sorted((m["name"] for m in c.models() if m["name"].startswith(f"{run}@step")), key=natural_key)
+        if not found:
+            raise click.UsageError(f"no checkpoints of a training run {run!r} (models named {run}@step<N>); "
+                                   "`lmscope models` lists the models")
+        names += found
+    if not names:
+        raise click.UsageError("name the models to remove, or give --run NAME")
+    for name in names:
+        c.delete_model(name)
+        click.echo(f"removed model {name}")
+
+
 @main.group(invoke_without_command=True)
 @click.pass_context
 def datasets(ctx):

@@ -274,6 +274,11 @@ class Client:
     def register_model(self, name: str, path: str | Path) -> dict[str, Any]:
         return self._json("POST", "/v1/models", json={"name": name, "path": str(path)})
 
+    def delete_model(self, name: str) -> None:
+        """Remove a model from the registry, freeing its name (a checkpoint of your run; admins: any
+        but the built-ins). Its files stay."""
+        self.request("DELETE", f"/v1/models/{quote(name, safe='')}")
+
     def datasets(self) -> list[dict[str, Any]]:
         return self._json("GET", "/v1/datasets")["items"]
 

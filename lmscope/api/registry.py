@@ -25,7 +25,7 @@ from lmscope.api.render import iso
 from lmscope.api.state import state
 from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, CatalogError, inspect_model_dir,
                              parse_documents, sha256_bytes)
-from lmscope.db.models import Dataset, Model
+from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model
 
 bp = Blueprint("registry", __name__, url_prefix="/v1")
 
@@ -106,6 +106,43 @@ def register_model():
     except IntegrityError:
         raise name_taken("model", body.name) from None
     return model_json(row), 201, {"Location": "/v1/models"}
+
+
+@bp.delete("/models/<name>")
+def delete_model(name: str):
+    """Remove a model from the registry and free its name (its files stay where they are).
+
+    A checkpoint by the owner of the run that wrote it, or by an admin; a registered directory by an
+    admin; built-in models stay. Refused while its training run is active or a queued or running job
+    names the model."""
+    caller = current_caller()
+    with state().sessions() as session, session.begin():
+        row = session.scalar(select(Model).where(Model.name == name))
+        if row is None:
+            raise Problem(404, "not-found", "No such model",
+                          f"there is no model {name!r}; list models with GET /v1/models or `lmscope models`")
+        if row.source == "builtin":
+            raise Problem(409, "builtin-model", "Built-in models stay",
+                          f"{name!r} is built in (every worker registers it again at start); it cannot be removed")
+        run = session.get(Job, row.job_id) if row.job_id is not None else None
+        owner = run.user_id if run is not None else row.created_by
+        if not caller.is_admin and (row.source != "checkpoint" or owner != caller.id):
+            whose = "a checkpoint of another user's run" if row.source == "checkpoint" else "registered by an admin"
+            raise Problem(403, "forbidden", "Not yours to remove",
+                          f"model {name!r} is {whose}; its owner or an admin can remove it")
+        if run is not None and run.status in ACTIVE_STATES:
+            raise Problem(409, "model-in-use", "Its training run is active",
+                          f"job {run.id} is {run.status} and writes {name!r}; cancel it (`lmscope cancel {run.id}`) "
+                          "or wait for it to end")
+        active = session.execute(select(Job.id, Job.params).where(Job.status.in_(ACTIVE_STATES))).all()
+        users = [job_id for job_id, params in active if isinstance(params, dict) and (
+            params.get("model") == name or name in (params.get("models") or []))]
+        if users:
+            raise Problem(409, "model-in-use", "Jobs use this model",
+                          f"job(s) {', '.join(map(str, users))} name {name!r} and are queued or running; "
+                          "remove it once they have ended")
+        session.delete(row)
+    return "", 204
 
 
 # ---------------------------------------------------------------- datasets

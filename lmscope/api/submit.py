@@ -300,8 +300,11 @@ def check_model_names(session: Session, parsed: list) -> None:
         else:
             continue
         run_name = prefix.removesuffix("@step")
+        # a finished run's checkpoints can be removed (by its owner or an admin) to use the name again
+        free = f", or remove that run's checkpoints: `lmscope models delete --run {run_name}`" if taken is not None else ""
         raise Problem(409, "name-taken", "Model names taken",
-                      f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)",
+                      f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)"
+                      + free,
                       errors=[{"loc": _field_holding(parsed, run_name), "msg": f"models {prefix}<N> are taken",
                                "type": "name_taken"}], prefix=prefix)
 

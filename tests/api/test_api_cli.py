@@ -424,3 +424,22 @@ def test_compare_refuses_what_it_cannot_do(api, cli):
     assert unplotted.exit_code == 1
     assert "nothing to plot: these jobs have no series 'nope' (series all of them have: entropy.mean, norm.mean)" \
         in unplotted.stderr
+
+
+def test_models_delete_run_removes_every_checkpoint_of_a_run(api, cli, live):
+    from lmscope.client import Client
+    from lmscope.db.models import Model
+
+    run = api.submit(api.user("ann"), kind="train", params={"dataset": "d", "run_name": "blip"}).get_json()["id"]
+    api.set_job(run, status="cancelled")
+    with api.sessions.begin() as session:
+        for name, step in (("blip@step0", 0), ("blip@step10", 10), ("blip@step5", 5), ("blip2@step0", 0)):
+            session.add(Model(name=name, source="checkpoint", num_layers=2, job_id=run, step=step))
+    r = cli("models", "delete", "--run", "blip")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == ["removed model blip@step0", "removed model blip@step5", "removed model blip@step10"]
+    assert [m["name"] for m in Client(live.url, api.tokens["ann"]).models() if "blip" in m["name"]] == ["blip2@step0"]
+    nothing = cli("models", "delete", "--run", "blip")
+    assert nothing.exit_code == 2 and "no checkpoints of a training run 'blip'" in nothing.output
+    refused = cli("models", "delete", "tiny-gpt2")
+    assert refused.exit_code == 1 and "built in" in refused.output

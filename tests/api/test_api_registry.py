@@ -284,3 +284,40 @@ def test_a_server_without_model_roots_says_where_to_set_them(make_api, tmp_path)
                                       json={"name": "x", "path": str(model_dir)}), 422, "invalid-model")
     assert "no model roots are configured on the server" in body["detail"]
     assert "LMSCOPE_MODEL_DIRS" in body["detail"] and "lmscope up" in body["detail"]
+
+
+def test_removing_a_failed_runs_checkpoints_frees_its_run_name(api, tmp_path):
+    """A failed run's checkpoints held its run_name for ever. Its owner removes them (not another user, and
+    not while a job still names one); then the name can be used again. Built-ins stay; a registered
+    directory is an admin's to remove."""
+    from lmscope.db.models import Model
+
+    ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
+    run = api.submit(ann, kind="train", params={"dataset": "d", "run_name": "blip"}).get_json()["id"]
+    with api.sessions.begin() as session:
+        for step in (0, 5):
+            session.add(Model(name=f"blip@step{step}", source="checkpoint", architecture="gpt2", num_layers=2,
+                              num_heads=2, job_id=run, step=step))
+    body = is_problem(api.client.delete("/v1/models/blip@step0", headers=ann), 409, "model-in-use")
+    assert f"job {run} is queued" in body["detail"] and f"lmscope cancel {run}" in body["detail"]
+    api.set_job(run, status="failed")
+    reader = api.submit(bob, kind="probe", params={"model": "blip@step5"}).get_json()["id"]
+    body = is_problem(api.client.delete("/v1/models/blip@step5", headers=ann), 409, "model-in-use")
+    assert f"job(s) {reader}" in body["detail"]
+    api.set_job(reader, status="succeeded")
+    is_problem(api.client.delete("/v1/models/blip@step5", headers=bob), 403, "forbidden")
+    refused = is_problem(api.submit(ann, kind="train", params={"dataset": "d", "run_name": "blip"}), 409, "name-taken")
+    assert "blip@step" in refused["detail"] and "`lmscope models delete --run blip`" in refused["detail"]
+    for name in ("blip@step0", "blip@step5"):
+        assert api.client.delete(f"/v1/models/{name}", headers=ann).status_code == 204
+    names = {m["name"] for m in api.client.get("/v1/models", headers=ann).get_json()["items"]}
+    assert not {"blip@step0", "blip@step5"} & names
+    assert api.submit(ann, kind="train", params={"dataset": "d", "run_name": "blip"}).status_code == 202
+    is_problem(api.client.delete("/v1/models/blip@step0", headers=ann), 404, "not-found")
+    is_problem(api.client.delete("/v1/models/tiny-gpt2", headers=root), 409, "builtin-model")
+
+    model_dir = write_hf_dir(tmp_path / "models" / "gpt2-mini")
+    assert api.client.post("/v1/models", headers=root, json={"name": "gpt2-mini", "path": str(model_dir)}).status_code == 201
+    is_problem(api.client.delete("/v1/models/gpt2-mini", headers=ann), 403, "forbidden")
+    assert api.client.delete("/v1/models/gpt2-mini", headers=root).status_code == 204
+    assert model_dir.is_dir()  # the files stay
