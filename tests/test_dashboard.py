@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from html.parser import HTMLParser
 import subprocess
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import requests
 
@@ -187,6 +189,41 @@ def test_dashboard_shows_jobs_progress_summary_and_plots(url, jobs, tmp_path):
     assert shot.read_bytes().startswith(b"\x89PNG")
 
 
+class DrawnChart(HTMLParser):
+    """One chart's SVG: its ticks (pixel, value) per axis and its polylines' points by (job, curve)."""
+
+    def __init__(self, svg: str):
+        super().__init__()
+        self.ticks: dict[str, list[tuple[float, float]]] = {"x": [], "y": []}
+        self.lines: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        self._tick = None
+        self.feed(svg)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "text" and (a.get("class") or "").startswith("tick "):
+            axis = a["class"].split()[1]
+            self._tick = (axis, float(a["x"]) if axis == "x" else float(a["y"]) - 4)  # y labels sit 4 px low
+        elif tag == "polyline" and "data-job" in a:
+            self.lines[int(a["data-job"]), int(a["data-curve"])] = [
+                tuple(map(float, p.split(","))) for p in a["points"].split()]
+
+    def handle_data(self, data):
+        if self._tick is not None:
+            axis, pixel = self._tick
+            self.ticks[axis].append((pixel, float(data)))
+            self._tick = None
+
+    def data_points(self) -> dict[tuple[int, int], list[tuple[float, float]]]:
+        """Each polyline read back into data units through the first and last tick of each axis."""
+        def inverse(axis):
+            (p0, v0), (p1, v1) = self.ticks[axis][0], self.ticks[axis][-1]
+            return lambda p: v0 + (p - p0) * (v1 - v0) / (p1 - p0)
+
+        fx, fy = inverse("x"), inverse("y")
+        return {key: [(fx(px), fy(py)) for px, py in pts] for key, pts in self.lines.items()}
+
+
 def test_dashboard_compares_jobs_side_by_side(url, jobs):
     a, b = jobs["a"], jobs["b"]
     expected = Client(url).compare([a, b], "parameters.by_layer")
@@ -198,6 +235,16 @@ def test_dashboard_compares_jobs_side_by_side(url, jobs):
     assert 'data-series="parameters.by_layer"' in dom
     lines = dom.count("<polyline")
     assert lines == sum(len(c.by_job) for c in expected.curves) >= 2  # a line per job and label set
+    # every line is where the API's numbers put it (read back through the axis ticks, to a pixel)
+    svg = dom[dom.index('data-series="parameters.by_layer"'):]
+    chart = DrawnChart(svg[:svg.index("</svg>")])
+    drawn = chart.data_points()
+    y_span = max(v for _, v in chart.ticks["y"]) - min(v for _, v in chart.ticks["y"])
+    assert set(drawn) == {(job, i) for i, c in enumerate(expected.curves) for job in c.by_job}
+    for (job, i), points in drawn.items():
+        xs, ys = expected.curves[i].by_job[job]
+        assert [round(x) for x, _ in points] == list(xs), (job, i)
+        np.testing.assert_allclose([y for _, y in points], ys, atol=y_span / 200)
     assert '<option value="parameters.by_layer">' in dom  # the curves both jobs have, to pick from
 
 
