@@ -865,6 +865,16 @@ def test_train_loss_is_the_mse_in_the_targets_units_on_the_training_split(tmp_pa
     (loss,) = [s for s in out.series if s.name == "train_loss"]
     assert loss.y[0] == pytest.approx(by_hand, rel=1e-4)
     assert out.summary["final_train_loss"] == loss.y[-1]
+    # Fig. 2's y: the relative L2 error on the validation split (not the training one), in the targets' units
+    _, _, x_val, y_val = make_dataset(params)
+    with torch.no_grad():
+        predicted = network(x_val).double() * sigma + mu
+    val_by_hand = ((predicted - y_val.double()).norm() / y_val.double().norm()).item()
+    (val,) = [s for s in out.series if s.name == "val_error"]
+    assert val.x == [1] and val.y[0] == pytest.approx(val_by_hand, rel=1e-4)
+    on_training_split = ((standardised * sigma + mu - y).norm() / y.norm()).item()
+    assert abs(val_by_hand - on_training_split) > 1e-3 * val_by_hand  # the two splits tell apart
+    assert out.summary["best_val_error"] == min(val.y)
 
 
 def test_fig1_legend_orders_latent_dims_as_numbers(tmp_path, monkeypatch):
