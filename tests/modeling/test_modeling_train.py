@@ -126,6 +126,23 @@ def test_step_0_is_the_untrained_model(reference, docs):
     assert loss.item() > val.y[-1] + 0.5  # and not a trained one
 
 
+def test_step_1s_loss_is_the_untrained_models_on_the_first_batch(reference, docs):
+    """loss.train at step 1: the cross-entropy of the step-0 model on the windows BatchOrder gives step 0,
+    recomputed in float64 from the training stream; `epochs` is the windows seen over those there are."""
+    ctx, out = reference
+    train_stream, _ = _val_windows(docs)
+    w = SMALL["context"] + 1
+    windows = torch.tensor(train_stream).view(-1, w)
+    batch = windows[BatchOrder(len(windows), SMALL["batch_size"], 0)(0)]
+    untrained = load_model("small@step0", "checkpoint", str(ctx.registered["small@step0"][0]))
+    with torch.no_grad():
+        logits = untrained.model(input_ids=batch[:, :-1]).logits.double()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 259), batch[:, 1:].reshape(-1))
+    train = _series(out, "loss.train")
+    assert train.x[0] == 1 and train.y[0] == pytest.approx(loss.item(), abs=1e-4)
+    assert out.summary["epochs"] == pytest.approx(SMALL["steps"] * SMALL["batch_size"] / len(windows), rel=1e-6)
+
+
 def test_lr_schedule_warmup_then_cosine():
     p = TrainParams(dataset="d", steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(0, p) == pytest.approx(1e-4) and lr_at(9, p) == pytest.approx(1e-3)
