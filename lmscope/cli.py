@@ -247,7 +247,7 @@ class ProgressLine:
                      else f" ({queue['ahead']} ahead, {queue['running']} running)")
         if job["status"] == "queued" and job.get("attempts") and fraction is not None:  # re-queued: the last attempt's
             done = f" ({p.get('done') or 0}/{p['total']})" if p.get("total") is not None else ""
-            return f"{text}; its last attempt got to {fraction * 100:.1f}%{done}".strip()
+            return "; ".join(filter(None, [text, f"its last attempt got to {fraction * 100:.1f}%{done}"]))
         if fraction is not None:
             filled = int(round(fraction * self.WIDTH))
             text += f" [{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}%"

@@ -774,3 +774,4 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     # re-queued after a lost worker: the progress is its last attempt's, said as such and without a bar
     requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}
     assert line.render(requeued) == "job 7 queued (2 ahead, 1 running); its last attempt got to 70.0% (84/120)"
+    assert line.render(requeued, head=False) == "its last attempt got to 70.0% (84/120)"  # `show`'s own line

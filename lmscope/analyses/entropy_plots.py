@@ -32,9 +32,9 @@ def draw(out: Path, params, steps, names, results, dim_results, *, over_training
         dimension_entropy(out / "dimension_entropy.png", dim_results[-1], params, f"{last_name} on {params.dataset}")
 
 
-def _layer_ticks(layers: int, windows: dict) -> tuple[list[int], list[str]]:
+def _layer_ticks(layers: int, windows: dict, most: int = 16) -> tuple[list[int], list[str]]:
     """Layer tick positions and labels; a layer that slides over a window is marked "W"."""
-    at = sparse_ticks(layers)
+    at = sparse_ticks(layers, most)
     return at, [f"{layer} W" if layer in windows else str(layer) for layer in at]
 
 
@@ -50,10 +50,11 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
         for (layer, head), v in np.ndenumerate(last["mean"]):
             ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
                     color="black" if v > 0.6 * uniform_mean else "white")
-    at, names = _layer_ticks(layers, last["sliding_windows"])
+    # every layer named (its row is tall enough), so that every windowed one shows its W
+    at, names = _layer_ticks(layers, last["sliding_windows"], most=64)
     ax.set(xlabel="head", ylabel="layer" + (" (W: sliding window, a lower ceiling)" if last["sliding_windows"] else ""),
            xticks=sparse_ticks(heads))
-    ax.set_yticks(at, names)
+    ax.set_yticks(at, names, fontsize=10 if layers <= 32 else 7)
     ax.set_title(f"mean attention entropy (nats), {title_source}\n"
                  f"scale top = uniform {uniform_mean:.2f} "
                  f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)

@@ -121,7 +121,7 @@ class OrderedColours:
 
 def sparse_ticks(n: int, most: int = 16) -> list[int]:
     """0 … n−1, every k-th so that about `most` tick labels are written, the last always among them
-    (32 layers: 0, 2, 4, …, 30, 31)."""
+    (32 layers: 0, 2, 4, …, 28, 31: 30 gives way to 31 rather than crowd it)."""
     step = max(1, -(-n // most))
     at = list(range(0, n, step))
     if at and at[-1] != n - 1:

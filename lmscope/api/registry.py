@@ -114,7 +114,7 @@ def delete_model(name: str):
 
     A checkpoint by the owner of the run that wrote it, or by an admin; a registered directory by an
     admin; built-in models stay. Refused while its training run is active or a queued or running job
-    names the model."""
+    names the model (`model`, `models`, `tokenizer`, or its run as `train_job`)."""
     caller = current_caller()
     with state().sessions() as session, session.begin():
         row = session.scalar(select(Model).where(Model.name == name))
@@ -136,7 +136,8 @@ def delete_model(name: str):
                           "or wait for it to end")
         active = session.execute(select(Job.id, Job.params).where(Job.status.in_(ACTIVE_STATES))).all()
         users = [job_id for job_id, params in active if isinstance(params, dict) and (
-            params.get("model") == name or name in (params.get("models") or []))]
+            name in (params.get("model"), params.get("tokenizer")) or name in (params.get("models") or [])
+            or (row.job_id is not None and params.get("train_job") == row.job_id))]  # entropy over its run
         if users:
             raise Problem(409, "model-in-use", "Jobs use this model",
                           f"job(s) {', '.join(map(str, users))} name {name!r} and are queued or running; "

@@ -301,7 +301,9 @@ def check_model_names(session: Session, parsed: list) -> None:
             continue
         run_name = prefix.removesuffix("@step")
         # a finished run's checkpoints can be removed (by its owner or an admin) to use the name again
-        free = f", or remove that run's checkpoints: `lmscope models delete --run {run_name}`" if taken is not None else ""
+        run = session.get(Job, taken.job_id) if taken is not None and taken.job_id is not None else None
+        free = (f", or (its owner or an admin) remove that run's checkpoints: `lmscope models delete --run {run_name}`"
+                if taken is not None and (run is None or run.status not in ACTIVE_STATES) else "")
         raise Problem(409, "name-taken", "Model names taken",
                       f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)"
                       + free,

@@ -204,11 +204,16 @@ class ModelCache:
     def __init__(self, capacity: int = 2):
         self.capacity = max(1, capacity)
         self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
+        # where each cached model was read from: a name removed from the registry and registered again
+        # (a run_name used a second time) names other weights, which must not be served from the cache
+        self._origins: dict[tuple[str, str, str], tuple[str, str | None]] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
         key = (name, dtype, device)
         with self._lock:
+            if key in self._models and self._origins.get(key) != (source, path):
+                self._evict(key)
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
@@ -223,6 +228,7 @@ class ModelCache:
                 self._evict(same_device[0])
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded
+            self._origins[key] = (source, path)
             return loaded
 
     def forget(self, name: str) -> None:
@@ -230,6 +236,7 @@ class ModelCache:
         with self._lock:
             for key in [k for k in self._models if k[0] == name]:
                 del self._models[key]
+                self._origins.pop(key, None)
             free_memory()
 
     def __len__(self) -> int:
@@ -241,6 +248,7 @@ class ModelCache:
     def _evict(self, key: tuple[str, str, str]) -> None:
         """Drop one cached model (the oldest first: the dict is in use order) and give its memory back."""
         del self._models[key]
+        self._origins.pop(key, None)
         free_memory()
 
 

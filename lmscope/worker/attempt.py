@@ -38,8 +38,18 @@ class WorkerShutdown(Exception):
 
 
 def is_outage(e: BaseException) -> bool:
-    """A database that does not answer (down, restarting, connection dropped), not a bad statement."""
-    return isinstance(e, (OperationalError, InterfaceError)) or getattr(e, "connection_invalidated", False)
+    """A database that does not answer (down, restarting, connection dropped, SQLite locked), not a bad
+    statement: SQLite also raises OperationalError for "no such table" or a read-only file, and waiting
+    would not mend those."""
+    if isinstance(e, InterfaceError) or getattr(e, "connection_invalidated", False):
+        return True
+    if not isinstance(e, OperationalError):
+        return False
+    state = getattr(e.orig, "sqlstate", None)  # psycopg: 08… connection exceptions, 57P… the server going away
+    if state is not None:
+        return state.startswith(("08", "57P"))
+    text = str(e.orig or e).lower()
+    return any(sign in text for sign in ("connect", "server closed", "database is locked", "timeout", "timed out"))
 
 
 class OutageLog:
@@ -106,7 +116,10 @@ def through_outage(what: str, work: Callable[[], T], *, stop: threading.Event | 
             if not is_outage(e) or (stop is not None and stop.is_set()) or time.monotonic() + wait > give_up:
                 raise
             outage.failed(e)
-            time.sleep(wait)
+            if stop is not None:
+                stop.wait(wait)  # a shutdown is not kept waiting
+            else:
+                time.sleep(wait)
             wait = min(2 * wait, 10.0)
             continue
         outage.worked()

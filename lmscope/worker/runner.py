@@ -278,25 +278,45 @@ def _series_rows(job_id: int, series: list[SeriesData]) -> list[dict[str, Any]]:
 def finish(session_factory: sessionmaker[Session], attempt: Attempt, status: str, *,
            output: JobOutput | None = None, artifact_dir: Path | None = None, **values) -> bool:
     """Flip the row to a terminal status (and store results) in one transaction, if still ours."""
+    return store_outcome(session_factory, attempt, status, *outcome_rows(attempt, status, output, artifact_dir, values))
+
+
+def outcome_rows(attempt: Attempt, status: str, output: JobOutput | None, artifact_dir: Path | None,
+                 values: dict[str, Any]) -> tuple[dict[str, Any], list | None, list | None]:
+    """(row values, series rows or None, artifact rows or None) of an outcome, made once: hashing a
+    train run's checkpoints is not redone at each try through a database outage."""
     values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
-    series = _series_rows(attempt.job_id, output.series) if output is not None else []
+    series = _series_rows(attempt.job_id, output.series) if output is not None else None
     # An attempt that ran keeps the files it wrote, however it ended: a cancelled or timed-out train run
     # its checkpoints, a failed job what it got to (for diagnosis), with or without results. Only a
     # succeeded job must list them; any other still ends when the store cannot be read.
     artifacts = None
     if artifact_dir is not None:
         artifacts = scan_artifacts(artifact_dir) if status == "succeeded" else files_kept(attempt.job_id, artifact_dir)
+    return values, series, artifacts
+
+
+def store_outcome(session_factory: sessionmaker[Session], attempt: Attempt, status: str, values: dict[str, Any],
+                  series: list | None, artifacts: list | None) -> bool:
+    """``outcome_rows`` written in one transaction, if the row is still this attempt's."""
     with session_factory() as session, session.begin():
         done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
         if done.rowcount != 1:
             return False  # nothing was changed; the (empty) transaction commits
-        if output is not None:
+        if series is not None:
             session.execute(delete(Series).where(Series.job_id == attempt.job_id))
             if series:
                 session.execute(insert(Series), series)
         if artifacts is not None:
             store_artifacts(session, attempt.job_id, artifacts)
     return True
+
+
+def outcome_stored(session_factory: sessionmaker[Session], attempt: Attempt, status: str) -> bool:
+    """Whether the row already holds this attempt's outcome: a commit whose answer the connection lost."""
+    with session_factory() as session:
+        row = session.execute(select(Job.status, Job.worker, Job.attempts).where(Job.id == attempt.job_id)).one_or_none()
+    return row is not None and (row.status, row.worker, row.attempts) == (status, attempt.worker, attempt.number)
 
 
 def files_kept(job_id: int, folder: Path) -> list[dict[str, Any]]:
@@ -475,8 +495,14 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         values["heartbeat_at"] = utcnow()
         try:
             # hours of work should not fail on a database restart: wait for it (stopping for a shutdown)
-            stored = through_outage(f"storing the results of job {attempt.job_id}", lambda: finish(
-                session_factory, attempt, status, output=output, artifact_dir=folder, **values), stop=shutdown)
+            rows, tries = outcome_rows(attempt, status, output, folder, values), []
+
+            def store() -> bool:
+                tries.append(1)
+                return (store_outcome(session_factory, attempt, status, *rows)
+                        or (len(tries) > 1 and outcome_stored(session_factory, attempt, status)))
+
+            stored = through_outage(f"storing the results of job {attempt.job_id}", store, stop=shutdown)
         except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
             if is_outage(e):  # the database is unreachable: the row stays running and the reaper retries the job
                 raise DatabaseLostDuringJob(attempt, e) from e

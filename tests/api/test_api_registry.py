@@ -305,6 +305,13 @@ def test_removing_a_failed_runs_checkpoints_frees_its_run_name(api, tmp_path):
     body = is_problem(api.client.delete("/v1/models/blip@step5", headers=ann), 409, "model-in-use")
     assert f"job(s) {reader}" in body["detail"]
     api.set_job(reader, status="succeeded")
+    api.set_job(run, status="succeeded")  # an entropy job reads a finished run's checkpoints
+    r = api.submit(ann, kind="entropy", params={"train_job": run, "dataset": "d"})
+    assert r.status_code == 202, r.get_json()
+    curves = r.get_json()["id"]
+    body = is_problem(api.client.delete("/v1/models/blip@step0", headers=ann), 409, "model-in-use")
+    assert f"job(s) {curves}" in body["detail"]  # it reads the run's checkpoints as it goes
+    api.set_job(curves, status="succeeded")
     is_problem(api.client.delete("/v1/models/blip@step5", headers=bob), 403, "forbidden")
     refused = is_problem(api.submit(ann, kind="train", params={"dataset": "d", "run_name": "blip"}), 409, "name-taken")
     assert "blip@step" in refused["detail"] and "`lmscope models delete --run blip`" in refused["detail"]

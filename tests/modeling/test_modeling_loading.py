@@ -153,6 +153,22 @@ def test_model_cache_is_lru_by_name_dtype_device():
     assert cache.get("tiny-llama", "builtin", None) is not b  # reloaded after eviction
 
 
+def test_a_name_registered_again_with_other_weights_is_not_served_from_the_cache(tmp_path):
+    """`lmscope models delete --run R` and a new run R: R@step0 names other files now, and the worker that
+    cached the old ones must load the new ones."""
+    cache = ModelCache(capacity=2)
+    for name in ("old", "new"):
+        lm = load_model("tiny-gpt2", "builtin", None)
+        with torch.no_grad():
+            lm.model.lm_head.weight.fill_(1.0 if name == "old" else 2.0)  # tied: the embeddings too
+        lm.model.save_pretrained(tmp_path / name)
+        lm.tokenizer.save_pretrained(tmp_path / name)
+    first = cache.get("R@step0", "checkpoint", str(tmp_path / "old"))
+    assert cache.get("R@step0", "checkpoint", str(tmp_path / "old")) is first  # same files: a hit
+    again = cache.get("R@step0", "checkpoint", str(tmp_path / "new"))
+    assert again is not first and again.model.lm_head.weight[0, 0].item() == 2.0 and len(cache) == 1
+
+
 def test_model_cache_evicts_until_a_big_model_fits(tmp_path, monkeypatch):
     """On a GPU, a model that fits once the cached ones are gone is loaded after evicting them, not
     spread over devices beside them. A fake device with room for 3 units: each model is one unit,

@@ -5,6 +5,7 @@ outlasts the wait leaves the row running for the reaper. A real PostgreSQL serve
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from datetime import timedelta
 
@@ -95,6 +96,26 @@ def test_waiting_through_an_outage_gives_up_at_its_patience_and_not_on_other_err
     with pytest.raises(DataError):  # a statement the database refuses is no outage: not tried again
         attempt_module.through_outage("insert", lambda: (_ for _ in ()).throw(bad_value))
     assert len(sleeps) == 3
+    # SQLite says "no such table" with an OperationalError too: no outage, said at once
+    missing = OperationalError("SELECT * FROM nope", {}, sqlite3.OperationalError("no such table: nope"))
+    assert not attempt_module.is_outage(missing) and attempt_module.is_outage(down)
+    with pytest.raises(OperationalError, match="no such table"):
+        attempt_module.through_outage("lookup", lambda: (_ for _ in ()).throw(missing))
+    assert len(sleeps) == 3
     with pytest.raises(OperationalError):  # still down after its patience
         attempt_module.through_outage("lookup", lambda: (_ for _ in ()).throw(down), patience=0.0)
     assert len(sleeps) == 3
+
+
+@pytest.mark.postgres
+def test_results_whose_commit_lost_its_answer_count_as_stored(settings, sessions, make_job, job_row):
+    """The connection drops after COMMIT, before its answer: the retry finds the row already ended. It is
+    this attempt's outcome (same status, worker, attempt), not "taken by another attempt"."""
+    job_id = make_job()
+    attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
+    rows = runner.outcome_rows(attempt, "succeeded", None, None, {"summary": {"total": 3}})
+    assert runner.store_outcome(sessions, attempt, "succeeded", *rows)
+    assert not runner.store_outcome(sessions, attempt, "succeeded", *rows)  # the retry: the row is no longer running
+    assert runner.outcome_stored(sessions, attempt, "succeeded")
+    assert not runner.outcome_stored(sessions, attempt, "failed")
+    assert job_row(job_id).summary == {"total": 3}
