@@ -1201,5 +1201,16 @@ def datasets_upload(name, file, fmt, description):
     click.echo(f"uploaded dataset {d['name']}: {plural(d['documents'], 'document')}, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
 
 
+@datasets.command("delete")
+@click.argument("names", nargs=-1, required=True)
+def datasets_delete(names):
+    """Remove datasets from the registry and free their names (your uploads; admins: any but the built-in).
+    Their files stay."""
+    c = client()
+    for name in names:
+        c.delete_dataset(name)
+        click.echo(f"removed dataset {name}")
+
+
 if __name__ == "__main__":
     main()

@@ -282,6 +282,11 @@ class Client:
     def datasets(self) -> list[dict[str, Any]]:
         return self._json("GET", "/v1/datasets")["items"]
 
+    def delete_dataset(self, name: str) -> None:
+        """Remove a dataset from the registry, freeing its name (your upload; admins: any but the
+        built-in). Its file stays."""
+        self.request("DELETE", f"/v1/datasets/{quote(name, safe='')}")
+
     def upload_dataset(self, name: str, path: str | Path, format: str = "text", *,
                        description: str | None = None) -> dict[str, Any]:
         """Upload a text file (format: text | lines | jsonl) as a dataset."""

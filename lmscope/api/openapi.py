@@ -58,6 +58,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "jobs.get_job"): {"responses": {"200": _json("Job")}},
     ("delete", "registry.delete_model"): {"responses": {"204": {"description": "removed"}, "409": PROBLEM}},
+    ("delete", "registry.delete_dataset"): {"responses": {"204": {"description": "removed"}, "409": PROBLEM}},
     ("get", "jobs.list_kinds"): {"responses": {"200": _json("KindList")}},
     ("get", "jobs.whoami"): {"responses": {"200": _json("Me")}},
     ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},

@@ -114,16 +114,10 @@ def delete_model(name: str):
 
     A checkpoint by the owner of the run that wrote it, or by an admin; a registered directory by an
     admin; built-in models stay. Refused while its training run is active or a queued or running job
-    names the model (`model`, `models`, `tokenizer`, or its run as `train_job`)."""
+    reads the model (`model_refs()`: model, models, a tokenizer) or its run's checkpoints (`job_refs()`)."""
     caller = current_caller()
     with state().sessions() as session, session.begin():
-        row = session.scalar(select(Model).where(Model.name == name))
-        if row is None:
-            raise Problem(404, "not-found", "No such model",
-                          f"there is no model {name!r}; list models with GET /v1/models or `lmscope models`")
-        if row.source == "builtin":
-            raise Problem(409, "builtin-model", "Built-in models stay",
-                          f"{name!r} is built in (every worker registers it again at start); it cannot be removed")
+        row = removable(session, Model, "model", name)
         run = session.get(Job, row.job_id) if row.job_id is not None else None
         owner = run.user_id if run is not None else row.created_by
         if not caller.is_admin and (row.source != "checkpoint" or owner != caller.id):
@@ -134,16 +128,41 @@ def delete_model(name: str):
             raise Problem(409, "model-in-use", "Its training run is active",
                           f"job {run.id} is {run.status} and writes {name!r}; cancel it (`lmscope cancel {run.id}`) "
                           "or wait for it to end")
-        active = session.execute(select(Job.id, Job.params).where(Job.status.in_(ACTIVE_STATES))).all()
-        users = [job_id for job_id, params in active if isinstance(params, dict) and (
-            name in (params.get("model"), params.get("tokenizer")) or name in (params.get("models") or [])
-            or (row.job_id is not None and params.get("train_job") == row.job_id))]  # entropy over its run
-        if users:
-            raise Problem(409, "model-in-use", "Jobs use this model",
-                          f"job(s) {', '.join(map(str, users))} name {name!r} and are queued or running; "
-                          "remove it once they have ended")
+        refuse_while_read(session, "model", name, lambda p: name in p.model_refs() or row.job_id in p.job_refs())
         session.delete(row)
     return "", 204
+
+
+def removable(session, table, what: str, name: str):
+    """The registry row `name` of `table` (Model or Dataset), which is not built in; 404 / 409 otherwise."""
+    row = session.scalar(select(table).where(table.name == name))
+    if row is None:
+        raise Problem(404, "not-found", f"No such {what}",
+                      f"there is no {what} {name!r}; list {what}s with GET /v1/{what}s or `lmscope {what}s`")
+    if row.source == "builtin":
+        raise Problem(409, f"builtin-{what}", f"Built-in {what}s stay",
+                      f"{name!r} is built in (every worker registers it again at start); it cannot be removed")
+    return row
+
+
+def refuse_while_read(session, what: str, name: str, reads) -> None:
+    """409 naming the queued and running jobs whose validated params satisfy ``reads(params)`` (name the
+    model among their `model_refs()`, read a train job's checkpoints among their `job_refs()`, …)."""
+    from lmscope.params import validate_params
+
+    users = []
+    for job_id, kind, params in session.execute(select(Job.id, Job.kind, Job.params)
+                                                .where(Job.status.in_(ACTIVE_STATES))).all():
+        try:
+            parsed = validate_params(kind, params, internal=True)
+        except Exception:  # a kind this API no longer knows, or an older row: it cannot be asked
+            continue
+        if reads(parsed):
+            users.append(job_id)
+    if users:
+        raise Problem(409, f"{what}-in-use", f"Jobs use this {what}",
+                      f"job(s) {', '.join(map(str, users))} read {name!r} and are queued or running; "
+                      "remove it once they have ended")
 
 
 # ---------------------------------------------------------------- datasets
@@ -223,6 +242,25 @@ def upload_dataset():
             path.unlink(missing_ok=True)
         raise name_taken("dataset", form.name) from None
     return dataset_json(row), 201, {"Location": "/v1/datasets"}
+
+
+@bp.delete("/datasets/<name>")
+def delete_dataset(name: str):
+    """Remove a dataset from the registry and free its name (its file stays: uploads are stored by content,
+    and one file may back several names).
+
+    An upload by its uploader or an admin, a file registered in place by an admin; the built-in stays.
+    Refused while a queued or running job reads it."""
+    caller = current_caller()
+    with state().sessions() as session, session.begin():
+        row = removable(session, Dataset, "dataset", name)
+        if not caller.is_admin and (row.source != "upload" or row.created_by != caller.id):
+            whose = "another user's upload" if row.source == "upload" else "a file an admin registered"
+            raise Problem(403, "forbidden", "Not yours to remove",
+                          f"dataset {name!r} is {whose}; its uploader or an admin can remove it")
+        refuse_while_read(session, "dataset", name, lambda p: name in p.dataset_refs())
+        session.delete(row)
+    return "", 204
 
 
 def store_file(path: Path, data: bytes) -> bool:

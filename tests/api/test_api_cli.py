@@ -443,3 +443,13 @@ def test_models_delete_run_removes_every_checkpoint_of_a_run(api, cli, live):
     assert nothing.exit_code == 2 and "no checkpoints of a training run 'blip'" in nothing.output
     refused = cli("models", "delete", "tiny-gpt2")
     assert refused.exit_code == 1 and "built in" in refused.output
+
+
+def test_datasets_delete_removes_an_upload(api, cli, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("alpha beta\n\ngamma delta\n")
+    assert cli("datasets", "upload", "notes", str(text)).exit_code == 0
+    r = cli("datasets", "delete", "notes")
+    assert r.exit_code == 0 and r.stdout.strip() == "removed dataset notes"
+    gone = cli("datasets", "delete", "notes")
+    assert gone.exit_code == 1 and "no dataset 'notes'" in gone.output
