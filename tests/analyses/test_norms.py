@@ -780,3 +780,18 @@ def test_a_tie_between_layers_counts_as_non_decreasing():
 
     sequence_pct, pair_pct = monotone_percentages(np.array([[1.0, 1.0, 2.0], [3.0, 2.0, 2.0]]))
     assert (sequence_pct, pair_pct) == (50.0, 75.0)  # the first trajectory; 3 of its 4 steps
+
+
+def test_the_seed_picks_which_trajectories_are_drawn(gpt2_run, tmp_path, documents):
+    """`seed` draws the PCA sample: the same seed the same trajectories (reproducible), another seed others
+    (10 of 20: the chance that two draws agree is 1 in 184756)."""
+    lm, _, ctx = gpt2_run
+    first = np.load(ctx.artifact_dir / "pca.npz")["trajectory_ids"]
+    run_job(tmp_path / "same", lm, documents, max_samples=20, loss_filter=None, gram_samples=12,
+                       pca_samples=10, seed=0)
+    run_job(tmp_path / "other", lm, documents, max_samples=20, loss_filter=None, gram_samples=12,
+                       pca_samples=10, seed=1)
+    same_ids = np.load(tmp_path / "same" / "pca.npz")["trajectory_ids"]
+    other_ids = np.load(tmp_path / "other" / "pca.npz")["trajectory_ids"]
+    assert len(first) == len(other_ids) == 10 and list(first) == list(same_ids)
+    assert list(first) != list(other_ids)
