@@ -128,7 +128,8 @@ def delete_model(name: str):
             raise Problem(409, "model-in-use", "Its training run is active",
                           f"job {run.id} is {run.status} and writes {name!r}; cancel it (`lmscope cancel {run.id}`) "
                           "or wait for it to end")
-        refuse_while_read(session, "model", name, lambda p: name in p.model_refs() or row.job_id in p.job_refs())
+        refuse_while_read(session, caller, "model", name,
+                          lambda p: name in p.model_refs() or row.job_id in p.job_refs())
         session.delete(row)
     return "", 204
 
@@ -145,24 +146,29 @@ def removable(session, table, what: str, name: str):
     return row
 
 
-def refuse_while_read(session, what: str, name: str, reads) -> None:
-    """409 naming the queued and running jobs whose validated params satisfy ``reads(params)`` (name the
-    model among their `model_refs()`, read a train job's checkpoints among their `job_refs()`, …)."""
+def refuse_while_read(session, caller, what: str, name: str, reads) -> None:
+    """409 when queued or running jobs' validated params satisfy ``reads(params)`` (name the model among
+    their `model_refs()`, read a train job's checkpoints among their `job_refs()`, …): the caller's own
+    jobs by id (an admin's: all), other users' only counted (jobs are private)."""
     from lmscope.params import validate_params
 
-    users = []
-    for job_id, kind, params in session.execute(select(Job.id, Job.kind, Job.params)
-                                                .where(Job.status.in_(ACTIVE_STATES))).all():
+    own, others = [], 0
+    for job_id, user_id, kind, params in session.execute(select(Job.id, Job.user_id, Job.kind, Job.params)
+                                                         .where(Job.status.in_(ACTIVE_STATES))).all():
         try:
             parsed = validate_params(kind, params, internal=True)
         except Exception:  # a kind this API no longer knows, or an older row: it cannot be asked
             continue
         if reads(parsed):
-            users.append(job_id)
-    if users:
+            if caller.can_see(user_id):
+                own.append(job_id)
+            else:
+                others += 1
+    if own or others:
+        which = ", ".join(filter(None, [f"job(s) {', '.join(map(str, own))}" if own else "",
+                                        f"{others} job(s) of other users" if others else ""]))
         raise Problem(409, f"{what}-in-use", f"Jobs use this {what}",
-                      f"job(s) {', '.join(map(str, users))} read {name!r} and are queued or running; "
-                      "remove it once they have ended")
+                      f"{which} read {name!r} and are queued or running; remove it once they have ended")
 
 
 # ---------------------------------------------------------------- datasets
@@ -258,7 +264,7 @@ def delete_dataset(name: str):
             whose = "another user's upload" if row.source == "upload" else "a file an admin registered"
             raise Problem(403, "forbidden", "Not yours to remove",
                           f"dataset {name!r} is {whose}; its uploader or an admin can remove it")
-        refuse_while_read(session, "dataset", name, lambda p: name in p.dataset_refs())
+        refuse_while_read(session, caller, "dataset", name, lambda p: name in p.dataset_refs())
         session.delete(row)
     return "", 204
 

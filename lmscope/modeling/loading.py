@@ -12,6 +12,7 @@ GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels swit
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -198,21 +199,32 @@ def load_model(name: str, source: str, path: str | None, *, dtype: str = "float3
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, info=info)
 
 
+def files_changed_at(path: str | None) -> int | None:
+    """The newest modification time (ns) of a model directory's config and weights, or None."""
+    if path is None or not os.path.isdir(path):
+        return None
+    times = [entry.stat().st_mtime_ns for entry in os.scandir(path)
+             if entry.is_file() and (entry.name == "config.json" or entry.name.endswith((".safetensors", ".bin")))]
+    return max(times, default=None)
+
+
 class ModelCache:
     """Keep the last ``capacity`` loaded models (LRU by name, dtype, device); thread-safe."""
 
     def __init__(self, capacity: int = 2):
         self.capacity = max(1, capacity)
         self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
-        # where each cached model was read from: a name removed from the registry and registered again
-        # (a run_name used a second time) names other weights, which must not be served from the cache
-        self._origins: dict[tuple[str, str, str], tuple[str, str | None]] = {}
+        # where each cached model was read from, and when its files last changed: a name removed from the
+        # registry and registered again (a run_name used a second time), or a checkpoint a retried run
+        # rewrote, names other weights, which must not be served from the cache
+        self._origins: dict[tuple[str, str, str], tuple] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
         key = (name, dtype, device)
         with self._lock:
-            if key in self._models and self._origins.get(key) != (source, path):
+            origin = (source, path, files_changed_at(path))
+            if key in self._models and self._origins.get(key) != origin:
                 self._evict(key)
             if key in self._models:
                 self._models.move_to_end(key)
@@ -228,7 +240,7 @@ class ModelCache:
                 self._evict(same_device[0])
             loaded = load_model(name, source, path, dtype=dtype, device=device)
             self._models[key] = loaded
-            self._origins[key] = (source, path)
+            self._origins[key] = origin
             return loaded
 
     def forget(self, name: str) -> None:

@@ -45,9 +45,11 @@ def is_outage(e: BaseException) -> bool:
         return True
     if not isinstance(e, OperationalError):
         return False
-    state = getattr(e.orig, "sqlstate", None)  # psycopg: 08… connection exceptions, 57P… the server going away
+    # psycopg: 08… connection exceptions, 57P… the server going away, 40001/40P01 a serialisation failure
+    # or deadlock (retrying is what they ask for)
+    state = getattr(e.orig, "sqlstate", None)
     if state is not None:
-        return state.startswith(("08", "57P"))
+        return state.startswith(("08", "57P", "40001", "40P01"))
     text = str(e.orig or e).lower()
     return any(sign in text for sign in ("connect", "server closed", "database is locked", "timeout", "timed out"))
 
@@ -117,7 +119,8 @@ def through_outage(what: str, work: Callable[[], T], *, stop: threading.Event | 
                 raise
             outage.failed(e)
             if stop is not None:
-                stop.wait(wait)  # a shutdown is not kept waiting
+                if stop.wait(wait):  # a shutdown is not kept waiting, nor made to wait for one more try
+                    raise
             else:
                 time.sleep(wait)
             wait = min(2 * wait, 10.0)

@@ -286,6 +286,7 @@ def outcome_rows(attempt: Attempt, status: str, output: JobOutput | None, artifa
     """(row values, series rows or None, artifact rows or None) of an outcome, made once: hashing a
     train run's checkpoints is not redone at each try through a database outage."""
     values = {k: jsonable(v) if k in ("summary", "environment") else v for k, v in values.items()}
+    values.setdefault("finished_at", utcnow())  # one time for every try: it tells this write apart
     series = _series_rows(attempt.job_id, output.series) if output is not None else None
     # An attempt that ran keeps the files it wrote, however it ended: a cancelled or timed-out train run
     # its checkpoints, a failed job what it got to (for diagnosis), with or without results. Only a
@@ -300,7 +301,7 @@ def store_outcome(session_factory: sessionmaker[Session], attempt: Attempt, stat
                   series: list | None, artifacts: list | None) -> bool:
     """``outcome_rows`` written in one transaction, if the row is still this attempt's."""
     with session_factory() as session, session.begin():
-        done = session.execute(update(Job).where(attempt.owned()).values(status=status, finished_at=utcnow(), **values))
+        done = session.execute(update(Job).where(attempt.owned()).values(status=status, **values))
         if done.rowcount != 1:
             return False  # nothing was changed; the (empty) transaction commits
         if series is not None:
@@ -312,11 +313,14 @@ def store_outcome(session_factory: sessionmaker[Session], attempt: Attempt, stat
     return True
 
 
-def outcome_stored(session_factory: sessionmaker[Session], attempt: Attempt, status: str) -> bool:
-    """Whether the row already holds this attempt's outcome: a commit whose answer the connection lost."""
+def outcome_stored(session_factory: sessionmaker[Session], attempt: Attempt, status: str, finished_at) -> bool:
+    """Whether the row already holds this outcome (``outcome_rows``' own `finished_at`): a commit whose
+    answer the connection lost, not the reaper's failure of the same attempt."""
     with session_factory() as session:
-        row = session.execute(select(Job.status, Job.worker, Job.attempts).where(Job.id == attempt.job_id)).one_or_none()
-    return row is not None and (row.status, row.worker, row.attempts) == (status, attempt.worker, attempt.number)
+        found = session.execute(select(Job.id).where(
+            Job.id == attempt.job_id, Job.status == status, Job.worker == attempt.worker,
+            Job.attempts == attempt.number, Job.finished_at == finished_at)).first()
+    return found is not None
 
 
 def files_kept(job_id: int, folder: Path) -> list[dict[str, Any]]:
@@ -499,8 +503,8 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
 
             def store() -> bool:
                 tries.append(1)
-                return (store_outcome(session_factory, attempt, status, *rows)
-                        or (len(tries) > 1 and outcome_stored(session_factory, attempt, status)))
+                return (store_outcome(session_factory, attempt, status, *rows) or (
+                    len(tries) > 1 and outcome_stored(session_factory, attempt, status, rows[0]["finished_at"])))
 
             stored = through_outage(f"storing the results of job {attempt.job_id}", store, stop=shutdown)
         except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job

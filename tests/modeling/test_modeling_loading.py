@@ -167,6 +167,12 @@ def test_a_name_registered_again_with_other_weights_is_not_served_from_the_cache
     assert cache.get("R@step0", "checkpoint", str(tmp_path / "old")) is first  # same files: a hit
     again = cache.get("R@step0", "checkpoint", str(tmp_path / "new"))
     assert again is not first and again.model.lm_head.weight[0, 0].item() == 2.0 and len(cache) == 1
+    # a retried run rewrites its checkpoint in place: the same path, newer files
+    import os
+
+    for entry in os.scandir(tmp_path / "new"):
+        os.utime(entry.path, ns=(entry.stat().st_atime_ns, entry.stat().st_mtime_ns + 10**9))
+    assert cache.get("R@step0", "checkpoint", str(tmp_path / "new")) is not again
 
 
 def test_model_cache_evicts_until_a_big_model_fits(tmp_path, monkeypatch):

@@ -10,10 +10,10 @@ import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import DataError, OperationalError
 
-from lmscope.db.models import Model, utcnow
+from lmscope.db.models import Job, Model, utcnow
 from lmscope.worker import attempt as attempt_module
 from lmscope.worker import reaper, runner
 from tests.conftest import PostgresCluster, _pg_bin, need
@@ -116,6 +116,11 @@ def test_results_whose_commit_lost_its_answer_count_as_stored(settings, sessions
     rows = runner.outcome_rows(attempt, "succeeded", None, None, {"summary": {"total": 3}})
     assert runner.store_outcome(sessions, attempt, "succeeded", *rows)
     assert not runner.store_outcome(sessions, attempt, "succeeded", *rows)  # the retry: the row is no longer running
-    assert runner.outcome_stored(sessions, attempt, "succeeded")
-    assert not runner.outcome_stored(sessions, attempt, "failed")
+    finished_at = rows[0]["finished_at"]
+    assert runner.outcome_stored(sessions, attempt, "succeeded", finished_at)
+    assert not runner.outcome_stored(sessions, attempt, "failed", finished_at)
     assert job_row(job_id).summary == {"total": 3}
+    # the reaper failing the same attempt (its own finished_at) is no outcome of this write
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == job_id).values(status="failed", finished_at=utcnow()))
+    assert not runner.outcome_stored(sessions, attempt, "failed", finished_at)

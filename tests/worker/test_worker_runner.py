@@ -618,3 +618,30 @@ def test_checkpoints_survive_moving_the_artifact_store(settings, sessions, make_
     loaded = moved.load_model("moved@step5")
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(loaded.model(ids).logits, model.eval()(ids).logits)
+
+
+def test_a_store_whose_commit_answer_is_lost_ends_the_job_once(settings, sessions, make_job, job_row, publisher,
+                                                                monkeypatch, caplog):
+    """The connection drops after the results' COMMIT, before its answer: the worker tries again, finds its
+    own outcome there, and reports the job succeeded (not "taken by another attempt"), results stored once."""
+    import logging
+
+    from sqlalchemy.exc import OperationalError
+
+    real, calls = runner.store_outcome, []
+
+    def commit_then_drop(*args):
+        calls.append(1)
+        stored = real(*args)
+        if len(calls) == 1:
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+        return stored
+
+    monkeypatch.setattr(runner, "store_outcome", commit_then_drop)
+    monkeypatch.setattr("lmscope.worker.attempt.time.sleep", lambda s: None)
+    job_id = make_job(params={"steps": 3, "plot": False})
+    with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
+        assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"
+    assert len(calls) == 2 and job_row(job_id).status == "succeeded"
+    assert [s.name for s in series_of(sessions, job_id)] == ["nan", "square"]  # once each
+    assert not any("results discarded" in r.getMessage() for r in caplog.records)
