@@ -180,3 +180,25 @@ def test_the_attention_study_plot_of_many_layers_names_them_by_a_colour_bar(monk
     assert not ax.collections  # twelve min–max bands would smear the panel
     assert "12 layers slide over 8 keys in the model" in ax.get_title()
     assert [line.get_ydata()[0] for line in ax.get_lines() if "zero output" in line.get_label()] == [1.0]
+
+
+def test_the_norms_and_inner_loss_titles_carry_the_numbers_a_reader_needs(drawn, tmp_path):
+    """norms.png: how many trajectories, the sequence and pair shares and the null 100·2^-(pairs);
+    inner_loss.png: kept/total and the rule, or that nothing met it."""
+    norms = np.random.default_rng(4).uniform(1, 2, (30, 4))
+    norms_plots.plot_norms(tmp_path / "norms.png", norms, np.arange(3), False, "m on d", 10.0, 60.0)
+    title = drawn["norms.png"].axes[0].get_title()
+    assert title.startswith("m on d: 30 trajectories") and "10.0 % of sequences, 60.0 % of pairs (null 12.5 %)" in title
+    mean = [line for line in drawn["norms.png"].axes[0].get_lines() if line.get_label() == "mean"][0]
+    np.testing.assert_allclose(mean.get_ydata(), norms.mean(0))
+    losses = np.random.default_rng(5).uniform(1, 3, (30, 3))
+    kept = np.zeros(30, bool)
+    kept[:12] = True
+    norms_plots.plot_inner_loss(tmp_path / "inner_loss.png", losses, kept, 1.5, "m on d")
+    ax = drawn["inner_loss.png"].axes[0]
+    assert "kept 12/30 trajectories (final loss ≤ 1.5)" in ax.get_title()
+    mean = [line for line in ax.get_lines() if line.get_label() == "mean"][0]
+    np.testing.assert_allclose(mean.get_ydata(), losses[:12].mean(0))  # over the kept ones only
+    drawn.clear()
+    norms_plots.plot_inner_loss(tmp_path / "inner_loss.png", losses, np.zeros(30, bool), 0.5, "m on d")
+    assert "no sample meets final loss ≤ 0.5 (0/30); showing all 30" in drawn["inner_loss.png"].axes[0].get_title()
