@@ -1089,8 +1089,14 @@ def whoami():
 @click.pass_context
 def models(ctx, run):
     """Registered models (`lmscope models` lists them)."""
+    ctx.obj = {"run": run}  # `lmscope models --run R list|delete` means the subcommand's --run R
     if ctx.invoked_subcommand is None:
         ctx.invoke(models_list, run=run)
+
+
+def group_run(run: str | None) -> str | None:
+    """A subcommand's --run, else the one given to `lmscope models --run R …`."""
+    return run if run is not None else ((click.get_current_context().obj or {}).get("run"))
 
 
 def natural_key(text: str) -> tuple:
@@ -1103,6 +1109,7 @@ def natural_key(text: str) -> tuple:
 @click.option("--run", metavar="NAME", help="only the checkpoints of training run NAME (NAME@step<N>)")
 def models_list(run=None):
     """List registered models, names in natural order (cx@step20 before cx@step100)."""
+    run = group_run(run)
     items = sorted(client().models(), key=lambda m: natural_key(m["name"]))
     if run is not None:
         items = [m for m in items if m["name"].startswith(f"{run}@")]
@@ -1127,9 +1134,10 @@ def models_register(name, path):
 @click.option("--run", metavar="NAME", help="every checkpoint of training run NAME (NAME@step<N>)")
 def models_delete(names, run=None):
     """Remove models from the registry and free their names (their files stay): checkpoints of your own
-    runs (`--run NAME` for all of a run's), or, for admins, any registered model but the built-ins."""
+    runs (`--run NAME` for all of a run's), or, for admins, any registered model but the built-ins. A model
+    that a queued or running job reads, or whose run is still training, is kept (each is tried)."""
     c = client()
-    names = list(names)
+    names, run = list(names), group_run(run)
     if run is not None:
         found = sorted((m["name"] for m in c.models() if m["name"].startswith(f"{run}@step")), key=natural_key)
         if not found:
@@ -1138,9 +1146,29 @@ def models_delete(names, run=None):
         names += found
     if not names:
         raise click.UsageError("name the models to remove, or give --run NAME")
+    kept = remove_each("model", names, c.delete_model)
+    if kept and run is not None:
+        raise click.ClickException(f"run {run!r} keeps {plural(len(kept), 'checkpoint')} ({', '.join(kept)}), "
+                                   f"so its name stays taken; `lmscope models delete --run {run}` again once they are free")
+    if kept:
+        raise SystemExit(1)
+
+
+def remove_each(what: str, names: list[str], remove) -> list[str]:
+    """Try to remove every name (one refusal does not stop the rest); say what happened to each; the
+    names kept."""
+    kept = []
     for name in names:
-        c.delete_model(name)
-        click.echo(f"removed model {name}")
+        try:
+            remove(name)
+        except LmscopeError as e:
+            if e.status == 0:  # no answer at all: nothing to go on with
+                raise
+            kept.append(name)
+            click.echo(f"kept {what} {name}: {e.headline}", err=True)
+        else:
+            click.echo(f"removed {what} {name}")
+    return kept
 
 
 @main.group(invoke_without_command=True)
@@ -1205,11 +1233,9 @@ def datasets_upload(name, file, fmt, description):
 @click.argument("names", nargs=-1, required=True)
 def datasets_delete(names):
     """Remove datasets from the registry and free their names (your uploads; admins: any but the built-in).
-    Their files stay."""
-    c = client()
-    for name in names:
-        c.delete_dataset(name)
-        click.echo(f"removed dataset {name}")
+    Their files stay. A dataset a queued or running job reads is kept (each name is tried)."""
+    if remove_each("dataset", list(names), client().delete_dataset):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ def checkpoint_list(params: EntropyParams, ctx: JobContext) -> list[tuple[int, s
     if params.train_job is not None:
         found = sorted(ctx.checkpoints_of(params.train_job))
         if not found:
-            raise JobFailed(f"train job {params.train_job} has no checkpoints yet; wait until it wrote one "
-                            "(its summary lists them) or give 'model' / 'models' instead")
+            raise JobFailed(f"train job {params.train_job} has no registered checkpoints (none written yet, or "
+                            "removed with `lmscope models delete`); give 'model' / 'models' instead",
+                            error_type="no-checkpoints")
         return found
     if params.model is not None:  # a checkpoint keeps its step: compared with a run's, it lines up
         return [((training_steps([params.model]) or [0])[0], params.model)]

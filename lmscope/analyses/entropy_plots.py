@@ -12,7 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import MANY_LINES, OrderedColours, pyplot, save, sparse_ticks
+from lmscope.analyses.plotting import MANY_LINES, OrderedColours, at_least_span, pyplot, save, sparse_ticks
+
+
+# the least of the uniform value a y axis of entropies spans (near-uniform models differ by 1e-4 nats)
+NATS_IN_VIEW = 0.05
 
 
 def draw(out: Path, params, steps, names, results, dim_results, *, over_training: bool) -> None:
@@ -86,6 +90,7 @@ def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> No
         ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}")
     ax.set_xticks(*_layer_ticks(layers, last["sliding_windows"]))
+    at_least_span(ax, NATS_IN_VIEW * uniform_mean)
     ax.legend(fontsize=7)
     save(fig, path)
 
@@ -158,6 +163,7 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
         ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
         if layer == 0:
             ax.legend(fontsize=6)
+    at_least_span(axes[0][0], NATS_IN_VIEW * float(last["bound"].mean(1).max()))  # the panels share y
     for extra in range(layers, rows * cols):
         axes[extra // cols][extra % cols].axis("off")
     if colours:

@@ -130,3 +130,13 @@ def sparse_ticks(n: int, most: int = 16) -> list[int]:
         else:
             at.append(n - 1)
     return at
+
+
+def at_least_span(ax, span: float) -> None:
+    """Widen the y axis to at least ``span`` around its middle: near-uniform heads a ten-thousandth of a nat
+    apart must not fill the panel as if they differed much (ticks 5.24585 … 5.24620)."""
+    lo, hi = ax.get_ylim()
+    if hi - lo < span:
+        middle = (lo + hi) / 2
+        ax.set_ylim(middle - span / 2, middle + span / 2)
+

@@ -196,6 +196,11 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
                            "`lmscope jobs --kind train`)"))
         elif ref.kind != "train":
             errors.append((_field_holding(parsed, job_id), f"job {job_id} is {article(ref.kind)} {ref.kind!r} job, not a 'train' job"))
+        elif ref.status not in ACTIVE_STATES and not session.scalar(
+                select(func.count()).select_from(Model).where(Model.job_id == job_id, Model.source == "checkpoint")):
+            errors.append((_field_holding(parsed, job_id),
+                           f"train job {job_id} has no checkpoints in the registry (it ended before writing one, "
+                           "or they were removed with `lmscope models delete`)"))
     if errors:
         raise Problem(422, "unknown-reference", "Unknown model, dataset or job", "; ".join(m for _, m in errors),
                       errors=[{"loc": loc, "msg": m, "type": "unknown_reference"} for loc, m in errors])

@@ -165,7 +165,8 @@ class WorkerContext:
         return through_outage(f"{what} of job {self.job_id}", read, stop=self._shutdown)
 
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
-        rows = self._read("model lookup", select(Model.name, Model.source, Model.path).where(Model.name == name))
+        rows = self._read("model lookup", select(Model.name, Model.source, Model.path, Model.job_id)
+                          .where(Model.name == name))
         row = rows[0] if rows else None
         if row is None:
             raise JobFailed(f"model {name!r} is not registered; list models with GET /v1/models or register a "
@@ -180,7 +181,10 @@ class WorkerContext:
             loaded = cache.get(row.name, row.source, path, dtype=dtype, device=self.device)
         except ModelLoadError as e:  # a broken directory is the user's to fix, not a worker bug
             raise JobFailed(f"model {name!r} cannot be loaded: {e}", error_type="model-load") from None
-        self.environment.setdefault("models", {})[name] = {"source": row.source, "dtype": dtype}
+        record = {"source": row.source, "dtype": dtype}
+        if row.source != "builtin":  # which weights: a name freed and used again names others later
+            record.update(path=row.path, **({"job_id": row.job_id} if row.job_id is not None else {}))
+        self.environment.setdefault("models", {})[name] = record
         count = loaded.info.get("num_parameters")
         if count:  # a directory with only *.bin weights is registered without a count: known once loaded
             try:

@@ -202,3 +202,14 @@ def test_the_norms_and_inner_loss_titles_carry_the_numbers_a_reader_needs(drawn,
     drawn.clear()
     norms_plots.plot_inner_loss(tmp_path / "inner_loss.png", losses, np.zeros(30, bool), 0.5, "m on d")
     assert "no sample meets final loss ≤ 0.5 (0/30); showing all 30" in drawn["inner_loss.png"].axes[0].get_title()
+
+
+def test_near_uniform_entropies_are_not_zoomed_to_a_ten_thousandth_of_a_nat(drawn, tmp_path):
+    layers, heads, n = 3, 2, 64
+    bound = np.tile(np.log(np.arange(n) + 1.0), (layers, 1))
+    by_position = bound[:, None, :] * (1 - 1e-5 * np.arange(heads)[None, :, None])  # all but uniform
+    results = [{"mean": by_position.mean(2), "by_position": by_position, "bound": bound, "sliding_windows": {}}]
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=n), [0], ["m"], results, [None],
+                       over_training=False)
+    lo, hi = drawn["entropy_by_layer.png"].axes[0].get_ylim()
+    assert hi - lo >= entropy_plots.NATS_IN_VIEW * bound.mean(1).max() * 0.999

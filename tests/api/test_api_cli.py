@@ -435,9 +435,16 @@ def test_models_delete_run_removes_every_checkpoint_of_a_run(api, cli, live):
     with api.sessions.begin() as session:
         for name, step in (("blip@step0", 0), ("blip@step10", 10), ("blip@step5", 5), ("blip2@step0", 0)):
             session.add(Model(name=name, source="checkpoint", num_layers=2, job_id=run, step=step))
+    reader = api.submit(api.user("ann"), kind="probe", params={"model": "blip@step5"}).get_json()["id"]
+    r = cli("models", "--run", "blip", "delete")  # the group's --run, as `models --run blip` lists them
+    assert r.exit_code == 1
+    assert r.stdout.splitlines() == ["removed model blip@step0", "removed model blip@step10"]  # one refusal stops nothing
+    assert f"kept model blip@step5: Jobs use this model: job(s) {reader} read" in r.stderr
+    assert "run 'blip' keeps 1 checkpoint (blip@step5), so its name stays taken" in r.stderr
+    api.set_job(reader, status="succeeded")
     r = cli("models", "delete", "--run", "blip")
     assert r.exit_code == 0, r.output
-    assert r.stdout.splitlines() == ["removed model blip@step0", "removed model blip@step5", "removed model blip@step10"]
+    assert r.stdout.splitlines() == ["removed model blip@step5"]
     assert [m["name"] for m in Client(live.url, api.tokens["ann"]).models() if "blip" in m["name"]] == ["blip2@step0"]
     nothing = cli("models", "delete", "--run", "blip")
     assert nothing.exit_code == 2 and "no checkpoints of a training run 'blip'" in nothing.output

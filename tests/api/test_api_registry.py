@@ -321,6 +321,10 @@ def test_removing_a_failed_runs_checkpoints_frees_its_run_name(api, tmp_path):
         assert api.client.delete(f"/v1/models/{name}", headers=ann).status_code == 204
     names = {m["name"] for m in api.client.get("/v1/models", headers=ann).get_json()["items"]}
     assert not {"blip@step0", "blip@step5"} & names
+    # the run's curves cannot be measured any more: said at submit, not by a job failing later
+    body = is_problem(api.submit(ann, kind="entropy", params={"train_job": run, "dataset": "d"}), 422,
+                      "unknown-reference")
+    assert f"train job {run} has no checkpoints in the registry" in body["detail"]
     assert api.submit(ann, kind="train", params={"dataset": "d", "run_name": "blip"}).status_code == 202
     is_problem(api.client.delete("/v1/models/blip@step0", headers=ann), 404, "not-found")
     is_problem(api.client.delete("/v1/models/tiny-gpt2", headers=root), 409, "builtin-model")

@@ -618,6 +618,9 @@ def test_checkpoints_survive_moving_the_artifact_store(settings, sessions, make_
     loaded = moved.load_model("moved@step5")
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(loaded.model(ids).logits, model.eval()(ids).logits)
+    # the job records which weights it read: the run that wrote them and where (a name can be freed and reused)
+    assert moved.environment["models"]["moved@step5"] == {
+        "source": "checkpoint", "dtype": "float32", "path": f"jobs/{job_id}/checkpoints/step-5", "job_id": job_id}
 
 
 def test_a_store_whose_commit_answer_is_lost_ends_the_job_once(settings, sessions, make_job, job_row, publisher,
