@@ -351,7 +351,7 @@ def test_checkpoint_list_rules():
     # one model: a single x, its step when it is a checkpoint (compared with the run's own curve, it lines up)
     assert entropy.checkpoint_list(mk(model="r@step10"), ctx) == [(10, "r@step10")]
     assert entropy.checkpoint_list(mk(model="tiny-gpt2"), ctx) == [(0, "tiny-gpt2")]
-    with pytest.raises(JobFailed, match="no checkpoints"):
+    with pytest.raises(JobFailed, match="no registered checkpoints"):
         entropy.checkpoint_list(mk(train_job=4), ctx)
 
 

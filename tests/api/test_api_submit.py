@@ -159,6 +159,7 @@ def test_unknown_model_or_dataset_is_refused_at_submit(api):
     # An entropy job over another user's train job: that job "does not exist" for this user.
     other = api.submit(api.user("bob"), kind="train", params={"dataset": "d"}).get_json()
     api.set_job(other["id"], status="succeeded")
+    add_checkpoint(api, "bobs@step0", other["id"])  # a run registers its step 0 when it starts
     body = is_problem(api.submit(h, kind="entropy", params={"dataset": "d", "train_job": other["id"]}),
                       422, "unknown-reference")
     assert f"job {other['id']} does not exist" in body["detail"]
@@ -208,6 +209,7 @@ def test_windows_longer_than_the_models_context_are_refused_at_submit(api):
     # a train job's checkpoints read its `context`
     train = api.submit(h, kind="train", params={"dataset": "d", "context": 64}).get_json()
     api.set_job(train["id"], status="succeeded")
+    add_checkpoint(api, "ctx@step0", train["id"])
     body = is_problem(api.submit(h, kind="entropy", params={"train_job": train["id"], "dataset": "d", "seq_len": 65}),
                       422, "sequence-too-long")
     assert f"the 64 positions train job {train['id']}'s checkpoints can read" in body["detail"]
