@@ -112,7 +112,7 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     depth = np.arange(points)
     norm = plt.Normalize(0, max(1, points - 1))
     dots = None
-    for i, c in enumerate(coords[~far] if len(coords) else coords):
+    for i, c in enumerate(coords[~far]):
         c = np.pad(c, ((0, 0), (0, max(0, 3 - c.shape[1]))))  # a model narrower than 3 dims
         ax.plot(c[:, 0], c[:, 1], c[:, 2], color="0.55", lw=0.8, alpha=0.6)
         dots = ax.scatter(c[:, 0], c[:, 1], c[:, 2], c=depth, cmap="viridis", norm=norm, s=8, depthshade=False)

@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 
 from lmscope.catalog import NAME_PATTERN, NAME_RULE
 from lmscope.db.engine import schema_problem
-from lmscope.wording import did_you_mean  # noqa: F401 (the API's modules import it from here)
+from lmscope.wording import did_you_mean
 
 PROBLEM_BASE = "https://lmscope.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"

@@ -15,7 +15,8 @@ from flask import request
 from werkzeug.datastructures import MultiDict
 
 from lmscope import strict_json
-from lmscope.api.errors import Problem, did_you_mean, fields_problem
+from lmscope.api.errors import Problem, fields_problem
+from lmscope.wording import did_you_mean
 
 # Free text in a JSON string may hold tabs and line breaks; no other control character has a use,
 # and NUL cannot be stored by PostgreSQL at all. Query parameters and path parts may hold none.

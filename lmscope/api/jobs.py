@@ -12,7 +12,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import Caller, current_caller
-from lmscope.api.errors import Problem, did_you_mean
+from lmscope.api.errors import Problem
 from lmscope.api.inputs import json_body, parse_id, query_int, query_params
 from lmscope.api.render import job_json
 from lmscope.api.state import state
@@ -21,6 +21,7 @@ from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
 from lmscope.db.progress import refresh_sweep_progress
 from lmscope.params import KINDS, MAX_JOB_ID, is_parent_kind, parent_kinds
 from lmscope.queue import publish_jobs
+from lmscope.wording import did_you_mean
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
 

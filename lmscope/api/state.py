@@ -23,11 +23,11 @@ class ApiState:
     # `lmscope up` only: why its worker takes no more jobs (None while it takes them). Set by lmscope.up,
     # which wires the worker beside the API (the API never imports the worker).
     worker_stopped: Callable[[], str | None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def worker_stop_reason(self) -> str | None:
         """Why `lmscope up`'s worker takes no more jobs; None while it takes them, or with no worker here."""
         return self.worker_stopped() if self.worker_stopped else None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def state() -> ApiState:

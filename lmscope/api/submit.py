@@ -19,11 +19,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
-from lmscope.api.errors import Problem, describe_errors, did_you_mean, fields_problem, pydantic_errors
+from lmscope.api.errors import Problem, describe_errors, fields_problem, pydantic_errors
 from lmscope.config import Settings
-from lmscope.wording import article
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
+from lmscope.wording import article, did_you_mean
 
 # A job's name and tags are one line each in every listing: no tab, line break (also NEL, U+2028/9),
 # C1 control (U+009B starts a terminal escape) or direction control that makes it display as

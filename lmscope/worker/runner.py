@@ -499,12 +499,12 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         values["heartbeat_at"] = utcnow()
         try:
             # hours of work should not fail on a database restart: wait for it (stopping for a shutdown)
-            rows, tries = outcome_rows(attempt, status, output, folder, values), []
+            # a row that is no longer ours may hold this very outcome: a commit whose answer was lost
+            rows = outcome_rows(attempt, status, output, folder, values)
 
             def store() -> bool:
-                tries.append(1)
-                return (store_outcome(session_factory, attempt, status, *rows) or (
-                    len(tries) > 1 and outcome_stored(session_factory, attempt, status, rows[0]["finished_at"])))
+                return (store_outcome(session_factory, attempt, status, *rows)
+                        or outcome_stored(session_factory, attempt, status, rows[0]["finished_at"]))
 
             stored = through_outage(f"storing the results of job {attempt.job_id}", store, stop=shutdown)
         except Exception as e:  # results that cannot be stored (e.g. malformed series) fail the job
