@@ -373,7 +373,7 @@ def _two_norms_like_jobs(api):
     return a, b
 
 
-def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_path):
+def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_path, monkeypatch):
     a, b = _two_norms_like_jobs(api)
     table = cli("compare", str(a), str(b))
     assert table.exit_code == 0, table.output
@@ -394,9 +394,17 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
     assert by_layer[0] == {str(a): {"x": [0], "y": [0.7]}, str(b): {"x": [0], "y": [0.9]}}
     assert by_layer[1] == {str(b): {"x": [0], "y": [0.8]}}  # matched by labels, not by position
 
+    import lmscope.compare as compare_module
+
+    figures, draw = [], compare_module.comparison_figure
+    monkeypatch.setattr(compare_module, "comparison_figure", lambda c, **kw: figures.append(draw(c, **kw)) or figures[-1])
     plot = cli("compare", str(a), str(b), "--series", "norm.mean", "--series", "entropy.mean",
-               "--plot", str(tmp_path / "cmp.png"), "--logx")
+               "--plot", str(tmp_path / "cmp.png"), "--logx", "--logy")
     assert plot.exit_code == 0, plot.output
+    norm, entropy = figures[0].axes[:2]
+    assert (norm.get_xscale(), norm.get_yscale()) == ("log", "log")  # layers 1-3 on a log x; layer 0 said
+    assert "2 point(s) at x ≤ 0 not drawn" in norm.get_xlabel()  # each job's layer 0
+    assert (entropy.get_xscale(), entropy.get_yscale()) == ("linear", "log")  # only x = 0: no log x to draw
     from PIL import Image
 
     with Image.open(tmp_path / "cmp.png") as im:
