@@ -312,3 +312,25 @@ def test_triton_rejects_float64(triton_backend, device):
     q, k, v = _qkv(1, 1, 1, 8, 16, device=device, dtype=torch.float64)
     with pytest.raises(ValueError, match="reference"):
         attention_with_entropy(q, k, v, backend=triton_backend)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_triton_path_under_torch_compile(triton_backend, device, oracle, compiler):
+    """transformers compiles the forward pass for generation with a static cache: the Triton launch
+    must survive Dynamo and Inductor (as one opaque operator) with the float64 results, padding mask
+    and window included. (Graph breaks are allowed, as in transformers: dispatch reads the environment.)"""
+    torch._dynamo.reset()
+    q, k, v = _qkv(2, 4, 2, 45, 32, device=device, seed=4)
+    kpm = torch.ones(2, 45, dtype=torch.bool, device=device)
+    kpm[1, :6] = False
+
+    def attend(q, k, v, kpm):
+        res = attention_with_entropy(q, k, v, causal=True, key_padding_mask=kpm, window=20, backend="triton")
+        return res.out, res.entropy, res.lse
+
+    compiled = torch.compile(attend, backend=compiler)
+    out, ent, lse = compiled(q, k, v, kpm)
+    ref_out, ref_ent, ref_lse, _ = oracle.attention(q, k, v, causal=True, key_padding_mask=kpm, window=20)
+    _close(out, ref_out, 2e-5)
+    _close(ent, ref_ent, 2e-5)
+    _close(lse, ref_lse, 2e-5)

@@ -273,7 +273,34 @@ def attention_with_entropy_triton(
     softcap: float | None = None,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel; shapes, the cap and the window are validated by the public wrapper."""
+    """Launch the fused kernel; shapes, the cap and the window are validated by the public wrapper.
+
+    Under torch.compile (e.g. transformers' generation with a static cache) the launch goes through
+    the opaque operator ``lmscope::attention_with_entropy``: Dynamo and Inductor would otherwise trace
+    into the autotuned kernel, which neither the interpreter nor Inductor's own compile of it survives.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.lmscope.attention_with_entropy(q, k, v, causal, scale, key_padding_mask, softcap, window)
+    return _launch(q, k, v, causal, scale, key_padding_mask, softcap, window)
+
+
+@torch.library.custom_op(
+    "lmscope::attention_with_entropy", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? key_padding_mask, float? softcap, "
+           "int? window) -> (Tensor, Tensor, Tensor)",
+)
+def _attention_with_entropy_op(q, k, v, causal, scale, key_padding_mask, softcap, window):
+    return _launch(q, k, v, causal, scale, key_padding_mask, softcap, window)
+
+
+@_attention_with_entropy_op.register_fake
+def _(q, k, v, causal, scale, key_padding_mask, softcap, window):
+    b, h, nq, _ = q.shape
+    stats = q.new_empty((b, h, nq), dtype=torch.float32)
+    return q.new_empty((b, h, nq, v.shape[-1])), stats, torch.empty_like(stats)
+
+
+def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
     out_dtype = q.dtype
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
