@@ -256,7 +256,7 @@ def main(argv=None):
                    help="skip the table of the kernel's options (soft-capping, sliding window)")
     args = p.parse_args(argv)
     if args.ns is None:
-        args.ns = [128, 256, 512] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+        args.ns = [128, 256, 512] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
     args.reps = args.reps or (10 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     if os.environ.get("TRITON_INTERPRET") == "1" and args.device == "cuda":

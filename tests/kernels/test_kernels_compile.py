@@ -1,6 +1,8 @@
-"""The compiled (GPU) path: the Triton kernels must compile for sm_90 without a GPU, and every
-autotune candidate must fit the shared memory of the GPU it may run on: an H100's 227 KB, and the
-99 KB of sm_86/sm_89 parts (A10, A40, L4, L40S, RTX 30/40), the least of the recent ones.
+"""The compiled (GPU) path: the Triton kernels must compile for sm_90 without a GPU, every autotune
+candidate must fit an H100's 227 KB of shared memory, and each kernel's first candidate (the untuned
+choice, LMSCOPE_AUTOTUNE=0) the 99 KB of sm_86/sm_89 parts (A10, A40, L4, L40S, RTX 30/40), the least
+of the recent ones. There the autotuner passes over the larger tiles (Triton counts a tile that runs
+out of shared memory as infinitely slow), so every kernel keeps at least one that fits.
 
 The interpreter is lenient where the compiler is not (non-constexpr globals, loop-carried types,
 constexpr branches), so the interpreted tests alone would let a kernel that cannot compile pass.
@@ -36,6 +38,7 @@ from lmscope.kernels.favor.triton_kernel import favor_causal_triton
 
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
 SHARED_MEMORY = int(sys.argv[2]) * 1024  # per block
+EVERY_CANDIDATE_FITS = sys.argv[3] == "every"  # else the first candidate must fit, the others may not
 
 
 class Launched(Exception):
@@ -63,7 +66,7 @@ def compile_launch(name, call, every_candidate=False):
     configs = tuner.prune_configs(kwargs)  # the kernel's own pruning: the candidates a GPU would tune
     assert configs, name
     fn = tuner.fn
-    for cfg in configs if every_candidate else configs[:1]:
+    for n, cfg in enumerate(configs if every_candidate else configs[:1]):
         values = {**dict(zip(fn.arg_names, args)), **kwargs, **cfg.kwargs}
         signature, constexprs, attrs = {}, {}, {}
         for i, p in enumerate(fn.params):
@@ -81,7 +84,10 @@ def compile_launch(name, call, every_candidate=False):
         ptx = k.asm["ptx"]
         print(f"{name} {cfg}: shared {k.metadata.shared} B, cp.async {'cp.async' in ptx}, "
               f"mma {'mma' in ptx}, {time.time() - t0:.1f} s", flush=True)
-        assert k.metadata.shared <= SHARED_MEMORY, (name, cfg, k.metadata.shared)
+        if k.metadata.shared > SHARED_MEMORY:
+            assert n > 0 and not EVERY_CANDIDATE_FITS, (name, cfg, k.metadata.shared)
+            print(f"  too big for {SHARED_MEMORY // 1024} KB: the autotuner passes it over", flush=True)
+            continue
         yield k, ptx
 
 
@@ -127,13 +133,14 @@ print("compiled")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compute_capability,shared_kb", [(90, 227), (86, 99)], ids=["sm90-h100", "sm86-99KB"])
-def test_kernels_compile(triton_backend, tmp_path, compute_capability, shared_kb):
+@pytest.mark.parametrize("compute_capability,shared_kb,fits", [(90, 227, "every"), (86, 99, "first")],
+                         ids=["sm90-h100", "sm86-99KB"])
+def test_kernels_compile(triton_backend, tmp_path, compute_capability, shared_kb, fits):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LMSCOPE_AUTOTUNE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     env["TMPDIR"] = str(tmp_path)  # triton's ptxas step leaves its .ptx/.log temporaries behind
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(compute_capability), str(shared_kb)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(compute_capability), str(shared_kb), fits], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "CompilationError" not in proc.stderr:
         pytest.skip(f"no usable ptxas in this triton install: {proc.stderr[-300:]}")

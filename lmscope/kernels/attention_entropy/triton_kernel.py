@@ -229,11 +229,13 @@ def _attn_entropy_fwd(
 
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per input kind and head-dim bucket. The bf16 ones
-# compile for sm_90 (as launched: aligned, pipelined) without register spills; the fp32 ones (exact
-# FMA dot products) spill 0.5-1.2 KB at D = 128, where 3xTF32 would not: to be timed on a GPU.
+# at D = 64 and 128 are the fastest of a 36-tile grid on an H100 (benchmarks/attention_tiles.py, bf16,
+# causal, N = 4096 and 16384; docs/benchmarks.md), plus the small 64 x 32 tile that fits every recent GPU
+# (the untuned choice). Tiles over the 99 KB of sm_86/sm_89 shared memory fail to compile there, and the
+# autotuner passes them over. The fp32 ones (exact FMA dot products) spill 0.5-1.2 KB at D = 128.
 _TILES = {
-    (False, 64): [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)],
-    (False, 128): [(128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 8, 2)],
+    (False, 64): [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)],
+    (False, 128): [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)],
     (False, 256): [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)],
     # fp32 inputs use exact fp32 dot products (no tensor cores): smaller tiles
     (True, 64): [(64, 32, 8, 2), (32, 32, 4, 2)],
