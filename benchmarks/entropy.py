@@ -48,12 +48,20 @@ WIKITEXT = Settings.from_env().wikitext2_path
 
 
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
-    """`bench-llama` (4 layers, 8 heads of 64 dims, RoPE so any length fits), a built-in, or an HF dir."""
+    """`bench-llama` (4 layers, 8 heads of 64 dims, RoPE so any length fits), `bench-llama-1b` (16 layers,
+    32 heads of 64 dims, 8 kv heads), a built-in, or an HF dir."""
     if spec == "bench-llama":
         from transformers import LlamaConfig
 
         config = LlamaConfig(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, hidden_size=512,
                              intermediate_size=1376, max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
+                             bos_token_id=256, eos_token_id=257, pad_token_id=258)
+        return random_init(spec, config, dtype, device)
+    if spec == "bench-llama-1b":  # a LLaMA-3.2-1B shape: where a GPU's time goes on a real model
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
+                             intermediate_size=8192, max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
                              bos_token_id=256, eos_token_id=257, pad_token_id=258)
         return random_init(spec, config, dtype, device)
     return load_spec(spec, dtype, device)
@@ -117,7 +125,7 @@ def timed(fn, device: str, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bench-llama", help="bench-llama, a built-in (tiny-gpt2, tiny-llama) or an HF dir")
+    ap.add_argument("--model", default="bench-llama", help="bench-llama, bench-llama-1b, a built-in (tiny-gpt2, tiny-llama) or an HF dir")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--seq-lens", default=None, help="comma-separated (default 1024,2048,4096 on GPU; 256,512,1024 on CPU)")

@@ -20,7 +20,10 @@
 # `bash benchmarks/gpu_wheels.sh` here downloads them into .whl/; carry .whl and start the device
 # command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:$PWD &&
+#     && export PYTHONPATH=/tmp/site:$PWD LMSCOPE_WIKITEXT2_PATH=$PWD/.whl/wiki.test.raw &&
+# (gpu_wheels.sh copies WikiText-2 into .whl/ too: the tests and the job benchmarks read it).
+# Each part's steps stop at a limit: ANALYSES_TIMEOUT, KERNELS_TIMEOUT (s) for the tests, BENCH_TIMEOUT
+# for each benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -43,6 +46,7 @@ step_failed() { local status=$1; (( status != 0 )) && rc=$status; return 0; }
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   # the carried wheels against the image's packages: a failure here would fail every test at collection
   "$PY" -c "import lmscope.api, lmscope.up, lmscope.analyses.registry; print('lmscope imports: ok')"
+  "$PY" -c "from lmscope.config import Settings; print('wikitext-2:', Settings.from_env().wikitext2_path)"
 } 2>&1 | tee "$OUT/device.txt"
 if ! grep -q "lmscope imports: ok" "$OUT/device.txt"; then
   echo "lmscope does not import on this image (see $OUT/device.txt): fix the wheels first" >&2
@@ -57,27 +61,31 @@ if [[ "$PART" == tests || "$PART" == all ]]; then
   # needs one tile per shape, and tuning every candidate for ~70 test shapes would take most of the call
   # (the benchmarks tune). No -x: one failure must not hide the others. `timeout -s INT` stops a run that
   # would outlast the call the way Ctrl-C does, so pytest still prints its failures (-rfE, short tracebacks).
-  LMSCOPE_AUTOTUNE=0 timeout -s INT 240 "$PY" -m pytest -q -rfE --tb=short --durations=10 -m gpu tests/analyses \
-    2>&1 | tee "$OUT/tests.log" | tail -25
+  # Compiling ~70 test shapes is most of the kernels' time: pytest-xdist (in the GPU image) spreads it
+  # over the machine's cores; the launches share the one GPU.
+  xdist=()
+  "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${PYTEST_WORKERS:-8}")
+  LMSCOPE_AUTOTUNE=0 timeout -s INT "${ANALYSES_TIMEOUT:-240}" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
+    "${xdist[@]}" -m gpu tests/analyses 2>&1 | tee "$OUT/tests.log" | tail -25
   step_failed "${PIPESTATUS[0]}"
-  LMSCOPE_AUTOTUNE=0 timeout -s INT 300 "$PY" -m pytest -q -rfE --tb=short --durations=15 -m "not slow" tests/kernels \
-    2>&1 | tee -a "$OUT/tests.log" | tail -25
+  LMSCOPE_AUTOTUNE=0 timeout -s INT "${KERNELS_TIMEOUT:-300}" "$PY" -m pytest -q -rfE --tb=short --durations=15 \
+    "${xdist[@]}" -m "not slow" tests/kernels 2>&1 | tee -a "$OUT/tests.log" | tail -25
   step_failed "${PIPESTATUS[0]}"
 fi
 
 if [[ "$PART" == bench || "$PART" == bench-kernels || "$PART" == all ]]; then
-  "$PY" benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/attention.py --dims 64 128 2>&1 | tee "$OUT/attention.md" | tail -30
   step_failed "${PIPESTATUS[0]}"
-  "$PY" benchmarks/approximations.py 2>&1 | tee "$OUT/approximations.md" | tail -12
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/approximations.py 2>&1 | tee "$OUT/approximations.md" | tail -12
   step_failed "${PIPESTATUS[0]}"
 fi
 
 if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then
-  "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 512 --json "$OUT/norms.json" 2>&1 \
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
   # the longest-seq_len search stops at 32768 (the issue's length) or at a 30-s run, to fit the call
-  "$PY" benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
     --max-seq-len 32768 --time-limit 30 --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
 fi
@@ -86,7 +94,7 @@ if [[ "$PART" == sweep || "$PART" == all ]]; then
   # The whole Fig. 2 grid if it fits the call; `--limit 40` gives an extrapolation in a quarter of the time.
   # The children's own plots stay in /tmp: the device call brings back at most 8 files.
   rm -rf /tmp/lmscope-sweep  # a warm machine keeps the last call's figures
-  "$PY" benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
     --out /tmp/lmscope-sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -8
   step_failed "${PIPESTATUS[0]}"
   cp /tmp/lmscope-sweep/fig*.png "$OUT/" 2>/dev/null

@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh        # then, on the device (carry .whl):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_suite.sh
+#     && PYTHONPATH=/tmp/site:$PWD LMSCOPE_WIKITEXT2_PATH=$PWD/.whl/wiki.test.raw bash benchmarks/gpu_suite.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION="${PY_VERSION:-3.12}"  # the GPU image's python3
@@ -25,5 +25,8 @@ platforms=()
 for n in 17 27 28 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
   "${platforms[@]}" --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
+# ../shared does not travel to the device: the GPU tests and the job benchmarks read WikiText-2 from here
+wikitext=$(python3 -c "from lmscope.config import Settings; print(Settings.from_env().wikitext2_path or '')")
+[[ -n "$wikitext" ]] && cp "$wikitext" .whl/wiki.test.raw
 ls .whl | wc -l
 du -sh .whl
