@@ -58,7 +58,7 @@ def main(argv=None):
     print(f"# tiles of _attn_entropy_fwd on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}, bf16, causal, B·H = {args.bh}")
     for d in args.dims:
-        listed = set(tk._TILES[(False, 64 if d <= 64 else 128 if d <= 128 else 256)])
+        listed = set(tk._TILES[(False, tk.head_dim_bucket(d))])
         for n in args.ns:
             g = torch.Generator(device="cpu").manual_seed(0)
             q, k, v = (torch.randn(1, args.bh, n, d, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
@@ -77,8 +77,8 @@ def main(argv=None):
             print("|---|---|---|---|---|---|---|")
             for ms, (bm, bn, w, st), err in rows[:args.top]:
                 print(f"| {bm} | {bn} | {w} | {st} | {ms:.3f} | {ms / sdpa:.2f} | {'yes' if (bm, bn, w, st) in listed else ''} |")
-            for ms, tile, err in rows:
-                if tile in listed and (ms, tile, err) not in rows[:args.top]:
+            for ms, tile, err in rows[args.top:]:
+                if tile in listed:
                     print(f"| {tile[0]} | {tile[1]} | {tile[2]} | {tile[3]} | {ms:.3f} | {ms / sdpa:.2f} | yes |")
             failed = [tile for ms, tile, err in rows if err]
             if failed:

@@ -47,21 +47,22 @@ from _common import is_oom, load_spec, random_init, sync  # noqa: E402  (this fo
 WIKITEXT = Settings.from_env().wikitext2_path
 
 
+# LLaMA shapes with heads of 64 dims (RoPE, so any length fits); bench-llama-1b is LLaMA-3.2-1B's shape,
+# where a GPU's time goes on a real model
+BENCH_SHAPES = {
+    "bench-llama": dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, hidden_size=512,
+                        intermediate_size=1376),
+    "bench-llama-1b": dict(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
+                           intermediate_size=8192),
+}
+
+
 def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
-    """`bench-llama` (4 layers, 8 heads of 64 dims, RoPE so any length fits), `bench-llama-1b` (16 layers,
-    32 heads of 64 dims, 8 kv heads), a built-in, or an HF dir."""
-    if spec == "bench-llama":
+    """A `BENCH_SHAPES` model with random weights, a built-in, or an HF dir."""
+    if spec in BENCH_SHAPES:
         from transformers import LlamaConfig
 
-        config = LlamaConfig(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, hidden_size=512,
-                             intermediate_size=1376, max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
-                             bos_token_id=256, eos_token_id=257, pad_token_id=258)
-        return random_init(spec, config, dtype, device)
-    if spec == "bench-llama-1b":  # a LLaMA-3.2-1B shape: where a GPU's time goes on a real model
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
-                             intermediate_size=8192, max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
+        config = LlamaConfig(**BENCH_SHAPES[spec], max_position_embeddings=1 << 17, vocab_size=BYTE_VOCAB_SIZE,
                              bos_token_id=256, eos_token_id=257, pad_token_id=258)
         return random_init(spec, config, dtype, device)
     return load_spec(spec, dtype, device)

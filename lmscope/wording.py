@@ -11,6 +11,11 @@ def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def error_line(e: BaseException) -> str:
+    """"OperationalError: connection refused": an exception's type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0]}"
+
+
 def article(word: str) -> str:
     """'an' before 'entropy', 'a' before 'norms'."""
     return "an" if word[:1].lower() in "aeiou" else "a"

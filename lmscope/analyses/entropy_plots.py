@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import MANY_LINES, OrderedColours, at_least_span, pyplot, save, sparse_ticks
+from lmscope.analyses.plotting import OrderedColours, at_least_span, pyplot, save, sparse_ticks
 
 
 # the least of the uniform value a y axis of entropies spans (near-uniform models differ by 1e-4 nats)
@@ -47,10 +47,11 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
     plt = pyplot()
     layers, heads = last["mean"].shape
     # cells shrink for big models, so that 32 × 32 stays a figure one reads whole at its own size
-    cell_w, cell_h = (0.7, 0.45) if layers * heads <= 400 else (0.3, 0.25)
+    annotated = layers * heads <= 400
+    cell_w, cell_h = (0.7, 0.45) if annotated else (0.3, 0.25)
     fig, ax = plt.subplots(figsize=(max(5.5, 2.5 + cell_w * heads), max(3.5, 1.8 + cell_h * layers)))
     im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=0, vmax=uniform_mean)
-    if layers * heads <= 400:
+    if annotated:
         for (layer, head), v in np.ndenumerate(last["mean"]):
             ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
                     color="black" if v > 0.6 * uniform_mean else "white")
@@ -77,7 +78,7 @@ def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> No
     for i, r in enumerate(results):
         per_layer = r["mean"].mean(1)
         label = colours.label(names[i])
-        ax.plot(range(layers), per_layer, marker="o" if len(results) <= MANY_LINES else None, ms=4,
+        ax.plot(range(layers), per_layer, marker=None if colours.many else "o", ms=4,
                 color=colours(i), label=label)
         if len(results) == 1:
             ax.fill_between(range(layers), per_layer - r["mean"].std(1), per_layer + r["mean"].std(1),
@@ -191,8 +192,8 @@ def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
     plot_edges[0] = floor * gaps[1] / gaps[2]  # the [0, floor] bin drawn one bin wide, left of floor
     styles = ["-", "--", "-.", ":"]
     for layer in range(layers):
-        ax.stairs(d["gap_pct"][layer], plot_edges, color=colours(layer), lw=1.6 if layers <= MANY_LINES else 1,
-                  ls=styles[layer % len(styles)] if layers <= MANY_LINES else "-",
+        ax.stairs(d["gap_pct"][layer], plot_edges, color=colours(layer), lw=1 if colours.many else 1.6,
+                  ls="-" if colours.many else styles[layer % len(styles)],
                   label=colours.label(f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)"))
     colours.colour_bar(fig, ax)
     ax.set_xscale("log")

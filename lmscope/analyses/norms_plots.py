@@ -147,4 +147,3 @@ def far_trajectories(coords: np.ndarray, factor: float = 4.0) -> np.ndarray:
     reach = np.linalg.norm(coords - centre, axis=-1).max(axis=1)  # per trajectory
     far = reach > factor * np.median(reach)
     return far if far.sum() <= len(coords) / 5 else np.zeros(len(coords), bool)
-

@@ -84,15 +84,11 @@ class OrderedColours:
     so `label` gives None and `colour_bar` names the colours instead.
     """
 
-    def __init__(self, values, name: str, cmap: str = "viridis", *, log: bool = False):
+    def __init__(self, values, name: str, cmap: str = "viridis"):
         plt = pyplot()
         self.values, self.name = list(values), name
         lo, hi = min(self.values), max(self.values)
-        if log and lo > 0 and hi > lo:
-            from matplotlib.colors import LogNorm
-            self.norm = LogNorm(lo, hi)
-        else:
-            self.norm = plt.Normalize(lo, hi if hi > lo else lo + 1)
+        self.norm = plt.Normalize(lo, hi if hi > lo else lo + 1)
         self.cmap = plt.get_cmap(cmap)
         # viridis' and plasma's tops are a pale yellow a thin line vanishes in: stop short of it
         self.top = 0.9 if cmap in ("viridis", "plasma") else 1.0
@@ -139,4 +135,3 @@ def at_least_span(ax, span: float) -> None:
     if hi - lo < span:
         middle = (lo + hi) / 2
         ax.set_ylim(middle - span / 2, middle + span / 2)
-

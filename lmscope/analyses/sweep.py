@@ -738,6 +738,7 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
     cmap = plt.get_cmap("viridis")
     for ax, (arch, target, n, k) in zip(axes, panels):
         ds = sorted({key[2] for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k)})
+        theory = [theory_latent_dim(d, n) for d in ds]
         for i, d in enumerate(ds):
             color = cmap(0.85 * i / max(len(ds) - 1, 1))  # viridis' last 15 % is too pale to see on white
             per_x = best[arch, target, d, n, k]
@@ -748,12 +749,11 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
                 ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=color, alpha=0.15)
             # theory d′ as a triangle of the line's colour on the top edge (ten dotted verticals in
             # neighbouring greens could not be told apart), and a dotted vertical for a few d
-            ax.plot([theory_latent_dim(d, n)], [1.0], marker="v", ms=8, color=color, mec="k", mew=0.4,
+            ax.plot([theory[i]], [1.0], marker="v", ms=8, color=color, mec="k", mew=0.4,
                     transform=ax.get_xaxis_transform(), clip_on=False)
             if len(ds) <= 3:
-                ax.axvline(theory_latent_dim(d, n), color=color, ls=":", lw=1.6, alpha=0.9)
+                ax.axvline(theory[i], color=color, ls=":", lw=1.6, alpha=0.9)
         xs_all = [x for key in best if (key[0], key[1], key[3], key[4]) == (arch, target, n, k) for x in best[key]]
-        theory = [theory_latent_dim(d, n) for d in ds]
         ax.set_xlim(min(xs_all + theory) / 1.5, max(xs_all + theory) * 1.5)  # every theory d′ inside the frame
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -810,8 +810,8 @@ def _plot_attention(path: Path, panels: dict[tuple[str, int], tuple], times: dic
         slid = ""
         if windows:  # once for the panel, not on every layer's entry
             sizes = ", ".join(str(w) for w in sorted(set(windows.values())))
-            slid = (f"\n{len(windows)} layer{'s' if len(windows) > 1 else ''} (W) slide over {sizes} keys in the model"
-                    if not colours.many else f"\n{len(windows)} layers slide over {sizes} keys in the model")
+            mark = "" if colours.many else " (W)"  # the legend marks them only when it names the layers
+            slid = f"\n{len(windows)} layer{'s' if len(windows) > 1 else ''}{mark} slide over {sizes} keys in the model"
         ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
                title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else "") + slid)
         ax.grid(True, which="both", alpha=0.3)

@@ -464,7 +464,8 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     ax.plot([s for s, _ in val], [l for _, l in val], "o-" if len(val) <= 40 else "-", color="tab:orange", ms=3,
             label="validation")
     ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline {baseline:.2f}")
-    if len(checkpoint_steps) <= 20:
+    few_checkpoints = len(checkpoint_steps) <= 20
+    if few_checkpoints:
         for s in checkpoint_steps:
             ax.axvline(s, color="lightgray", ls=":", lw=0.8)
     else:  # a line each would grey the panel out: ticks along its top instead
@@ -478,7 +479,7 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     for formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 5, 6, 7 rather than 5×10⁰
         formatter(ScalarFormatter())
     ax.set_ylabel("next-token loss (nats, log scale)")
-    marks = "dotted lines" if len(checkpoint_steps) <= 20 else "ticks along the top"
+    marks = "dotted lines" if few_checkpoints else "ticks along the top"
     ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context}, "
                  f"on {p.dataset} ({marks}: {len(checkpoint_steps)} checkpoints)"
                  + (f"\n{stopped[0]} at step {stopped[1]} of {p.steps}" if stopped else ""), fontsize=9)

@@ -58,8 +58,10 @@ def readyz():
             failed.append("worker")
     if failed:
         detail = "; ".join(f"{name}: {checks[name]}" for name in failed)
-        # a schema to migrate says what to do itself; an unreachable service needs its URL checked
-        unreachable = [n for n in ("database", "broker") if n in failed and "lmscope db upgrade" not in checks[n]]
+        # a schema to migrate (or migrated by a newer lmscope) says what to do itself; an unreachable
+        # service needs its URL checked
+        unreachable = [n for n in ("database", "broker")
+                       if n in failed and (n == "broker" or "does not answer" in checks[n])]
         if unreachable:
             detail += " — check that " + "; ".join(f"the {n} is up and LMSCOPE_{n.upper()}_URL points at it"
                                                     for n in unreachable)

@@ -23,6 +23,7 @@ from lmscope.api.errors import Problem, validation_problem
 from lmscope.api.inputs import json_body, query_params, refuse_bad_strings, single_values
 from lmscope.api.render import iso
 from lmscope.api.state import state
+from lmscope.api.submit import active_job_params
 from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, CatalogError, inspect_model_dir,
                              parse_documents, sha256_bytes)
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model
@@ -150,15 +151,8 @@ def refuse_while_read(session, caller, what: str, name: str, reads) -> None:
     """409 when queued or running jobs' validated params satisfy ``reads(params)`` (name the model among
     their `model_refs()`, read a train job's checkpoints among their `job_refs()`, …): the caller's own
     jobs by id (an admin's: all), other users' only counted (jobs are private)."""
-    from lmscope.params import validate_params
-
     own, others = [], 0
-    for job_id, user_id, kind, params in session.execute(select(Job.id, Job.user_id, Job.kind, Job.params)
-                                                         .where(Job.status.in_(ACTIVE_STATES))).all():
-        try:
-            parsed = validate_params(kind, params, internal=True)
-        except Exception:  # a kind this API no longer knows, or an older row: it cannot be asked
-            continue
+    for job_id, user_id, parsed in active_job_params(session):
         if reads(parsed):
             if caller.can_see(user_id):
                 own.append(job_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Iterator
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from sqlalchemy import func, select
@@ -331,21 +331,27 @@ def _lock_name_until_commit(session: Session, prefix: str) -> None:
     session.execute(select(func.pg_advisory_xact_lock(key)))
 
 
-def _active_job_registering(session: Session, prefix: str) -> int | None:
-    """The id of a queued/running job whose params register models under `prefix`, else None.
+def active_job_params(session: Session, kinds: list[str] | None = None) -> Iterator[tuple[int, int, JobParams]]:
+    """(id, user id, validated params) of every queued or running job (of `kinds`). Rows whose params an
+    older schema stored, or whose kind this API no longer knows, are skipped: they cannot be asked.
 
     Few jobs are active at a time, so their params are re-read here rather than indexed.
     """
-    kinds = [k for k, spec in KINDS.items() if spec.params.model_prefixes is not JobParams.model_prefixes]
-    rows = session.execute(select(Job.id, Job.kind, Job.params)
-                           .where(Job.status.in_(ACTIVE_STATES), Job.kind.in_(kinds))).all()
-    for job_id, kind, params in rows:
+    query = select(Job.id, Job.user_id, Job.kind, Job.params).where(Job.status.in_(ACTIVE_STATES))
+    if kinds is not None:
+        query = query.where(Job.kind.in_(kinds))
+    for job_id, user_id, kind, params in session.execute(query).all():
         try:
-            if prefix in KINDS[kind].params.model_validate(params or {}).model_prefixes():
-                return job_id
-        except ValidationError:  # params stored under an older schema: they cannot clash by name
+            yield job_id, user_id, validate_params(kind, params, internal=True)
+        except (UnknownKind, ValidationError):
             continue
-    return None
+
+
+def _active_job_registering(session: Session, prefix: str) -> int | None:
+    """The id of a queued/running job whose params register models under `prefix`, else None."""
+    kinds = [k for k, spec in KINDS.items() if spec.params.model_prefixes is not JobParams.model_prefixes]
+    return next((job_id for job_id, _, parsed in active_job_params(session, kinds)
+                 if prefix in parsed.model_prefixes()), None)
 
 
 def active_jobs(session: Session, user_id: int) -> int:

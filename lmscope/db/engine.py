@@ -16,6 +16,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from lmscope.wording import error_line
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 CONNECT_TIMEOUT_SECONDS = 10
 
@@ -96,8 +98,7 @@ def schema_problem(engine: Engine) -> str | None:
     try:
         current, head = schema_revisions(engine)
     except SQLAlchemyError as e:
-        first_line = (str(e).splitlines() or [repr(e)])[0]
-        return f"the database does not answer ({type(e).__name__}: {first_line})"
+        return f"the database does not answer ({error_line(e)})"
     if current is None:
         return "the database has no lmscope tables; create them with `lmscope db upgrade`"
     if current not in known_revisions():

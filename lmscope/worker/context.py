@@ -157,17 +157,18 @@ class WorkerContext:
 
     # ------------------------------------------------------------ models and data
 
-    def _read(self, what: str, statement):
+    def _read(self, what: str, statement, *, one: bool = False):
+        """The rows of `statement` (its one row or None with `one`), waiting through a database outage."""
         def read():
             with self._sf() as session:
-                return session.execute(statement).all()
+                result = session.execute(statement)
+                return result.one_or_none() if one else result.all()
 
         return through_outage(f"{what} of job {self.job_id}", read, stop=self._shutdown)
 
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
-        rows = self._read("model lookup", select(Model.name, Model.source, Model.path, Model.job_id)
-                          .where(Model.name == name))
-        row = rows[0] if rows else None
+        row = self._read("model lookup", select(Model.name, Model.source, Model.path, Model.job_id)
+                         .where(Model.name == name), one=True)
         if row is None:
             raise JobFailed(f"model {name!r} is not registered; list models with GET /v1/models or register a "
                             "Hugging Face directory with POST /v1/models", error_type="unknown-model")
@@ -196,9 +197,8 @@ class WorkerContext:
         return loaded
 
     def load_documents(self, dataset: str) -> list[str]:
-        rows = self._read("dataset lookup", select(Dataset.path, Dataset.format, Dataset.sha256)
-                          .where(Dataset.name == dataset))
-        row = rows[0] if rows else None
+        row = self._read("dataset lookup", select(Dataset.path, Dataset.format, Dataset.sha256)
+                         .where(Dataset.name == dataset), one=True)
         if row is None:
             raise JobFailed(f"dataset {dataset!r} is not registered; list datasets with GET /v1/datasets or "
                             "upload one with POST /v1/datasets", error_type="unknown-dataset")

@@ -52,6 +52,7 @@ from lmscope.worker import environment
 from lmscope.worker.attempt import Attempt, AttemptLost, Heartbeat, WorkerShutdown, is_outage, through_outage
 from lmscope.worker.context import WorkerContext
 from lmscope.worker.environment import environment_record, worker_device, worker_id
+from lmscope.wording import error_line
 
 log = logging.getLogger("lmscope.worker")
 
@@ -536,9 +537,8 @@ class DatabaseLostDuringJob(Exception):
     stays ``running``, its heartbeat goes stale and the reaper re-queues it (the attempt counts)."""
 
     def __init__(self, attempt: Attempt, error: Exception):
-        first_line = (str(error).splitlines() or [repr(error)])[0]
         super().__init__(f"job {attempt.job_id} attempt {attempt.number}: the database failed during the job "
-                         f"({type(error).__name__}: {first_line}); it stays running, and the reaper re-queues it "
+                         f"({error_line(error)}); it stays running, and the reaper re-queues it "
                          "once its heartbeat is stale")
 
 
@@ -547,9 +547,8 @@ class DatabaseUnavailable(Exception):
     can go back to the queue (the Celery task rejects it for redelivery) instead of being lost."""
 
     def __init__(self, job_id: int, error: Exception):
-        first_line = (str(error).splitlines() or [repr(error)])[0]
-        super().__init__(f"job {job_id}: the database failed before the job was claimed ({type(error).__name__}: "
-                         f"{first_line}); giving its message back to the queue")
+        super().__init__(f"job {job_id}: the database failed before the job was claimed ({error_line(error)}); "
+                         f"giving its message back to the queue")
 
 
 @contextlib.contextmanager

@@ -788,9 +788,9 @@ def test_the_seed_picks_which_trajectories_are_drawn(gpt2_run, tmp_path, documen
     lm, _, ctx = gpt2_run
     first = np.load(ctx.artifact_dir / "pca.npz")["trajectory_ids"]
     run_job(tmp_path / "same", lm, documents, max_samples=20, loss_filter=None, gram_samples=12,
-                       pca_samples=10, seed=0)
+            pca_samples=10, seed=0)
     run_job(tmp_path / "other", lm, documents, max_samples=20, loss_filter=None, gram_samples=12,
-                       pca_samples=10, seed=1)
+            pca_samples=10, seed=1)
     same_ids = np.load(tmp_path / "same" / "pca.npz")["trajectory_ids"]
     other_ids = np.load(tmp_path / "other" / "pca.npz")["trajectory_ids"]
     assert len(first) == len(other_ids) == 10 and list(first) == list(same_ids)

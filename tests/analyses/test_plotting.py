@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import types
+
+import numpy as np
+import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses import entropy_plots, norms_plots
+from lmscope.analyses.plotting import MANY_LINES, pyplot, save, sparse_ticks
 
 
 def test_saved_figures_label_ticks_with_absolute_values(tmp_path):
@@ -38,15 +44,6 @@ def test_titles_wider_than_the_figure_wrap_and_keep_every_word(tmp_path):
 
 
 # ---------------------------------------------------------------- plots of real-model sizes
-
-import math  # noqa: E402
-import types  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from lmscope.analyses import entropy_plots, norms_plots  # noqa: E402
-from lmscope.analyses.plotting import MANY_LINES, sparse_ticks  # noqa: E402
 
 
 def test_sparse_ticks_keep_about_most_labels_and_always_the_last():

@@ -339,7 +339,7 @@ def test_removing_a_failed_runs_checkpoints_frees_its_run_name(api, tmp_path):
 def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
     """The uploader (or an admin) removes an upload, not while a job reads it; the built-in stays."""
     ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
-    r = api.client.post("/v1/datasets?name=essays&format=text", headers=ann, data=b"one two three\\n\\nfour five six\\n")
+    r = api.client.post("/v1/datasets?name=essays&format=text", headers=ann, data=b"one two three\n\nfour five six\n")
     assert r.status_code == 201, r.get_json()
     with api.sessions() as session:
         path = Path(session.scalar(select(Dataset.path).where(Dataset.name == "essays")))
@@ -354,7 +354,7 @@ def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
     assert path.is_file()  # content-addressed: the file may back another name
     is_problem(api.client.delete("/v1/datasets/essays", headers=root), 404, "not-found")
     assert api.client.post("/v1/datasets?name=essays&format=text", headers=bob,
-                           data=b"seven eight\\n").status_code == 201  # the name is free again
+                           data=b"seven eight\n").status_code == 201  # the name is free again
     builtin = {d["name"] for d in api.client.get("/v1/datasets", headers=ann).get_json()["items"]
                if d["source"] == "builtin"}
     assert builtin == {"wikitext-2"}

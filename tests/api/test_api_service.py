@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import sqlite3
 
 import pytest
 
@@ -44,6 +45,16 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
     r = empty.client.get("/v1/jobs")
     body = is_problem(r, 503, "database-unavailable")
     assert "no lmscope tables; create them with `lmscope db upgrade`" in body["detail"] and r.headers["Retry-After"]
+
+    # migrated by a newer lmscope: its URL is right, the message says what to do instead
+    from lmscope.db.engine import upgrade
+
+    newer = tmp_path / "newer.db"
+    upgrade(f"sqlite:///{newer}")
+    with sqlite3.connect(newer) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+    body = is_problem(make_api(database_url=f"sqlite:///{newer}", auth=False).client.get("/readyz"), 503, "not-ready")
+    assert "run the newer lmscope" in body["detail"] and "LMSCOPE_DATABASE_URL points at it" not in body["detail"]
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

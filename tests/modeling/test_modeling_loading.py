@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,13 +164,13 @@ def test_a_name_registered_again_with_other_weights_is_not_served_from_the_cache
             lm.model.lm_head.weight.fill_(1.0 if name == "old" else 2.0)  # tied: the embeddings too
         lm.model.save_pretrained(tmp_path / name)
         lm.tokenizer.save_pretrained(tmp_path / name)
+        for entry in os.scandir(tmp_path / name):  # the same file times: only the path tells them apart
+            os.utime(entry.path, ns=(10**18, 10**18))
     first = cache.get("R@step0", "checkpoint", str(tmp_path / "old"))
     assert cache.get("R@step0", "checkpoint", str(tmp_path / "old")) is first  # same files: a hit
     again = cache.get("R@step0", "checkpoint", str(tmp_path / "new"))
     assert again is not first and again.model.lm_head.weight[0, 0].item() == 2.0 and len(cache) == 1
     # a retried run rewrites its checkpoint in place: the same path, newer files
-    import os
-
     for entry in os.scandir(tmp_path / "new"):
         os.utime(entry.path, ns=(entry.stat().st_atime_ns, entry.stat().st_mtime_ns + 10**9))
     assert cache.get("R@step0", "checkpoint", str(tmp_path / "new")) is not again

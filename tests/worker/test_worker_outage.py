@@ -8,6 +8,7 @@ import logging
 import sqlite3
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import select, update
@@ -80,7 +81,8 @@ def test_a_job_that_loses_the_database_is_left_running_for_the_reaper(settings, 
 
 def test_waiting_through_an_outage_gives_up_at_its_patience_and_not_on_other_errors(monkeypatch):
     sleeps: list[float] = []
-    monkeypatch.setattr(attempt_module.time, "sleep", sleeps.append)
+    # this module's clock only: other threads' time.sleep stays the real one
+    monkeypatch.setattr(attempt_module, "time", SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
     down = OperationalError("SELECT 1", {}, Exception("connection refused"))
     tries = iter([down, down, down, "answer"])
 

@@ -641,7 +641,7 @@ def test_a_store_whose_commit_answer_is_lost_ends_the_job_once(settings, session
         return stored
 
     monkeypatch.setattr(runner, "store_outcome", commit_then_drop)
-    monkeypatch.setattr("lmscope.worker.attempt.time.sleep", lambda s: None)
+    monkeypatch.setattr("lmscope.worker.attempt.time", SimpleNamespace(sleep=lambda s: None, monotonic=time.monotonic))
     job_id = make_job(params={"steps": 3, "plot": False})
     with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
         assert runner.execute(job_id, settings, sessions, publisher) == "succeeded"

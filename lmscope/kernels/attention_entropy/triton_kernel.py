@@ -249,10 +249,14 @@ def _configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
 
 
+def head_dim_bucket(d: int) -> int:
+    """The `_TILES` bucket of a head dim (the wider of the key and value heads)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
 def _prune(configs, named_args, **kwargs):
     d = max(kwargs.get("BLOCK_D", 64), kwargs.get("BLOCK_DV", 64))
-    bucket = 64 if d <= 64 else 128 if d <= 128 else 256
-    wanted = set(_TILES[(kwargs.get("INPUT_PRECISION") == "ieee", bucket)])
+    wanted = set(_TILES[(kwargs.get("INPUT_PRECISION") == "ieee", head_dim_bucket(d))])
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 
