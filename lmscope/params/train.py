@@ -7,6 +7,8 @@ from pydantic import Field, field_validator, model_validator
 
 from lmscope.params.base import JobParams, Seed
 
+DEFAULT_WARMUP_STEPS = 100  # the longest default warm-up; runs under 1000 steps warm up for a tenth
+
 
 class TrainParams(JobParams):
     """Train a small causal LM (GPT-2 or LLaMA style) on a registered dataset, with HF checkpoints.
@@ -27,7 +29,8 @@ class TrainParams(JobParams):
     steps: int = Field(1000, ge=1, le=1_000_000, description="optimiser steps (one batch each)")
     batch_size: int = Field(16, ge=1, le=4096, description="windows of context + 1 tokens per step")
     lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate (AdamW), after warm-up")
-    warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then a cosine decay")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps, then a cosine decay; "
+                                     "default min(100, steps // 10)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine ends at lr × min_lr_ratio")
     weight_decay: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
@@ -60,9 +63,11 @@ class TrainParams(JobParams):
                 raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         elif self.kv_heads is not None and self.kv_heads != self.heads:
             raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
+        if self.warmup_steps is None:  # a tenth of a short run, as many runs use, at most 100 steps
+            self.warmup_steps = min(DEFAULT_WARMUP_STEPS, self.steps // 10)
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps}); "
-                             f"for a short run lower it too, e.g. warmup_steps={self.steps // 10}")
+                             f"for a short run lower it too, e.g. warmup_steps={self.steps // 10}, or leave it out")
         return self
 
     def model_refs(self) -> list[str]:

@@ -695,6 +695,7 @@ def test_unknown_fields_suggest_the_intended_name(api):
 def test_value_errors_read_without_pydantics_prefix(api):
     body = is_problem(api.submit(api.user("ann"), kind="train", params={"dataset": "d", "warmup_steps": 60, "steps": 5}),
                       422, "validation-error")
-    msg = "warmup_steps (60) must be less than steps (5); for a short run lower it too, e.g. warmup_steps=0"
+    msg = ("warmup_steps (60) must be less than steps (5); for a short run lower it too, e.g. warmup_steps=0, "
+           "or leave it out")
     assert body["errors"][0]["msg"] == msg
     assert body["detail"] == "fix these fields: params: " + msg

@@ -274,13 +274,22 @@ def test_llama_with_grouped_query_attention_and_a_trained_bpe(docs, tmp_path):
     (dict(width=100, heads=3), "not divisible by heads"),
     (dict(kv_heads=2), "llama"),
     (dict(architecture="llama", heads=4, kv_heads=3), "multiple of kv_heads"),
-    (dict(steps=50), "warmup_steps"),
+    (dict(steps=50, warmup_steps=50), "warmup_steps"),
     (dict(run_name="has space"), "run_name"),
     (dict(learning_rate=1e-3), "learning_rate"),
 ])
 def test_bad_parameters_are_refused_with_a_reason(bad, message):
     with pytest.raises(ValidationError, match=message):
         validate_params("train", {"dataset": "wiki", **bad})
+
+
+@pytest.mark.parametrize("steps, warmup", [(1000, 100), (5000, 100), (300, 30), (50, 5), (9, 0), (1, 0)])
+def test_the_default_warm_up_is_a_tenth_of_a_short_run(steps, warmup):
+    """Left out, warmup_steps is min(100, steps // 10): a short run is accepted rather than refused for
+    a warm-up longer than itself, and the value used is the one stored."""
+    params = validate_params("train", {"dataset": "wiki", "steps": steps})
+    assert params.warmup_steps == warmup
+    assert params.model_dump()["warmup_steps"] == warmup
 
 
 def test_parameters_survive_a_round_trip_through_json():
