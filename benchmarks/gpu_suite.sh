@@ -84,9 +84,17 @@ if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
+  # batches of 16 × 256 tokens leave an H100 waiting for the host; 64 samples per batch keep it busy
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 2048 \
+    --batch-size 64 --gram-samples 0 --json "$OUT/norms_b64.json" 2>&1 | tee "$OUT/norms_b64.log" | tail -20
+  step_failed "${PIPESTATUS[0]}"
   # the longest-seq_len search stops at 32768 (the length) or at a 30-s run, to fit the call
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
     --max-seq-len 32768 --time-limit 30 --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
+  step_failed "${PIPESTATUS[0]}"
+  # a model the size of LLaMA-3.2-1B, where the GPU's time goes on the model rather than on launches
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 1024,4096 \
+    --windows 16 --batch-size 4 --dtype bfloat16 --skip-longest --json "$OUT/entropy_1b.json" 2>&1 | tee "$OUT/entropy_1b.log" | tail -12
   step_failed "${PIPESTATUS[0]}"
 fi
 

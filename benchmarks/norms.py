@@ -17,7 +17,9 @@ Over the same WikiText-2 samples (same batches, same right padding):
     python benchmarks/norms.py --model bench-gpt2 --samples 16 --max-tokens 128 --batch-size 8 --threads 1  # CPU
     python benchmarks/norms.py --model bench-gpt2 --samples 512 --json out.json     # GPT-2-small shape, GPU
 
-The routes run interleaved, best of --repeats each, so a busy shared machine slows them alike.
+The routes run interleaved, best of --repeats each, so a busy shared machine slows them alike. On a
+GPU the job's loop never waits for the device, so its stage times are the host's (the wait for the
+queued work is timed as "forward"): the inner loss's cost there is the job against the job without it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from lmscope.analyses import norms_plots
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
 from lmscope.modeling.loading import max_positions
+from lmscope.modeling.memory import to_device
 from lmscope.modeling.windows import document_samples
 from lmscope.params.norms import NormsParams
 
@@ -60,9 +62,11 @@ class ModelParts:
     def num_layers(self) -> int:
         return len(self.blocks)
 
+    @functools.cached_property
     def float32_head(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
         """(final norm, LM-head weight, bias) in float32: the inner loss makes its logits in float32
-        whatever the model's dtype (in bf16/fp16 the cross-entropy would be off by ~1e-2 nats)."""
+        whatever the model's dtype (in bf16/fp16 the cross-entropy would be off by ~1e-2 nats). Made
+        once per job: a half-precision model's head is copied (0.5 GB for a 128k × 2048 vocabulary)."""
         bias = getattr(self.lm_head, "bias", None)
         return (copy.deepcopy(self.final_norm).float(),  # D parameters: cheap to copy
                 self.lm_head.weight.float(), None if bias is None else bias.float())
@@ -110,7 +114,7 @@ def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -
     mask = torch.ones_like(ids)
     want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[0].float()
     _, call = hidden_states(parts, ids, mask)
-    got = parts.logits(call.output[0].float(), parts.float32_head())
+    got = parts.logits(call.output[0].float(), parts.float32_head)
     want = torch.log_softmax(want, -1)
     got = torch.log_softmax(got.to(want.device), -1)
     # the tokens that carry the loss (the model's 16 likeliest per position): far in the tail, half
@@ -204,9 +208,9 @@ def batches(samples: Samples, batch_size: int, subset: np.ndarray | None = None)
 
 def current_tokens(samples: Samples, batch: np.ndarray, trajs: np.ndarray, device):
     """(row in the batch, position) of each trajectory's current token, as index tensors."""
-    row_of = {s: r for r, s in enumerate(batch)}
-    rows = torch.tensor([row_of[s] for s in samples.traj_sample[trajs]], device=device)
-    return rows, torch.tensor(samples.traj_pos[trajs], device=device)
+    by_id = np.argsort(batch)  # the batch's rows in sample-id order
+    rows = by_id[np.searchsorted(batch, samples.traj_sample[trajs], sorter=by_id)]
+    return to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(samples.traj_pos[trajs]), device)
 
 
 def pad_batch(samples: Samples, batch: np.ndarray, pad_id: int, device):
@@ -218,7 +222,7 @@ def pad_batch(samples: Samples, batch: np.ndarray, pad_id: int, device):
     for row, x in enumerate(inputs):
         input_ids[row, : len(x)] = torch.tensor(x)
         mask[row, : len(x)] = 1
-    return input_ids.to(device), mask.to(device)
+    return to_device(input_ids, device), to_device(mask, device)
 
 
 # ---------------------------------------------------------------- forward pass
@@ -279,7 +283,7 @@ def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> to
     The LM head runs in float32 whatever the model's dtype: in bf16/fp16 the cross-entropy would be off
     by ~1e-2 nats, enough to move trajectories across `loss_filter`.
     """
-    head = parts.float32_head()
+    head = parts.float32_head
     rows = max(1, LOGIT_ELEMENTS // head[1].shape[0])  # the vocabulary
     out = []
     for start in range(0, h.shape[0], rows):
@@ -370,16 +374,22 @@ def current_token_block(block, call: BlockCall):
 
 def query_grid(rows: torch.Tensor, cols: torch.Tensor, attention_mask: torch.Tensor):
     """The current tokens (rows, cols) laid out per batch row: positions [B, Q], Q = most current tokens
-    in one row, and each current token's slot in its row. Free slots point at the row's first real
-    token: any visible position will do, their outputs are never read."""
+    in one row, and each current token's slot in its row (both on the mask's device). Free slots point
+    at the row's first real token: any visible position will do, their outputs are never read.
+
+    The layout is worked out on the host, in numpy (Q sizes a tensor: reading it from a GPU would wait
+    for all queued work), so rows and cols are best given there."""
     B, T = attention_mask.shape
-    counts = torch.bincount(rows, minlength=B)
-    order = torch.argsort(rows * T + cols)
-    slot = torch.empty_like(rows)
-    slot[order] = torch.arange(len(rows), device=rows.device) - (torch.cumsum(counts, 0) - counts)[rows[order]]
+    r, c = rows.cpu().numpy(), cols.cpu().numpy()
+    counts = np.bincount(r, minlength=B)
+    order = np.argsort(r * T + c, kind="stable")
+    slot = np.empty_like(r)
+    slot[order] = np.arange(len(r)) - (np.cumsum(counts) - counts)[r[order]]
+    device = attention_mask.device
     positions = attention_mask.long().argmax(1)[:, None].repeat(1, int(counts.max()))
-    positions[rows, slot] = cols
-    return positions, slot
+    positions[to_device(torch.from_numpy(r), device), to_device(torch.from_numpy(slot), device)] = \
+        to_device(torch.from_numpy(c), device)
+    return positions, to_device(torch.from_numpy(slot), device)
 
 
 def keys_visible_from(positions: torch.Tensor, attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -396,10 +406,10 @@ def keys_visible_from(positions: torch.Tensor, attention_mask: torch.Tensor, win
 @torch.no_grad()
 def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall, attention_mask: torch.Tensor,
                        rows: torch.Tensor, cols: torch.Tensor, route: str = "auto") -> torch.Tensor:
-    """block_L(h_l) at the current tokens (rows, cols), for l = 0 … L-1 → [L, n, D]: the last block
-    applied to ALL positions of h_l with the same masks and position embeddings as in the model's own
-    pass. Several layers go through the block at once (stacked on the batch axis); l = L-1 is the
-    model's own pass (block_L(h_{L-1}) = h_L), so it is not run again.
+    """block_L(h_l) at the current tokens (rows, cols: best on the host, see query_grid), for l = 0 …
+    L-1 → [L, n, D]: the last block applied to ALL positions of h_l with the same masks and position
+    embeddings as in the model's own pass. Several layers go through the block at once (stacked on the
+    batch axis); l = L-1 is the model's own pass (block_L(h_{L-1}) = h_L), so it is not run again.
 
     route "auto": computed at the current tokens only (see above) for GPT-2 and LLaMA-family blocks,
     else by re-running the whole block; "full": always re-run the whole block."""
@@ -411,6 +421,7 @@ def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: Bloc
         block_at, rope, window = cheap
         positions, slot = query_grid(rows, cols, attention_mask)
         visible = keys_visible_from(positions, attention_mask, window)
+    rows, cols = (to_device(t, call.output.device) for t in (rows, cols))
     per_call = max(1, min(L, LAST_BLOCK_ELEMENTS // (B * T * D)))
     outputs = []  # [c, n, D] per chunk of c layers
     for first in range(0, L - 1, per_call):
@@ -587,32 +598,43 @@ class Progress:
 
 def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int, device,
             points: int, pca_trajs: np.ndarray, progress: Progress, inner_loss_route: str = "auto") -> Measurements:
-    """One batched forward pass per batch: norms, PCA moments and (optionally) the inner loss."""
-    S, D = len(samples.traj_sample), parts.lm_head.weight.shape[1]
-    m = Measurements(np.zeros((S, points), np.float32), np.full((S, parts.num_layers), np.nan, np.float32),
-                     np.zeros((len(pca_trajs), points, D), np.float32), RunningPCA(D, device))
+    """One batched forward pass per batch: norms, PCA moments and (optionally) the inner loss.
+
+    Nothing in the loop waits for a GPU: indices are made on the host and copied over asynchronously,
+    results stay on the device until the end. (Each wait would leave the GPU idle while the host
+    queues the next batch's kernels.) So on a GPU the stages' times are the host's, and the wait for
+    all queued work is timed as "forward", where the results are read back."""
+    S, D, L = len(samples.traj_sample), parts.lm_head.weight.shape[1], parts.num_layers
+    norms = torch.zeros(S, points, device=device)
+    losses = torch.full((S, L), float("nan"), device=device)
+    pca_points = torch.zeros(len(pca_trajs), points, D, device=device)
+    pca = RunningPCA(D, device)
     for batch, trajs in batches(samples, params.batch_size):
-        rows, cols = current_tokens(samples, batch, trajs, device)
+        rows, cols = current_tokens(samples, batch, trajs, "cpu")  # the inner loss lays them out on the host
+        rows_d, cols_d, at_trajs = (to_device(t, device) for t in (rows, cols, torch.from_numpy(trajs)))
         with ctx.stage("forward"):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, call = hidden_states(parts, input_ids, mask)
             states = hidden + [call.output] if params.include_last_layer else hidden
             # a model spread over several GPUs keeps each layer's states on its own one
-            current = torch.stack([h[rows.to(h.device), cols.to(h.device)].to(device) for h in states], 1).float()
-            m.norms[trajs] = current.norm(dim=-1).cpu().numpy()
-            m.pca.add(current.reshape(-1, D))
-            drawn = np.isin(trajs, pca_trajs)
-            m.pca_points[np.searchsorted(pca_trajs, trajs[drawn])] = current[torch.from_numpy(drawn).to(device)].cpu().numpy()
+            current = torch.stack([h[rows_d.to(h.device), cols_d.to(h.device)].to(device) for h in states], 1).float()
+            norms[at_trajs] = current.norm(dim=-1)
+            pca.add(current.reshape(-1, D))
+            drawn = np.flatnonzero(np.isin(trajs, pca_trajs))
+            if len(drawn):
+                slots = np.searchsorted(pca_trajs, trajs[drawn])
+                pca_points[to_device(torch.from_numpy(slots), device)] = current[to_device(torch.from_numpy(drawn), device)]
         if params.inner_loss:
             with ctx.stage("inner loss"):
                 targets = torch.tensor([samples.tokens[s][p + 1] for s, p in
-                                        zip(samples.traj_sample[trajs], samples.traj_pos[trajs])], device=device)
-                m.losses[trajs] = inner_losses(parts, hidden, call, mask, rows, cols, targets,
-                                               inner_loss_route).cpu().numpy()
+                                        zip(samples.traj_sample[trajs], samples.traj_pos[trajs])])
+                losses[at_trajs] = inner_losses(parts, hidden, call, mask, rows, cols, to_device(targets, device),
+                                                inner_loss_route).to(losses.device)
             progress.step("forward + inner loss")
         else:
             progress.step("forward")
-    return m
+    with ctx.stage("forward"):
+        return Measurements(norms.cpu().numpy(), losses.cpu().numpy(), pca_points.cpu().numpy(), pca)
 
 
 def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: int) -> tuple[dict, list[Series], np.ndarray]:
@@ -699,9 +721,10 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
     summary["pca_explained_variance"] = explained.cpu().tolist()
 
     out = ctx.artifact_dir
-    np.savez_compressed(out / "trajectories.npz", norms=m.norms, sample_ids=samples.traj_sample,
-                        doc_ids=samples.doc_ids[samples.traj_sample], positions=samples.traj_pos,
-                        layers=np.arange(points), inner_loss=m.losses, inner_loss_kept=kept)
+    # not compressed: float norms barely shrink under zlib, which is slow on position="all" (millions of rows)
+    np.savez(out / "trajectories.npz", norms=m.norms, sample_ids=samples.traj_sample,
+             doc_ids=samples.doc_ids[samples.traj_sample], positions=samples.traj_pos,
+             layers=np.arange(points), inner_loss=m.losses, inner_loss_kept=kept)
     np.savez_compressed(out / "pca.npz", mean=mean.cpu().numpy(), components=components.cpu().numpy(),
                         explained_variance_ratio=explained.cpu().numpy(), coords=coords,
                         trajectory_ids=pca_trajs, sample_ids=samples.traj_sample[pca_trajs])

@@ -105,22 +105,27 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     colour bar names them); circle = h0, triangle = last point. A few trajectories far larger than the
     rest (``far_trajectories``) are left out, and the title says how many."""
     plt = pyplot()
+    from mpl_toolkits.mplot3d.art3d import Line3DCollection
+
     far = far_trajectories(coords)
     fig = plt.figure(figsize=(7.6, 6))
     ax = fig.add_subplot(projection="3d")
     points = coords.shape[1] if coords.ndim == 3 else 0
     depth = np.arange(points)
     norm = plt.Normalize(0, max(1, points - 1))
-    dots = None
-    for i, c in enumerate(coords[~far]):
-        c = np.pad(c, ((0, 0), (0, max(0, 3 - c.shape[1]))))  # a model narrower than 3 dims
-        ax.plot(c[:, 0], c[:, 1], c[:, 2], color="0.55", lw=0.8, alpha=0.6)
-        dots = ax.scatter(c[:, 0], c[:, 1], c[:, 2], c=depth, cmap="viridis", norm=norm, s=8, depthshade=False)
-        ax.scatter(*c[0, :3], color=plt.cm.viridis(norm(0)), marker="o", s=22, edgecolor="k", linewidth=0.4,
-                   label="start (h0)" if i == 0 else None)
-        ax.scatter(*c[-1, :3], color=plt.cm.viridis(norm(points - 1)), marker="^", s=30, edgecolor="k", linewidth=0.4,
-                   label=("end (last block, pre-norm)" if include_last_layer else "end (last point)") if i == 0 else None)
-    if dots is not None:
+    drawn = coords[~far] if points else np.zeros((0, 0, 3))
+    drawn = np.pad(drawn, ((0, 0), (0, 0), (0, max(0, 3 - drawn.shape[-1]))))[..., :3]  # a model narrower than 3 dims
+    if len(drawn):
+        # One artist per kind, not per trajectory: mplot3d projects and sorts every artist on every draw,
+        # and 4 artists × 50 trajectories took most of the job's plotting time.
+        ax.add_collection3d(Line3DCollection(drawn, colors="0.55", linewidths=0.8, alpha=0.6))
+        dots = ax.scatter(*drawn.reshape(-1, 3).T, c=np.tile(depth, len(drawn)), cmap="viridis", norm=norm, s=8,
+                          depthshade=False)
+        ax.scatter(*drawn[:, 0].T, color=plt.cm.viridis(norm(0)), marker="o", s=22, edgecolor="k", linewidth=0.4,
+                   depthshade=False, label="start (h0)")
+        ax.scatter(*drawn[:, -1].T, color=plt.cm.viridis(norm(points - 1)), marker="^", s=30, edgecolor="k",
+                   linewidth=0.4, depthshade=False,
+                   label="end (last block, pre-norm)" if include_last_layer else "end (last point)")
         bar = fig.colorbar(dots, ax=ax, shrink=0.6, pad=0.1, label="hidden state")
         names = layer_names(points, include_last_layer)
         at = sparse_ticks(points, 12)  # about a dozen tick labels, the last point's among them

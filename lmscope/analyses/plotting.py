@@ -40,25 +40,26 @@ def save(fig, path: str | Path) -> None:
     _wrap_wide_titles(fig)
     if fig.get_layout_engine() is None:  # a constrained-layout figure (legends below panels) lays itself out
         fig.tight_layout()
-        _wrap_wide_titles(fig)  # the layout moved the axes, and with them their titles' centres
-        fig.tight_layout()
+        if _wrap_wide_titles(fig):  # the layout moved the axes, and with them their titles' centres
+            fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
 
 
-def _wrap_wide_titles(fig) -> None:
-    """Re-wrap every title and suptitle that does not fit inside the figure.
+def _wrap_wide_titles(fig) -> bool:
+    """Re-wrap every title and suptitle that does not fit inside the figure; True when one changed.
 
     A title is centred on its axes (a suptitle on the figure), so the room is twice the distance from
     that centre to the nearer edge of the figure.
     """
     if not hasattr(fig.canvas, "get_renderer"):  # a backend that cannot measure text: leave titles be
-        return
+        return False
     renderer = fig.canvas.get_renderer()
     width_px = fig.bbox.width
     titles = [(ax.title, ax.get_position().x0 + ax.get_position().width / 2) for ax in fig.axes]
     if fig._suptitle is not None:
         titles.append((fig._suptitle, 0.5))
+    changed = False
     for title, centre in titles:
         room = 0.96 * 2 * min(centre, 1 - centre) * width_px
         # always wrap the text as written (its own line breaks kept), so a second call re-flows, not re-splits
@@ -72,6 +73,8 @@ def _wrap_wide_titles(fig) -> None:
             chars = max(10, min(chars - 1, int(chars * room / width)))
             title.set_text("\n".join(textwrap.fill(line, chars, break_on_hyphens=False) for line in lines))
             title._lmscope_unwrapped = original
+            changed = True
+    return changed
 
 
 MANY_LINES = 8  # past this many ordered lines (layers, checkpoints), a colour bar names them, not a legend

@@ -1,5 +1,5 @@
-"""Giving device memory back (torch only: the worker calls it after an out-of-memory failure without
-importing transformers)."""
+"""Device memory: giving it back, and filling it without waiting (torch only: the worker calls
+``free_memory`` after an out-of-memory failure without importing transformers)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,16 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, without making the host wait for the GPU.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream: the host stops until every
+    kernel queued before it has run, and the GPU then idles until the next ones are queued. From pinned
+    memory the copy is queued like a kernel (torch's host allocator keeps the buffer until it is done).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -23,7 +23,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
-from tests.analyses.conftest import eager_entropies
+from tests.analyses.conftest import HostReads, eager_entropies
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 SEQ_LEN = 24
@@ -302,6 +302,28 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
     assert out.summary["near_uniform_pct_per_layer"] == pytest.approx(per_layer, abs=1e-4)  # rounded to 4 places
     assert out.summary["near_uniform_pct"] == pytest.approx(np.mean(per_layer), abs=1e-9)  # counted, then divided in float64
     assert np.ptp(per_layer) > 1e-3  # the layers differ: a per-layer number that mixed them up would show
+
+
+def test_statistics_count_like_numpy_and_read_nothing_back():
+    """The per-batch statistics: histograms as np.histogram counts them, and, so that a GPU is never left
+    idle between forward passes, not one value read back to the host (torch.bincount would read two)."""
+    n, bins, heads = 16, 5, 3
+    generator = torch.Generator().manual_seed(0)
+    e = [torch.rand(4, heads, n, generator=generator) * math.log(n) for _ in range(2)]
+    stats = entropy.EntropyStats(layers=1, heads=heads, seq_len=n, bins=bins)
+    dims = entropy.DimensionStats(layers=1, heads=heads, seq_len=n, bins=bins, margin=0.03, causal=True)
+    with HostReads() as reads:
+        for batch in e:
+            stats.add(0, batch)
+            dims.add(0, batch[:, :, None].expand(-1, -1, 2, -1))  # two head dimensions with the same rows
+    assert reads.ops == []
+    rows = torch.cat(e).double().numpy()
+    want = np.stack([np.histogram(rows[:, h], bins=bins, range=(0, math.log(n)))[0] for h in range(heads)])
+    np.testing.assert_array_equal(stats.hist[0].numpy(), want)
+    causal = torch.cat(e)[..., 1:].double().numpy()  # causal row 0 (one key) is left out
+    want = np.stack([np.histogram(causal[:, h], bins=bins, range=(0, math.log(n)))[0] for h in range(heads)])
+    np.testing.assert_array_equal(dims.hist[0].numpy(), 2 * want)
+    assert int(dims.gap_hist[0].sum()) == 2 * causal.size
 
 
 def test_checkpoints_of_a_train_job_in_step_order(tmp_path, documents):

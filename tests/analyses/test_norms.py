@@ -29,6 +29,7 @@ from lmscope.modeling.loading import model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.norms import NormsParams
+from tests.analyses.conftest import HostReads
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 MAX_TOKENS = 96
@@ -464,6 +465,29 @@ def test_inner_loss_routes_agree_in_float32(llama_run, documents):
     whole = norms.inner_losses(parts, hidden, call, mask, rows, cols, labels, route="full")
     assert fast.shape == (len(trajs), 3) and len(trajs) > len(batch)
     torch.testing.assert_close(fast, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_measuring_loop_reads_nothing_back_from_the_device(arch, tmp_path, documents):
+    """On a GPU the host should queue batch after batch without waiting: besides the model's own forward
+    passes, the loop (indices, norms, PCA points, the inner loss at the current tokens) reads no value
+    back and runs no op whose output size depends on the data."""
+    lm = tiny(arch)
+    parts = norms.model_parts(lm.model)
+    params = NormsParams(model="m", dataset="wiki", max_tokens=MAX_TOKENS, min_words=MIN_WORDS, max_samples=6,
+                         batch_size=3, position="all", min_position=20, pca_samples=4)
+    samples = norms.select_samples(lm.tokenizer, documents, params)
+    ctx = LocalContext(tmp_path, models={"m": lm}, datasets={"wiki": documents})
+    pca_trajs = np.array([0, 3, len(samples.traj_sample) - 1])
+    with HostReads() as job:
+        m = norms.measure(params, ctx, parts, samples, 0, "cpu", parts.num_layers, pca_trajs, norms.Progress(ctx, 99))
+    with HostReads() as model_alone:
+        for batch, _ in norms.batches(samples, params.batch_size):
+            norms.hidden_states(parts, *norms.pad_batch(samples, batch, 0, "cpu"))
+    assert job.ops == model_alone.ops
+    # and the loop did its work: every trajectory has its norms and inner losses, the drawn ones their points
+    assert (m.norms > 0).all() and np.isfinite(m.losses).all()
+    np.testing.assert_allclose(np.linalg.norm(m.pca_points, axis=-1), m.norms[pca_trajs], rtol=1e-5)
 
 
 def test_the_whole_block_route_repeats_per_sample_arguments_only():

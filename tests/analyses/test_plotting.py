@@ -150,7 +150,13 @@ def test_a_few_far_larger_trajectories_are_left_out_of_the_3d_plot_and_counted(d
     norms_plots.plot_pca3d(tmp_path / "pca3d.png", coords, np.array([0.5, 0.2, 0.1]), False, "m")
     ax = drawn["pca3d.png"].axes[0]
     assert "m: 38 trajectories" in ax.get_title() and "(2 far larger trajectories not drawn" in ax.get_title()
-    assert len(ax.get_lines()) == 38  # one polyline each, the two far ones left out
+    from mpl_toolkits.mplot3d.art3d import Line3DCollection
+
+    assert sum(isinstance(c, Line3DCollection) for c in ax.collections) == 1  # the polylines
+    (starts,) = [c for c in ax.collections if c.get_label() == "start (h0)"]
+    assert len(starts.get_offsets()) == 38  # one per trajectory drawn, the two far ones left out
+    (points,) = [c for c in ax.collections if c.get_array() is not None and not isinstance(c, Line3DCollection)]
+    assert len(points.get_offsets()) == 38 * 6  # every point of those, coloured by layer
     half = rng.normal(0, 1, (40, 6, 3))
     half[:20] *= 50  # half of them that large: no outliers, two kinds of trajectory
     assert not norms_plots.far_trajectories(half).any()
