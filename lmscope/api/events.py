@@ -14,7 +14,7 @@ from flask import Blueprint, Response, current_app
 
 from lmscope.api.auth import current_caller
 from lmscope.api.inputs import query_params, query_seconds
-from lmscope.api.jobs import children_counts, is_parent_kind, load_visible_job
+from lmscope.api.jobs import children_counts, is_parent_kind, last_child_ends, load_visible_job
 from lmscope.api.render import error_json, iso, progress_json
 from lmscope.api.state import state
 from lmscope.db.models import TERMINAL_STATES, Job
@@ -38,7 +38,7 @@ def snapshot(sessions, job_id: int) -> dict:
         children = children_counts(session, [job_id])[job_id] if is_parent_kind(job.kind) else None
         return {
             "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
-            "progress": progress_json(job, children),
+            "progress": progress_json(job, children, last_child_ends(session, [job_id]).get(job_id)),
             "error": error_json(job),
             "summary": job.summary, "finished_at": iso(job.finished_at),
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import datetime
 
 from flask import Blueprint, request
 from pydantic_core import to_jsonable_python
@@ -42,6 +43,15 @@ def children_counts(session, parent_ids: list[int]) -> dict[int, dict[str, int]]
     return counts
 
 
+def last_child_ends(session, parent_ids: list[int]) -> dict[int, datetime]:
+    """{parent_id: when its last child to end so far ended}, for the parents with an ended child."""
+    if not parent_ids:
+        return {}
+    return dict(session.execute(select(Job.parent_id, func.max(Job.finished_at))
+                                .where(Job.parent_id.in_(parent_ids), Job.finished_at.is_not(None))
+                                .group_by(Job.parent_id)).all())
+
+
 def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     """The job, or 404 when it does not exist *or* belongs to someone else (no existence leak)."""
     # No job has an id past the column's range (PostgreSQL would answer the query with an error).
@@ -71,7 +81,8 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
 
 def render_job(session, job: Job) -> dict:
     children = children_counts(session, [job.id])[job.id] if is_parent_kind(job.kind) else None
-    body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children)
+    body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children,
+                    last_child_end=last_child_ends(session, [job.id]).get(job.id))
     if job.status == "queued":
         body["queue"] = queue_position(session, job)
     return body
@@ -216,8 +227,9 @@ def list_jobs():
         rows = session.execute(q).all()
         page, more = rows[:limit], len(rows) > limit
         parents = [job.id for job, _ in page if is_parent_kind(job.kind)]
-        counts = children_counts(session, parents)
-        items = [job_json(job, user_name=name, children=counts.get(job.id)) for job, name in page]
+        counts, ends = children_counts(session, parents), last_child_ends(session, parents)
+        items = [job_json(job, user_name=name, children=counts.get(job.id), last_child_end=ends.get(job.id))
+                 for job, name in page]
     return {"items": items, "next_page_token": encode_page_token(page[-1][0].id) if more else None}
 
 

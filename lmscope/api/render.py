@@ -21,14 +21,16 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 3)
 
 
-def progress_json(job: Job, children: dict[str, int] | None = None) -> dict[str, Any] | None:
-    """{done, total, stage, fraction}; a parent's progress is its children finished / total (a cancelled
-    parent's: the children that ran to an end, which says how far it got)."""
+def progress_json(job: Job, children: dict[str, int] | None = None,
+                  last_child_end: datetime | None = None) -> dict[str, Any] | None:
+    """{done, total, stage, fraction, updated_at}; a parent's progress is its children finished / total (a
+    cancelled parent's: the children that ran to an end, which says how far it got), updated when the
+    last of them ended (``last_child_end``)."""
     if children is not None:
         total = children["total"]
         done = children_done(children, cancelled=job.status == "cancelled")
         return {"done": done, "total": total, "stage": "children",
-                "fraction": done / total if total else None, "updated_at": None}
+                "fraction": done / total if total else None, "updated_at": iso(last_child_end)}
     if job.progress_total is None and job.progress_done is None and job.progress_stage is None:
         return None
     done, total = job.progress_done, job.progress_total
@@ -58,8 +60,10 @@ def job_links(job_id: int) -> dict[str, str]:
             "events": f"{base}/events", "cancel": f"{base}/cancel", "children": f"/v1/jobs?parent={job_id}"}
 
 
-def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int] | None = None) -> dict[str, Any]:
-    """`children`: counts by status when the job is a sweep parent (else None)."""
+def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int] | None = None,
+             last_child_end: datetime | None = None) -> dict[str, Any]:
+    """`children`: counts by status when the job is a sweep parent (else None); `last_child_end`: when
+    its last child to end so far ended."""
     links = job_links(job.id)
     if children is None:
         links.pop("children")
@@ -80,7 +84,7 @@ def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int]
         "finished_at": iso(job.finished_at),
         "heartbeat_at": iso(job.heartbeat_at),
         "worker": job.worker,
-        "progress": progress_json(job, children),
+        "progress": progress_json(job, children, last_child_end),
         "cancel_requested": job.cancel_requested,
         "error": error_json(job),
         "summary": job.summary,

@@ -228,6 +228,11 @@ def test_cancelling_a_child_publishes_its_parent(api):
     assert api.publisher.published == [parent]
     parent_doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()
     assert parent_doc["progress"]["done"] == 1 and parent_doc["progress"]["total"] == 2
+    # its progress moved when the child ended, and says so, in the job and in the list alike
+    ended = api.client.get(f"/v1/jobs/{child}", headers=h).get_json()["finished_at"]
+    assert ended is not None and parent_doc["progress"]["updated_at"] == ended
+    listed = {j["id"]: j for j in api.client.get("/v1/jobs", headers=h).get_json()["items"]}
+    assert listed[parent]["progress"] == parent_doc["progress"]
     # the stored column too (what SQL users and the metrics read), not only the rendered counts
     row = api.job_row(parent)
     assert (row.progress_done, row.progress_total, row.progress_stage) == (1, 2, "children")
