@@ -8,13 +8,16 @@
 #   bash benchmarks/gpu_suite.sh bench      # attention, FAVOR+/Linformer, norms and entropy benchmarks:
 #                                           # bench-kernels (the first two) then bench-jobs (the last two),
 #                                           # one device call each where a call has 10 minutes
-#   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, 8 processes
+#   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, SWEEP_PROCESSES (16)
 #   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
 #                                           # the device tool's 10-minute / 8-file limits)
 #
 # On the device tool, one call per part, each meant to end inside 10 minutes and bring back ≤ 8 files.
 # The session has 30 minutes of device time: tests, then bench-jobs, then bench-kernels, then (what is
-# left) `SWEEP_LIMIT=40 bash benchmarks/gpu_suite.sh sweep`, which extrapolates the full sweep.
+# left) the sweep: whole, with its figures, where 8 processes took 25 s per child (12 min for the
+# grid, past one call) and 16 may take half that (the children are bound by the host's kernel
+# launches, and the machine has 16 cores); or `SWEEP_LIMIT=40 …`, which extrapolates the whole grid.
+# `SWEEP_DEVICE=cpu` trains the children on the host's cores instead, for comparison.
 #
 # The GPU image lacks lmscope's light dependencies (pydantic, SQLAlchemy, Flask, Celery, ...):
 # `bash benchmarks/gpu_wheels.sh` here downloads them into .whl/; carry .whl and start the device
@@ -101,11 +104,18 @@ fi
 if [[ "$PART" == sweep || "$PART" == all ]]; then
   # The whole Fig. 2 grid if it fits the call; `--limit 40` gives an extrapolation in a quarter of the time.
   # The children's own plots stay in /tmp: the device call brings back at most 8 files.
-  rm -rf /tmp/lmscope-sweep  # a warm machine keeps the last call's figures
-  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/sweep.py --device cuda --processes 8 ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} \
+  # Each finished child is appended to SWEEP_RESULTS: a run stopped by the time limit is finished by
+  # another call given that file (carried back from the first call's $OUT, or left in /tmp on a warm
+  # machine). SWEEP_TIMEOUT leaves the children running at the limit time to end within the call.
+  results="${SWEEP_RESULTS:-/tmp/lmscope-sweep/children.jsonl}"
+  rm -f /tmp/lmscope-sweep/*.png  # a warm machine keeps the last call's figures
+  mkdir -p "$(dirname "$results")"
+  timeout -s INT "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/sweep.py --device "${SWEEP_DEVICE:-cuda}" \
+    --processes "${SWEEP_PROCESSES:-16}" ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} --results "$results" \
     --out /tmp/lmscope-sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -8
   step_failed "${PIPESTATUS[0]}"
   cp /tmp/lmscope-sweep/fig*.png "$OUT/" 2>/dev/null
+  cp "$results" "$OUT/sweep_children.jsonl" 2>/dev/null
 fi
 
 exit "$rc"

@@ -8,6 +8,11 @@ figures (`fig1_training.png` / `fig2_latent_dim.png`) are written to `--out`, as
 
     python benchmarks/sweep.py --limit 8                                        # CPU, a sample of fig2_full
     python benchmarks/sweep.py --device cuda --processes 8 --json sweep.json    # the full Fig. 2 on a GPU
+    python benchmarks/sweep.py ... --results children.jsonl   # again after a time limit: runs the rest
+
+With `--results`, every finished child is appended to that file as it ends, and a later run with the
+same file trains only the grid points it lacks (a device call's time limit stops a run midway); the
+wall time reported is then the runs' together.
 
 Several processes share one GPU well here: the networks are tiny, so a child's step is bound by kernel
 launches, not arithmetic. On a CPU each child trains on one thread, so use one process per core.
@@ -71,6 +76,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="run only this many grid points, spread over the grid")
     ap.add_argument("--out", default=None, help="folder for the children's and the parent's plots (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--results", default=None, help="JSON lines of the finished children: appended to, and "
+                                                      "read back to resume a run that was stopped")
     args = ap.parse_args()
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be at least 1")
@@ -95,7 +102,22 @@ def main() -> None:
     print(f"{Path(args.params).name}: {len(children)} grid points, running {len(chosen)} on {device} ({name}) "
           f"in {args.processes} process(es)", flush=True)
 
-    results = []
+    results, earlier_wall = [], 0.0
+    log = Path(args.results) if args.results else None
+    if log is not None and log.exists():  # a run stopped midway: keep what it finished
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        for line in lines:
+            if line["index"] in chosen and children[line["index"]].params == line["params"]:
+                results.append(line["result"])
+        # each earlier run's wall time: when its last child ended
+        runs: dict[str, float] = {}
+        for line in lines:
+            runs[line["run"]] = max(runs.get(line["run"], 0.0), line["after_seconds"])
+        earlier_wall = sum(runs.values())
+        print(f"resuming from {log}: {len(results)} children done in {duration(earlier_wall)}", flush=True)
+    run_id = f"{time.time():.0f}"
+    done_before = {r["index"] for r in results}
+    todo = [i for i in chosen if i not in done_before]
 
     def summarise(wall: float) -> dict:
         ok = [r for r in results if "error" not in r]
@@ -104,7 +126,8 @@ def main() -> None:
             "params": Path(args.params).name, "device": device, "device_name": name, "processes": args.processes,
             "torch": torch.__version__, "grid_points": len(children), "planned": len(chosen), "ran": len(results),
             "failed": [children[r["index"]].name + ": " + r["error"] for r in results if "error" in r],
-            "wall_seconds": round(wall, 1), "train_seconds_mean": round(statistics.mean(train), 2),
+            "wall_seconds": round(wall, 1), "resumed_children": len(done_before),
+            "train_seconds_mean": round(statistics.mean(train), 2),
             "train_seconds_max": round(max(train), 2),
             "extrapolated_grid_wall_seconds": round(wall * len(children) / max(1, len(results)), 1),
         }
@@ -116,15 +139,20 @@ def main() -> None:
     start = time.perf_counter()
     # spawn: a CUDA context does not survive fork
     with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(run_child, i, children[i].params, device, str(out)) for i in chosen]
-        for done, future in enumerate(as_completed(futures), 1):
+        futures = [pool.submit(run_child, i, children[i].params, device, str(out)) for i in todo]
+        for future in as_completed(futures):
             r = future.result()
             results.append(r)
+            after = time.perf_counter() - start
+            if log is not None:
+                with log.open("a") as f:
+                    f.write(json.dumps({"index": r["index"], "params": children[r["index"]].params, "run": run_id,
+                                        "after_seconds": round(after, 2), "result": r}) + "\n")
             what = (f"FAILED: {r['error']}" if "error" in r else
                     f"{r['summary']['train_seconds']:.1f} s training, best val error {r['summary']['best_val_error']:.3g}")
-            print(f"  [{done}/{len(chosen)}] {children[r['index']].name}: {what}", flush=True)
-            save(summarise(time.perf_counter() - start))
-    wall = time.perf_counter() - start
+            print(f"  [{len(results)}/{len(chosen)}] {children[r['index']].name}: {what}", flush=True)
+            save(summarise(earlier_wall + after))
+    wall = earlier_wall + time.perf_counter() - start
 
     report = summarise(wall)
     if len(chosen) == len(children):
