@@ -8,15 +8,18 @@
 #   bash benchmarks/gpu_suite.sh bench      # attention, FAVOR+/Linformer, norms and entropy benchmarks:
 #                                           # bench-kernels (the first two) then bench-jobs (the last two),
 #                                           # one device call each where a call has 10 minutes
+#   bash benchmarks/gpu_suite.sh bench-jobs-large  # the job benchmarks at the sizes where a GPU's time goes on
+#                                           # the model: norms in batches of 64, entropy on a 1B shape
 #   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, SWEEP_PROCESSES (16)
 #   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
 #                                           # the device tool's 10-minute / 8-file limits)
 #
 # On the device tool, one call per part, each meant to end inside 10 minutes and bring back ≤ 8 files.
-# The session has 30 minutes of device time: tests, then bench-jobs, then bench-kernels, then (what is
-# left) the sweep: whole, with its figures, where 8 processes took 25 s per child (12 min for the
-# grid, past one call) and 16 may take half that (the children are bound by the host's kernel
-# launches, and the machine has 16 cores); or `SWEEP_LIMIT=40 …`, which extrapolates the whole grid.
+# The session has 30 minutes of device time: tests, then bench-jobs-large, then the sweep, then
+# bench-kernels and bench-jobs with what is left. The sweep runs whole, with its figures: 8 processes
+# took 25 s per child (12 min for the grid, past one call), 16 may take half that (the children are
+# bound by the host's kernel launches, and the machine has 16 cores); a run the limit stops is
+# finished by a second call (SWEEP_RESULTS, below). `SWEEP_LIMIT=40 …` extrapolates instead.
 # `SWEEP_DEVICE=cpu` trains the children on the host's cores instead, for comparison.
 #
 # The GPU image lacks lmscope's light dependencies (pydantic, SQLAlchemy, Flask, Celery, ...):
@@ -33,8 +36,9 @@ OUT="${OUT:-gpu-results}"
 PART="${1:-all}"
 PY="${PYTHON:-python3}"  # the GPU image has python3 (a venv), not necessarily `python`
 case "$PART" in
-  tests|bench|bench-kernels|bench-jobs|sweep|all) ;;
-  *) echo "unknown part '$PART': give tests, bench (or bench-kernels, bench-jobs), sweep or all" >&2; exit 2 ;;
+  tests|bench|bench-kernels|bench-jobs|bench-jobs-large|sweep|all) ;;
+  *) echo "unknown part '$PART': give tests, bench (or bench-kernels, bench-jobs, bench-jobs-large), sweep or all" >&2
+     exit 2 ;;
 esac
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -87,13 +91,16 @@ if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 512 --json "$OUT/norms.json" 2>&1 \
     | tee "$OUT/norms.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
-  # batches of 16 × 256 tokens leave an H100 waiting for the host; 64 samples per batch keep it busy
-  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 2048 \
-    --batch-size 64 --gram-samples 0 --json "$OUT/norms_b64.json" 2>&1 | tee "$OUT/norms_b64.log" | tail -20
-  step_failed "${PIPESTATUS[0]}"
   # the longest-seq_len search stops at 32768 (the length) or at a 30-s run, to fit the call
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --device cuda --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 \
     --max-seq-len 32768 --time-limit 30 --json "$OUT/entropy.json" 2>&1 | tee "$OUT/entropy.log" | tail -20
+  step_failed "${PIPESTATUS[0]}"
+fi
+
+if [[ "$PART" == bench-jobs-large || "$PART" == all ]]; then
+  # batches of 16 × 256 tokens leave an H100 waiting for the host; 64 samples per batch keep it busy
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/norms.py --model bench-gpt2 --device cuda --dtype bfloat16 --samples 2048 \
+    --batch-size 64 --gram-samples 0 --json "$OUT/norms_b64.json" 2>&1 | tee "$OUT/norms_b64.log" | tail -20
   step_failed "${PIPESTATUS[0]}"
   # a model the size of LLaMA-3.2-1B, where the GPU's time goes on the model rather than on launches
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 1024,4096 \

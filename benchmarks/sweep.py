@@ -11,8 +11,8 @@ figures (`fig1_training.png` / `fig2_latent_dim.png`) are written to `--out`, as
     python benchmarks/sweep.py ... --results children.jsonl   # again after a time limit: runs the rest
 
 With `--results`, every finished child is appended to that file as it ends, and a later run with the
-same file trains only the grid points it lacks (a device call's time limit stops a run midway); the
-wall time reported is then the runs' together.
+same file, device and process count trains only the grid points it lacks or that failed (a device
+call's time limit stops a run midway); the wall time reported is then those runs' together.
 
 Several processes share one GPU well here: the networks are tiny, so a child's step is bound by kernel
 launches, not arithmetic. On a CPU each child trains on one thread, so use one process per core.
@@ -104,11 +104,22 @@ def main() -> None:
 
     results, earlier_wall = [], 0.0
     log = Path(args.results) if args.results else None
-    if log is not None and log.exists():  # a run stopped midway: keep what it finished
-        lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        for line in lines:
-            if line["index"] in chosen and children[line["index"]].params == line["params"]:
-                results.append(line["result"])
+    if log is not None and log.exists():  # a run stopped midway: keep what it finished on this setup
+        text_all = log.read_text()
+        if text_all and not text_all.endswith("\n"):
+            with log.open("a") as f:  # end a line cut off mid-write, so the next one starts on its own
+                f.write("\n")
+        lines = []
+        for text in text_all.splitlines():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:  # the last line of a run killed while writing it
+                continue
+        lines = [line for line in lines if line.get("device") == device and line.get("processes") == args.processes
+                 and line["index"] in chosen and children[line["index"]].params == line["params"]
+                 and "error" not in line["result"]]  # a failed child is tried again
+        done = {line["index"]: line["result"] for line in lines}
+        results.extend(done.values())
         # each earlier run's wall time: when its last child ended
         runs: dict[str, float] = {}
         for line in lines:
@@ -147,6 +158,7 @@ def main() -> None:
             if log is not None:
                 with log.open("a") as f:
                     f.write(json.dumps({"index": r["index"], "params": children[r["index"]].params, "run": run_id,
+                                        "device": device, "processes": args.processes,
                                         "after_seconds": round(after, 2), "result": r}) + "\n")
             what = (f"FAILED: {r['error']}" if "error" in r else
                     f"{r['summary']['train_seconds']:.1f} s training, best val error {r['summary']['best_val_error']:.3g}")

@@ -66,7 +66,7 @@ class ModelParts:
     def float32_head(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
         """(final norm, LM-head weight, bias) in float32: the inner loss makes its logits in float32
         whatever the model's dtype (in bf16/fp16 the cross-entropy would be off by ~1e-2 nats). Made
-        once per job: a half-precision model's head is copied (0.5 GB for a 128k × 2048 vocabulary)."""
+        once per job: a half-precision model's head is copied (1 GB for a 128k × 2048 vocabulary)."""
         bias = getattr(self.lm_head, "bias", None)
         return (copy.deepcopy(self.final_norm).float(),  # D parameters: cheap to copy
                 self.lm_head.weight.float(), None if bias is None else bias.float())
@@ -430,7 +430,7 @@ def last_block_outputs(parts: ModelParts, hidden: list[torch.Tensor], call: Bloc
         if cheap is not None:
             rope_c = None if rope is None else tuple(r.expand(B, T, -1).repeat(c, 1, 1) for r in rope)
             y = block_at(block, x, positions.repeat(c, 1), visible.repeat(c, 1, 1, 1), rope_c)  # [c·B, Q, D]
-            outputs.append(y.view(c, B, -1, D)[:, rows, slot])
+            outputs.append(y.view(c, B, -1, D)[:, rows.to(y.device), slot.to(y.device)])
         else:
             y = block(x, *_tile(call.args[1:], B, c), **_tile(call.kwargs, B, c))
             y = (y[0] if isinstance(y, tuple) else y).view(c, B, T, D)
@@ -606,7 +606,7 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
     all queued work is timed as "forward", where the results are read back."""
     S, D, L = len(samples.traj_sample), parts.lm_head.weight.shape[1], parts.num_layers
     norms = torch.zeros(S, points, device=device)
-    losses = torch.full((S, L), float("nan"), device=device)
+    losses = torch.full((S, L), float("nan"), device=device) if params.inner_loss else None
     pca_points = torch.zeros(len(pca_trajs), points, D, device=device)
     pca = RunningPCA(D, device)
     for batch, trajs in batches(samples, params.batch_size):
@@ -634,7 +634,9 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
         else:
             progress.step("forward")
     with ctx.stage("forward"):
-        return Measurements(norms.cpu().numpy(), losses.cpu().numpy(), pca_points.cpu().numpy(), pca)
+        return Measurements(norms.cpu().numpy(),
+                            losses.cpu().numpy() if losses is not None else np.full((S, L), np.nan, np.float32),
+                            pca_points.cpu().numpy(), pca)
 
 
 def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: int) -> tuple[dict, list[Series], np.ndarray]:

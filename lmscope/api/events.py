@@ -35,10 +35,11 @@ def snapshot(sessions, job_id: int) -> dict:
         if job is None:  # deleted while watched
             return {"id": job_id, "status": "cancelled", "attempts": 0, "cancel_requested": True, "progress": None,
                     "error": {"type": "deleted", "message": "the job was deleted"}, "summary": None, "finished_at": None}
-        children = children_counts(session, [job_id])[job_id] if is_parent_kind(job.kind) else None
+        parent = is_parent_kind(job.kind)
+        children = children_counts(session, [job_id])[job_id] if parent else None
         return {
             "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
-            "progress": progress_json(job, children, last_child_ends(session, [job_id]).get(job_id)),
+            "progress": progress_json(job, children, last_child_ends(session, [job_id]).get(job_id) if parent else None),
             "error": error_json(job),
             "summary": job.summary, "finished_at": iso(job.finished_at),
         }

@@ -80,9 +80,10 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
 
 
 def render_job(session, job: Job) -> dict:
-    children = children_counts(session, [job.id])[job.id] if is_parent_kind(job.kind) else None
+    parent = is_parent_kind(job.kind)
+    children = children_counts(session, [job.id])[job.id] if parent else None
     body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children,
-                    last_child_end=last_child_ends(session, [job.id]).get(job.id))
+                    last_child_end=last_child_ends(session, [job.id]).get(job.id) if parent else None)
     if job.status == "queued":
         body["queue"] = queue_position(session, job)
     return body
