@@ -15,7 +15,7 @@ For every sample (one document, first max_tokens + 1 tokens; the model reads all
 Everything is batched: one forward pass per batch of right-padded samples gives all hidden states;
 the last block is re-applied to the hidden states of several layers at once (stacked on the batch
 axis), computing only what its output at the current tokens needs for GPT-2 and LLaMA-family blocks
-(keys and values everywhere, the rest at the current tokens); the Gram condition runs on (sample,
+(keys and values everywhere, or for GPT-2 not even those, the rest at the current tokens); the Gram condition runs on (sample,
 layer) pairs at once in float64.
 """
 
@@ -304,6 +304,8 @@ def token_losses(parts: ModelParts, h: torch.Tensor, labels: torch.Tensor) -> to
 # is exactly the block applied to all positions of h, read at t. It costs K and V at every position
 # (2·D² multiply-adds per token for GPT-2, less with grouped-query attention) and the rest of the
 # block at the current tokens only, instead of the whole block (~12·D² per token) at every position.
+# GPT-2 with few current tokens per row skips even K and V (attend_without_keys); RoPE rotates each
+# key by its own position, so the LLaMA family forms them.
 
 LLAMA_LIKE_BLOCKS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                      "GemmaDecoderLayer"}  # pre-norm, q/k/v/o_proj with RoPE (+ GQA), gated MLP: same maths
@@ -322,14 +324,38 @@ def attend(q, k, v, visible, scale) -> torch.Tensor:
     return a.transpose(1, 2).flatten(2)
 
 
+def attend_without_keys(q, z, w_k, w_v, b_v, visible, scale) -> torch.Tensor:
+    """attend(q, z w_k + b_k, z w_v + b_v, visible, scale) without forming the keys and values [N, T, H, d]
+    of every position: q [N, Q, H, d], z [N, T, D], w_k and w_v [D, H·d] (y = z @ w), b_v [H·d]. Per head,
+
+        q·k_j = (w_k q)·z_j + q·b_k       the last term is the same for every key j: softmax drops it
+        Σ_j p_j v_j = (Σ_j p_j z_j) w_v + b_v       the weights p_j sum to 1
+
+    so each query costs 2·H·T·D multiply-adds instead of the 2·T·D² that K and V cost: far less while
+    Q·H < D (one current token per row, the usual case). Half-precision scores are softmaxed in float32."""
+    H, d = q.shape[2], q.shape[3]
+    r = torch.einsum("nqhe,dhe->nqhd", q, w_k.unflatten(1, (H, d)))  # w_k q per head, in z's space [N, Q, H, D]
+    scores = torch.einsum("nqhd,ntd->nhqt", r, z) * scale
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(z.dtype)  # [N, H, Q, T]
+    mixed = torch.einsum("nhqt,ntd->nqhd", p, z)  # Σ_j p_j z_j per head
+    return (torch.einsum("nqhd,dhe->nqhe", mixed, w_v.unflatten(1, (H, d))) + b_v.view(H, d)).flatten(2)
+
+
 def gpt2_block_at(block, x, positions, visible, rope=None) -> torch.Tensor:
-    """GPT2Block(x) at positions [N, Q] of x [N, T, D], computing queries and the MLP there only."""
+    """GPT2Block(x) at positions [N, Q] of x [N, T, D], computing queries and the MLP there only (and,
+    with few queries per row, no keys or values either: attend_without_keys)."""
     attn, D = block.attn, x.shape[-1]
+    H, d = attn.num_heads, attn.head_dim
     W, b = attn.c_attn.weight, attn.c_attn.bias  # Conv1D: y = z @ W + b, output columns q | k | v
     z = block.ln_1(x)
-    k, v = (z @ W[:, D:] + b[D:]).unflatten(-1, (2, attn.num_heads, attn.head_dim)).unbind(2)  # all positions
-    q = (at(z, positions) @ W[:, :D] + b[:D]).unflatten(-1, (attn.num_heads, attn.head_dim))  # current tokens
-    u = at(x, positions) + attn.c_proj(attend(q, k, v, visible, attn.scaling))
+    q = (at(z, positions) @ W[:, :D] + b[:D]).unflatten(-1, (H, d))  # current tokens
+    if positions.shape[1] * H < D:
+        a = attend_without_keys(q, z, W[:, D:2 * D], W[:, 2 * D:], b[2 * D:], visible, attn.scaling)
+    else:
+        k, v = (z @ W[:, D:] + b[D:]).unflatten(-1, (2, H, d)).unbind(2)  # all positions
+        a = attend(q, k, v, visible, attn.scaling)
+    u = at(x, positions) + attn.c_proj(a)
     return u + block.mlp(block.ln_2(u))
 
 

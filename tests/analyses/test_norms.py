@@ -374,12 +374,39 @@ def test_last_block_at_current_tokens_equals_the_whole_block(arch):
     assert fast.shape == whole.shape == (3, 8, 32)
     torch.testing.assert_close(fast, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(fast[-1], call.output[rows, cols], rtol=0, atol=0)  # l = L-1: the model's own pass
+    # many current tokens per row (position="all"): GPT-2 then forms K and V rather than attending without them
+    cols = [torch.arange(max(0, int(n) - 8), int(n)) for n in lengths]  # up to the last 8 real tokens of each row
+    rows, cols = torch.cat([torch.full((len(c),), i) for i, c in enumerate(cols)]), torch.cat(cols)
+    torch.testing.assert_close(norms.last_block_outputs(parts, hidden, call, mask, rows, cols),
+                               norms.last_block_outputs(parts, hidden, call, mask, rows, cols, route="full"),
+                               rtol=0, atol=1e-12)
     if arch == "mistral-sliding-window":  # the window matters here: without it row 3, token 15 sees 0 … 15
         block_at, rope, window = cheap
         position = torch.tensor([[15]])
         no_window = block_at(parts.blocks[-1], hidden[0][3:4], position, norms.keys_visible_from(position, mask[3:4], None),
                              tuple(r.expand(1, 20, -1) for r in rope))
         assert window == 6 and (no_window[0, 0] - whole[0, 0]).abs().max() > 1e-3
+
+
+def test_gpt2_attention_without_keys_equals_attention_over_keys_and_values():
+    """The GPT-2 route for few current tokens never forms K and V: in float64 it gives what softmax
+    attention over K = z W_K + b_K and V = z W_V + b_V gives (b_K included: the identity drops it),
+    with padding and several queries in a row; in float32 and half precision within their rounding."""
+    torch.manual_seed(1)
+    N, T, D, H = 3, 9, 16, 4
+    z, w = torch.randn(N, T, D, dtype=torch.float64), torch.randn(D, 3 * D, dtype=torch.float64) / 4
+    b = torch.randn(3 * D, dtype=torch.float64)
+    positions = torch.tensor([[8, 3], [5, 5], [2, 0]])
+    mask = (torch.arange(T)[None] < torch.tensor([9, 6, 3])[:, None]).long()
+    visible = norms.keys_visible_from(positions, mask, None)
+    q = (norms.at(z, positions) @ w[:, :D] + b[:D]).unflatten(-1, (H, D // H))
+    k, v = (z @ w[:, D:] + b[D:]).unflatten(-1, (2, H, D // H)).unbind(2)
+    want = norms.attend(q, k, v, visible, 0.5)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
+        cast = (t.to(dtype) for t in (q, z, w[:, D:2 * D], w[:, 2 * D:], b[2 * D:]))
+        got = norms.attend_without_keys(*cast, visible, 0.5)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
 def test_documents_too_short_for_a_current_token_are_counted():
