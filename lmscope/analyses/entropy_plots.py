@@ -17,6 +17,7 @@ from lmscope.analyses.plotting import OrderedColours, at_least_span, pyplot, sav
 
 # the least of the uniform value a y axis of entropies spans (near-uniform models differ by 1e-4 nats)
 NATS_IN_VIEW = 0.05
+DRAWN_POSITIONS = 1024  # points per line in entropy_by_position.png: about as many as the axis has pixels
 
 
 def draw(out: Path, params, steps, names, results, dim_results, *, over_training: bool) -> None:
@@ -100,7 +101,8 @@ def by_position(path: Path, last: dict, title_source: str) -> None:
     """Entropy against query position, per layer, with the uniform bound ln(t + 1) (and each window's).
 
     Past 256 positions x is logarithmic: ln(t+1) rises in the first few per cent of a linear axis.
-    Position 0 sees one key (entropy 0) and is left off a log axis."""
+    Position 0 sees one key (entropy 0) and is left off a log axis; past DRAWN_POSITIONS positions the
+    lines go through a log-spaced subset of them (every value is in entropy_by_position.npz)."""
     plt = pyplot()
     layers, _, n = last["by_position"].shape
     windows = last["sliding_windows"]
@@ -108,6 +110,8 @@ def by_position(path: Path, last: dict, title_source: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5 if colours.many else 6.5, 4.5))
     logx = n >= 256
     positions = np.arange(n)[1:] if logx else np.arange(n)
+    if len(positions) > DRAWN_POSITIONS:  # more points than the axis has pixels: a log-spaced subset
+        positions = np.unique(np.geomspace(1, n - 1, DRAWN_POSITIONS).round().astype(int))
     for layer in range(layers):
         ax.plot(positions, last["by_position"][layer].mean(0)[positions], color=colours(layer),
                 ls="--" if layer in windows else "-", label=colours.label(f"layer {layer}"))
