@@ -45,3 +45,28 @@ def sync(device) -> None:
 def is_oom(e: BaseException) -> bool:
     """An out-of-memory error: CUDA's, one raised as RuntimeError with that message, or the host's."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+def gpu_busy(fn, device) -> float | None:
+    """The share of fn()'s wall time the GPU spent running kernels (their summed device time over the
+    wall time of one profiled run), or None off CUDA or where the profiler reports no device time.
+    Well below 1, the host sets the pace (Python, launches, waits for the device), not the GPU; the
+    profiler's own overhead makes it an underestimate."""
+    if not str(device).startswith("cuda"):
+        return None
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            wall = time.perf_counter() - start
+        # the device's own events (kernels, copies), each once; a CPU op's entry also carries its kernels
+        busy_us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - a diagnostic: a profiler that fails must not cost the benchmark
+        return None
+    return busy_us / 1e6 / wall if busy_us > 0 else None

@@ -42,7 +42,7 @@ from lmscope.kernels import kernel_backend
 from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
 
-from _common import is_oom, load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
+from _common import gpu_busy, is_oom, load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -178,11 +178,16 @@ def main() -> None:
         row["job_over_sdpa"] = ratio("job_s", "sdpa_s")
         row["measure_over_sdpa"] = ratio("measure_s", "sdpa_s")
         row["eager_over_job"] = ratio("eager_s", "job_s")
+        if gpu and row.get("sdpa_s") and row.get("job_s"):  # one profiled run each (None where it fails)
+            row["gpu_busy_sdpa"], row["gpu_busy_job"] = gpu_busy(run_sdpa, args.device), gpu_busy(run_job, args.device)
         rows.append(row)
         fmt = lambda v, w, p=3: f"{v:>{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
         print(f"{n:>8} {fmt(row.get('sdpa_s'), 9)} {fmt(row.get('job_s'), 9)} {fmt(row.get('measure_s'), 10)} "
               f"{fmt(row.get('eager_s'), 9)} {fmt(row['job_over_sdpa'], 9, 2)} {fmt(row['eager_over_job'], 10, 2)}  "
               f"{fmt(row.get('max_abs_diff_head_mean'), 8, 6)}")
+        if row.get("gpu_busy_sdpa") is not None and row.get("gpu_busy_job") is not None:
+            print(f"{'':>8} GPU busy (kernel time / wall, one profiled run): sdpa {100 * row['gpu_busy_sdpa']:.0f} %, "
+                  f"job {100 * row['gpu_busy_job']:.0f} %")
 
     longest = {}
     if not args.skip_longest:

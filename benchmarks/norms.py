@@ -43,7 +43,7 @@ from lmscope.config import Settings
 from lmscope.modeling.loading import DTYPES
 from lmscope.params.norms import NormsParams
 
-from _common import load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
+from _common import gpu_busy, load_spec, random_init, sync  # noqa: E402  (this folder, first on sys.path)
 
 WIKITEXT = Settings.from_env().wikitext2_path
 
@@ -146,6 +146,9 @@ def main() -> None:
         "job_without_inner_loss_ratio": no_loss_s / forward_s,
         "inner_loss_s": inner["job"], "inner_loss_full_block_s": inner["job_full_block"],
         "stage_s": ctx.timings,
+        # one profiled run each: how much of the time the GPU is busy (None on CPU)
+        "gpu_busy_forward": gpu_busy(routes["forward"], args.device),
+        "gpu_busy_job": gpu_busy(routes["job"], args.device),
     }
     if all(norms.is_gpt2_block(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
         gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
@@ -170,6 +173,9 @@ def main() -> None:
     print(f"  inner loss stage: {inner['job']:.3f} s at the current tokens vs {inner['job_full_block']:.3f} s "
           f"re-running the whole block")
     print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()))
+    if result["gpu_busy_forward"] is not None and result["gpu_busy_job"] is not None:
+        print(f"  GPU busy (kernel time / wall, one profiled run): forward {100 * result['gpu_busy_forward']:.0f} %, "
+              f"job {100 * result['gpu_busy_job']:.0f} %  (well below 100 %: the host sets the pace)")
     if "gram_ms_per_pair" in result:
         print(f"  Gram condition           {result['gram_s']:8.3f} s for {result['gram_pairs']} (sample, layer) pairs"
               f" = {result['gram_ms_per_pair']:.2f} ms per pair (float64, incl. its forward passes)")
