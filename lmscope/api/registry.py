@@ -136,8 +136,12 @@ def delete_model(name: str):
 
 
 def removable(session, table, what: str, name: str):
-    """The registry row `name` of `table` (Model or Dataset), which is not built in; 404 / 409 otherwise."""
-    row = session.scalar(select(table).where(table.name == name))
+    """The registry row `name` of `table` (Model or Dataset), which is not built in; 404 / 409 otherwise.
+
+    Locked until the caller's transaction ends (PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` serialises
+    writers anyway): a submit naming it holds it shared (`check_refs`) until the job row is committed,
+    so the in-use check that follows sees that job, or the submit sees the row gone."""
+    row = session.scalar(select(table).where(table.name == name).with_for_update())
     if row is None:
         raise Problem(404, "not-found", f"No such {what}",
                       f"there is no {what} {name!r}; list {what}s with GET /v1/{what}s or `lmscope {what}s`")

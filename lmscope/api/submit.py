@@ -171,7 +171,10 @@ def _path_hint(what: str, name: str) -> str:
 
 
 def check_refs(session: Session, caller: Caller, parsed: list) -> None:
-    """Every model, dataset and train job the params name must exist (and the job be visible and finished)."""
+    """Every model, dataset and train job the params name must exist (and the job be visible and finished).
+
+    The rows found are held shared until the submit commits (PostgreSQL ``FOR SHARE``): a concurrent
+    delete (`registry.removable` locks the row first) then waits, and its in-use check sees the new job."""
     models = sorted({m for p in parsed for m in p.model_refs()})
     datasets = sorted({d for p in parsed for d in p.dataset_refs()})
     jobs = sorted({j for p in parsed for j in p.job_refs()})
@@ -179,7 +182,8 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
     for what, table, names in (("model", Model, models), ("dataset", Dataset, datasets)):
         if not names:
             continue
-        known = set(session.scalars(select(table.name).where(table.name.in_(names))))
+        known = set(session.scalars(select(table.name).where(table.name.in_(names))
+                                    .order_by(table.name).with_for_update(read=True)))
         missing = [n for n in names if n not in known]
         everything = list(session.scalars(select(table.name))) if missing else []
         for n in missing:
@@ -196,8 +200,9 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
                            "`lmscope jobs --kind train`)"))
         elif ref.kind != "train":
             errors.append((_field_holding(parsed, job_id), f"job {job_id} is {article(ref.kind)} {ref.kind!r} job, not a 'train' job"))
-        elif ref.status not in ACTIVE_STATES and not session.scalar(
-                select(func.count()).select_from(Model).where(Model.job_id == job_id, Model.source == "checkpoint")):
+        elif ref.status not in ACTIVE_STATES and not session.scalars(
+                select(Model.id).where(Model.job_id == job_id, Model.source == "checkpoint")
+                .order_by(Model.id).with_for_update(read=True)).all():  # the job reads every one of them
             errors.append((_field_holding(parsed, job_id),
                            f"train job {job_id} has no checkpoints in the registry (it ended before writing one, "
                            "or they were removed with `lmscope models delete`)"))

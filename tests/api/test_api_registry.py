@@ -336,6 +336,63 @@ def test_removing_a_failed_runs_checkpoints_frees_its_run_name(api, tmp_path):
     assert model_dir.is_dir()  # the files stay
 
 
+def _in_thread(call):
+    """Run call() in a thread; (the thread, a list that gets its result)."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_submit_and_a_delete_of_the_model_it_reads_never_both_succeed(api):
+    """Racing, whichever transaction reaches the model first wins and the other sees it: a delete waits
+    for a submit that named the model, then refuses (its job is queued); a submit waits for a delete
+    that took the model, then refuses (it is gone). Never a queued job on a removed model. (PostgreSQL:
+    the row locks; SQLite: every writing transaction is serialised.)"""
+    from lmscope.api.auth import Caller
+    from lmscope.api.registry import removable
+    from lmscope.api.submit import check_refs
+    from lmscope.db.models import Job, Model, User
+    from lmscope.params import validate_params
+
+    ann = api.user("ann")
+    run = api.submit(ann, kind="train", params={"dataset": "d", "run_name": "race"}).get_json()["id"]
+    api.set_job(run, status="failed")
+    with api.sessions.begin() as session:
+        for step in (0, 5):
+            session.add(Model(name=f"race@step{step}", source="checkpoint", architecture="gpt2", num_layers=2,
+                              num_heads=2, job_id=run, step=step))
+
+    # the submit first: its transaction has checked the model and added its job, not yet committed
+    with api.sessions.begin() as session:
+        user = session.scalar(select(User).where(User.name == "ann"))
+        params = validate_params("probe", {"model": "race@step0"})
+        check_refs(session, Caller.of(user), [params])
+        session.add(Job(user_id=user.id, kind="probe", params=params.stored(), status="queued"))
+        session.flush()
+        reader = session.scalar(select(Job.id).where(Job.kind == "probe"))
+        deleting, deleted = _in_thread(lambda: api.client.delete("/v1/models/race@step0", headers=ann))
+        deleting.join(1.0)
+        assert deleting.is_alive(), "the delete must wait for the submit that named the model"
+    deleting.join(30)
+    body = is_problem(deleted[0], 409, "model-in-use")
+    assert f"job(s) {reader}" in body["detail"]
+
+    # the delete first: its transaction holds the model; a submit naming it waits, then finds it gone
+    with api.sessions.begin() as session:
+        row = removable(session, Model, "model", "race@step5")
+        submitting, submitted = _in_thread(lambda: api.submit(ann, kind="probe", params={"model": "race@step5"}))
+        submitting.join(1.0)
+        assert submitting.is_alive(), "the submit must wait for the delete that took the model"
+        session.delete(row)
+    submitting.join(30)
+    body = is_problem(submitted[0], 422, "unknown-reference")
+    assert "model 'race@step5' is not registered" in body["detail"]
+    assert [j.params for j in api.jobs(kind="probe")] == [params.stored()]  # the first race's job only
+
+
 def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
     """The uploader (or an admin) removes an upload, not while a job reads it; the built-in stays."""
     ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
