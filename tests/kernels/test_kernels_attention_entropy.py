@@ -51,6 +51,16 @@ def test_grouped_query_attention(backend, device, oracle, hk):
     _check_against(res, oracle.attention(q, k, v, causal=True, scale=0.3))
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 2.5])
+def test_any_scale(backend, device, oracle, scale):
+    """A negative scale (attention to the least similar keys), zero (uniform rows) or a large one: the
+    kernel scales each row's max of the raw scores, which it may only do for a positive scale."""
+    q, k, v = _qkv(1, 2, 2, 45, 16, device=device, seed=3)
+    for causal in (True, False):
+        res = attention_with_entropy(q, k, v, causal=causal, scale=scale, backend=backend)
+        _check_against(res, oracle.attention(q, k, v, causal=causal, scale=scale))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(backend, device, oracle, dtype):
     # the oracle sees exactly the rounded inputs the kernel sees

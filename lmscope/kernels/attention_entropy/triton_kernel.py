@@ -56,13 +56,19 @@ def _fold_key_block(
         k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
 
-    # scores in log2 units: s2 = (q . k) * scale * log2(e)
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    # scores in log2 units: s2 = (q . k) * scale * log2(e). Without soft-capping the scale is applied
+    # below, fused with subtracting the max (one FMA per score; the max of the raw scores, scaled, is
+    # the max of the scaled ones since the scale is positive).
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if SOFTCAP:
         # qk_scale is scale / cap here: s2 = cap * log2(e) * tanh(s), tanh(x) = 1 - 2 / (e^2x + 1)
         # (no tanh in every Triton version; the absolute error stays ~cap * 1e-7, as a softmax needs).
         # e^2x is capped at 2^64, where tanh is 1 in fp32 anyway, rather than overflowing to inf.
+        s = s * qk_scale
         s = cap_log2 * (1.0 - 2.0 / (tl.math.exp2(tl.minimum(s * (2.0 / LN2), 64.0)) + 1.0))
+        row_scale = 1.0
+    else:
+        row_scale = qk_scale
     valid = tl.full([1, BLOCK_N], 1, tl.int1)
     if MASKED:
         valid = valid & (offs_n[None, :] < N_K)
@@ -76,12 +82,12 @@ def _fold_key_block(
     if MASKED or HAS_KPM:
         s = tl.where(valid, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
     # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so that neither
     # (-inf) - (-inf) nor 0 * (-inf) can appear below.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
-    z = s - m_use[:, None]
+    z = s * row_scale - m_use[:, None]
     p = tl.math.exp2(z)
     if MASKED or HAS_KPM:
         z = tl.where(valid, z, 0.0)
@@ -311,6 +317,12 @@ def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
         q, k, v = q.float(), k.float(), v.float()
+    # The kernel takes each row's max of the unscaled scores and scales it, which needs scale > 0
+    # (and a masked -inf score times 0 would be NaN): q·k·s = (−q)·k·|s|, and s = 0 scores every key 0.
+    if scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        q, scale = torch.zeros_like(q), 1.0
     q, k, v = fit_int32_offsets(q), fit_int32_offsets(k), fit_int32_offsets(v)
     b, h, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
