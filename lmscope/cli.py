@@ -221,7 +221,8 @@ class ProgressLine:
     """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
 
     Off a terminal (a log file, CI) each update is a new line, so only a change of status (or a cancel
-    request, or a stopped worker) or, while it stays, one every ``LOG_EVERY`` seconds: a train job's ETA changes at every poll.
+    request, or a stopped worker) or, while it stays, one every ``LOG_EVERY`` seconds: a train job's ETA
+    changes at every poll.
     """
 
     WIDTH = 30

@@ -411,11 +411,10 @@ def query_grid(rows: torch.Tensor, cols: torch.Tensor, attention_mask: torch.Ten
     order = np.argsort(r * T + c, kind="stable")
     slot = np.empty_like(r)
     slot[order] = np.arange(len(r)) - (np.cumsum(counts) - counts)[r[order]]
-    device = attention_mask.device
+    r, c, slot = (to_device(torch.from_numpy(a), attention_mask.device) for a in (r, c, slot))
     positions = attention_mask.long().argmax(1)[:, None].repeat(1, int(counts.max()))
-    positions[to_device(torch.from_numpy(r), device), to_device(torch.from_numpy(slot), device)] = \
-        to_device(torch.from_numpy(c), device)
-    return positions, to_device(torch.from_numpy(slot), device)
+    positions[r, slot] = c
+    return positions, slot
 
 
 def keys_visible_from(positions: torch.Tensor, attention_mask: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from flask import Blueprint, Response, current_app
 
 from lmscope.api.auth import current_caller
 from lmscope.api.inputs import query_params, query_seconds
-from lmscope.api.jobs import children_counts, is_parent_kind, last_child_ends, load_visible_job
+from lmscope.api.jobs import children_of, load_visible_job
 from lmscope.api.render import error_json, iso, progress_json
 from lmscope.api.state import state
 from lmscope.db.models import TERMINAL_STATES, Job
@@ -35,11 +35,10 @@ def snapshot(sessions, job_id: int) -> dict:
         if job is None:  # deleted while watched
             return {"id": job_id, "status": "cancelled", "attempts": 0, "cancel_requested": True, "progress": None,
                     "error": {"type": "deleted", "message": "the job was deleted"}, "summary": None, "finished_at": None}
-        parent = is_parent_kind(job.kind)
-        children = children_counts(session, [job_id])[job_id] if parent else None
+        children, last_end = children_of(session, job)
         return {
             "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
-            "progress": progress_json(job, children, last_child_ends(session, [job_id]).get(job_id) if parent else None),
+            "progress": progress_json(job, children, last_end),
             "error": error_json(job),
             "summary": job.summary, "finished_at": iso(job.finished_at),
         }

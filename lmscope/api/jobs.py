@@ -52,6 +52,14 @@ def last_child_ends(session, parent_ids: list[int]) -> dict[int, datetime]:
                                 .group_by(Job.parent_id)).all())
 
 
+def children_of(session, job: Job) -> tuple[dict[str, int] | None, datetime | None]:
+    """A sweep parent's (children counts, when its last child to end so far ended); (None, None) for
+    any other job."""
+    if not is_parent_kind(job.kind):
+        return None, None
+    return children_counts(session, [job.id])[job.id], last_child_ends(session, [job.id]).get(job.id)
+
+
 def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     """The job, or 404 when it does not exist *or* belongs to someone else (no existence leak)."""
     # No job has an id past the column's range (PostgreSQL would answer the query with an error).
@@ -80,10 +88,9 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
 
 
 def render_job(session, job: Job) -> dict:
-    parent = is_parent_kind(job.kind)
-    children = children_counts(session, [job.id])[job.id] if parent else None
+    children, last_end = children_of(session, job)
     body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children,
-                    last_child_end=last_child_ends(session, [job.id]).get(job.id) if parent else None)
+                    last_child_end=last_end)
     if job.status == "queued":
         body["queue"] = queue_position(session, job)
     return body
