@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from itertools import combinations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ POINT_LABELS = ("step", "seed")
 
 def _names_a_point(key: str, value: Any, labels: dict[str, Any]) -> bool:
     """A step that is a checkpoint's (its model is `run@step<N>`; an entropy job on a plain model says step 0,
-    a list of plain models their index), or a seed."""
+    a list of plain models their index), or any other point label with a value (a seed, a target)."""
     if key == "step":
         model = labels.get("model")
         return isinstance(model, str) and model.endswith(f"@step{value}")
@@ -43,18 +44,29 @@ def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] =
                      points: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The labels each of one job's series is matched on, and the run labels it needed: without the run
     labels, or with the fewest of them that still tell the job's curves apart (`step` for a run over
-    several checkpoints). The `points` labels are kept wherever they have a value."""
+    several checkpoints, `target` for a sweep over several targets compared with a sweep over one: the
+    points and the parameters in which the jobs differ are tried before the counts). The `points` labels
+    are kept wherever they have a value."""
     def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{k: v for k, v in (s.get("labels") or {}).items()
                  if k not in run_labels or k in extra or (k in points and _names_a_point(k, v, s.get("labels")))}
                 for s in series]
 
-    for extra in ((), ("step",), ("seed",), run_labels):
+    present = {k for s in series for k in (s.get("labels") or {})}
+    candidates = tuple(k for k in _point_candidates(run_labels) if k in present)
+    tries = [extra for size in range(len(candidates) + 1) for extra in combinations(candidates, size)]
+    for extra in tries + [run_labels]:
         labels = keep(extra)
         keys = Counter((s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, labels))
         if all(n == 1 for n in keys.values()):
             return labels, extra
     return labels, extra  # the very same name and labels twice: both are kept, in order
+
+
+def _point_candidates(run_labels: tuple[str, ...]) -> tuple[str, ...]:
+    """The run labels that may name a curve within a job: a checkpoint's step, a seed, and the parameters
+    in which the jobs differ (not the model, nor a count of what a run averaged)."""
+    return POINT_LABELS + tuple(k for k in run_labels if k not in RUN_LABELS)
 
 
 def _x_key(x: Any) -> Any:
@@ -150,7 +162,7 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     run_labels = RUN_LABELS + tuple(k for k, values in params.items() if len(values) == len(jobs))
     # the point labels some job needs (not its last resort, every run label, which another job cannot share)
     needed = [_matching_labels(series, run_labels)[1] for series in series_of]
-    points = tuple(k for k in POINT_LABELS if any(k in extra for extra in needed if extra != run_labels))
+    points = tuple(k for k in _point_candidates(run_labels) if any(k in extra for extra in needed if extra != run_labels))
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()

@@ -255,3 +255,19 @@ def test_labels_a_curve_has_not_are_left_out_of_its_legend():
     assert labels_text({"architecture": "mlp_sumformer", "features": None, "token_dim": 2},
                        ["architecture", "features", "token_dim"]) == "architecture=mlp_sumformer, token_dim=2"
     assert labels_text({"features": 8, "seed": [0, 1]}, ["features", "seed"]) == "features=8, seed=[0,1]"
+
+
+def test_a_sweep_over_several_targets_matches_a_sweep_over_one_target_by_target():
+    """Sweep B runs two targets, sweep A one: `target` differs between the jobs, yet B needs it to tell its
+    own curves apart, so A's fig2_poly curve is B's fig2_poly curve; what each sweep counted (seed_count)
+    is no part of the match."""
+    labels = {"architecture": "mlp_sumformer", "token_dim": 1, "seq_len": 3}
+    a = [_series("best_val_error", {**labels, "target": "fig2_poly", "seed_count": [1, 1]}, [1, 2], [0.77, 0.74])]
+    b = [_series("best_val_error", {**labels, "target": t, "seed_count": [1, 1]}, [1, 2], y)
+         for t, y in (("fig2_poly", [0.77, 0.74]), ("sin_exp", [0.5, 0.4]))]
+    c = compare([_job(1, "sweep", target="fig2_poly"), _job(2, "sweep", target=["fig2_poly", "sin_exp"])], [a, b])
+    by_target = {curve.labels["target"]: curve for curve in c.curves}
+    assert set(by_target) == {"fig2_poly", "sin_exp"}
+    assert all("seed_count" not in curve.labels for curve in c.curves)
+    assert by_target["fig2_poly"].aligned([1, 2]) == [(1, [0.77, 0.77]), (2, [0.74, 0.74])]
+    assert by_target["sin_exp"].aligned([1, 2]) == [(1, [None, 0.5]), (2, [None, 0.4])]
