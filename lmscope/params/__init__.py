@@ -25,8 +25,8 @@ KINDS: dict[str, KindSpec] = {
                  example={"model": "tiny-gpt2", "dataset": "wikitext-2", "max_samples": 200}),
         KindSpec("entropy", EntropyParams, "attention-entropy curves per layer, head, position and step",
                  example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 50}),
-        # six points of Fig. 2's grid (example:fig2 is the documented reduced figure, `{}` the full-size one: hours on
-        # a CPU); the attention study's small one is example:attention_study_demo
+        # six points of Fig. 2's grid (example:fig2 is the documented reduced figure, `{}` the full-size one with one
+        # seed: 100 children); the attention study's small one is example:attention_study_demo
         KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep,
                  example={"study": "sumformer", "target": "fig2_poly", "architectures": ["mlp_sumformer"],
                           "grid": {"latent_dim": [1, 4, 16], "token_dim": [1, 2], "seq_len": [3], "seed": [0]},
