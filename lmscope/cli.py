@@ -872,7 +872,7 @@ def compare(job_ids, series, fmt, plot_path, logx, logy):
         except (RuntimeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:
-            raise click.ClickException(f"cannot write the plot to {plot_path}: {e.strerror or e}") from None
+            raise click.ClickException(f"cannot write the plot to {plot_path}: {why_not_written(e, plot_path)}") from None
 
 
 def _nothing_to_plot(c, series) -> None:
@@ -962,6 +962,16 @@ def _print_comparison(c, with_curves: bool) -> None:
                     ["x", *head])
 
 
+def why_not_written(e: OSError, target: str | Path) -> str:
+    """One line on why `target` (a file or folder to write) could not be: a file standing where a folder
+    of its path should be is named as such, not as "File exists"."""
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        for folder in [Path(target), *Path(target).parents]:
+            if folder.exists() and not folder.is_dir():
+                return f"{folder} is a file, not a folder"
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+
+
 @main.command()
 @click.argument("job_id", type=int)
 @click.argument("directory", type=click.Path(file_okay=False))
@@ -971,9 +981,8 @@ def fetch(job_id, directory):
     try:
         paths = c.fetch(job_id, directory)
     except OSError as e:  # a file where a folder should be, no permission, a full disk
-        where = f" ({e.filename})" if e.filename else ""
         raise click.ClickException(f"cannot save job {job_id}'s artifacts in {directory}: "
-                                   f"{e.strerror or e}{where}") from None
+                                   f"{why_not_written(e, directory)}") from None
     for path in paths:
         click.echo(path)
     if not paths:

@@ -256,6 +256,16 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def clip_apart(texts: list[str], width: int, most: int = 3 * LEGEND_WIDTH) -> list[str]:
+    """`texts`, each cut to `width` characters, or wider (up to `most`) where cutting would make two
+    different texts read the same: a legend must still tell its entries apart."""
+    for w in range(width, max(width, most) + 1):
+        cut = [clip(t, w) for t in texts]
+        if len(set(cut)) == len(set(texts)):
+            return cut
+    return cut
+
+
 def _value_text(v: Any) -> str:
     """A value as the tables write it: strings as they are, anything else as JSON (None: null)."""
     return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
@@ -267,12 +277,22 @@ def labels_text(labels: dict[str, Any], keys) -> str:
     return ", ".join(f"{k}={_value_text(labels[k])}" for k in keys if labels.get(k) is not None)
 
 
+def _what_differs(c: Comparison, job: dict[str, Any]) -> str:
+    diff = ", ".join(f"{k}={_value_text(v[job['id']]) if job['id'] in v else '-'}" for k, v in c.params.items())
+    return diff or job.get("name") or ""
+
+
 def job_label(c: Comparison, job: dict[str, Any], width: int = LEGEND_WIDTH) -> str:
     """`job 3 (model=tiny-gpt2)`: the job and the parameters in which it differs from the others
     (cut to `width` characters); the job's name when no parameter differs."""
-    diff = ", ".join(f"{k}={_value_text(v[job['id']]) if job['id'] in v else '-'}" for k, v in c.params.items())
-    what = diff or job.get("name") or ""
+    what = _what_differs(c, job)
     return f"job {job['id']}" + (f" ({clip(what, width)})" if what else "")
+
+
+def job_labels(c: Comparison, width: int = LEGEND_WIDTH) -> dict[int, str]:
+    """`job_label` of every job, cut wider where `width` would make two jobs' differences read the same."""
+    whats = clip_apart([_what_differs(c, job) for job in c.jobs], width)
+    return {job["id"]: f"job {job['id']}" + (f" ({what})" if what else "") for job, what in zip(c.jobs, whats)}
 
 
 def plot_formats() -> dict[str, str]:
@@ -324,7 +344,8 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
     rows = -(-len(names) // cols)
     fig = Figure(figsize=(5.2 * cols, 4.0 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
-    job_labels = {job["id"]: job_label(c, job) for job in c.jobs}
+    labels_of_jobs = job_labels(c)
+    beside = []  # the legends beside their panels
     for ax, name in zip(axes.flat, names):
         curves = [curve for curve in c.curves if curve.name == name]
         jobs = [job for job in c.jobs if any(job["id"] in cv.by_job for cv in curves)]
@@ -353,10 +374,10 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
             return (Line2D([], [], color=palette(i % palette.N), marker=".", label=text) if by_colour
                     else Line2D([], [], color="dimgrey", label=text, **line_look(i, dot)))
 
-        handles = [entry(ji, job_labels[job["id"]], not colour_curves) for ji, job in enumerate(jobs)]
+        handles = [entry(ji, labels_of_jobs[job["id"]], not colour_curves) for ji, job in enumerate(jobs)]
         if varying and named:
-            handles += [entry(li, clip(labels_text(cv.labels, varying), LEGEND_WIDTH), colour_curves)
-                        for li, cv in enumerate(curves)]
+            texts = clip_apart([labels_text(cv.labels, varying) for cv in curves], LEGEND_WIDTH)
+            handles += [entry(li, text, colour_curves) for li, text in enumerate(texts)]
         common = labels_text(shared, shared)
         if varying and not named:
             common = ", ".join(filter(None, [f"{len(curves)} curves by {', '.join(varying)}", common]))
@@ -382,13 +403,18 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         if len(handles) > 6:  # beside the panel, not over its lines (savefig's tight box takes it in)
-            ax.legend(handles=handles, fontsize=7, handlelength=3, loc="upper left", bbox_to_anchor=(1.01, 1),
-                      ncol=2 if len(handles) > 16 else 1)
+            ncol = 2 if len(handles) > 16 else 1
+            beside.append(ax.legend(handles=handles, fontsize=7, handlelength=3, loc="upper left",
+                                    bbox_to_anchor=(1.01, 1), ncol=ncol))
         else:
             ax.legend(handles=handles, fontsize=7, handlelength=3)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
     fig.suptitle("compared: " + ", ".join(f"job {j['id']} ({j['kind']})" for j in c.jobs))
+    if beside:  # the figure widens by the widest legend beside a panel, rather than squeezing the panels
+        fig.draw_without_rendering()
+        inches = max(legend.get_window_extent().width for legend in beside) / fig.dpi
+        fig.set_size_inches((5.2 + inches) * cols, fig.get_figheight())
     fig.tight_layout()
     return fig
 

@@ -271,3 +271,30 @@ def test_a_sweep_over_several_targets_matches_a_sweep_over_one_target_by_target(
     assert all("seed_count" not in curve.labels for curve in c.curves)
     assert by_target["fig2_poly"].aligned([1, 2]) == [(1, [0.77, 0.77]), (2, [0.74, 0.74])]
     assert by_target["sin_exp"].aligned([1, 2]) == [(1, [None, 0.5]), (2, [None, 0.4])]
+
+
+def test_legend_entries_that_cutting_would_make_alike_stay_apart_and_the_panel_keeps_its_width():
+    """Label sets alike in their first LEGEND_WIDTH characters (the grid point's features come last) are cut
+    wider rather than read the same; a legend beside the panel widens the figure, not squeeze the panel."""
+    def series(base):
+        return [_series("best_val_error", {"architecture": arch, "token_dim": d, "target": "fig2_poly", "features": f},
+                        [1, 2], [base + f, base])
+                for arch in ("performer", "linformer") for d in (1, 2) for f in (4, 8)]
+
+    c = compare([_job(1, model="a"), _job(2, model="b")], [series(0.0), series(1.0)])
+    fig = comparison_figure(c)
+    ax = fig.axes[0]
+    curves = _legend(ax)[2:]
+    assert len(curves) == 8 and len(set(curves)) == 8 and all(t.endswith(("features=4", "features=8")) for t in curves)
+    assert len(max(curves, key=len)) > LEGEND_WIDTH  # they had to be wider
+    fig.draw_without_rendering()
+    panel, legend = ax.get_window_extent(), ax.get_legend().get_window_extent()
+    assert legend.x0 >= panel.x1 and panel.width / fig.dpi > 3.0  # beside it, and the panel still ~4 inches
+
+
+def test_clip_apart_cuts_to_the_width_where_that_keeps_texts_apart():
+    from lmscope.compare import clip_apart
+
+    assert clip_apart(["abcdef", "abcxyz", "q"], 4) == ["abcd…", "abcx…", "q"]  # apart at 4 already: kept there
+    assert clip_apart(["abcdef1", "abcdef2"], 4) == ["abcdef1", "abcdef2"]
+    assert clip_apart(["same", "same"], 2) == ["s…", "s…"]  # the same text twice is no conflict

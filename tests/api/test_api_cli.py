@@ -232,6 +232,7 @@ def test_fetch_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
         assert f"Error: cannot save job {job_id}'s artifacts in {target}:" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+    assert f"{a_file} is a file, not a folder" in cli("fetch", str(job_id), str(a_file / "sub")).stderr
     assert cli("fetch", str(job_id), str(tmp_path / "out")).exit_code == 0
     assert not list((tmp_path / "out").rglob("*.part"))
 
@@ -418,6 +419,10 @@ def test_compare_plot_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_pat
     r = cli("compare", str(a), str(b), "--series", "norm.mean", "--plot", str(target))
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert r.stderr.startswith(f"Error: cannot write the plot to {target}: ") and len(r.stderr.splitlines()) == 1
+    assert f"{tmp_path / 'x.txt'} is a file, not a folder" in r.stderr  # not "File exists"
+    # a missing folder is made, as `lmscope fetch` makes its own
+    made = tmp_path / "new" / "cmp.png"
+    assert cli("compare", str(a), str(b), "--series", "norm.mean", "--plot", str(made)).exit_code == 0 and made.exists()
 
 
 def test_compare_refuses_what_it_cannot_do(api, cli):
