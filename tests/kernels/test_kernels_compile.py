@@ -108,6 +108,7 @@ cases = [
     ("attention bf16 D=128 softcap+window+mask", dict(d=128, options=True), True),
     ("attention bf16 D=128 GQA, transformers layout", dict(d=128, hk=2, hf_layout=True), False),
     ("attention fp32 D=64", dict(d=64, dtype=torch.float32), False),
+    ("attention fp32 D=128", dict(d=128, dtype=torch.float32), True),
 ]
 for name, case, every in cases:
     d, dtype, options = case["d"], case.get("dtype", torch.bfloat16), case.get("options", False)

@@ -238,14 +238,18 @@ def _attn_entropy_fwd(
 # at D = 64 and 128 are the fastest of a 36-tile grid on an H100 (benchmarks/attention_tiles.py, bf16,
 # causal, N = 4096 and 16384; docs/benchmarks.md), plus the small 64 x 32 tile that fits every recent GPU
 # (the untuned choice). Tiles over the 99 KB of sm_86/sm_89 shared memory fail to compile there, and the
-# autotuner passes them over. The fp32 ones (exact FMA dot products) spill 0.5-1.2 KB at D = 128.
+# autotuner passes them over. The untuned choice is a bucket's first tile in sorted order (the smallest).
+# D = 256 (Gemma 2) has not been timed on a GPU yet: beside the small tiles, two of 128 KB that compile
+# for sm_90 without spilling (ptxas -v), so the autotuner has Hopper-sized ones to pick from.
 _TILES = {
     (False, 64): [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)],
     (False, 128): [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)],
-    (False, 256): [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)],
-    # fp32 inputs use exact fp32 dot products (no tensor cores): smaller tiles
+    (False, 256): [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2), (64, 32, 8, 3)],
+    # fp32 inputs use exact fp32 dot products (no tensor cores): smaller tiles. At D = 128 the 32 x 32 and
+    # 64 x 32 tiles spill 0.5 and 1.2 KB of registers on sm_90; 32 x 16 does not (77 registers), and is
+    # the untuned choice there (fp32 is the jobs' default dtype, and LLaMA-8B-class heads are 128 wide)
     (True, 64): [(64, 32, 8, 2), (32, 32, 4, 2)],
-    (True, 128): [(64, 32, 8, 2), (32, 32, 8, 2)],
+    (True, 128): [(64, 32, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2)],
     (True, 256): [(32, 32, 8, 2), (32, 16, 8, 2)],
 }
 
