@@ -39,7 +39,7 @@ def run_child(index: int, params: dict, device: str, folder: str) -> dict:
     """One grid point, in a worker process: what `run_sumformer_fit` reports, plus its wall time.
     A child that fails (e.g. training diverged) is reported as failed, as the service would."""
     from lmscope.analyses.local import LocalContext
-    from lmscope.analyses.sweep import run_sumformer_fit
+    from lmscope.analyses.sumformer_fit import run_sumformer_fit
     from lmscope.params import validate_params
 
     import torch

@@ -10,8 +10,8 @@ RUNNERS: dict[str, str] = {
     "train": "lmscope.analyses.train:run",
     "norms": "lmscope.analyses.norms:run",
     "entropy": "lmscope.analyses.entropy:run",
-    "sumformer_fit": "lmscope.analyses.sweep:run_sumformer_fit",
-    "attention_approx": "lmscope.analyses.sweep:run_attention_approx",
+    "sumformer_fit": "lmscope.analyses.sumformer_fit:run_sumformer_fit",
+    "attention_approx": "lmscope.analyses.attention_approx:run_attention_approx",
 }
 
 # Parent kinds: called once, when the last child has finished.

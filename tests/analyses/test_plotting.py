@@ -177,13 +177,13 @@ def test_norms_spanning_decades_go_on_a_log_axis(drawn, tmp_path):
 
 
 def test_the_attention_study_plot_of_many_layers_names_them_by_a_colour_bar(monkeypatch, tmp_path):
-    from lmscope.analyses import sweep
+    from lmscope.analyses import attention_approx
 
     saved = {}
-    monkeypatch.setattr(sweep, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    monkeypatch.setattr(attention_approx, "save", lambda fig, path: saved.setdefault(path.name, fig))
     ks = [16, 32, 64]
     panels = {("performer", layer): (ks, [0.5, 0.3, 0.2], [0.4, 0.2, 0.1], [0.6, 0.4, 0.3]) for layer in range(12)}
-    sweep._plot_attention(tmp_path / "attention_approx.png", panels, {"performer": (ks, [0.2, 0.4, 0.8])},
+    attention_approx.plot_attention_approx(tmp_path / "attention_approx.png", panels, {"performer": (ks, [0.2, 0.4, 0.8])},
                           title="t", windows={layer: 8 for layer in range(12)})
     fig = saved["attention_approx.png"]
     ax = fig.axes[0]

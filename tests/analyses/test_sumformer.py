@@ -173,7 +173,7 @@ def test_build_network_is_seeded_and_leaves_global_rng_alone():
 def test_equivariance_error_worked_example():
     """S(X)_i = x_1 for every i is not equivariant: with π = reversal, S(πX)_i = x_n and (πS(X))_i = x_1,
     so the error is ‖x_n − x_1‖ / ‖x_1‖ over the batch."""
-    from lmscope.analyses.sweep import equivariance_error
+    from lmscope.analyses.sumformer_fit import equivariance_error
 
     class FirstToken(torch.nn.Module):
         def forward(self, x):
@@ -187,7 +187,7 @@ def test_equivariance_error_worked_example():
 
 
 def test_random_permutations_are_permutations_and_seeded():
-    from lmscope.analyses.sweep import random_permutations
+    from lmscope.analyses.sumformer_fit import random_permutations
 
     p = random_permutations(2000, 5, seed=4)
     assert torch.equal(p.sort(dim=1).values, torch.arange(5).repeat(2000, 1))
@@ -200,7 +200,7 @@ def test_a_trained_linformer_is_equivariant_only_with_the_proofs_projections(tmp
     """A Linformer's E, F weight positions: trained, they break equivariance (which the exchangeable
     validation data cannot show); fixed at the proof's E = 1/n·1, F = 1/k·1 it stays equivariant."""
     from lmscope.analyses.local import LocalContext
-    from lmscope.analyses.sweep import run_sumformer_fit
+    from lmscope.analyses.sumformer_fit import run_sumformer_fit
     from lmscope.params.sweep import SumformerFitParams
 
     train = {"samples": 300, "epochs": 8, "eval_every": 4, "hidden": 16, "depth": 2, "batch_size": 32,

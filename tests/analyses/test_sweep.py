@@ -16,7 +16,9 @@ from pydantic import ValidationError
 
 from lmscope.analyses.base import ChildResult, JobCancelled, JobFailed, Series
 from lmscope.analyses.local import LocalContext
-from lmscope.analyses.sweep import aggregate, relative_l2_error, run_attention_approx, run_sumformer_fit
+from lmscope.analyses.attention_approx import run_attention_approx
+from lmscope.analyses.sumformer_fit import relative_l2_error, run_sumformer_fit
+from lmscope.analyses.sweep import aggregate
 from lmscope.config import Settings
 from lmscope.params import KINDS, validate_params
 from lmscope.params.sweep import SumformerFitParams, SweepParams, expand_sweep, theory_latent_dim
@@ -242,7 +244,7 @@ def test_sumformer_fit_reports_curves_progress_and_a_plot(tmp_path):
 def test_single_threaded_restores_the_count_and_spares_a_shared_process(tmp_path):
     """torch's thread count is process-wide: a fit must leave it as it was, and leave it alone when other
     jobs share the process (ctx.shares_process)."""
-    from lmscope.analyses.sweep import _single_threaded
+    from lmscope.analyses.sumformer_fit import _single_threaded
 
     alone, shared = LocalContext(tmp_path / "alone"), LocalContext(tmp_path / "shared", shares_process=True)
     before = torch.get_num_threads()
@@ -327,7 +329,7 @@ def _gpt2_with_inverse_layer_scaling():
 def _block_mean_pooling(k: int, n: int) -> torch.Tensor:
     """Linformer's `pooling` E = F [min(k, N), N], built here (docs/analyses/sweep.md): row j is the mean of
     its block of contiguous positions; k ≥ N is the identity. When k does not divide N the block edges are
-    ⌊j·N/k⌋ (the definition in lmscope.analyses.sweep.pooling_projection's docstring), so blocks differ in
+    ⌊j·N/k⌋ (the definition in lmscope.analyses.attention_approx.pooling_projection's docstring), so blocks differ in
     size by at most one: N = 10, k = 4 gives [0, 2), [2, 5), [5, 7), [7, 10). Written from the position's
     side: position t is in block ⌈(t+1)·k/N⌉ − 1 (t+1 ≤ ⌊(j+1)N/k⌋ ⇔ (t+1)k/N ≤ j+1, and ⌊jN/k⌋ ≤ t ⇔ j < (t+1)k/N)."""
     k = min(k, n)
@@ -347,7 +349,7 @@ def _draw_seed(seed: int, layer: int, k: int) -> int:
 
 def test_block_mean_pooling_by_hand():
     """The test's own pooling matrix, and the job's, on a case where k does not divide N (N = 10, k = 4)."""
-    from lmscope.analyses.sweep import linformer_projections
+    from lmscope.analyses.attention_approx import linformer_projections
 
     third, half = 1 / 3, 1 / 2
     by_hand = torch.tensor([[half, half] + [0] * 8,
@@ -515,7 +517,7 @@ def test_attention_study_on_a_rotary_grouped_query_model(tmp_path, method, proje
 
 def test_linformer_default_is_pooling_and_shared_uses_one_gaussian():
     """The default must give a curve that goes to 0 (pooling); `shared` is E = F = R with N(0, 1/k) entries."""
-    from lmscope.analyses.sweep import linformer_projections
+    from lmscope.analyses.attention_approx import linformer_projections
 
     assert SweepParams(study="attention", model="m", dataset="d").linformer_projection == "pooling"
     assert validate_params("attention_approx", {"model": "m", "dataset": "d"}, internal=True).linformer_projection \
@@ -849,7 +851,7 @@ def test_train_loss_is_the_mse_in_the_targets_units_on_the_training_split(tmp_pa
     """The network trains on standardised targets (mean and std of the training split); the loss it reports is
     the MSE of its de-standardised predictions against the targets. With a learning rate too small to move it,
     epoch 1's loss is the initial network's, recomputed here in float64 from its own seed."""
-    from lmscope.analyses.sweep import make_dataset
+    from lmscope.analyses.sumformer_fit import make_dataset
     from lmscope.modeling.sumformer import build_network
 
     params = SumformerFitParams(architecture="mlp_sumformer", target="fig2_poly", token_dim=2, seq_len=3, latent_dim=4,
