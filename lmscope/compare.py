@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from itertools import combinations
 from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 

@@ -4,7 +4,8 @@
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
 the kernels share (``forward_backend``, ``check_heads``, ``check_grid``,
-``fit_int32_offsets``) and ``repeat_kv`` for grouped-query heads.
+``fit_int32_offsets``), ``repeat_kv`` for grouped-query heads, and the launch arithmetic (``cdiv``,
+``next_power_of_2``).
 """
 
 from __future__ import annotations
@@ -117,11 +118,24 @@ def fit_int32_offsets(t: torch.Tensor) -> torch.Tensor:
     """``t`` [B, H, N, D], or a contiguous copy when an offset inside one (batch, head) slice would pass
     2^31 − 1: the kernels compute those in 32-bit integers (the slice's base is 64-bit). A view of
     transformers' [B, N, H, D] layout has stride H·D along N, and passes it from N·H·D ≈ 2^31."""
-    if sum((size - 1) * stride for size, stride in zip(t.shape[2:], t.stride()[2:])) <= INT32_MAX:
+    _, _, n, d = t.shape
+    _, _, stride_n, stride_d = t.stride()
+    if (n - 1) * stride_n + (d - 1) * stride_d <= INT32_MAX:  # plain arithmetic: this runs at every launch
         return t
     if t.shape[2:].numel() > INT32_MAX + 1:
         raise ValueError(f"one head of {tuple(t.shape)} holds more than 2^31 elements; split the sequence")
     return t.contiguous()
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for the launch grids. Host code, not ``triton.cdiv``: that is a constexpr function whose
+    call wrapper costs microseconds, paid on every launch (the wrappers' host time bounds short calls)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1): ``triton.next_power_of_2`` without its call wrapper."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def repeat_kv(t: torch.Tensor, h: int) -> torch.Tensor:

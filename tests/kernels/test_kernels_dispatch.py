@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,16 @@ def test_offsets_inside_a_head_fit_32_bits():
     assert dispatch.fit_int32_offsets(small_view) is small_view  # no copy where the strides fit
     with pytest.raises(ValueError, match="split the sequence"):
         dispatch.fit_int32_offsets(torch.empty(1, 1, 2**25, 128, device="meta"))
+
+
+def test_launch_arithmetic_is_tritons():
+    """The wrappers size grids and autotune buckets with host-side cdiv / next_power_of_2 (Triton's own are
+    constexpr functions, microseconds a call): the same numbers as Triton's definitions, worked out here."""
+    for n in [*range(1, 300), 4095, 4096, 4097, 32768, 2**31 - 1]:
+        assert dispatch.next_power_of_2(n) == 2 ** math.ceil(math.log2(n))
+        for block in (1, 16, 32, 64, 128):
+            assert dispatch.cdiv(n, block) == math.ceil(n / block)
+    assert dispatch.cdiv(0, 64) == 0
 
 
 def test_default_choice(monkeypatch):

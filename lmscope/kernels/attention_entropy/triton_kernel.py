@@ -18,11 +18,13 @@ its diagonal; key blocks left of every row's window are skipped, like those righ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_grid, fit_int32_offsets, interpreting, on_device_of
+from ..dispatch import cdiv, check_grid, fit_int32_offsets, interpreting, next_power_of_2, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -316,6 +318,12 @@ def _(q, k, v, causal, scale, key_padding_mask, softcap, window):
     return q.new_empty((b, h, nq, v.shape[-1])), stats, torch.empty_like(stats)
 
 
+@functools.lru_cache(maxsize=None)
+def _never_read(device: torch.device) -> torch.Tensor:
+    """The mask pointer of a launch without a padding mask (HAS_KPM=False): one per device, not one per call."""
+    return torch.empty(1, device=device, dtype=torch.int8)
+
+
 def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
     out_dtype = q.dtype
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
@@ -339,16 +347,16 @@ def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
         kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         stride_kpm_b = kpm.stride(0)
     else:
-        kpm = torch.empty(1, device=q.device, dtype=torch.int8)  # never read
+        kpm = _never_read(q.device)
         stride_kpm_b = 0
     # fp32 inputs get exact fp32 dot products (tf32 would cost ~3 decimal digits of the entropy);
     # fp16/bf16 take the target's default (tensor cores, fp32 accumulation)
     precision = "ieee" if q.dtype == torch.float32 else None
-    block_d = max(16, triton.next_power_of_2(d))
-    block_dv = max(16, triton.next_power_of_2(dv))
+    block_d = max(16, next_power_of_2(d))
+    block_dv = max(16, next_power_of_2(dv))
 
     def grid(meta):
-        return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
+        return (cdiv(nq, meta["BLOCK_M"]), b * h)
 
     with on_device_of(q):
         _kernel[grid](
@@ -357,7 +365,7 @@ def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
             stride_kpm_b,
             h, nq, nk, h // hk,
             scale / softcap if softcap else scale * LOG2E, softcap * LOG2E if softcap else 0.0, window or 0,
-            triton.next_power_of_2(nk), triton.next_power_of_2(nq),
+            next_power_of_2(nk), next_power_of_2(nq),
             HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
             CAUSAL=causal, HAS_KPM=key_padding_mask is not None, SOFTCAP=bool(softcap), WINDOW=window is not None,
             INPUT_PRECISION=precision,

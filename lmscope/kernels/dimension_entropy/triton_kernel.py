@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_grid, fit_int32_offsets, interpreting, on_device_of
+from ..dispatch import cdiv, check_grid, fit_int32_offsets, interpreting, next_power_of_2, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -136,13 +136,13 @@ def dimension_entropy_triton(q: torch.Tensor, k: torch.Tensor, *, causal: bool, 
     out = torch.empty((b, h, d, n), device=q.device, dtype=torch.float32)
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_M"]), b * h, triton.cdiv(d, meta["BLOCK_D"]))
+        return (cdiv(n, meta["BLOCK_M"]), b * h, cdiv(d, meta["BLOCK_D"]))
 
     with on_device_of(q):
         _kernel[grid](
             q, k, kmax, kmin, out,
             *q.stride(), *k.stride(), *kmax.stride(), *out.stride(),
-            h, n, d, h // hk, scale * LOG2E, triton.next_power_of_2(n),
+            h, n, d, h // hk, scale * LOG2E, next_power_of_2(n),
             CAUSAL=causal, INTERPRET=interpreting(), **_BLOCKS,
         )
     return out

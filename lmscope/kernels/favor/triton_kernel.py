@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import check_grid, interpreting, on_device_of
+from ..dispatch import cdiv, check_grid, interpreting, next_power_of_2, on_device_of
 from ..tuning import autotune_on_gpu
 
 
@@ -134,7 +134,7 @@ _TILES = [(64, 64, 8, 1), (32, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1), (32, 3
 
 
 def _prune(configs, named_args, **kwargs):
-    widest = max(16, triton.next_power_of_2(named_args["DV"]))  # no value block wider than the values
+    widest = max(16, next_power_of_2(named_args["DV"]))  # no value block wider than the values
     kept = [c for c in configs if c.kwargs["BLOCK_DV"] <= widest]
     return kept or configs[-1:]
 
@@ -158,18 +158,18 @@ def favor_causal_triton(phi_q: torch.Tensor, phi_k: torch.Tensor, key_max: torch
     # features are fp32 anyway; tl.dot wants one dtype
     phi_q, phi_k, key_max, v = (t.float() for t in (phi_q, phi_k, key_max, v))
     block_m = INTERPRET_BLOCK_M if interpreting() else BLOCK_M
-    n_f = triton.cdiv(M, block_m)
+    n_f = cdiv(M, block_m)
     num = torch.empty(n_f, B, H, N, DV, device=v.device, dtype=torch.float32)
     den = torch.empty(n_f, B, H, N, device=v.device, dtype=torch.float32)
 
     def grid(meta):
-        return (n_f, triton.cdiv(DV, meta["BLOCK_DV"]), B * H)
+        return (n_f, cdiv(DV, meta["BLOCK_DV"]), B * H)
 
     with on_device_of(v):
         _kernel[grid](
             phi_q, phi_k, key_max, v, num, den,
             *phi_q.stride(), *phi_k.stride(), *key_max.stride(), *v.stride(), *num.stride(), *den.stride(),
-            H, N, M, DV, H // Hk, triton.next_power_of_2(N),
+            H, N, M, DV, H // Hk, next_power_of_2(N),
             BLOCK_M=block_m,
             # fp32 features: 3xTF32 keeps fp32 accuracy on tensor cores (plain TF32 would cost ~3 digits
             # the estimate does not need to lose); the interpreter computes in exact fp32 anyway
