@@ -344,3 +344,16 @@ def test_triton_path_under_torch_compile(triton_backend, device, oracle, compile
     _close(out, ref_out, 2e-5)
     _close(ent, ref_ent, 2e-5)
     _close(lse, ref_lse, 2e-5)
+
+
+def test_triton_output_is_laid_out_heads_last(triton_backend, device, oracle):
+    """The kernel writes [B, Nq, H, Dv] and returns it as a [B, H, Nq, Dv] view, so transformers' layout
+    (out.transpose(1, 2).contiguous()) costs no copy. The operator torch.compile sees keeps the contiguous
+    layout its fake states (opcheck compares them with a real run), or Inductor would misread it."""
+    q, k, v = _qkv(2, 4, 2, 19, 16, device=device, seed=6)
+    res = attention_with_entropy(q, k, v, causal=True, backend=triton_backend)
+    heads_last = res.out.transpose(1, 2)
+    assert heads_last.is_contiguous() and heads_last.contiguous().data_ptr() == heads_last.data_ptr()
+    _close(res.out, oracle.attention(q, k, v, causal=True)[0], 2e-5)
+    torch.library.opcheck(torch.ops.lmscope.attention_with_entropy, (q, k, v, True, 0.25, None, None, None),
+                          test_utils=("test_schema", "test_faketensor"))

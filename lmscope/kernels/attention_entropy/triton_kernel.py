@@ -308,7 +308,9 @@ def attention_with_entropy_triton(
            "int? window) -> (Tensor, Tensor, Tensor)",
 )
 def _attention_with_entropy_op(q, k, v, causal, scale, key_padding_mask, softcap, window):
-    return _launch(q, k, v, causal, scale, key_padding_mask, softcap, window)
+    # contiguous [B, H, Nq, Dv], as the fake says: Inductor lays out what follows itself, and a compiled
+    # graph cached before a layout change would otherwise read this output with the old strides
+    return _launch(q, k, v, causal, scale, key_padding_mask, softcap, window, heads_last=False)
 
 
 @_attention_with_entropy_op.register_fake
@@ -324,7 +326,7 @@ def _never_read(device: torch.device) -> torch.Tensor:
     return torch.empty(1, device=device, dtype=torch.int8)
 
 
-def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
+def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window, heads_last=True):
     out_dtype = q.dtype
     if interpreting() and q.dtype in (torch.bfloat16, torch.float16):
         # The interpreter runs on numpy, which has no bfloat16: upcast the (already rounded) inputs.
@@ -340,7 +342,13 @@ def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window):
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     check_grid(b * h)
 
-    out = torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
+    # heads_last: written as [B, Nq, H, Dv] and returned as a [B, H, Nq, Dv] view. transformers wants
+    # [B, Nq, H, Dv] contiguous, which is then a view instead of another pass over the output (sdpa's
+    # route makes that pass)
+    if heads_last:
+        out = torch.empty((b, nq, h, dv), device=q.device, dtype=q.dtype).transpose(1, 2)
+    else:
+        out = torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
     ent = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
     if key_padding_mask is not None:
