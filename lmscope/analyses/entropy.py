@@ -32,7 +32,6 @@ seq_len keys, bound ln(seq_len)); ``dimension_causal`` uses the model's causal r
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -284,13 +283,13 @@ MATRIX_ROUTE = "attention-matrix"  # the backend name a job records for the outp
 def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Row entropies [B, H, N] per layer from the model's materialised attention matrices.
 
-    The route for models lmscope's attention function cannot run; interface models are switched to
-    eager attention (which returns the matrices) for the call and switched back.
+    The route for models lmscope's attention function cannot run; they are switched to eager attention
+    (which returns the matrices) for the call and switched back. The matrices are checked to be what
+    a causal LM's are (rows summing to 1, nothing above the diagonal) before any entropy is taken.
     """
-    from lmscope.kernels.hf import attention_implementation, uses_attention_interface
+    from lmscope.kernels.hf import eager_attention
 
-    switch = attention_implementation(model, "eager") if uses_attention_interface(model) else contextlib.nullcontext()
-    with switch:
+    with eager_attention(model):
         attentions = model(input_ids=input_ids, use_cache=False, output_attentions=True).attentions
     if not attentions or any(a is None for a in attentions):
         raise JobFailed(f"{type(model).__name__} returns no attention matrices (output_attentions), and lmscope's "
@@ -303,6 +302,12 @@ def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Ten
         if not torch.allclose(p.sum(-1), torch.ones((), device=p.device), atol=tolerance):
             raise JobFailed(f"{type(model).__name__}'s attention rows do not sum to 1 (attention sinks?); "
                             "their entropy is not defined, so `entropy` does not support this architecture")
+        # a mask the model did not apply (built for another implementation) shows as weight on future keys
+        future = float(p.triu(1).sum(-1).max()) if p.shape[-1] == p.shape[-2] else 0.0
+        if future > tolerance:
+            raise JobFailed(f"{type(model).__name__}'s attention matrices put weight {future:.3g} on future keys: "
+                            "the returned matrices are not the causal attention the model runs, so `entropy` "
+                            "cannot read them; this architecture is not supported")
         entropies.append(-torch.special.xlogy(p, p).sum(-1))
     return entropies
 

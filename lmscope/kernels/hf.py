@@ -89,6 +89,26 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[torc
 
 
 @contextlib.contextmanager
+def eager_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Eager attention inside the block: the route whose layers return their attention matrices.
+
+    A model that computes attention in its own modules (Falcon) cannot switch through the interface, but
+    it still builds its mask for the configured implementation: an sdpa (boolean) mask added to eager
+    scores shifts them by 0 or 1 instead of hiding the future. So its config is switched for the block.
+    """
+    if uses_attention_interface(model):
+        with attention_implementation(model, "eager"):
+            yield model
+        return
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        yield model
+    finally:
+        model.config._attn_implementation = previous
+
+
+@contextlib.contextmanager
 def lmscope_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run ``model``'s attention through the fused kernel inside the block (no collecting)."""
     register_attention()

@@ -37,13 +37,20 @@ class HostReads(TorchDispatchMode):
 
 
 def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:
-    """[L, W, H, N] float64 entropies of the eager attention matrices of a copy of the model (models that
-    compute attention in their own modules give their matrices as they are)."""
+    """[L, W, H, N] float64 entropies of the eager attention matrices of a copy of the model.
+
+    Models that compute attention in their own modules (Falcon) build their mask by the configured
+    implementation, so the copy's config says eager too; the matrices are checked to be causal
+    distributions (an sdpa mask added to eager scores once hid nothing, in the job and here alike)."""
     model = copy.deepcopy(loaded.model)
     if getattr(model, "_supports_attention_backend", False):
         model.set_attn_implementation("eager")
+    model.config._attn_implementation = "eager"
     with torch.no_grad():
         attentions = model(input_ids=windows.to(model.device), output_attentions=True, use_cache=False).attentions
+    for p in attentions:
+        assert torch.allclose(p.double().sum(-1), torch.ones((), dtype=torch.float64, device=p.device), atol=1e-5)
+        assert float(p.double().triu(1).abs().max()) == 0.0, "an eager matrix with weight on future keys"
     return np.stack([(-torch.special.xlogy(p.double(), p.double()).sum(-1)).cpu().numpy() for p in attentions])
 
 

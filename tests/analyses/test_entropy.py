@@ -571,3 +571,28 @@ def test_dtype_runs_the_model_in_that_precision(tmp_path, documents):
                                         batch_size=3, dtype=dtype), ctx)
         assert {p.dtype for p in loaded["tiny-llama"].model.parameters()} == {torch_dtype}
         assert 0 < out.summary["mean_entropy"] <= math.log(SEQ_LEN)
+
+
+def test_matrices_with_weight_on_future_keys_are_refused_not_read():
+    """The matrix route of a causal LM reads only causal matrices: a model whose returned attention spreads
+    over every key (a mask built for another implementation, as Falcon's sdpa mask was under eager scores)
+    fails the job instead of giving entropies above ln(t + 1). The config is switched back afterwards."""
+    from types import SimpleNamespace
+
+    class EveryKey(torch.nn.Module):
+        _supports_attention_backend = False  # computes attention itself, like Falcon
+
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(_attn_implementation="sdpa")
+
+        def forward(self, input_ids, use_cache, output_attentions):
+            b, n = input_ids.shape
+            seen.append(self.config._attn_implementation)
+            return SimpleNamespace(attentions=(torch.full((b, 2, n, n), 1.0 / n),))
+
+    seen = []
+    model = EveryKey()
+    with pytest.raises(JobFailed, match="future keys"):
+        entropy.attention_matrix_entropies(model, torch.zeros(1, 6, dtype=torch.long))
+    assert seen == ["eager"] and model.config._attn_implementation == "sdpa"
