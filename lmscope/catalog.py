@@ -220,7 +220,8 @@ def safetensors_parameter_count(path: Path) -> int:
     return total
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# The files a Hugging Face tokenizer's vocabulary loads from (tokenizer_config.json alone holds none).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 # A directory without tokenizer files may name lmscope's byte tokenizer here: {"tokenizer": "bytes"}.
 LMSCOPE_MANIFEST = "lmscope.json"
 
@@ -238,6 +239,33 @@ def tokenizer_source(path: Path, vocab_size: int | None) -> str | None:
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         return "files"
     return "bytes" if vocab_size == BYTE_VOCAB_SIZE else None
+
+
+def largest_token_id(path: Path, source: str | None) -> int | None:
+    """The largest id a model directory's tokenizer can produce, as far as its files say without loading
+    it: the byte tokenizer's, or tokenizer.json's vocabulary and added tokens. None when unknown
+    (vocab.json / tokenizer.model only, or a file this reader does not follow)."""
+    if source == "bytes":
+        return BYTE_VOCAB_SIZE - 1
+    try:
+        tok = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = tok["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else range(len(vocab))  # BPE/WordPiece, Unigram
+        ids = [*ids, *(t["id"] for t in tok.get("added_tokens") or [])]
+        return max(i for i in ids if type(i) is int) if ids else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def vocabulary_mismatch(largest_id: int | None, embedding_rows: int | None, what: str) -> str | None:
+    """Why a tokenizer whose ids reach ``largest_id`` cannot feed a model with ``embedding_rows`` token
+    embeddings (an id past them fails every job with an index error), or None."""
+    if largest_id is None or embedding_rows is None or largest_id < embedding_rows:
+        return None
+    return (f"{what} produces token ids up to {largest_id}, but the model has {embedding_rows} token embeddings "
+            f"(vocab_size): ids from {embedding_rows} on would index past them. Save the tokenizer the model was "
+            "trained with into its directory, or resize the model to the tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and train it")
 
 
 def kv_heads(config: dict, heads: int | None, read=None) -> int | None:
@@ -298,9 +326,14 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
         raise CatalogError(f"{path} has no weights (*.safetensors or *.bin)")
     facts = config_facts(config)
     facts.path = str(resolved)
-    if tokenizer_source(resolved, facts.vocab_size) is None:
-        raise CatalogError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save it into the model "
-                           "directory with tokenizer.save_pretrained(path)")
+    source = tokenizer_source(resolved, facts.vocab_size)
+    if source is None:
+        raise CatalogError(f"{path} has no tokenizer vocabulary ({' / '.join(TOKENIZER_FILES)}; tokenizer_config.json "
+                           "alone holds none); save it into the model directory with tokenizer.save_pretrained(path)")
+    what = "lmscope's byte tokenizer" if source == "bytes" else "its tokenizer.json"
+    mismatch = vocabulary_mismatch(largest_token_id(resolved, source), facts.vocab_size, what)
+    if mismatch:
+        raise CatalogError(f"{path}: {mismatch}")
     st = [w for w in weights if w.suffix == ".safetensors"]
     if st:
         try:

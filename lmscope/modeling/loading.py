@@ -23,7 +23,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lmscope.catalog import (BUILTIN_MODELS, TOKENIZER_FILES, kv_heads, safetensors_parameter_count,
-                             tokenizer_source)
+                             tokenizer_source, vocabulary_mismatch)
 from lmscope.modeling.loaded import LoadedModel
 from lmscope.modeling.memory import free_memory
 from lmscope.modeling.tokenization import byte_tokenizer
@@ -73,8 +73,18 @@ def _load_tokenizer(path: Path, vocab_size: int | None):
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if source == "bytes":
         return byte_tokenizer()
-    raise ModelLoadError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
-                         "save the tokenizer into the model directory with tokenizer.save_pretrained(path)")
+    raise ModelLoadError(f"{path} has no tokenizer vocabulary ({' / '.join(TOKENIZER_FILES)}; tokenizer_config.json "
+                         "alone holds none); save the tokenizer into the model directory with "
+                         "tokenizer.save_pretrained(path)")
+
+
+def check_vocabulary(model, tokenizer, where: str) -> None:
+    """Refuse a tokenizer with more ids than the model has token embeddings (what registration could not
+    see in the files: vocab.json, tokenizer.model, or files changed since)."""
+    rows = model.get_input_embeddings().num_embeddings
+    mismatch = vocabulary_mismatch(len(tokenizer) - 1, rows, f"the tokenizer ({len(tokenizer)} tokens)")
+    if mismatch:
+        raise ModelLoadError(f"{where}: {mismatch}")
 
 
 def _weights_bytes(path: Path, dtype: torch.dtype) -> int:
@@ -123,6 +133,7 @@ def _load_directory(path: str | None, dtype: str, device: str):
                              f"{device} ({_free_bytes(device) / 2**30:.1f} GiB), and spreading them over the GPUs "
                              f"and the CPU failed: {e}") from None
     tokenizer = _load_tokenizer(p, getattr(model.config, "vocab_size", None))
+    check_vocabulary(model, tokenizer, str(p))
     return model, tokenizer, sharded
 
 

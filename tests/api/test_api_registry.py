@@ -128,13 +128,25 @@ def test_unusable_model_directories_are_422_naming_what_is_wrong(api, tmp_path):
         model_dir = write_hf_dir(tmp_path / "models" / f"w{i}")
         (model_dir / "model.safetensors").write_bytes(weights)
         refused(model_dir, "model.safetensors is not a safetensors file")
-    # no tokenizer: it was registered, and every job on it failed at load ("has no tokenizer")
+    # no tokenizer: it was registered, and every job on it failed at load ("has no tokenizer vocabulary")
     model_dir = write_hf_dir(tmp_path / "models" / "no-tokenizer")
     (model_dir / "tokenizer.json").unlink()
     refused(model_dir, "has no tokenizer", "save_pretrained")
+    (model_dir / "tokenizer_config.json").write_text("{}")  # settings, no vocabulary: every load failed
+    refused(model_dir, "has no tokenizer vocabulary", "tokenizer_config.json alone")
     (model_dir / "lmscope.json").write_text('{"tokenizer": "bytes"}')  # lmscope's byte tokenizer, named
+    # ... whose 259 ids do not fit 10 token embeddings: every job failed with an IndexError
+    refused(model_dir, "byte tokenizer produces token ids up to 258", "10 token embeddings", "resize_token_embeddings")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 259}))
     r = api.client.post("/v1/models", headers=admin, json={"name": "bytes-model", "path": str(model_dir)})
     assert r.status_code == 201, r.get_json()
+    # a tokenizer.json whose vocabulary or added tokens reach past the embeddings
+    for i, tokenizer in enumerate(({"model": {"vocab": {"a": 0, "b": 10}}},
+                                   {"model": {"vocab": {"a": 0}}, "added_tokens": [{"id": 12, "content": "<x>"}]})):
+        model_dir = write_hf_dir(tmp_path / "models" / f"big-tokenizer{i}")
+        (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+        refused(model_dir, "tokenizer.json produces token ids up to", "10 token embeddings")
     # a NUL in the path is refused with the body's other strings that cannot be stored
     body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "bad", "path": "/tmp/a\x00b"}),
                       422, "validation-error")

@@ -248,3 +248,37 @@ def test_document_samples_filter_truncate_and_keep_special_tokens():
     assert samples == [[256] + list(b"one t"), [256] + list(b"four "), [256] + list(b"x y z")]
     assert document_samples(tok, docs, min_words=3, max_tokens=5, max_samples=2) == samples[:2]
     assert document_samples(tok, docs, min_words=4, max_tokens=100, max_samples=None) == [[256] + list(b"four five six seven")]
+
+
+def test_a_tokenizer_with_more_ids_than_embeddings_is_refused_at_load(tmp_path):
+    """Registration reads tokenizer.json; a directory it could not judge (here: tokenizer files changed
+    afterwards) is checked when loaded, before any job indexes past the embeddings with an IndexError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=200)).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)  # 259 ids
+    with pytest.raises(ModelLoadError, match=r"the tokenizer \(259 tokens\) produces token ids up to 258, but the "
+                                             r"model has 200 token embeddings.*resize_token_embeddings"):
+        load_model("m", "directory", str(tmp_path))
+
+
+def test_a_sentencepiece_only_directory_loads(tmp_path):
+    """tokenizer.model (SentencePiece) with no tokenizer.json, as older LLaMA-family checkpoints ship: the
+    docs list it, and it needs the sentencepiece and protobuf packages the worker installs."""
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([TEXT, "He had a guest starring role on the television series The Bill ."] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    model_dir = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=60, bos_token_id=1, eos_token_id=2)).save_pretrained(model_dir)
+    (tmp_path / "sp.model").rename(model_dir / "tokenizer.model")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                                "eos_token": "</s>", "unk_token": "<unk>"}))
+    lm = load_model("sp", "directory", str(model_dir))
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    assert len(lm.tokenizer) == 60 and 3 < len(ids) < len(TEXT) and max(ids) < 60
+    assert lm.tokenizer.decode(ids, skip_special_tokens=True).replace(" ", "") == TEXT.replace(" ", "")
