@@ -102,10 +102,13 @@ def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
     unsupported = lmscope_attention_unsupported(loaded.model)
     if unsupported is not None:
         raise JobFailed(f"the attention study reads each layer's q, k, v through lmscope's attention function, "
-                        f"which cannot run {params.model}: {unsupported}")
+                        f"which cannot run {params.model}: {unsupported}. Study a model whose attention goes "
+                        "through transformers' AttentionInterface (docs/models-and-datasets.md lists them); "
+                        "the `entropy` job still runs this one")
     if getattr(cfg, "attn_logit_softcapping", None):
         raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
-                        "attention Performer and Linformer approximate")
+                        "attention Performer and Linformer approximate. Study a model without soft-capping "
+                        "(Gemma 3, LLaMA, Qwen, …); the `entropy` job runs this one, caps included")
     return loaded, layers, params
 
 

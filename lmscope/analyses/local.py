@@ -67,7 +67,12 @@ class LocalContext:
 
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
         if name in self.models:
-            return self.models[name]
+            loaded = self.models[name]
+            if not loaded.info:  # LoadedModel(name, model, tokenizer) as the docs show: the facts jobs report
+                from lmscope.modeling.loading import model_info
+
+                loaded.info = model_info(loaded.model)
+            return loaded
         if name in self.registered:
             from lmscope.modeling.loading import load_model
 

@@ -779,8 +779,9 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
     gated = info.get("gated_ffn")
     if gated or not all(is_gpt2_block(b) for b in parts.blocks):
         why = ("a gated FFN (LLaMA family)" if gated else
-               f"{type(parts.blocks[0]).__name__} blocks (only sequential GPT-2 blocks, x + MHSA then + FFN, "
-               "are linearised here; a parallel-residual block is I + W_FFN + W_MHSA, not the product)")
+               f"{type(parts.blocks[0]).__name__} blocks (only transformers' GPT-2 blocks, x + MHSA then + FFN "
+               "with Conv1D projections, are linearised here; a parallel-residual block, as GPT-NeoX's, would "
+               "be I + W_FFN + W_MHSA, not the product)")
         return (f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
                 f"two-matrix FFN (W2·W1); {params.model} has {why}")
     if params.gram_samples == 0:

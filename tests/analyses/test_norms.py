@@ -640,6 +640,19 @@ def test_llama_gram_condition_not_applicable(llama_run):
     assert not (ctx.artifact_dir / "gram_condition.npz").exists()
 
 
+def test_a_model_handed_over_without_its_facts_gets_them(tmp_path):
+    """LoadedModel(name, model, tokenizer), as docs/analyses show for use without the service: the local
+    context fills in model_info, so a LLaMA's Gram reason names its gated FFN (it named parallel-residual
+    blocks, from an empty info)."""
+    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
+                                                         intermediate_size=32, vocab_size=BYTE_VOCAB_SIZE)).eval()
+    ctx = LocalContext(tmp_path, models={"m": LoadedModel("m", model, byte_tokenizer())})
+    assert ctx.load_model("m").info == model_info(model) and model_info(model)["gated_ffn"]
+    parts = norms.model_parts(model)
+    reason = norms.gram_not_applicable(NormsParams(model="m", dataset="d"), parts, ctx.load_model("m").info)
+    assert "a gated FFN (LLaMA family)" in reason
+
+
 # ---------------------------------------------------------------- a model with a worked-out answer
 
 CLASS_START = {0: 1.0, 1: -1.0, 2: -0.7}  # h_0 = start·e_1 by token class (token id mod 3)
