@@ -60,6 +60,13 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# Architectures whose q, k, v lmscope's attention function never sees (attention in their own modules),
+# and those whose attention is not a plain softmax of q·k (Gemma 2 soft-caps the scores): the attention
+# study cannot compare them with their own attention, and is refused at submit.
+OWN_ATTENTION_MODULES = ("falcon", "gptj", "bloom")
+SOFT_CAPPED_ATTENTION = ("gemma2",)
+
+
 class CatalogError(ValueError):
     """A model directory or dataset file that cannot be used; the message says what to change."""
 

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from lmscope.api.auth import Caller
 from lmscope.api.errors import Problem, describe_errors, fields_problem, pydantic_errors
+from lmscope.catalog import OWN_ATTENTION_MODULES, SOFT_CAPPED_ATTENTION
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
@@ -276,6 +277,28 @@ def check_layers(session: Session, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "layer_out_of_range"} for m, loc in errors.items()])
 
 
+def check_softmax_attention(session: Session, parsed: list) -> None:
+    """The attention study on an architecture it cannot read is refused now, not by every child after a
+    queue wait and a model load (the worker checks again: a config may differ from its type's)."""
+    names = sorted({name for p in parsed if (name := p.softmax_attention_read()) is not None})
+    if not names:
+        return
+    errors = {}
+    for name, arch in session.execute(select(Model.name, Model.architecture).where(Model.name.in_(names))):
+        if arch in OWN_ATTENTION_MODULES:
+            why = "computes its attention in its own modules, so lmscope never sees its q, k, v"
+        elif arch in SOFT_CAPPED_ATTENTION:
+            why = "soft-caps its attention scores, so its attention is not the softmax Performer and Linformer approximate"
+        else:
+            continue
+        errors[f"model {name!r} ({arch}) {why}; study a model whose attention goes through transformers' "
+               "AttentionInterface without soft-capping (docs/models-and-datasets.md lists them); the "
+               "entropy job runs this one"] = ["params", "model"]
+    if errors:
+        raise Problem(422, "validation-error", "The attention study cannot read this model", "; ".join(errors),
+                      errors=[{"loc": loc, "msg": m, "type": "unsupported_attention"} for m, loc in errors.items()])
+
+
 def check_same_shapes(session: Session, parsed: list) -> None:
     """Models a job compares head by head must have the same layers × heads (as far as recorded)."""
     for p in parsed:
@@ -409,6 +432,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     check_refs(session, caller, [params, *child_params])
     check_context(session, [params, *child_params])
     check_layers(session, [params, *child_params])
+    check_softmax_attention(session, [params])
     check_same_shapes(session, [params])
     check_model_names(session, [params, *child_params])
     check_quota(session, caller, settings)

@@ -50,6 +50,11 @@ class JobParams(BaseModel):
         at submit against the model's number of layers."""
         return None
 
+    def softmax_attention_read(self) -> str | None:
+        """The model whose layers' q, k, v the job compares with its own softmax attention (the attention
+        study), or None; checked at submit against architectures whose attention cannot be read so."""
+        return None
+
     def models_compared(self) -> tuple[str, list[str]] | None:
         """(field, models) when the job follows the same layers and heads across several models;
         checked at submit: their recorded numbers of layers and heads must agree."""

@@ -215,6 +215,9 @@ class AttentionApproxParams(JobParams):
     def layers_read(self) -> tuple[str, str, list[int]] | None:
         return ("layers", self.model, self.layers) if self.layers is not None else None
 
+    def softmax_attention_read(self) -> str | None:
+        return self.model
+
 
 class SumformerGrid(_Strict):
     """Lists whose product is the sweep (features only multiplies linformer / performer)."""
@@ -336,6 +339,9 @@ class SweepParams(JobParams):
         if self.study != "attention" or self.layers is None or self.model is None:
             return None
         return ("layers", self.model, self.layers)
+
+    def softmax_attention_read(self) -> str | None:
+        return self.model if self.study == "attention" else None
 
     def stored(self) -> dict[str, Any]:
         """Only this study's fields: a sumformer sweep does not list the attention study's defaults."""

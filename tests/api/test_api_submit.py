@@ -484,6 +484,23 @@ def test_layers_a_model_does_not_have_are_refused_at_submit(api):
     assert api.submit(h, kind="sweep", params={**attention, "layers": [0, 1]}).status_code == 202
 
 
+def test_an_attention_study_of_a_model_it_cannot_read_is_refused_at_submit(api):
+    """Falcon-like models (attention in their own modules) and Gemma 2 (soft-capped scores): every child
+    failed in the worker after a queue wait; now one 422 says why and what to study instead."""
+    h = api.user("ann")
+    api.add_model("falcon-7b", architecture="falcon")
+    api.add_model("gemma-2", architecture="gemma2")
+    for name, says in (("falcon-7b", "computes its attention in its own modules"), ("gemma-2", "soft-caps")):
+        params = {"study": "attention", "model": name, "dataset": "d", "seq_len": 16}
+        body = is_problem(api.submit(h, kind="sweep", params=params), 422, "validation-error")
+        assert says in body["detail"] and "the entropy job runs this one" in body["detail"], body
+        assert body["errors"][0]["loc"] == ["params", "model"]
+    assert api.jobs() == []
+    assert api.submit(h, kind="entropy", params={"model": "falcon-7b", "dataset": "d"}).status_code == 202
+    assert api.submit(h, kind="sweep", params={"study": "attention", "model": "m", "dataset": "d",
+                                               "seq_len": 16}).status_code == 202
+
+
 def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):
     """The job follows each (layer, head) across its models: a 2-layer and a 3-layer model failed in
     the worker with an IndexError, after measuring the first."""
