@@ -146,6 +146,10 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         raise CatalogError(f"config.json: model_type must be a name like \"gpt2\", not {json.dumps(architecture)[:60]}")
     heads = first("num_attention_heads", "n_head")
     positions = first("max_position_embeddings", "n_positions")
+    info: dict[str, Any] = {"max_positions": positions} if positions else {}
+    if architecture in SOFT_CAPPED_ATTENTION:  # absent from the file: the config class's default caps
+        cap = config.get("attn_logit_softcapping", "default")
+        info["attention_softcap"] = bool(cap) if isinstance(cap, (int, float, type(None))) else True
     return ModelFacts(
         architecture=architecture,
         num_layers=first("num_hidden_layers", "n_layer"),
@@ -155,8 +159,9 @@ def config_facts(config: dict[str, Any]) -> ModelFacts:
         vocab_size=first("vocab_size"),
         num_parameters=None,
         dtype=dtype_name(),
-        # Kept so that a submit asking for more positions than the model reads is refused at once.
-        info={"max_positions": positions} if positions else {},
+        # Kept so that a submit asking for more positions than the model reads, or an attention study of
+        # soft-capped attention, is refused at once.
+        info=info,
     )
 
 
@@ -227,8 +232,10 @@ def safetensors_parameter_count(path: Path) -> int:
     return total
 
 
-# The files a Hugging Face tokenizer's vocabulary loads from (tokenizer_config.json alone holds none).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+# The files a Hugging Face tokenizer's vocabulary loads from (tokenizer_config.json alone holds none):
+# tokenizers' JSON, GPT-2's BPE vocabulary, WordPiece's, SentencePiece models under their usual names.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
 # A directory without tokenizer files may name lmscope's byte tokenizer here: {"tokenizer": "bytes"}.
 LMSCOPE_MANIFEST = "lmscope.json"
 

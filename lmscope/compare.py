@@ -31,30 +31,37 @@ RUN_LABELS = ("model", "step", "seed", "seeds", "seed_count", "kept", "total", "
 POINT_LABELS = ("step", "seed")
 
 
-def _names_a_point(key: str, value: Any, labels: dict[str, Any]) -> bool:
+def _names_a_point(key: str, value: Any, labels: dict[str, Any], values: set[str] | None) -> bool:
     """A step that is a checkpoint's (its model is `run@step<N>`; an entropy job on a plain model says step 0,
-    a list of plain models their index), or any other point label with a value (a seed, a target)."""
+    a list of plain models their index), a seed, or a parameter's value that another job's curves are told
+    apart by (`values`: their JSON texts; a value no such curve has names no point another job can match)."""
     if key == "step":
         model = labels.get("model")
         return isinstance(model, str) and model.endswith(f"@step{value}")
+    if values is not None:
+        return json.dumps(value, sort_keys=True) in values
     return value is not None
 
 
 def _matching_labels(series: list[dict[str, Any]], run_labels: tuple[str, ...] = RUN_LABELS,
-                     points: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+                     points: dict[str, set[str] | None] | None = None) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The labels each of one job's series is matched on, and the run labels it needed: without the run
     labels, or with the fewest of them that still tell the job's curves apart (`step` for a run over
     several checkpoints, `target` for a sweep over several targets compared with a sweep over one: the
     points and the parameters in which the jobs differ are tried before the counts). The `points` labels
-    are kept wherever they have a value."""
+    are kept where they name a point (`_names_a_point`)."""
+    points = points or {}
+
     def keep(extra: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{k: v for k, v in (s.get("labels") or {}).items()
-                 if k not in run_labels or k in extra or (k in points and _names_a_point(k, v, s.get("labels")))}
+                 if k not in run_labels or k in extra
+                 or (k in points and _names_a_point(k, v, s.get("labels"), points[k]))}
                 for s in series]
 
     present = {k for s in series for k in (s.get("labels") or {})}
     candidates = tuple(k for k in _point_candidates(run_labels) if k in present)
-    tries = [extra for size in range(len(candidates) + 1) for extra in combinations(candidates, size)]
+    # the fewest first; past three at once, every run label (a job's own curves rarely need more)
+    tries = [extra for size in range(min(len(candidates), 3) + 1) for extra in combinations(candidates, size)]
     for extra in tries + [run_labels]:
         labels = keep(extra)
         keys = Counter((s["name"], json.dumps(m, sort_keys=True)) for s, m in zip(series, labels))
@@ -162,7 +169,12 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     run_labels = RUN_LABELS + tuple(k for k, values in params.items() if len(values) == len(jobs))
     # the point labels some job needs (not its last resort, every run label, which another job cannot share)
     needed = [_matching_labels(series, run_labels)[1] for series in series_of]
-    points = tuple(k for k in _point_candidates(run_labels) if any(k in extra for extra in needed if extra != run_labels))
+    points: dict[str, set[str] | None] = {}
+    for k in _point_candidates(run_labels):
+        needing = [series for series, extra in zip(series_of, needed) if extra != run_labels and k in extra]
+        if needing:  # a checkpoint's step or a seed as before; a parameter by the values those jobs have
+            points[k] = None if k in POINT_LABELS else {
+                json.dumps(s["labels"][k], sort_keys=True) for series in needing for s in series if k in (s.get("labels") or {})}
     curves: dict[tuple, Curve] = {}
     for job_id, series in zip(ids, series_of):
         seen: Counter[tuple] = Counter()

@@ -295,6 +295,19 @@ def test_legend_entries_that_cutting_would_make_alike_stay_apart_and_the_panel_k
 def test_clip_apart_cuts_to_the_width_where_that_keeps_texts_apart():
     from lmscope.compare import clip_apart
 
-    assert clip_apart(["abcdef", "abcxyz", "q"], 4) == ["abcd…", "abcx…", "q"]  # apart at 4 already: kept there
+    assert clip_apart(["abcdef", "abxyzq", "q"], 4) == ["abc…", "abx…", "q"]  # apart at 4 already: cut there
+    assert clip_apart(["abcdef", "abcxyz", "q"], 4) == ["abcd…", "abcx…", "q"]  # alike at 4: one wider
     assert clip_apart(["abcdef1", "abcdef2"], 4) == ["abcdef1", "abcdef2"]
     assert clip_apart(["same", "same"], 2) == ["s…", "s…"]  # the same text twice is no conflict
+
+
+def test_a_job_that_needs_a_parameter_label_does_not_split_the_curve_others_share():
+    """Sweep 1 runs d′ = 1 and 4 (it needs latent_dim to tell its curves apart), jobs 2 and 3 one d′ each
+    (8 and 16): their curves still share one curve, as without job 1 in the comparison; job 1's are its own."""
+    labels = {"architecture": "mlp_sumformer"}
+    c = compare([_job(1, latent_dim=[1, 4]), _job(2, latent_dim=8), _job(3, latent_dim=16)],
+                [[_series("val_error", {**labels, "latent_dim": d}, [5], [float(d)]) for d in (1, 4)],
+                 [_series("val_error", {**labels, "latent_dim": 8}, [5], [8.0])],
+                 [_series("val_error", {**labels, "latent_dim": 16}, [5], [16.0])]])
+    assert [(cv.labels, sorted(cv.by_job)) for cv in c.curves] == [
+        ({**labels, "latent_dim": 1}, [1]), ({**labels, "latent_dim": 4}, [1]), (labels, [2, 3])]

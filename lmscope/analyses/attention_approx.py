@@ -85,7 +85,7 @@ def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
     """(the loaded model, the layers to study, params with seq_len set): refused when a layer does not exist
     or lmscope's attention function cannot read the model's q, k, v, or its attention is not plain softmax
     attention."""
-    from lmscope.kernels.hf import lmscope_attention_unsupported
+    from lmscope.kernels.hf import lmscope_attention_unsupported, uses_attention_interface
 
     with ctx.stage("load_model"):
         loaded = ctx.load_model(params.model)
@@ -101,10 +101,12 @@ def _attention_study_model(params: AttentionApproxParams, ctx: JobContext):
     # q, k, v come from lmscope's attention function, and "exact" must be the model's own softmax
     unsupported = lmscope_attention_unsupported(loaded.model)
     if unsupported is not None:
+        # only where the model computes attention in its own modules does entropy take another route
+        advice = ("" if uses_attention_interface(loaded.model) else
+                  ". Study a model whose attention goes through transformers' AttentionInterface "
+                  "(docs/models-and-datasets.md lists them); the `entropy` job still runs this one")
         raise JobFailed(f"the attention study reads each layer's q, k, v through lmscope's attention function, "
-                        f"which cannot run {params.model}: {unsupported}. Study a model whose attention goes "
-                        "through transformers' AttentionInterface (docs/models-and-datasets.md lists them); "
-                        "the `entropy` job still runs this one")
+                        f"which cannot run {params.model}: {unsupported}{advice}")
     if getattr(cfg, "attn_logit_softcapping", None):
         raise JobFailed(f"{params.model} soft-caps its attention scores (Gemma 2): its attention is not the softmax "
                         "attention Performer and Linformer approximate. Study a model without soft-capping "

@@ -284,10 +284,11 @@ def check_softmax_attention(session: Session, parsed: list) -> None:
     if not names:
         return
     errors = {}
-    for name, arch in session.execute(select(Model.name, Model.architecture).where(Model.name.in_(names))):
+    for name, arch, info in session.execute(select(Model.name, Model.architecture, Model.info)
+                                            .where(Model.name.in_(names))):
         if arch in OWN_ATTENTION_MODULES:
             why = "computes its attention in its own modules, so lmscope never sees its q, k, v"
-        elif arch in SOFT_CAPPED_ATTENTION:
+        elif (info or {}).get("attention_softcap", arch in SOFT_CAPPED_ATTENTION):  # unrecorded: by its type
             why = "soft-caps its attention scores, so its attention is not the softmax Performer and Linformer approximate"
         else:
             continue

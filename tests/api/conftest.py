@@ -50,9 +50,11 @@ class Api:
                 _, self.tokens[name] = create_user(session, name, admin=admin)
         return {"Authorization": f"Bearer {self.tokens[name]}"}
 
-    def add_model(self, name: str = "m", layers: int | None = 2, heads: int | None = 2, architecture: str = "gpt2") -> None:
+    def add_model(self, name: str = "m", layers: int | None = 2, heads: int | None = 2, architecture: str = "gpt2",
+                  info: dict | None = None) -> None:
         with self.sessions.begin() as session:
-            session.add(Model(name=name, source="builtin", architecture=architecture, num_layers=layers, num_heads=heads))
+            session.add(Model(name=name, source="builtin", architecture=architecture, num_layers=layers, num_heads=heads,
+                              info=info or {}))
 
     def add_dataset(self, name: str = "d") -> None:
         with self.sessions.begin() as session:

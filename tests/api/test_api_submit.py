@@ -497,6 +497,14 @@ def test_an_attention_study_of_a_model_it_cannot_read_is_refused_at_submit(api):
         assert body["errors"][0]["loc"] == ["params", "model"]
     assert api.jobs() == []
     assert api.submit(h, kind="entropy", params={"model": "falcon-7b", "dataset": "d"}).status_code == 202
+    # a Gemma 2 whose config turns the cap off (recorded at registration: catalog.config_facts) is studied
+    from lmscope.catalog import config_facts
+
+    uncapped = config_facts({"model_type": "gemma2", "attn_logit_softcapping": None}).info
+    assert uncapped["attention_softcap"] is False and config_facts({"model_type": "gemma2"}).info["attention_softcap"]
+    api.add_model("gemma-2-uncapped", architecture="gemma2", info=uncapped)
+    assert api.submit(h, kind="sweep", params={"study": "attention", "model": "gemma-2-uncapped", "dataset": "d",
+                                               "seq_len": 16}).status_code == 202
     assert api.submit(h, kind="sweep", params={"study": "attention", "model": "m", "dataset": "d",
                                                "seq_len": 16}).status_code == 202
 

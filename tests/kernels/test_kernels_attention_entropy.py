@@ -357,3 +357,15 @@ def test_triton_output_is_laid_out_heads_last(triton_backend, device, oracle):
     _close(res.out, oracle.attention(q, k, v, causal=True)[0], 2e-5)
     torch.library.opcheck(torch.ops.lmscope.attention_with_entropy, (q, k, v, True, 0.25, None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_heads_last_only_while_the_rows_offsets_fit_32_bits():
+    """Heads-last rows are H·Dv apart; the kernel's offsets inside a head are int32, so a buffer whose last
+    row would start past 2^31 − 1 is laid out heads-first (meta tensors: the shapes without the memory)."""
+    from lmscope.kernels.attention_entropy.triton_kernel import empty_output
+
+    fits = empty_output(torch.empty(1, 32, 4096, 128, device="meta"), 128, heads_last=True)
+    assert fits.transpose(1, 2).is_contiguous()
+    too_long = empty_output(torch.empty(1, 32, 2**20, 128, device="meta"), 128, heads_last=True)
+    assert too_long.is_contiguous() and too_long.shape == (1, 32, 2**20, 128)
+    assert empty_output(torch.empty(1, 2, 8, 16, device="meta"), 16, heads_last=False).is_contiguous()

@@ -18,13 +18,11 @@ its diagonal; key blocks left of every row's window are skipped, like those righ
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import cdiv, check_grid, fit_int32_offsets, interpreting, next_power_of_2, on_device_of
+from ..dispatch import INT32_MAX, cdiv, check_grid, fit_int32_offsets, interpreting, next_power_of_2, on_device_of
 from ..tuning import autotune_on_gpu
 
 LOG2E = 1.4426950408889634
@@ -320,10 +318,14 @@ def _(q, k, v, causal, scale, key_padding_mask, softcap, window):
     return q.new_empty((b, h, nq, v.shape[-1])), stats, torch.empty_like(stats)
 
 
-@functools.lru_cache(maxsize=None)
-def _never_read(device: torch.device) -> torch.Tensor:
-    """The mask pointer of a launch without a padding mask (HAS_KPM=False): one per device, not one per call."""
-    return torch.empty(1, device=device, dtype=torch.int8)
+def empty_output(q: torch.Tensor, dv: int, heads_last: bool) -> torch.Tensor:
+    """The [B, H, Nq, Dv] output buffer. heads_last: a view of a [B, Nq, H, Dv] one, which transformers
+    continues with (its out.transpose(1, 2).contiguous() is then a view, not another pass over the output,
+    as sdpa's route makes), while its rows, H·Dv apart, keep the kernel's offsets inside a head in int32."""
+    b, h, nq, _ = q.shape
+    if heads_last and (nq - 1) * h * dv + dv - 1 <= INT32_MAX:
+        return torch.empty((b, nq, h, dv), device=q.device, dtype=q.dtype).transpose(1, 2)
+    return torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
 
 
 def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window, heads_last=True):
@@ -342,20 +344,16 @@ def _launch(q, k, v, causal, scale, key_padding_mask, softcap, window, heads_las
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     check_grid(b * h)
 
-    # heads_last: written as [B, Nq, H, Dv] and returned as a [B, H, Nq, Dv] view. transformers wants
-    # [B, Nq, H, Dv] contiguous, which is then a view instead of another pass over the output (sdpa's
-    # route makes that pass)
-    if heads_last:
-        out = torch.empty((b, nq, h, dv), device=q.device, dtype=q.dtype).transpose(1, 2)
-    else:
-        out = torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
+    out = empty_output(q, dv, heads_last)
     ent = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, nq), device=q.device, dtype=torch.float32)
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         stride_kpm_b = kpm.stride(0)
     else:
-        kpm = _never_read(q.device)
+        # HAS_KPM=False never reads the mask pointer: q stands in for it (an allocation per call costs host
+        # time, and one kept across calls would sit in a CUDA graph's memory pool if first made in a capture)
+        kpm = q
         stride_kpm_b = 0
     # fp32 inputs get exact fp32 dot products (tf32 would cost ~3 decimal digits of the entropy);
     # fp16/bf16 take the target's default (tensor cores, fp32 accumulation)
