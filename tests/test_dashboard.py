@@ -494,6 +494,9 @@ def test_sweep_points_open_link_back_and_compare(page, url, jobs):
     for child in (c1, c2):
         best = api(url, f"/v1/jobs/{child}")["summary"]["best_val_error"]
         assert float(page.text(f'#children tr[data-id="{child}"] td.result')) == pytest.approx(best, rel=1e-5)
+    # Finished, its results come first and the grid points after them (a 64-point table pushed them far down).
+    headings = page.js("[...document.querySelectorAll('#detail h3')].map(h => h.textContent)")
+    assert headings.index("Summary") < headings.index("Plots") < [h.startswith("Grid points") for h in headings].index(True)
     # The sweep's best line per configuration: a table, a column per field.
     best = api(url, f"/v1/jobs/{sweep}")["summary"]["best"]
     assert page.js("[...document.querySelectorAll('#summary-table-best thead th')].map(t => t.textContent)") == list(best[0])
@@ -673,6 +676,22 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
     # the job has no such parameter)
     assert got["legend"] == ["job 1 · a (loss_filter=null)"]
     assert got["styles"] == ["(no step)", "step=10"]  # a curve without the varying label is named, not blank
+
+
+def test_a_chart_line_stops_at_a_missing_value_and_at_what_a_log_axis_cannot_draw(page, url):
+    """A NaN (null in the results) and, on a log axis, a value ≤ 0 end a line: the next drawable point starts
+    another, instead of one line bridging the gap as if values were there (an entropy histogram's empty bins
+    on a log y axis read as a flat density)."""
+    page.goto(f"{url}/")
+    page.wait("typeof chart === 'function' && document.getElementById('detail')")
+    got = page.js("""(() => {
+      const jobs = [{ id: 1, name: "a" }], one = (x, y) => [{ name: "s", labels: {}, x_meaning: "x", jobs: { "1": { x, y } } }];
+      const runs = (svg) => [...svg.querySelectorAll("polyline")].map(p => p.getAttribute("points").split(" ").length);
+      return { nan: runs(chart("s", one([0, 1, 2, 3, 4], [1, 2, null, 3, 4]), jobs)),
+               log: runs(chart("s", one([0, 1, 2, 3, 4, 5], [1, 2, 0, 0, 3, 4]), jobs, { logy: true })),
+               linear: runs(chart("s", one([0, 1, 2, 3, 4, 5], [1, 2, 0, 0, 3, 4]), jobs)) };
+    })()""")
+    assert got == {"nan": [2, 2], "log": [2, 2], "linear": [6]}
 
 
 # `k=v, ...` as `lmscope compare --plot` writes labels (tests/test_compare.py checks it by hand): the
@@ -1098,3 +1117,30 @@ def test_docs_page_links_back_and_renders_code(page, url):
     assert "`" not in page.js("[...document.querySelectorAll('#ops td')].map(t => t.textContent).join(' ')")
     page.click("a[href='/']")
     page.wait("location.pathname === '/' && document.getElementById('jobs')")
+
+
+def test_long_values_wrap_inside_their_panels(page, url, jobs):
+    """Two sweeps compared: their grids (lists and objects) wrap in the compare table, which fits the panel (as
+    compact JSON the second job sat 1700 px to the right). A checkpoint name (no space to wrap at) in the job
+    list's "on" column keeps "created" inside the panel at laptop widths."""
+    load(page, f"{url}/")
+    assert page.js('fmt({ latent_dim: [1, 2], seq_len: [3] })') == '{"latent_dim": [1, 2], "seq_len": [3]}'
+    grid = lambda d: {"latent_dim": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "token_dim": list(range(1, 11)),
+                      "seq_len": [3], "seed": [0, d]}
+    doc = {"jobs": [{"id": 1, "kind": "sweep", "name": None, "status": "succeeded"},
+                    {"id": 2, "kind": "sweep", "name": None, "status": "succeeded"}],
+           "params": {"grid": {"1": grid(1), "2": grid(2)}}, "summary": {}, "shared_series": [], "series": [], "missing": []}
+    fits = page.js("""(doc => { const parts = comparePage(doc, { ids: [1, 2], series: null, logx: false, logy: false });
+        const box = el("div", { id: "probe-box" }, ...parts); $("detail").append(box);
+        const s = box.querySelector(".scroll"), ok = s.scrollWidth <= s.clientWidth; box.remove(); return ok; })(%s)"""
+                   % json.dumps(doc))
+    assert fits
+    long_subject = {"id": 999999, "kind": "entropy", "status": "succeeded", "tags": [], "created_at": "2026-01-01T00:00:00Z",
+                    "params": {"models": ["audit-run-with-a-long-name@step60", "audit-run-with-a-long-name@step600"],
+                               "dataset": "wikitext-2"}}
+    for width in (1000, 1100, 1330, 1390):
+        page.resize(width, 900)
+        assert page.js("""(job => { listRows.update([job]);
+            const s = document.querySelector('#list-panel .scroll'), box = s.getBoundingClientRect();
+            return s.scrollWidth <= s.clientWidth && [...document.querySelectorAll('#jobs td.created')].every(
+                c => c.getBoundingClientRect().right <= box.right + 0.5); })(%s)""" % json.dumps(long_subject)), width
