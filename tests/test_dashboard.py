@@ -316,6 +316,8 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     error = page.text("#submit-error")
     assert "params.modell" in error and "did you mean 'model'" in error, error
     assert "fix these fields" not in error  # that detail only repeats the field lines: said once
+    wanted = "[...document.querySelectorAll('#submit-form .wanted')].map(e => e.id)"
+    assert page.js(wanted) == ["params"]  # the box the error is about is marked
     assert page.js("document.getElementById('submit-error').closest('form') === document.getElementById('submit-form')")
     assert page.js("document.getElementById('submit-error').getBoundingClientRect().height > 0")  # visible
     # A problem whose detail says more than its field message: both are shown.
@@ -324,6 +326,7 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
     page.wait("document.getElementById('submit-error').textContent.startsWith('Unknown job kind')")
     error = page.text("#submit-error")
     assert "did you mean 'norms'?" in error and error.count("probe") == 1, error  # the kinds listed once
+    assert page.js(wanted) == ["kind"]
     page.js("document.getElementById('kind').value = 'probe'")
     # An unknown model: the detail only repeats the field message, which is said once, with its place.
     page.js("""(() => { const p = document.getElementById('params'); p.value = '{"model": "ghost"}'; return true; })()""")
@@ -338,7 +341,7 @@ def test_submit_error_stays_next_to_the_form_until_an_edit_and_a_submit_shows_th
                 document.getElementById('name').value = 'from the form';
                 document.getElementById('tags').value = 'ui, form';
                 return true; })()""")
-    assert page.text("#submit-error") == ""
+    assert page.text("#submit-error") == "" and page.js(wanted) == []
     page.click("#submit")
     page.wait("/^#job=\\d+$/.test(location.hash)")
     new_id = int(page.js("location.hash").split("=")[1])
