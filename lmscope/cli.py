@@ -780,7 +780,13 @@ def show(job_id, as_json):
 def cancel(job_id):
     """Cancel a job (a sweep: all its children)."""
     job = client().cancel(job_id)
-    state = "cancelled" if job["status"] == "cancelled" else "cancel requested (stops at its next batch)"
+    if job["status"] == "cancelled":
+        state = "cancelled"
+    elif job["kind"] == "sweep":
+        state = ("cancel requested (its queued grid points are cancelled now, running ones at their next batch; "
+                 "it ends once they have)")
+    else:
+        state = "cancel requested (stops at its next batch)"
     click.echo(f"job {job_id}: {state}")
 
 

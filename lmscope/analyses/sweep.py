@@ -52,7 +52,8 @@ def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext)
         summary["cancelled_children"] = cancelled
     if not ok:
         raise JobFailed(f"all {len(children)} children of this sweep ended without results "
-                        f"(first error: {not_ok[0].error if not_ok else 'none'}); see the children's errors")
+                        f"(first error: {not_ok[0].error if not_ok else 'none'}); see the children's errors",
+                        error_type="children-failed")
     ctx.progress(0, 1, "aggregating")
     if params.study == "sumformer":
         out = _aggregate_sumformer(params, ok, ctx)

@@ -11,6 +11,7 @@ import json
 import time
 
 from flask import Blueprint, Response, current_app
+from sqlalchemy.exc import SQLAlchemyError
 
 from lmscope.api.auth import current_caller
 from lmscope.api.inputs import query_params, query_seconds
@@ -23,6 +24,7 @@ bp = Blueprint("events", __name__, url_prefix="/v1")
 
 DEFAULT_TIMEOUT, MAX_TIMEOUT = 300.0, 3600.0
 KEEPALIVE_SECONDS = 15.0
+OUTAGE_POLL_SECONDS = 1.0  # how often a stream asks a database that does not answer
 
 
 def sse(event: str, data: dict) -> str:
@@ -60,8 +62,23 @@ def job_events(job_id: int):
         last_status = last_progress = None
         last_sent = time.monotonic()
         yield "retry: 2000\n\n"
+        outage = False
         while True:
-            snap = snapshot(sessions, job_id)
+            try:
+                snap = snapshot(sessions, job_id)
+            except SQLAlchemyError:
+                # the database does not answer (the rest of the API says 503 database-unavailable): say so
+                # once, keep the stream, and go on when it answers again
+                if not outage:
+                    yield sse("unavailable", {"id": job_id, "type": "database-unavailable",
+                                              "detail": "the database does not answer; the stream goes on when it does"})
+                    outage, last_sent = True, time.monotonic()
+                if time.monotonic() >= deadline:
+                    yield sse("timeout", {"id": job_id, "detail": "stream time limit reached; reconnect to keep watching"})
+                    return
+                time.sleep(max(poll, OUTAGE_POLL_SECONDS))
+                continue
+            outage = False
             status_key = (snap["status"], snap["cancel_requested"], snap["attempts"])
             if status_key != last_status:
                 yield sse("status", snap)

@@ -473,3 +473,14 @@ def test_datasets_delete_removes_an_upload(api, cli, tmp_path):
     assert r.exit_code == 0 and r.stdout.strip() == "removed dataset notes"
     gone = cli("datasets", "delete", "notes")
     assert gone.exit_code == 1 and "no dataset 'notes'" in gone.output
+
+
+def test_cancel_says_what_happens_to_a_sweep(api, cli):
+    """A sweep's cancel cancels its queued grid points at once and ends when its running ones have; the CLI
+    said "stops at its next batch", which a sweep has none of. A queued plain job is cancelled at once."""
+    h = api.user("ann")
+    sweep = api.submit(h, kind="sweep", params={"grid": {"latent_dim": [1, 2], "token_dim": [1]}}).get_json()["id"]
+    r = cli("cancel", str(sweep))
+    assert r.exit_code == 0 and "its queued grid points are cancelled now" in r.output, r.output
+    queued = api.submit(h).get_json()["id"]
+    assert cli("cancel", str(queued)).output.strip() == f"job {queued}: cancelled"

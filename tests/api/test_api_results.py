@@ -222,3 +222,31 @@ def test_compare_refuses_an_answer_too_large_to_use(api, monkeypatch):
     body = is_problem(api.client.get(f"/v1/compare?jobs={a},{b}&series=*", headers=h), 422, "too-many-series")
     assert "matches 6 curves over these jobs, more than 5" in body["detail"] and "name fewer series" in body["detail"]
     assert api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).status_code == 200
+
+
+def test_events_stream_rides_out_a_database_outage(api, monkeypatch):
+    """The database stopped under a watched job: the stream ended in a server traceback (an OperationalError
+    from its poll). It says `unavailable` once, keeps the connection, and goes on to the end when it answers."""
+    from sqlalchemy.exc import OperationalError
+
+    from lmscope.api import events
+
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.app.config["LMSCOPE_SSE_POLL_SECONDS"] = 0.01
+    monkeypatch.setattr(events, "OUTAGE_POLL_SECONDS", 0.01)
+    real, calls = events.snapshot, []
+
+    def flaky(sessions, job):
+        calls.append(job)
+        if 2 <= len(calls) <= 4:  # the second to fourth polls: the database is down
+            raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+        if len(calls) == 6:
+            api.set_job(job_id, status="succeeded", finished_at=utcnow())
+        return real(sessions, job)
+
+    monkeypatch.setattr(events, "snapshot", flaky)
+    text = api.client.get(f"/v1/jobs/{job_id}/events?timeout=20", headers=h).get_data(as_text=True)
+    kinds = [k for k, _ in parse_events(text)]
+    assert kinds.count("unavailable") == 1 and kinds[-1] == "end", kinds
+    assert kinds.index("unavailable") < kinds.index("end")
