@@ -294,15 +294,9 @@ def _what_differs(c: Comparison, job: dict[str, Any]) -> str:
     return diff or job.get("name") or ""
 
 
-def job_label(c: Comparison, job: dict[str, Any], width: int = LEGEND_WIDTH) -> str:
-    """`job 3 (model=tiny-gpt2)`: the job and the parameters in which it differs from the others
-    (cut to `width` characters); the job's name when no parameter differs."""
-    what = _what_differs(c, job)
-    return f"job {job['id']}" + (f" ({clip(what, width)})" if what else "")
-
-
 def job_labels(c: Comparison, width: int = LEGEND_WIDTH) -> dict[int, str]:
-    """`job_label` of every job, cut wider where `width` would make two jobs' differences read the same."""
+    """{job id: `job 3 (model=tiny-gpt2)`}: each job and the parameters in which it differs from the others
+    (its name when none differs), cut to `width` characters, or wider where that would make two read the same."""
     whats = clip_apart([_what_differs(c, job) for job in c.jobs], width)
     return {job["id"]: f"job {job['id']}" + (f" ({what})" if what else "") for job, what in zip(c.jobs, whats)}
 
@@ -338,7 +332,7 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
     the labels its curves share under the title. Jobs and the label sets that vary between its curves
     (e.g. layers) are told apart by colour and by line look: colour for whichever is more numerous, a
     look (dash pattern, then markers; twelve) for the other, both named in the legend — a job by what
-    differs between the jobs (`job_label`). Past twelve looks (or twenty colours) they repeat, and the
+    differs between the jobs (`job_labels`). Past twelve looks (or twenty colours) they repeat, and the
     title says how many curves there are by which labels.
     """
     plot_formats()  # matplotlib is there

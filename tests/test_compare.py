@@ -56,12 +56,12 @@ def test_grid_points_that_differ_in_a_labelled_parameter_share_one_curve():
 
 def test_a_null_parameter_is_not_an_absent_one():
     """loss_filter null (keep every sample) is a value; a job of another kind has no such field."""
-    from lmscope.compare import job_label
+    from lmscope.compare import job_labels
 
     jobs = [_job(1, "norms", loss_filter=1.0), _job(2, "norms", loss_filter=None), _job(3, "probe")]
     c = compare(jobs, [[], [], []])
     assert c.params["loss_filter"] == {1: 1.0, 2: None}  # job 3 is left out, not None
-    assert [job_label(c, j) for j in c.jobs] == ["job 1 (loss_filter=1.0)", "job 2 (loss_filter=null)",
+    assert [job_labels(c)[j["id"]] for j in c.jobs] == ["job 1 (loss_filter=1.0)", "job 2 (loss_filter=null)",
                                                  "job 3 (loss_filter=-)"]
     same = [_job(1, "norms", loss_filter=None), _job(2, "norms", loss_filter=None)]
     assert "loss_filter" not in compare(same, [[], []]).params  # the same null twice: no difference
