@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TASK_NAME = "lmscope.run_job"
 QUEUE_NAME = "lmscope"
+# Message priorities on Redis: kombu keeps one list per priority step (0, 3, 6, 9) and a worker takes
+# from the lowest number first. A sweep parent's id (its aggregation: seconds of work that ends a job
+# its owner is waiting for) goes ahead of the queued jobs, so the next free worker process takes it
+# rather than the one after the whole backlog. (RabbitMQ would ignore both: its queue has no priorities.)
+AGGREGATION_PRIORITY = 0
+JOB_PRIORITY = 3
 # Redis re-delivers a message that is unacknowledged this long after delivery. The hard time limit
 # of a job stays below it, so a running job's message is never handed to a second worker.
 VISIBILITY_MARGIN_SECONDS = 3600
@@ -38,8 +44,9 @@ log = logging.getLogger("lmscope.queue")
 
 
 class Publisher(Protocol):
-    def publish(self, job_id: int) -> None:
-        """Hand a job id to the workers; raises if the queue did not accept it."""
+    def publish(self, job_id: int, *, aggregation: bool = False) -> None:
+        """Hand a job id to the workers; raises if the queue did not accept it. ``aggregation``: the id is
+        a sweep parent's, to be aggregated, and goes ahead of the queued jobs."""
 
 
 # ---------------------------------------------------------------- Celery
@@ -93,7 +100,8 @@ def make_celery(settings: "Settings") -> "Celery":
 
 
 class CeleryPublisher:
-    """Sends task ``lmscope.run_job`` with args ``[job_id]`` (JSON) to queue ``lmscope``."""
+    """Sends task ``lmscope.run_job`` with args ``[job_id]`` (JSON) to queue ``lmscope``, at
+    ``AGGREGATION_PRIORITY`` for a sweep parent's aggregation, else ``JOB_PRIORITY``."""
 
     def __init__(self, *, settings: "Settings | None" = None, app: "Celery | None" = None):
         if app is None:
@@ -102,8 +110,9 @@ class CeleryPublisher:
             app = make_celery(settings)
         self.app = app
 
-    def publish(self, job_id: int) -> None:
-        self.app.send_task(TASK_NAME, args=[int(job_id)], queue=QUEUE_NAME)
+    def publish(self, job_id: int, *, aggregation: bool = False) -> None:
+        self.app.send_task(TASK_NAME, args=[int(job_id)], queue=QUEUE_NAME,
+                           priority=AGGREGATION_PRIORITY if aggregation else JOB_PRIORITY)
 
 
 # ---------------------------------------------------------------- embedded
@@ -113,7 +122,8 @@ class LocalPublisher:
 
     The embedded worker claims queued jobs straight from SQL, so a wake-up that is missed (or a
     publish before the worker started) loses nothing; published ids are kept only so that a sweep
-    parent whose last child finished is aggregated without waiting for the next reaper pass.
+    parent whose last child finished is aggregated without waiting for the next reaper pass (the
+    worker aggregates the drained ids before it claims its next job, whatever ``aggregation`` says).
     """
 
     def __init__(self):
@@ -121,7 +131,7 @@ class LocalPublisher:
         self._lock = threading.Lock()
         self.wakeup = threading.Event()
 
-    def publish(self, job_id: int) -> None:
+    def publish(self, job_id: int, *, aggregation: bool = False) -> None:
         with self._lock:
             self._ids.append(int(job_id))
         self.wakeup.set()
@@ -143,8 +153,9 @@ def make_publisher(settings: "Settings") -> Publisher:
 
 # ---------------------------------------------------------------- publish + record
 
-def send_each(publisher: Publisher, job_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+def send_each(publisher: Publisher, job_ids: Iterable[int], *, aggregation: bool = False) -> tuple[list[int], list[int]]:
     """Publish the ids in order; returns (sent, not sent). A failure is logged, not raised (the reaper retries).
+    ``aggregation``: the ids are sweep parents' (``Publisher.publish``).
 
     The first failure stops the round: the broker is down (each try costs the publish retry policy,
     about a second), and trying every id of a 128-point sweep would keep the API's answer (or a reaper
@@ -153,7 +164,7 @@ def send_each(publisher: Publisher, job_ids: Iterable[int]) -> tuple[list[int], 
     ids = list(job_ids)
     for i, job_id in enumerate(ids):
         try:
-            publisher.publish(job_id)
+            publisher.publish(job_id, aggregation=aggregation)
         except Exception as e:  # broker down: the reaper will retry
             rest = len(ids) - i - 1
             log.warning("could not publish job %s (%s: %s)%s; the reaper will retry", job_id, type(e).__name__, e,
@@ -162,8 +173,10 @@ def send_each(publisher: Publisher, job_ids: Iterable[int]) -> tuple[list[int], 
     return ids, []
 
 
-def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]", job_ids: Iterable[int]) -> list[int]:
-    """Publish each id, then set ``published_at`` for those the queue accepted.
+def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]", job_ids: Iterable[int], *,
+                 aggregation: bool = False) -> list[int]:
+    """Publish each id, then set ``published_at`` for those the queue accepted. ``aggregation``: the ids
+    are sweep parents whose children have ended (they go ahead of the queued jobs).
 
     Returns the ids that were published. A failure is logged, not raised: the committed row stays
     queued with ``published_at`` NULL and the reaper publishes it later; so do the ids after it, which
@@ -173,7 +186,7 @@ def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]",
 
     from lmscope.db.models import Job, utcnow
 
-    sent, failed = send_each(publisher, job_ids)
+    sent, failed = send_each(publisher, job_ids, aggregation=aggregation)
     try:
         with session_factory() as session, session.begin():
             if sent:
@@ -186,4 +199,4 @@ def publish_jobs(publisher: Publisher, session_factory: "sessionmaker[Session]",
 
 
 __all__ = ["Publisher", "CeleryPublisher", "LocalPublisher", "make_celery", "celery_config", "make_publisher",
-           "publish_jobs", "send_each", "TASK_NAME", "QUEUE_NAME"]
+           "publish_jobs", "send_each", "TASK_NAME", "QUEUE_NAME", "AGGREGATION_PRIORITY", "JOB_PRIORITY"]

@@ -428,7 +428,7 @@ def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkey
     assert runner.invoke(main, ["user", "token", "nobody"]).exit_code != 0
 
     class Nowhere:
-        def publish(self, job_id):
+        def publish(self, job_id, *, aggregation=False):
             pass
 
     app = create_app(settings_factory(database_url=sqlite_url, auth=True), publisher=Nowhere())

@@ -96,10 +96,11 @@ def render_job(session, job: Job) -> dict:
     return body
 
 
-def publish(ids: list[int]) -> list[int]:
-    """Publish job ids after the commit; a failure leaves published_at NULL for the reaper to retry."""
+def publish(ids: list[int], *, aggregation: bool = False) -> list[int]:
+    """Publish job ids after the commit; a failure leaves published_at NULL for the reaper to retry.
+    ``aggregation``: sweep parents, which go ahead of the queued jobs."""
     st = state()
-    return publish_jobs(st.publisher, st.sessions, ids)
+    return publish_jobs(st.publisher, st.sessions, ids, aggregation=aggregation)
 
 
 # ---------------------------------------------------------------- page tokens
@@ -298,7 +299,7 @@ def cancel_job(job_id: int):
                               f"job {job_id} finished while it was being cancelled")
     if notify_parent is not None:
         # Whoever makes a child terminal publishes the parent, so the aggregation runs after the last one.
-        publish([notify_parent])
+        publish([notify_parent], aggregation=True)
     with st.sessions() as session:
         return render_job(session, session.get(Job, job_id)), 202
 

@@ -24,11 +24,14 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 def progress_json(job: Job, children: dict[str, int] | None = None,
                   last_child_end: datetime | None = None) -> dict[str, Any] | None:
     """{done, total, stage, fraction, updated_at}; a parent's progress is its children finished / total (a
-    cancelled parent's: the children that ran to an end, which says how far it got), updated when the
-    last of them ended (``last_child_end``)."""
+    cancelled or cancelling parent's: the children that ran to an end, which says how far it got), updated
+    when the last of them ended (``last_child_end``)."""
     if children is not None:
         total = children["total"]
-        done = children_done(children, cancelled=job.status == "cancelled")
+        # A sweep being cancelled counts as it will once cancelled: its queued points, cancelled at once,
+        # are not progress (else it would show 100 % while its running points stop).
+        done = children_done(children, cancelled=job.status == "cancelled"
+                             or (job.status == "running" and bool(job.cancel_requested)))
         return {"done": done, "total": total, "stage": "children",
                 "fraction": done / total if total else None, "updated_at": iso(last_child_end)}
     if job.progress_total is None and job.progress_done is None and job.progress_stage is None:

@@ -8,10 +8,14 @@ from sqlalchemy.orm import Session, aliased
 from lmscope.db.models import TERMINAL_STATES, Job, utcnow
 
 
+def done_states(*, cancelled: bool) -> tuple[str, ...]:
+    """The states of the children a sweep counts as done: every finished one, or, once the sweep is
+    cancelled (or being cancelled), those that ran to an end, which says how far it got."""
+    return ("succeeded", "failed") if cancelled else tuple(TERMINAL_STATES)
+
+
 def children_done(counts: dict[str, int], *, cancelled: bool) -> int:
-    """The children a sweep counts as done: every finished one, or, once the sweep is cancelled, those
-    that ran to an end (succeeded or failed), which says how far it got."""
-    return sum(counts.get(s, 0) for s in (("succeeded", "failed") if cancelled else TERMINAL_STATES))
+    return sum(counts.get(s, 0) for s in done_states(cancelled=cancelled))
 
 
 def refresh_sweep_progress(session: Session, parent_id: int) -> None:
@@ -22,10 +26,10 @@ def refresh_sweep_progress(session: Session, parent_id: int) -> None:
     """
     # Lock the parent first: the count below then reads after any concurrent recount has committed
     # (PostgreSQL, READ COMMITTED), so the later of two recounts never stores a stale count.
-    session.execute(select(Job.id).where(Job.id == parent_id).with_for_update())
+    cancelling = session.execute(select(Job.cancel_requested).where(Job.id == parent_id).with_for_update()).scalar()
     child = aliased(Job)
-    finished = select(func.count()).select_from(child).where(child.parent_id == parent_id,
-                                                             child.status.in_(TERMINAL_STATES)).scalar_subquery()
+    finished = select(func.count()).select_from(child).where(
+        child.parent_id == parent_id, child.status.in_(done_states(cancelled=bool(cancelling)))).scalar_subquery()
     total = select(func.count()).select_from(child).where(child.parent_id == parent_id).scalar_subquery()
     session.execute(update(Job).where(Job.id == parent_id, Job.waiting_children.is_(True))
                     .values(progress_done=finished, progress_total=total, progress_stage="children",

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
+from lmscope.params import is_parent_kind
 from lmscope.queue import Publisher, send_each
 from lmscope.worker.runner import (after_terminal, end_keeping_files, give_back_values, ran_into_time_limit,
                                    time_limit_values, worker_lost_values)
@@ -52,9 +53,10 @@ def reap_interval(settings: Settings) -> float:
                         settings.stale_after_seconds / 4, 30.0))
 
 
-def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session], job_ids: list[int]) -> list[int]:
+def _publish_claimed(publisher: Publisher, session_factory: sessionmaker[Session], job_ids: list[int], *,
+                     aggregation: bool = False) -> list[int]:
     """Publish ids whose ``published_at`` we already set; undo it for those the broker refused."""
-    sent, failed = send_each(publisher, job_ids)
+    sent, failed = send_each(publisher, job_ids, aggregation=aggregation)
     if failed:
         with session_factory() as session, session.begin():
             session.execute(update(Job).where(Job.id.in_(failed)).values(published_at=None))
@@ -79,7 +81,7 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
         with session_factory() as session:
             rows = session.execute(select(Job.id, Job.kind, Job.attempts, Job.max_attempts, Job.heartbeat_at,
                                           Job.started_at, Job.worker, Job.parent_id).where(stale).order_by(Job.id)).all()
-    to_publish, failed_children = [], []
+    to_publish, to_aggregate, failed_children = [], [], []
     for r in rows:
         still = (Job.id == r.id) & (Job.attempts == r.attempts) & stale  # re-checked atomically
         if ran_into_time_limit(settings, r.kind, r.started_at, r.heartbeat_at or now):
@@ -100,11 +102,12 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
         report[key].append(r.id)
         log.warning("job %s: worker %s stale since %s → %s%s (attempt %s of %s)", r.id, r.worker, r.heartbeat_at,
                     key, f" ({values['error_type']})" if key == "failed" else "", r.attempts, r.max_attempts)
-        if key == "requeued":
-            to_publish.append(r.id)
+        if key == "requeued":  # a parent lost mid-aggregation waits for its aggregation again
+            (to_aggregate if is_parent_kind(r.kind) else to_publish).append(r.id)
         elif r.parent_id is not None:
             failed_children.append(r.parent_id)
     _publish_claimed(publisher, session_factory, to_publish)
+    _publish_claimed(publisher, session_factory, to_aggregate, aggregation=True)
     for parent_id in dict.fromkeys(failed_children):
         after_terminal(session_factory, publisher, parent_id)
 
@@ -120,7 +123,7 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
     ready = (Job.status == "running") & Job.waiting_children.is_(True) & ~active & or_(
         Job.published_at.is_(None), Job.published_at < now - timedelta(seconds=republish_after(settings)),
         Job.published_at < _last_child_finished())
-    report["parents"] = _claim_and_publish(session_factory, publisher, ready, now)
+    report["parents"] = _claim_and_publish(session_factory, publisher, ready, now, aggregation=True)
     return report
 
 
@@ -131,7 +134,8 @@ def _last_child_finished():
     return select(func.max(child.finished_at)).where(child.parent_id == Job.id).scalar_subquery()
 
 
-def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publisher, condition, now) -> list[int]:
+def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publisher, condition, now, *,
+                       aggregation: bool = False) -> list[int]:
     with session_factory() as session:
         ids = session.execute(select(Job.id).where(condition).order_by(Job.id)).scalars().all()
     claimed = []
@@ -142,7 +146,7 @@ def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publis
                 claimed.append(job_id)
     if claimed:
         log.info("publishing jobs %s again (message lost or never sent)", claimed)
-    return _publish_claimed(publisher, session_factory, claimed)
+    return _publish_claimed(publisher, session_factory, claimed, aggregation=aggregation)
 
 
 def recover_interrupted(settings: Settings, session_factory: sessionmaker[Session]) -> dict[str, list[int]]:

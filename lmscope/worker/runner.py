@@ -349,7 +349,7 @@ def after_terminal(session_factory: sessionmaker[Session], publisher: Publisher,
             refresh_sweep_progress(session, parent_id)
     except Exception as e:  # cosmetic; the aggregation does not depend on it
         log.warning("could not update progress of sweep %s: %s", parent_id, e)
-    publish_jobs(publisher, session_factory, [parent_id])
+    publish_jobs(publisher, session_factory, [parent_id], aggregation=True)
 
 
 # ---------------------------------------------------------------- running

@@ -20,12 +20,15 @@ from lmscope.db.models import Dataset, Job, Model
 class RecordingPublisher:
     def __init__(self):
         self.published: list[int] = []
+        self.aggregations: list[int] = []  # the ids among them published as a sweep parent's aggregation
         self.fail = False
 
-    def publish(self, job_id: int) -> None:
+    def publish(self, job_id: int, *, aggregation: bool = False) -> None:
         if self.fail:
             raise ConnectionError("broker is down")
         self.published.append(job_id)
+        if aggregation:
+            self.aggregations.append(job_id)
 
 
 @dataclass

@@ -162,7 +162,12 @@ def test_cancel_a_sweep(api):
     assert [(j.status, j.cancel_requested) for j in api.jobs(parent_id=parent)] == \
            [("succeeded", False), ("running", True), ("cancelled", True)]
     # The parent is published so that the aggregation runs once the running child stops.
-    assert api.publisher.published == [parent]
+    assert api.publisher.published == api.publisher.aggregations == [parent]
+    # While its running point stops, the sweep shows how far it got (1 of 3), not its cancelled point as done.
+    progress = r.get_json()["progress"]
+    assert (progress["done"], progress["total"], progress["fraction"]) == (1, 3, 1 / 3)
+    row = api.job_row(parent)
+    assert (row.progress_done, row.progress_total) == (1, 3)  # the stored count agrees
     api.set_job(second, status="cancelled", finished_at=utcnow())
     api.set_job(parent, status="cancelled", finished_at=utcnow())
     progress = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()["progress"]
@@ -203,9 +208,9 @@ def test_a_sweep_submitted_while_redis_is_down_is_answered_at_once(make_api, red
     class CountingPublisher(CeleryPublisher):
         tries = 0
 
-        def publish(self, job_id):
+        def publish(self, job_id, *, aggregation=False):
             CountingPublisher.tries += 1
-            super().publish(job_id)  # against the stopped redis-server: the retry policy, then a refusal
+            super().publish(job_id, aggregation=aggregation)  # against the stopped redis-server: the retry policy, then a refusal
 
     app = create_app(settings, publisher=CountingPublisher(settings=settings))
     api = Api(app, settings, None)
@@ -225,7 +230,7 @@ def test_cancelling_a_child_publishes_its_parent(api):
     child = api.jobs(parent_id=parent)[0].id
     api.publisher.published.clear()
     assert api.client.post(f"/v1/jobs/{child}/cancel", headers=h).get_json()["status"] == "cancelled"
-    assert api.publisher.published == [parent]
+    assert api.publisher.published == api.publisher.aggregations == [parent]
     parent_doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()
     assert parent_doc["progress"]["done"] == 1 and parent_doc["progress"]["total"] == 2
     # its progress moved when the child ended, and says so, in the job and in the list alike

@@ -543,6 +543,7 @@ def test_sweep_inserts_parent_and_children_and_publishes_the_children(api):
     assert len({c.params["latent_dim"] for c in children}) == 4
     assert all(c.status == "queued" and c.user_id == row.user_id and "s" in c.tags for c in children)
     assert api.publisher.published == [c.id for c in children]  # the children, never the parent
+    assert api.publisher.aggregations == []  # ordinary jobs, in the queue's order
 
 
 def test_sweep_size_limit(api):

@@ -11,17 +11,20 @@ class RecordingPublisher:
 
     def __init__(self):
         self.published: list[int] = []
+        self.aggregations: list[int] = []  # the ids among them published as a sweep parent's aggregation
         self.tries = 0  # publish calls, failed ones included
         self.fail = False
         self._lock = threading.Lock()
 
-    def publish(self, job_id: int) -> None:
+    def publish(self, job_id: int, *, aggregation: bool = False) -> None:
         with self._lock:
             self.tries += 1
         if self.fail:
             raise ConnectionError("broker down (test)")
         with self._lock:
             self.published.append(job_id)
+            if aggregation:
+                self.aggregations.append(job_id)
 
 
 def start_execute(job_id: int, settings, sessions, publisher) -> tuple[threading.Thread, dict]:

@@ -8,7 +8,8 @@ start on an unmigrated database; (f) a delivery that finds the database failing 
 (g) a reaper that dies is started again; (h) the job's own deadline fires before Celery's soft limit;
 (i) a job in a call the soft limit cannot interrupt, killed by the hard limit, fails with time-limit and
 is not retried; (j) a child killed on its last attempt fails at once, with its files listed; (k) a job that
-leaves the GPU unusable ends its pool child, and the next job runs in a fresh one.
+leaves the GPU unusable ends its pool child, and the next job runs in a fresh one; (l) a sweep's aggregation
+is taken ahead of the jobs queued behind its children.
 """
 
 from __future__ import annotations
@@ -259,6 +260,26 @@ def test_a_sweep_child_killed_mid_run_counts_once_in_its_parent(delivery, sessio
         totals = s.execute(select(Series).where(Series.job_id == parent, Series.name == "totals")).scalar_one()
     assert sorted(totals.x) == sorted([slow, quick])  # each child once in the aggregation's input
     assert series_names(sessions, slow) == ["nan", "square"]
+
+
+def test_a_sweeps_aggregation_goes_ahead_of_the_jobs_queued_behind_its_children(delivery, sessions, make_job,
+                                                                                  job_row):
+    """The last child publishes its parent's id ahead of the queue (Redis priority): with one worker
+    process and a backlog queued after the sweep, the sweep ends before any job of the backlog starts,
+    not after all of them; and the backlog then runs as usual."""
+    worker = delivery.start()
+    parent = make_job(kind="fake_sweep", params={"steps": [2, 3]}, status="running", waiting_children=True,
+                      started_at=utcnow())
+    children = [make_job(params={"steps": n, "plot": False}, parent_id=parent) for n in (2, 3)]
+    backlog = [make_job(params={"steps": 4, "sleep": 0.2, "plot": False}) for _ in range(3)]
+    publish_jobs(delivery.publisher, sessions, children + backlog)
+
+    sweep = wait_for_status(job_row, parent, timeout=120, worker_log=worker.log_path)
+    assert sweep.summary["sum"] == 3 + 6 and sweep.summary["children"]["succeeded"] == 2
+    done = [wait_for_status(job_row, j, timeout=120, worker_log=worker.log_path) for j in backlog]
+    assert all(j.summary["total"] == 10 for j in done)
+    assert sweep.finished_at <= min(j.started_at for j in done), (
+        f"the sweep ended at {sweep.finished_at}, after the backlog began at {min(j.started_at for j in done)}")
 
 
 def test_a_message_never_sent_is_published_by_the_reaper(delivery, sessions, make_job, job_row):

@@ -24,7 +24,7 @@ def test_stale_running_jobs_are_requeued_and_published(settings, sessions, make_
     report = reaper.reap(settings, sessions, publisher, now=now)
 
     assert report["requeued"] == [stale] and report["failed"] == []
-    assert publisher.published == [stale]
+    assert publisher.published == [stale] and publisher.aggregations == []  # an ordinary job, queued in turn
     job = job_row(stale)
     assert (job.status, job.attempts, job.worker) == ("queued", 1, None)
     assert job.published_at >= now - timedelta(seconds=1)
@@ -50,7 +50,7 @@ def test_out_of_attempts_fails_with_a_reason(settings, sessions, make_job, job_r
     assert (job.status, job.error_type) == ("failed", "worker-lost")
     assert job.error_message.startswith(f"worker lost 3 times; last seen at {seen.isoformat(timespec='seconds')} on gpu-7:4242")
     assert job.finished_at is not None
-    assert parent in publisher.published  # its sweep can now be aggregated
+    assert parent in publisher.aggregations  # its sweep can now be aggregated, ahead of the queued jobs
     with sessions() as session:  # its files can be fetched, as any ended job's
         names = session.execute(select(Artifact.name).where(Artifact.job_id == job_id)).scalars().all()
     assert names == ["checkpoints/step-50/config.json"]
@@ -127,7 +127,7 @@ def test_a_waiting_sweep_whose_children_are_done_is_published(settings, sessions
 
     assert reaper.reap(settings, sessions, publisher, now=now)["parents"] == [done_parent]
     assert reaper.reap(settings, sessions, publisher, now=now)["parents"] == []  # published once
-    assert publisher.published == [done_parent]
+    assert publisher.published == publisher.aggregations == [done_parent]
     # ... and the published parent is aggregated.
     assert runner.execute(done_parent, settings, sessions, publisher) == "succeeded"
     assert job_row(done_parent).summary["children"] == {"succeeded": 1, "failed": 1, "cancelled": 0}
@@ -140,7 +140,7 @@ def test_a_stuck_aggregation_is_retried(settings, sessions, make_job, job_row, p
     make_job(status="succeeded", parent_id=parent, summary={"total": 3}, finished_at=now - timedelta(seconds=60))
     assert reaper.reap(settings, sessions, publisher, now=now)["requeued"] == [parent]
     job = job_row(parent)
-    assert job.waiting_children and job.status == "running" and publisher.published == [parent]
+    assert job.waiting_children and job.status == "running" and publisher.published == publisher.aggregations == [parent]
     assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
     assert job_row(parent).summary["sum"] == 3 and job_row(parent).attempts == 2
 

@@ -57,7 +57,7 @@ def test_aggregation_runs_exactly_once_when_workers_race(settings, sessions, swe
 
     assert fake_kinds.aggregate_calls - before == 1
     assert results.count("succeeded") == 1 and late == [None, None, None]
-    assert publisher.published.count(parent) == len(kids)  # every child published its parent
+    assert publisher.aggregations.count(parent) == len(kids)  # every child published its parent's aggregation
     job = job_row(parent)
     assert job.status == "succeeded" and not job.waiting_children
     assert job.summary["sum"] == sum(range(1, 3)) + sum(range(1, 4)) + sum(range(1, 5))
