@@ -43,6 +43,16 @@ def need(binary_ok: bool, reason: str):
         pytest.skip(reason)
 
 
+def need_module(name: str):
+    """The module a test needs: skipped where it does not import, an error in CI (unlike importorskip)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        need(False, f"{name} does not import ({e})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,13 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.conftest import need_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_import_contracts_hold():
-    pytest.importorskip("importlinter")
+    need_module("importlinter")
     code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
     result = subprocess.run([sys.executable, "-c", code, "--config", str(ROOT / "pyproject.toml")],
                             cwd=ROOT, capture_output=True, text=True)

@@ -24,6 +24,7 @@ from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
 from tests.analyses.conftest import HostReads, eager_entropies
+from tests.conftest import need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 SEQ_LEN = 24
@@ -137,7 +138,7 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch, bins):
 def test_fused_triton_kernel_route_matches_eager(tmp_path, documents, monkeypatch, device, arch):
     """The GPU route: the job through the Triton kernel (compiled on a GPU, the interpreter on CPU), GQA LLaMA
     and Mistral with a sliding window of 8 < seq_len."""
-    pytest.importorskip("triton")
+    need_module("triton")
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
     loaded = tiny_model("llama") if arch == "llama" else _sliding("mistral", window=8)
     loaded.model.to(device)

@@ -6,6 +6,7 @@ import hashlib
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -192,7 +193,7 @@ def test_datasets_and_models(api, ann, tmp_path):
     assert e.value.status == 403
 
 
-def test_wait_rides_out_an_api_restart(api, live):
+def test_wait_rides_out_an_api_restart(api, live, monkeypatch):
     """A rollout or restart of the API must not fail every user's `--wait`; a long outage says the job runs on."""
     from werkzeug.serving import make_server
 
@@ -218,10 +219,17 @@ def test_wait_rides_out_an_api_restart(api, live):
     finally:
         again.shutdown()
         again.server_close()
-    started = time.monotonic()
+    # A server never reached fails at once: no outage begins, the client never waits to try again.
+    import lmscope.client
+
+    def no_sleep(seconds):
+        raise AssertionError(f"the client waited {seconds} s to try a server it never reached")
+
+    monkeypatch.setattr(lmscope.client, "time", SimpleNamespace(monotonic=time.monotonic, sleep=no_sleep))
+    unreached = []
     with pytest.raises(LmscopeError) as e:
-        Client(f"http://127.0.0.1:{port}", api.tokens["ann"]).wait(other)  # never reached: at once, not in 2 min
-    assert e.value.status == 0 and time.monotonic() - started < 10
+        Client(f"http://127.0.0.1:{port}", api.tokens["ann"]).wait(other, on_outage=unreached.append)
+    assert e.value.status == 0 and unreached == []
 
 
 def test_a_long_outage_says_the_job_keeps_running(api, live):

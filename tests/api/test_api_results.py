@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 
 from lmscope.db.models import Artifact, Series, utcnow
@@ -103,7 +102,6 @@ def test_events_stream_until_terminal(api):
 
     thread = threading.Thread(target=worker)
     thread.start()
-    started = time.monotonic()
     r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=20", headers=h)
     try:
         assert r.status_code == 200 and r.mimetype == "text/event-stream"
@@ -120,11 +118,11 @@ def test_events_stream_until_terminal(api):
         for event in seen.values():  # a failed assert above must not leave the thread waiting
             event.set()
         thread.join()
-    assert time.monotonic() - started < 15  # it ended at the terminal state, not at the timeout
     events = parse_events(text)
     kinds = [k for k, _ in events]
     assert [d["status"] for k, d in events if k == "status"] == ["queued", "running", "succeeded"]
     assert [(d["done"], d["total"]) for k, d in events if k == "progress"] == [(1, 2), (2, 2)]
+    # it ended at the terminal state, not at its timeout (which sends `timeout` and no `end`)
     assert kinds[-1] == "end" and events[-1][1]["status"] == "succeeded" and events[-1][1]["summary"] == {"layers": 4}
     assert waited_in_vain == []
 

@@ -10,6 +10,7 @@ import torch
 from lmscope.analyses.local import LocalContext
 from lmscope.analyses.probe import run
 from lmscope.params.probe import ProbeParams
+from tests.conftest import need_module
 
 PROMPT = "The tower is 324 metres tall , about the same height as an 81 @-@ storey building ."
 
@@ -114,7 +115,7 @@ def test_probe_in_bfloat16(tmp_path):
 
 
 def _built(config_class, **fields):
-    transformers = pytest.importorskip("transformers")
+    transformers = need_module("transformers")
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                                  vocab_size=100, **fields)

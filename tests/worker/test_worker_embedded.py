@@ -21,6 +21,7 @@ from lmscope.db.models import Job, User, utcnow
 from lmscope.queue import LocalPublisher
 from lmscope.worker.embedded import EmbeddedWorker
 from lmscope.worker.reaper import recover_interrupted
+from tests.conftest import need_module
 from tests.worker import fake_kinds
 from tests.worker.helpers import wait_until
 
@@ -191,7 +192,7 @@ def _start_long_job(base: str) -> int:
 
 
 def test_serve_keeps_jobs_across_a_restart(tmp_path):
-    pytest.importorskip("flask")
+    need_module("flask")
     data = tmp_path / "data"
     with open(tmp_path / "serve.log", "w") as log:
         with _serving(data, log) as (proc, base):
@@ -214,7 +215,7 @@ def test_serve_keeps_jobs_across_a_restart(tmp_path):
 
 def test_after_a_device_error_up_says_on_queued_jobs_and_readyz_that_a_restart_is_needed(tmp_path):
     """Its worker stops taking jobs: a queued job's page and /readyz say why and what to do; the restart runs it."""
-    pytest.importorskip("flask")
+    need_module("flask")
     data = tmp_path / "data"
     with open(tmp_path / "serve.log", "w") as log:
         with _serving(data, log) as (_, base):
@@ -239,7 +240,7 @@ def test_after_a_device_error_up_says_on_queued_jobs_and_readyz_that_a_restart_i
 
 def test_a_second_up_that_cannot_serve_leaves_running_jobs_alone(tmp_path):
     """A second `lmscope up` on a served data dir, or on a port in use, exits and re-queues nothing."""
-    pytest.importorskip("flask")
+    need_module("flask")
     from lmscope.config import Settings
     from lmscope.db.engine import upgrade
     from lmscope.up import serve

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -18,7 +19,8 @@ from lmscope.db.models import Job, Model, utcnow
 from lmscope.worker import attempt as attempt_module
 from lmscope.worker import reaper, runner
 from tests.conftest import PostgresCluster, _pg_bin, need
-from tests.worker.helpers import start_execute, wait_until
+from tests.worker import fake_kinds
+from tests.worker.helpers import start_execute
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +44,28 @@ def db_url(cluster):
 
 @pytest.mark.postgres
 def test_a_database_restart_during_a_job_does_not_fail_it(cluster, settings, sessions, make_job, job_row, publisher,
-                                                          caplog):
+                                                          caplog, monkeypatch):
     """The server stops while the job counts and is still down when the job registers its checkpoint:
     the registration waits for it, and the job succeeds in its first attempt with the checkpoint there."""
-    job_id = make_job(params={"steps": 12, "sleep": 0.25, "checkpoint_at": 6, "plot": False})
+    at_checkpoint, stopped = threading.Event(), threading.Event()
+    sleeps = [0]
+
+    def sleep(seconds):  # the job's step; the sixth is the one that registers the checkpoint
+        sleeps[0] += 1
+        if sleeps[0] == 6:
+            at_checkpoint.set()
+            stopped.wait(60)  # the registration comes only once the server is down
+        time.sleep(seconds)
+
+    monkeypatch.setattr(fake_kinds, "time", SimpleNamespace(sleep=sleep))
+    job_id = make_job(params={"steps": 12, "sleep": 0.05, "checkpoint_at": 6, "plot": False})
     with caplog.at_level(logging.WARNING, logger="lmscope.worker"):
         t, outcome = start_execute(job_id, settings, sessions, publisher)
-        wait_until(lambda: (job_row(job_id).progress_done or 0) >= 2, what="the job to count")
-        cluster.pause()  # at step 2 or 3; step 6 comes about a second later
+        try:
+            assert at_checkpoint.wait(60), "the job did not reach its checkpoint"
+            cluster.pause()
+        finally:
+            stopped.set()
         time.sleep(3)
         cluster.resume()
         t.join(timeout=60)
