@@ -4,7 +4,8 @@
 # matplotlib, safetensors, accelerate and pytest; lmscope also needs its light core and the API/worker
 # parts. Versions are the ones installed here (what the CPU test suite ran with). The image also has
 # werkzeug, click, jinja2, markupsafe and typing-extensions, but maybe older than flask, celery and
-# pydantic need (pip installs these with --no-deps, so nothing checks): they come along too.
+# pydantic need (pip installs these with --no-deps, so nothing checks): they come along too, as do
+# sentencepiece and protobuf (the worker reads tokenizer.model-only directories with them).
 #
 #   bash benchmarks/gpu_wheels.sh        # then, on the device (carry .whl):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 PY_VERSION="${PY_VERSION:-3.12}"  # the GPU image's python3
 PACKAGES=(pydantic pydantic_core annotated-types typing-inspection sqlalchemy alembic mako flask itsdangerous
           blinker celery kombu billiard vine amqp click-didyoumean click-repl click-plugins prompt_toolkit wcwidth
-          redis psycopg psycopg-binary tzlocal werkzeug click jinja2 markupsafe typing_extensions)
+          redis psycopg psycopg-binary tzlocal werkzeug click jinja2 markupsafe typing_extensions sentencepiece protobuf)
 pins=()
 for name in "${PACKAGES[@]}"; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n "s/^Version: //p" || true)
