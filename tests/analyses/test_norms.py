@@ -30,6 +30,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.norms import NormsParams
 from tests.analyses.conftest import HostReads
+from tests.conftest import need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 MAX_TOKENS = 96
@@ -396,12 +397,21 @@ def test_gpt2_attention_without_keys_equals_attention_over_keys_and_values():
     N, T, D, H = 3, 9, 16, 4
     z, w = torch.randn(N, T, D, dtype=torch.float64), torch.randn(D, 3 * D, dtype=torch.float64) / 4
     b = torch.randn(3 * D, dtype=torch.float64)
-    positions = torch.tensor([[8, 3], [5, 5], [2, 0]])
-    mask = (torch.arange(T)[None] < torch.tensor([9, 6, 3])[:, None]).long()
-    visible = norms.keys_visible_from(positions, mask, None)
-    q = (norms.at(z, positions) @ w[:, :D] + b[:D]).unflatten(-1, (H, D // H))
-    k, v = (z @ w[:, D:] + b[D:]).unflatten(-1, (2, H, D // H)).unbind(2)
-    want = norms.attend(q, k, v, visible, 0.5)
+    positions, lengths = torch.tensor([[8, 3], [5, 5], [2, 0]]), torch.tensor([9, 6, 3])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()  # right padding after each row's length
+    # built here: query at position p of row n sees key t when t ≤ p (causal) and t < length (not padding)
+    t = torch.arange(T)
+    by_hand = (t[None, None] <= positions[..., None]) & (t[None, None] < lengths[:, None, None])  # [N, Q, T]
+    assert by_hand.sum(-1).tolist() == [[9, 4], [6, 6], [3, 1]]
+    visible = norms.keys_visible_from(positions, mask, None)  # the job's mask, what the route is given
+    assert torch.equal(visible, by_hand[:, None])
+    # the oracle: q at the query positions by plain indexing, K and V formed, softmax over visible keys, float64
+    q = (z[torch.arange(N)[:, None], positions] @ w[:, :D] + b[:D]).unflatten(-1, (H, D // H))  # [N, Q, H, d]
+    k, v = (z @ w[:, D:] + b[D:]).unflatten(-1, (2, H, D // H)).unbind(2)  # [N, T, H, d]
+    scores = torch.einsum("nqhd,nthd->nhqt", q, k) * 0.5
+    p = torch.softmax(scores.masked_fill(~by_hand[:, None], float("-inf")), dim=-1)
+    want = torch.einsum("nhqt,nthd->nqhd", p, v).flatten(2)
+    torch.testing.assert_close(norms.attend(q, k, v, visible, 0.5), want, rtol=1e-12, atol=1e-12)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
         cast = (t.to(dtype) for t in (q, z, w[:, D:2 * D], w[:, 2 * D:], b[2 * D:]))
         got = norms.attend_without_keys(*cast, visible, 0.5)
@@ -458,7 +468,7 @@ def test_a_head_dim_past_the_kernels_keeps_the_models_own_attention(tmp_path, do
 def test_the_kernel_route_on_the_device_matches_the_reference(llama_run, tmp_path, documents, device, monkeypatch):
     """What a GPU worker runs: the forward pass through lmscope's Triton kernel on the device (the
     interpreter on a CPU), GQA LLaMA, against the reference route's run of the same job."""
-    pytest.importorskip("triton")
+    need_module("triton")
     lm, ref_out, ref_ctx = llama_run
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
     on_device = LoadedModel(lm.name, copy.deepcopy(lm.model).to(device), lm.tokenizer, lm.info)
