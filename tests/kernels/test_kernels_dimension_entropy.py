@@ -84,6 +84,57 @@ def test_a_late_large_key_leaves_the_earlier_causal_rows_uniform(backend, device
     _close(ent[0, 0, 1], uniform, atol=2e-5)  # a dimension where every key is 0
 
 
+def _entropy_per_dimension_float64(q, k, *, causal):
+    """[B, H, D, N] float64, differentiable: for each dimension i, S_i = scale · q_i k_iᵀ (rank 1), the
+    visible keys' p = exp(S_i − logsumexp), entropy −Σ p ln p over them. Masked entries never enter a
+    product (torch.where on finite values), so the gradient there is 0, not NaN."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    n, d = q.shape[2], q.shape[3]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    rows = []
+    for i in range(d):
+        s = q[..., i, None] * k[..., None, :, i] / math.sqrt(d)  # [B, H, N, N]
+        lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1, keepdim=True)
+        log_p = torch.where(allowed, s - lse, 0.0)
+        p = torch.where(allowed, log_p.exp(), 0.0)
+        rows.append(-(p * log_p).sum(-1))
+    return torch.stack(rows, dim=2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backend", ["reference", None], ids=["reference", "automatic-as-on-a-gpu"])
+def test_reference_gradients(device, monkeypatch, backend, causal):
+    """The gradients of a weighted sum of the entropies w.r.t. q and k (GQA: k is shared by two heads)
+    are float64 autograd's through the explicit per-dimension matrices, finite at the masked entries,
+    whether asked for by name or chosen automatically (Triton on a GPU, which hands tensors that need
+    gradients to the reference)."""
+    from lmscope.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")  # the automatic choice on a GPU; backend="reference" wins
+    q, k = _qk(1, 2, 1, 9, 4, device=device, seed=21)
+    # a peaked row: scores ~20·k spread over > 100 nats, so most of its p underflow to 0 in float32 (and
+    # the causal row 0 sees one key: entropy 0 whatever q and k)
+    q[0, 0, 6] = 40.0
+    w = torch.rand(1, 2, 4, 9, generator=torch.Generator().manual_seed(0)).to(device)
+    params = [t.clone().requires_grad_() for t in (q, k)]
+    ent = dimension_entropy(*params, causal=causal, backend=backend)
+    (ent * w).sum().backward()
+
+    p64 = [t.double().clone().requires_grad_() for t in (q, k)]
+    ent64 = _entropy_per_dimension_float64(*p64, causal=causal)
+    (ent64 * w.double()).sum().backward()
+    assert ent64[0, 0, :, 6].max() < 0.25  # the row is peaked in every dimension (uniform: ln 7 ≈ 1.95)
+    _close(ent, ent64.detach(), atol=2e-5)
+    # The reference computes in float32 (whatever the input): gradients up to ~2.5 here, off float64 by
+    # at most 4e-7 (measured); 1e-5 + 1e-5·|g| leaves 20x room for other float32 roundings and stays far
+    # below what a wrong mask, scale or head grouping gives (≥ 1e-3).
+    for got, want in zip(params, p64):
+        assert torch.isfinite(got.grad).all()
+        _close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_float64_runs_on_the_reference_unless_triton_is_asked_for(triton_backend, device, oracle, monkeypatch):
     """The automatic choice (Triton, as on a GPU) runs what the Triton kernel cannot take on the reference."""
     from lmscope.kernels import dispatch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from lmscope.kernels import attention_with_entropy, dimension_entropy, dispatch, kernel_backend
+from tests.conftest import need_module
+from tests.kernels.conftest import TRITON_OK
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +39,7 @@ def test_launch_arithmetic_is_tritons():
     """The wrappers size grids and autotune buckets with host-side cdiv / next_power_of_2 (Triton's own are
     constexpr functions, microseconds a call): the numbers worked out here, and Triton's, for every length
     a launch has (n ≥ 1)."""
-    triton = pytest.importorskip("triton")
+    triton = need_module("triton")
     for n in [*range(1, 300), 4095, 4096, 4097, 32768, 2**31 - 1]:
         assert dispatch.next_power_of_2(n) == 2 ** math.ceil(math.log2(n)) == triton.next_power_of_2(n)
         for block in (1, 16, 32, 64, 128):
@@ -45,9 +48,11 @@ def test_launch_arithmetic_is_tritons():
 
 
 def test_default_choice(monkeypatch):
+    """Without the override: the reference on the CPU, Triton on CUDA when triton imports (decided here by
+    importing it, not by the dispatcher's own check), and the default device's choice."""
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert kernel_backend("cpu") == "reference"
-    expected_cuda = "triton" if dispatch.triton_available() else "reference"
+    expected_cuda = "triton" if TRITON_OK else "reference"
     assert kernel_backend(torch.device("cuda")) == expected_cuda
     assert kernel_backend() == (expected_cuda if torch.cuda.is_available() else "reference")
 
@@ -119,23 +124,138 @@ def test_import_is_light_and_works_without_triton():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
 
 
-def test_lmscope_autotune_0_keeps_only_each_kernels_first_candidate(monkeypatch):
-    """The GPU test run compiles one tile per shape instead of tuning all (it must fit a short session)."""
-    import triton
+# Builds the kernels as a GPU gets them (no TRITON_INTERPRET: autotuned), stops each launch at the autotuner
+# and prints the candidates it keeps for that launch's arguments under each LMSCOPE_AUTOTUNE setting.
+AUTOTUNE_SCRIPT = r"""
+import json
+import os
+import sys
 
-    from lmscope.kernels import tuning
-    from lmscope.kernels.attention_entropy import triton_kernel as tk
+import torch
+from triton.runtime.autotuner import Autotuner
 
-    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # build the autotuned kernel a GPU gets
-    tuner, extra = tuning.autotune_on_gpu(tk._attn_entropy_fwd, configs=tk._configs(), key=["HEAD_DIM"],
-                                         interpreter_blocks={"BLOCK_M": 32, "BLOCK_N": 32}, prune=tk._prune)
-    assert isinstance(tuner, triton.runtime.autotuner.Autotuner) and extra == {}
-    kwargs = dict(BLOCK_D=128, BLOCK_DV=128, INPUT_PRECISION=None)
-    every = tk._prune(tk._configs(), {}, **kwargs)
-    assert len(every) == 4
-    for off in ("0", "off", " False "):
-        monkeypatch.setenv("LMSCOPE_AUTOTUNE", off)
-        assert tuner.early_config_prune(tuner.configs, {}, **kwargs) == every[:1]
-    for on in ("1", ""):
-        monkeypatch.setenv("LMSCOPE_AUTOTUNE", on)
-        assert tuner.early_config_prune(tuner.configs, {}, **kwargs) == every
+from lmscope.kernels.attention_entropy.triton_kernel import attention_with_entropy_triton
+from lmscope.kernels.dimension_entropy.triton_kernel import dimension_entropy_triton
+from lmscope.kernels.favor.triton_kernel import favor_causal_triton
+
+
+class Launched(Exception):
+    pass
+
+
+def capture(self, *args, **kwargs):
+    raise Launched(self, args, kwargs)
+
+
+Autotuner.run = capture
+
+
+def launch(kernel, dtype, d, dv):
+    dtype = getattr(torch, dtype)
+    qk = lambda: torch.zeros(1, 2, 8, d, dtype=dtype)
+    if kernel == "attention":
+        attention_with_entropy_triton(qk(), qk(), torch.zeros(1, 2, 8, dv, dtype=dtype), causal=True, scale=0.1,
+                                      key_padding_mask=None)
+    elif kernel == "dimension":
+        dimension_entropy_triton(qk(), qk(), causal=True, scale=0.1)
+    else:  # FAVOR+ with 64 features
+        favor_causal_triton(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8),
+                            torch.zeros(1, 2, 8, dv))
+
+
+result = []
+for case in json.loads(sys.argv[1]):
+    try:
+        launch(*case)
+        raise AssertionError(f"{case}: nothing went through the autotuner")
+    except Launched as launched:
+        tuner, args, kwargs = launched.args
+    tuner.nargs = dict(zip(tuner.arg_names, args))  # what Autotuner.run sets before pruning
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    kept = {}
+    for setting in ("0", "off", " False ", "1", ""):
+        os.environ["LMSCOPE_AUTOTUNE"] = setting
+        kept[setting] = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                         for c in tuner.prune_configs(kwargs)]
+    result.append(kept)
+print(json.dumps(result))
+"""
+
+
+def _autotune_candidates(cases: list) -> list[dict]:
+    """Per (kernel, dtype, D, Dv) launch: {LMSCOPE_AUTOTUNE setting: the configs the autotuner keeps}."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LMSCOPE_AUTOTUNE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", AUTOTUNE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_lmscope_autotune_0_keeps_only_each_kernels_first_candidate(triton_backend):
+    """Every autotuned kernel (attention, dimension entropy, causal FAVOR+), built as on a GPU: with
+    LMSCOPE_AUTOTUNE on it tunes over the candidates its config list allows for the launch (attention: the
+    tiles of the input kind's and head-dim bucket's table, in sorted order; dimension entropy: all; FAVOR+:
+    no value block wider than the values' next power of two, at least 16), and with it off over the first
+    of them alone (the GPU test run compiles one tile per shape: it must fit a short session)."""
+    from lmscope.kernels.attention_entropy import triton_kernel as attention
+    from lmscope.kernels.dimension_entropy import triton_kernel as dimension
+    from lmscope.kernels.favor import triton_kernel as favor
+
+    def bucket(d):  # the kernel's head-dim block is the next power of two (≥ 16); tables per 64, 128, 256
+        block = max(16, 2 ** math.ceil(math.log2(d)))
+        return 64 if block <= 64 else block
+
+    def attention_tiles(dtype, d, dv):
+        return sorted(attention._TILES[(dtype == "float32", bucket(max(d, dv)))])
+
+    def favor_tiles(dv):
+        widest = max(16, 2 ** math.ceil(math.log2(dv)))
+        return [t for t in favor._TILES if t[1] <= widest]
+
+    dimension_tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages)
+                       for c in dimension._configs()]
+    # (kernel, dtype, D, Dv) → the candidates expected, and how a kept config reads as a table row
+    cases = {
+        ("attention", "float32", 64, 64): attention_tiles("float32", 64, 64),
+        ("attention", "float32", 128, 128): attention_tiles("float32", 128, 128),
+        ("attention", "float32", 256, 256): attention_tiles("float32", 256, 256),
+        ("attention", "bfloat16", 64, 64): attention_tiles("bfloat16", 64, 64),
+        ("attention", "float16", 32, 32): attention_tiles("float16", 32, 32),  # 16-bit: the bf16 table
+        ("attention", "bfloat16", 80, 80): attention_tiles("bfloat16", 80, 80),  # block 128
+        ("attention", "bfloat16", 64, 128): attention_tiles("bfloat16", 64, 128),  # the wider of k and v
+        ("attention", "bfloat16", 256, 256): attention_tiles("bfloat16", 256, 256),
+        ("dimension", "float32", 16, 16): dimension_tiles,
+        ("dimension", "bfloat16", 128, 128): dimension_tiles,
+        ("favor", "float32", 64, 32): favor_tiles(32),
+        ("favor", "float32", 64, 64): favor_tiles(64),
+        ("favor", "float32", 64, 128): favor_tiles(128),
+    }
+    row = {
+        "attention": lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]),
+        "dimension": lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"], c["num_warps"], c["num_stages"]),
+        "favor": lambda c: (c["BLOCK_N"], c["BLOCK_DV"], c["num_warps"], c["num_stages"]),
+    }
+    # each kernel has a launch with a choice to make, else "only the first" would hold trivially
+    assert {kernel for (kernel, *_), tiles in cases.items() if len(tiles) > 1} == set(row)
+    # the attention tables list the fastest tile first; the untuned choice is the smallest (sorted order)
+    assert attention._TILES[(False, 64)][0] != attention_tiles("bfloat16", 64, 64)[0]
+
+    for ((kernel, *shape), expected), got in zip(cases.items(), _autotune_candidates(list(cases))):
+        assert expected, (kernel, shape)
+        for off in ("0", "off", " False "):
+            assert [row[kernel](c) for c in got[off]] == expected[:1], (kernel, shape, off)
+        for on in ("1", ""):
+            assert [row[kernel](c) for c in got[on]] == expected, (kernel, shape, on)
+
+
+def test_favor_keeps_a_candidate_for_values_narrower_than_every_value_block(triton_backend):
+    """Values 16 wide are narrower than every FAVOR+ value block (≥ 32): the pruning still leaves one
+    candidate (Triton refuses an empty list), with the narrowest value block there is."""
+    from lmscope.kernels.favor import triton_kernel as favor
+
+    (kept,) = _autotune_candidates([("favor", "float32", 64, 16)])
+    narrowest = min(t[1] for t in favor._TILES)
+    assert narrowest > 16
+    for setting, configs in kept.items():
+        assert len(configs) == 1 and configs[0]["BLOCK_DV"] == narrowest, (setting, configs)

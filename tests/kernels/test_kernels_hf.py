@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from lmscope.kernels.hf import (  # noqa: E402
     ATTENTION_NAME,
@@ -207,17 +206,41 @@ def test_use_lmscope_attention(model, device):
     torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_generation_with_kv_cache(device):
-    # decoding: one query against a longer cache (bottom-right causal alignment)
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama-gqa"])
+def test_generation_with_kv_cache(backend, device, build):
+    """Decoding with a dynamic cache: each step is one query against the longer cache (aligned bottom-right:
+    the query sees every cached key that is not padding). Every step's logits are eager attention's, and
+    its entropies (recorded after each forward pass: a pass overwrites the last) are those of the last
+    row of eager's attention matrices for that step, per layer and head, with a left-padded prompt too."""
     torch.manual_seed(3)
-    model = _gpt2().to(device)
-    ids, _ = _batch(n=6, seed=6, device=device)
+    model = build().to(device)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: the decode steps' mask is "every key but the first two"
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        with EntropyCollector(model) as col:
-            got = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(got, ref)
-    assert col.entropy[0].shape[-1] == 1  # the last forward was a one-token decoding step
+        ref = model.generate(ids, output_attentions=True, **kw)
+        with EntropyCollector(model, backend=backend) as col:
+            steps = []
+            hook = model.register_forward_hook(lambda *_: steps.append([e.clone() for e in col.entropy]))
+            try:
+                got = model.generate(ids, **kw)
+            finally:
+                hook.remove()
+    assert col.backends == {backend}
+    assert torch.equal(got.sequences, ref.sequences)
+    assert len(steps) == len(got.logits) == len(ref.attentions) == 4
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    heads = model.config.num_attention_heads
+    for t, (entropies, attentions) in enumerate(zip(steps[1:], ref.attentions[1:]), start=1):
+        for ent, attn in zip(entropies, attentions):
+            # one query over the prompt and the t tokens generated before it
+            assert ent.shape == (2, heads, 1) and attn.shape == (2, heads, 1, 6 + t)
+            torch.testing.assert_close(ent.double(), _eager_entropies([attn])[0], atol=2e-5, rtol=0)
+            # more than one key seen: a top-left aligned query would see one key (entropy 0), or none
+            assert ent.min() > 0.1
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one", "left-padded"])
