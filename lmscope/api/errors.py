@@ -215,11 +215,13 @@ def register_error_handlers(app: Flask) -> None:
         elif status == 405 and allowed:
             detail = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"
         elif status == 413:
+            limit = request.max_content_length
+            view = app.view_functions.get(request.endpoint) if request.endpoint else None
             advice = ("send a smaller file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)"
-                      if request.path.startswith("/v1/datasets") else
-                      "the limit is the upload limit, LMSCOPE_MAX_UPLOAD_BYTES; a request here is a few kilobytes: "
-                      "check what is being sent")
-            detail = f"the request body is larger than {app.config.get('MAX_CONTENT_LENGTH')} bytes; {advice}"
+                      if getattr(view, "takes_upload", False) else
+                      "a request here is a few kilobytes of JSON (a job's params, a registration): check what is "
+                      "being sent; datasets are uploaded to POST /v1/datasets")
+            detail = f"the request body is larger than {limit} bytes; {advice}"
         else:
             detail = e.description or e.name
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable
 
-from flask import request
+from flask import current_app, request
 from werkzeug.datastructures import MultiDict
 
 from lmscope import strict_json
@@ -25,6 +25,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone "\ud800" escape: not a character, cannot be stored
 _DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII only: int() would also take "1_0", " 5" and "٣"
 _DECIMAL = re.compile(r"[0-9]{1,12}(\.[0-9]{1,12})?")
+# A job's params or a registration is a few kilobytes (a sweep's grid a few more). Larger bodies are
+# refused before they are parsed: a 60 MB body of list items cost the server 3 GB while it was walked.
+JSON_BODY_BYTES = 1024 * 1024
 
 
 def _bad_character(text: str, control: re.Pattern) -> str | None:
@@ -101,9 +104,20 @@ def single_values(fields: MultiDict, where: str, repeatable: Iterable[str] = ())
                       errors=[{"loc": [where, k], "msg": "given more than once", "type": "repeated"} for k in repeated])
 
 
+def takes_upload(view: Callable) -> Callable:
+    """Mark a view that reads a file upload: its body may be up to LMSCOPE_MAX_UPLOAD_BYTES (the app's
+    MAX_CONTENT_LENGTH), where every other /v1/ body is held to JSON_BODY_BYTES."""
+    view.takes_upload = True
+    return view
+
+
 def check_request(view: Callable | None) -> None:
-    """Before a /v1/ view runs: its query parameters are the ones it declares (`query_params`), each
-    given once unless repeatable, and no query parameter or path part holds a control character."""
+    """Before a /v1/ view runs: its body is at most JSON_BODY_BYTES unless it `takes_upload` (werkzeug
+    answers 413 when the view reads more), its query parameters are the ones it declares (`query_params`),
+    each given once unless repeatable, and no query parameter or path part holds a control character."""
+    if not getattr(view, "takes_upload", False):
+        upload_limit = current_app.config.get("MAX_CONTENT_LENGTH")
+        request.max_content_length = min(JSON_BODY_BYTES, upload_limit) if upload_limit else JSON_BODY_BYTES
     errors = []
     for key, value in request.args.items(multi=True):
         for text, what in ((key, "the parameter name"), (value, "the value")):

@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import current_caller, require_admin
 from lmscope.api.errors import Problem, validation_problem
-from lmscope.api.inputs import json_body, query_params, refuse_bad_strings, single_values
+from lmscope.api.inputs import json_body, query_params, refuse_bad_strings, single_values, takes_upload
 from lmscope.api.render import iso
 from lmscope.api.state import state
 from lmscope.api.submit import active_job_params
@@ -203,6 +203,7 @@ def _read_upload() -> tuple[dict, bytes]:
 
 @bp.post("/datasets")
 @query_params("name", "format", "description")
+@takes_upload
 def upload_dataset():
     """Upload a text dataset: multipart `file` + `name` + `format` (text|lines|jsonl), or a raw body with ?name=&format=."""
     st, caller = state(), current_caller()

@@ -429,3 +429,29 @@ def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
     assert builtin == {"wikitext-2"}
     for name in builtin:
         is_problem(api.client.delete(f"/v1/datasets/{name}", headers=root), 409, "builtin-dataset")
+
+
+def test_json_bodies_are_held_to_a_megabyte_and_uploads_to_their_own_limit(make_api):
+    """A JSON body (a job, a registration) past JSON_BODY_BYTES is refused before it is parsed (a 60 MB list
+    of tags once cost the server 3 GB), whatever the upload limit; an upload that large is taken."""
+    from lmscope.api.inputs import JSON_BODY_BYTES
+
+    api = make_api(max_upload_bytes=4 * JSON_BODY_BYTES)
+    api.add_model("m")
+    h = api.user("ann")
+    tags = ["t"] * (JSON_BODY_BYTES // 4)  # '"t", ' per tag: past the limit
+    body = json.dumps({"kind": "probe", "params": {"model": "m"}, "tags": tags})
+    assert JSON_BODY_BYTES < len(body) < 4 * JSON_BODY_BYTES
+    refused = is_problem(api.client.post("/v1/jobs", headers=h, data=body, content_type="application/json"),
+                         413, "payload-too-large")
+    assert str(JSON_BODY_BYTES) in refused["detail"] and "few kilobytes" in refused["detail"]
+    assert api.jobs() == []
+    is_problem(api.client.post("/v1/models", headers=api.user("root", admin=True),
+                               data=json.dumps({"name": "x", "path": "/" * (JSON_BODY_BYTES + 1)}),
+                               content_type="application/json"), 413, "payload-too-large")
+    text = ("a sentence of the dataset that goes on for a while.\n" * (2 * JSON_BODY_BYTES // 52)).encode()
+    assert len(text) > JSON_BODY_BYTES
+    r = api.client.post("/v1/datasets?name=big&format=lines", headers=h, data=text, content_type="text/plain")
+    assert r.status_code == 201, r.get_json()
+    # a body within the limit is the ordinary submission
+    assert api.submit(h, kind="probe", params={"model": "m"}, tags=["t"] * 32).status_code == 202
