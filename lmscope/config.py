@@ -25,6 +25,8 @@ ENV_VARS = {
     "LMSCOPE_MAX_ACTIVE_JOBS": "per-user quota of queued+running jobs (default 20; `lmscope user limits` sets one user's own)",
     "LMSCOPE_MAX_UPLOAD_BYTES": "largest dataset upload accepted (default 64 MiB)",
     "LMSCOPE_MAX_SWEEP_POINTS": "largest sweep grid a user may submit (default 256; `lmscope user limits` sets one user's own)",
+    "LMSCOPE_MAX_EVENT_STREAMS": "event streams (GET /v1/jobs/{id}/events) one API process keeps open at once, all users together (default 8; each holds a server thread: keep it below gunicorn's --threads)",
+    "LMSCOPE_MAX_EVENT_STREAMS_PER_USER": "event streams one user may keep open at once in one API process (default 4)",
     "LMSCOPE_MAX_ATTEMPTS": "attempts before a job is failed for good (default 3)",
     "LMSCOPE_HEARTBEAT_SECONDS": "how often a running job refreshes its heartbeat (default 5)",
     "LMSCOPE_STALE_AFTER_SECONDS": "heartbeat age after which the reaper re-enqueues a job (default 60)",
@@ -106,6 +108,8 @@ class Settings:
     max_active_jobs: int = 20
     max_upload_bytes: int = 64 * 1024 * 1024
     max_sweep_points: int = 256
+    max_event_streams: int = 8
+    max_event_streams_per_user: int = 4
     max_attempts: int = 3
     heartbeat_seconds: float = 5.0
     stale_after_seconds: float = 60.0
@@ -151,6 +155,8 @@ class Settings:
             max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
             max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),
             max_sweep_points=_int(env, "LMSCOPE_MAX_SWEEP_POINTS", 256),
+            max_event_streams=_int(env, "LMSCOPE_MAX_EVENT_STREAMS", 8),
+            max_event_streams_per_user=_int(env, "LMSCOPE_MAX_EVENT_STREAMS_PER_USER", 4),
             max_attempts=_int(env, "LMSCOPE_MAX_ATTEMPTS", 3),
             heartbeat_seconds=_float(env, "LMSCOPE_HEARTBEAT_SECONDS", 5.0),
             stale_after_seconds=_float(env, "LMSCOPE_STALE_AFTER_SECONDS", 60.0),

@@ -3,17 +3,24 @@
 The SQL row is the source of truth, so the stream polls it (a short session per poll, never one
 held open) and sends `status` / `progress` events when they change and `end` at a terminal state.
 A stream lasts at most `timeout` seconds (default 300); clients reconnect or poll after that.
+
+Each open stream holds a server thread, so an API process keeps at most LMSCOPE_MAX_EVENT_STREAMS open
+(LMSCOPE_MAX_EVENT_STREAMS_PER_USER per user); past that a stream is refused with 429, and the rest of
+the API keeps answering.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import Counter
 
 from flask import Blueprint, Response, current_app
 from sqlalchemy.exc import SQLAlchemyError
 
 from lmscope.api.auth import current_caller
+from lmscope.api.errors import Problem
 from lmscope.api.inputs import query_params, query_seconds
 from lmscope.api.jobs import children_of, load_visible_job
 from lmscope.api.render import error_json, iso, progress_json
@@ -25,6 +32,31 @@ bp = Blueprint("events", __name__, url_prefix="/v1")
 DEFAULT_TIMEOUT, MAX_TIMEOUT = 300.0, 3600.0
 KEEPALIVE_SECONDS = 15.0
 OUTAGE_POLL_SECONDS = 1.0  # how often a stream asks a database that does not answer
+
+
+class StreamSlots:
+    """The event streams this API process holds open, per user (each one holds a server thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: Counter[int] = Counter()
+
+    def take(self, user_id: int, *, most: int, most_per_user: int) -> str | None:
+        """Hold a slot for the user's stream; None when taken, else why not (nothing is held then)."""
+        with self._lock:
+            if self._open[user_id] >= most_per_user:
+                return (f"you have {self._open[user_id]} event streams open here, the most one user may "
+                        f"(LMSCOPE_MAX_EVENT_STREAMS_PER_USER={most_per_user})")
+            if sum(self._open.values()) >= most:
+                return f"this server holds {most} event streams open, its most (LMSCOPE_MAX_EVENT_STREAMS={most})"
+            self._open[user_id] += 1
+            return None
+
+    def give_back(self, user_id: int) -> None:
+        with self._lock:
+            self._open[user_id] -= 1
+            if self._open[user_id] <= 0:
+                del self._open[user_id]
 
 
 def sse(event: str, data: dict) -> str:
@@ -51,11 +83,19 @@ def snapshot(sessions, job_id: int) -> dict:
 def job_events(job_id: int):
     """Server-sent events: `status` and `progress` as they change, `end` at a terminal state."""
     st = state()
+    caller = current_caller()
     with st.sessions() as session:
-        load_visible_job(session, current_caller(), job_id)
+        load_visible_job(session, caller, job_id)
     timeout = query_seconds("timeout", DEFAULT_TIMEOUT, MAX_TIMEOUT)
     poll = current_app.config.get("LMSCOPE_SSE_POLL_SECONDS", 0.5)
     sessions = st.sessions  # the generator runs after the request context is gone
+    slots = st.extra.setdefault("event_streams", StreamSlots())
+    refused = slots.take(caller.id, most=st.settings.max_event_streams,
+                         most_per_user=st.settings.max_event_streams_per_user)
+    if refused is not None:
+        raise Problem(429, "too-many-streams", "Too many event streams",
+                      f"{refused}; close one (a stream ends at the job's end or its timeout), or poll "
+                      f"GET /v1/jobs/{job_id} instead", headers={"Retry-After": "30"})
 
     def stream():
         deadline = time.monotonic() + timeout
@@ -98,5 +138,8 @@ def job_events(job_id: int):
                 last_sent = time.monotonic()
             time.sleep(poll)
 
-    return Response(stream(), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = Response(stream(), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # when the server closes the response: at the stream's end, a client that went away, or one that never read
+    response.call_on_close(lambda: slots.give_back(caller.id))
+    return response

@@ -248,3 +248,36 @@ def test_events_stream_rides_out_a_database_outage(api, monkeypatch):
     kinds = [k for k, _ in parse_events(text)]
     assert kinds.count("unavailable") == 1 and kinds[-1] == "end", kinds
     assert kinds.index("unavailable") < kinds.index("end")
+
+
+def test_event_streams_are_limited_per_user_and_per_process(make_api):
+    """Each open stream holds a server thread: a user's streams past their limit, and anyone's past the
+    process's, are 429 too-many-streams (saying which limit), the rest of the API still answers, and a
+    stream closed gives its slot back."""
+    api = make_api(max_event_streams=3, max_event_streams_per_user=2)
+    api.add_model("m")
+    ann, bob = api.user("ann"), api.user("bob")
+    ann_job = api.submit(ann).get_json()["id"]
+    bob_job = api.submit(bob).get_json()["id"]
+
+    def stream(headers, job_id):
+        return api.client.get(f"/v1/jobs/{job_id}/events?timeout=60", headers=headers)
+
+    opened = [stream(ann, ann_job), stream(ann, ann_job)]
+    try:
+        assert [r.status_code for r in opened] == [200, 200]
+        third = is_problem(stream(ann, ann_job), 429, "too-many-streams")
+        assert "LMSCOPE_MAX_EVENT_STREAMS_PER_USER=2" in third["detail"] and f"/v1/jobs/{ann_job}" in third["detail"]
+        opened.append(stream(bob, bob_job))
+        assert opened[-1].status_code == 200  # bob has his own two; the process has one more
+        full = stream(bob, bob_job)
+        assert is_problem(full, 429, "too-many-streams")["detail"].startswith("this server holds 3 event streams")
+        assert full.headers["Retry-After"] == "30"
+        assert api.client.get("/v1/me", headers=ann).status_code == 200  # the rest of the API answers
+        opened.pop(0).close()
+        opened.append(stream(ann, ann_job))
+        assert opened[-1].status_code == 200  # the closed stream's slot was given back
+    finally:
+        for r in opened:
+            r.close()
+    assert all(stream(h, j).status_code == 200 for h, j in ((ann, ann_job), (bob, bob_job)))
