@@ -319,9 +319,10 @@ def check_same_shapes(session: Session, parsed: list) -> None:
                           errors=[{"loc": ["params", field], "msg": msg, "type": "models_differ"}])
 
 
-def check_model_names(session: Session, parsed: list) -> None:
+def check_model_names(session: Session, caller: Caller, parsed: list) -> None:
     """The models a job will register (a train run's `<run_name>@step<N>`) must not clash with any model
-    or with an active job that registers the same names: refused now, not at its first checkpoint."""
+    or with an active job that registers the same names: refused now, not at its first checkpoint. Another
+    user's active job is not named (jobs are private: its id would say it exists and what it trains)."""
     prefixes = sorted({pre for p in parsed for pre in p.model_prefixes()})
     for prefix in prefixes:
         _lock_name_until_commit(session, prefix)
@@ -329,8 +330,9 @@ def check_model_names(session: Session, parsed: list) -> None:
                                 .order_by(Model.id).limit(1)).first()
         if taken is not None:
             what = f"model {taken.name!r} exists" + (f" (a checkpoint of job {taken.job_id})" if taken.job_id else "")
-        elif (owner := _active_job_registering(session, prefix)) is not None:
-            what = f"job {owner} (still active) will register models named {prefix}<N>"
+        elif (active := _active_job_registering(session, prefix)) is not None:
+            whose = f"job {active}" if caller.can_see(session.get(Job, active).user_id) else "another user's job"
+            what = f"{whose} (still active) will register models named {prefix}<N>"
         else:
             continue
         run_name = prefix.removesuffix("@step")
@@ -435,7 +437,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     check_layers(session, [params, *child_params])
     check_softmax_attention(session, [params])
     check_same_shapes(session, [params])
-    check_model_names(session, [params, *child_params])
+    check_model_names(session, caller, [params, *child_params])
     check_quota(session, caller, settings)
 
     now = utcnow()

@@ -605,6 +605,10 @@ def test_a_reused_run_name_is_refused_at_submit(api):
                                                           "warmup_steps": 1}), 409, "name-taken")
     assert f"job {first}" in body["detail"] and "run_name" in body["detail"]
     assert body["errors"][0]["loc"] == ["params", "run_name"]
+    # Another user is refused too, without learning the job's id (jobs are private)
+    body = is_problem(api.submit(api.user("bob"), kind="train", params={"dataset": "d", "run_name": "demo"}),
+                      409, "name-taken")
+    assert "another user's job (still active)" in body["detail"] and f"job {first}" not in body["detail"]
     # Once it finished, its checkpoints hold the name; another user cannot take it either.
     api.set_job(first, status="failed")
     add_checkpoint(api, "demo@step150", first)
@@ -652,7 +656,7 @@ def test_racing_submits_of_one_new_run_name_let_exactly_one_through(api, monkeyp
     second.join(20)
     assert results["ann"].status_code == 202
     body = is_problem(results["bob"], 409, "name-taken")
-    assert f"job {results['ann'].get_json()['id']}" in body["detail"]
+    assert "another user's job (still active)" in body["detail"]
     assert [j.user_id for j in api.jobs()] == [api.job_row(results["ann"].get_json()["id"]).user_id]
 
 
