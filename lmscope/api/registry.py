@@ -246,13 +246,14 @@ def upload_dataset():
         if created_file:
             path.unlink(missing_ok=True)
         raise name_taken("dataset", form.name) from None
+    store_file(path, data)  # a delete of another name with these bytes may have removed the file meanwhile
     return dataset_json(row), 201, {"Location": "/v1/datasets"}
 
 
 @bp.delete("/datasets/<name>")
 def delete_dataset(name: str):
-    """Remove a dataset from the registry and free its name (its file stays: uploads are stored by content,
-    and one file may back several names).
+    """Remove a dataset from the registry and free its name. An upload's file goes too, unless another
+    name is backed by the same bytes (uploads are stored by content); a file registered in place stays.
 
     An upload by its uploader or an admin, a file registered in place by an admin; the built-in stays.
     Refused while a queued or running job reads it."""
@@ -265,6 +266,11 @@ def delete_dataset(name: str):
                           f"dataset {name!r} is {whose}; its uploader or an admin can remove it")
         refuse_while_read(session, caller, "dataset", name, lambda p: name in p.dataset_refs())
         session.delete(row)
+        # else deleted uploads would fill the disk with files no name leads to
+        orphan = row.source == "upload" and session.scalar(
+            select(Dataset.id).where(Dataset.path == row.path, Dataset.id != row.id).limit(1)) is None
+    if orphan:
+        Path(row.path).unlink(missing_ok=True)
     return "", 204
 
 

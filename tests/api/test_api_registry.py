@@ -405,8 +405,9 @@ def test_a_submit_and_a_delete_of_the_model_it_reads_never_both_succeed(api):
     assert [j.params for j in api.jobs(kind="probe")] == [params.stored()]  # the first race's job only
 
 
-def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
-    """The uploader (or an admin) removes an upload, not while a job reads it; the built-in stays."""
+def test_removing_a_dataset_frees_its_name_and_its_file_once_no_name_uses_it(api):
+    """The uploader (or an admin) removes an upload, not while a job reads it; its file goes with the
+    last name that uses those bytes; a file registered in place and the built-in stay."""
     ann, bob, root = api.user("ann"), api.user("bob"), api.user("root", admin=True)
     r = api.client.post("/v1/datasets?name=essays&format=text", headers=ann, data=b"one two three\n\nfour five six\n")
     assert r.status_code == 201, r.get_json()
@@ -418,10 +419,21 @@ def test_removing_a_dataset_frees_its_name_and_keeps_the_file(api):
     assert f"job(s) {reader.get_json()['id']}" in body["detail"]
     api.set_job(reader.get_json()["id"], status="succeeded")
     is_problem(api.client.delete("/v1/datasets/essays", headers=bob), 403, "forbidden")
+    assert api.client.post("/v1/datasets?name=copy&format=text", headers=bob,
+                           data=b"one two three\n\nfour five six\n").status_code == 201  # the same bytes
     assert api.client.delete("/v1/datasets/essays", headers=ann).status_code == 204
     assert "essays" not in {d["name"] for d in api.client.get("/v1/datasets", headers=ann).get_json()["items"]}
-    assert path.is_file()  # content-addressed: the file may back another name
+    assert path.is_file()  # content-addressed: the file backs `copy` too
+    assert api.client.delete("/v1/datasets/copy", headers=bob).status_code == 204
+    assert not path.exists() and stored_files(api) == []  # no name leads to it any more
     is_problem(api.client.delete("/v1/datasets/essays", headers=root), 404, "not-found")
+    from lmscope.db.builtins import register_dataset_file
+
+    in_place = api.settings.data_dir.parent / "corpus.txt"  # `lmscope datasets add corpus FILE`
+    in_place.write_text("one two three\n\nfour five six\n")
+    register_dataset_file(api.sessions, "corpus", in_place, "text")
+    assert api.client.delete("/v1/datasets/corpus", headers=root).status_code == 204
+    assert in_place.is_file()  # registered where it lies: not lmscope's to remove
     assert api.client.post("/v1/datasets?name=essays&format=text", headers=bob,
                            data=b"seven eight\n").status_code == 201  # the name is free again
     builtin = {d["name"] for d in api.client.get("/v1/datasets", headers=ann).get_json()["items"]
