@@ -1249,7 +1249,8 @@ def datasets_upload(name, file, fmt, description):
 @click.argument("names", nargs=-1, required=True)
 def datasets_delete(names):
     """Remove datasets from the registry and free their names (your uploads; admins: any but the built-in).
-    Their files stay. A dataset a queued or running job reads is kept (each name is tried)."""
+    An upload's file goes with the last name that uses it; a file added in place stays. A dataset a queued or
+    running job reads is kept (each name is tried)."""
     if remove_each("dataset", list(names), client().delete_dataset):
         raise SystemExit(1)
 

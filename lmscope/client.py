@@ -284,7 +284,7 @@ class Client:
 
     def delete_dataset(self, name: str) -> None:
         """Remove a dataset from the registry, freeing its name (your upload; admins: any but the
-        built-in). Its file stays."""
+        built-in). An upload's file goes with the last name that uses it; a file added in place stays."""
         self.request("DELETE", f"/v1/datasets/{quote(name, safe='')}")
 
     def upload_dataset(self, name: str, path: str | Path, format: str = "text", *,
