@@ -209,6 +209,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the job
 
+CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves this much of the disk free for everyone else
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
 def _eta(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -322,7 +329,7 @@ class TrainingRun:
             # on the CPU: load_state_dict moves the moments to the parameters' device but keeps AdamW's `step`
             # where it was loaded, and a CUDA `step` costs a host sync per parameter per step
             self.optimizer.load_state_dict(
-                torch.load(self.resume_dir / OPTIMIZER_FILE, map_location="cpu")["optimizer"])
+                torch.load(self.resume_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)["optimizer"])
             _set_rng_state(self.state["rng"])
         else:
             torch.manual_seed(p.seed)
@@ -372,6 +379,7 @@ class TrainingRun:
 
     def checkpoint(self) -> None:
         p, step = self.p, self.step
+        self.check_disk_space()
         trainer_state = {"step": step, "run_name": self.run_name, "params": p.model_dump(), "history": self.history,
                          "rng": _rng_state(), "tokens_seen": step * p.batch_size * p.context,
                          "stream_special_tokens": self.special,
@@ -379,6 +387,19 @@ class TrainingRun:
                          "lr_schedule": "warm-up + cosine, a function of the step (lmscope.analyses.train.lr_at)"}
         path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.optimizer, trainer_state)
         self.ctx.register_model(f"{self.run_name}@step{step}", path, step=step)
+
+    def check_disk_space(self) -> None:
+        """Refuse a checkpoint the disk cannot hold (weights, and AdamW's two moments beside the newest), with
+        room to spare, rather than fill the disk every job and user shares."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        needed = 3 * weights + CHECKPOINT_HEADROOM_BYTES
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.ckpt_root).free
+        if free < needed:
+            raise JobFailed(f"the checkpoint at step {self.step} needs about {_gigabytes(needed)} (weights "
+                            f"{_gigabytes(weights)}, AdamW state twice that, and {_gigabytes(CHECKPOINT_HEADROOM_BYTES)} "
+                            f"to spare) and the artifact store has {_gigabytes(free)} free; train a smaller model "
+                            "(width, layers) or free disk space", error_type="disk-full")
 
     def results(self, stopped: str | None = None) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
@@ -437,13 +458,13 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
         raise JobCancelled(partial=training.results("cancelled")) from None
     except JobFailed as e:
-        if e.error_type != "time-limit":
+        if e.error_type not in ("time-limit", "disk-full") or (e.error_type == "disk-full" and training.step == 0):
             raise
-        if training.step >= params.steps:  # the limit came with the last step: the run is complete
+        if e.error_type == "time-limit" and training.step >= params.steps:  # the limit came with the last step
             return training.results()
         # The job fails, but like a cancelled run it keeps what it trained.
-        raise JobFailed(str(e), error_type=e.error_type,
-                        partial=training.results("stopped by the time limit")) from None
+        why = "stopped by the time limit" if e.error_type == "time-limit" else "stopped: no disk space for a checkpoint"
+        raise JobFailed(str(e), error_type=e.error_type, partial=training.results(why)) from None
     return training.results()
 
 

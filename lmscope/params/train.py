@@ -8,6 +8,15 @@ from pydantic import Field, field_validator, model_validator
 from lmscope.params.base import JobParams, Seed
 
 DEFAULT_WARMUP_STEPS = 100  # the longest default warm-up; runs under 1000 steps warm up for a tenth
+DEFAULT_CHECKPOINT_EVERY = 250
+# Each checkpoint is a full copy of the weights and a registered model: a run's count is bounded so that
+# one job cannot fill the shared disk and the model list (curves over training need tens, not thousands).
+MAX_CHECKPOINTS = 100
+
+
+def checkpoint_count(steps: int, every: int) -> int:
+    """Checkpoints a run writes: step 0, every `every` steps, and the last step."""
+    return 1 + -(-steps // every)
 
 
 class TrainParams(JobParams):
@@ -34,8 +43,10 @@ class TrainParams(JobParams):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine ends at lr × min_lr_ratio")
     weight_decay: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
-    checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints, each a model <run_name>@step<N>; "
-                                  "step 0 (untrained) and the last step are always written")
+    checkpoint_every: int = Field(DEFAULT_CHECKPOINT_EVERY, ge=1,
+                                  description="steps between checkpoints, each a model <run_name>@step<N>; step 0 "
+                                  f"(untrained) and the last step are always written; at most {MAX_CHECKPOINTS} "
+                                  "per run (left out, it is raised for a long run to keep within that)")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="the documents at the end held out for validation")
     eval_every: int = Field(100, ge=1, description="steps between validation losses (also at step 0 and the end)")
     eval_batches: int = Field(8, ge=1, le=1000, description="validation batches per evaluation")
@@ -63,6 +74,14 @@ class TrainParams(JobParams):
                 raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         elif self.kv_heads is not None and self.kv_heads != self.heads:
             raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
+        fewest = -(-self.steps // (MAX_CHECKPOINTS - 1))  # the smallest checkpoint_every within the limit
+        if checkpoint_count(self.steps, self.checkpoint_every) > MAX_CHECKPOINTS:
+            if "checkpoint_every" in self.model_fields_set:
+                raise ValueError(f"checkpoint_every={self.checkpoint_every} over {self.steps} steps writes "
+                                 f"{checkpoint_count(self.steps, self.checkpoint_every)} checkpoints (step 0, every "
+                                 f"{self.checkpoint_every} steps, the last); a run writes at most {MAX_CHECKPOINTS}: "
+                                 f"use checkpoint_every={fewest} or more")
+            self.checkpoint_every = fewest
         if self.warmup_steps is None:  # a tenth of a short run, as many runs use, at most 100 steps
             self.warmup_steps = min(DEFAULT_WARMUP_STEPS, self.steps // 10)
         if self.warmup_steps >= self.steps:

@@ -397,3 +397,61 @@ def test_long_runs_are_thinned_to_block_means_at_each_blocks_last_step():
     xs, ys = thin([[i, float(i * i)] for i in range(1, 8)], max_points=5)  # stride 2, a short last block
     assert xs == [2, 4, 6, 7] and ys == [2.5, 12.5, 30.5, 49.0]
     assert thin([[1, 2.0], [2, 3.0]]) == ([1, 2], [2.0, 3.0])  # short runs: as they are
+
+
+@pytest.mark.parametrize("steps, every, written", [(1000, 250, 5), (1000, 300, 5), (60, 1, 61), (99, 1, 100),
+                                                   (1, 250, 2)])
+def test_checkpoint_count_is_step_0_every_n_and_the_last(steps, every, written):
+    from lmscope.params.train import checkpoint_count
+
+    expected = len({0, *range(every, steps + 1, every), steps})  # the steps the run loop checkpoints at
+    assert checkpoint_count(steps, every) == expected == written
+
+
+def test_a_run_writes_at_most_100_checkpoints():
+    """Each checkpoint is a copy of the weights and a registered model: an explicit checkpoint_every that
+    writes more is refused saying the smallest that fits; left out, it is raised to fit (and stored so)."""
+    with pytest.raises(ValidationError, match=r"writes 101 checkpoints .* use checkpoint_every=2 or more"):
+        validate_params("train", {"dataset": "wiki", "steps": 100, "checkpoint_every": 1})
+    assert validate_params("train", {"dataset": "wiki", "steps": 99, "checkpoint_every": 1}).checkpoint_every == 1
+    long = validate_params("train", {"dataset": "wiki", "steps": 100_000})
+    assert long.checkpoint_every == 1011  # ⌈100000 / 99⌉: 1 + ⌈100000 / 1011⌉ = 100 checkpoints
+    assert len({0, *range(1011, 100_001, 1011), 100_000}) == 100
+    assert validate_params("train", long.model_dump(mode="json")) == long  # the worker's re-validation
+    assert validate_params("train", {"dataset": "wiki", "steps": 1000}).checkpoint_every == 250  # the default
+
+
+def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained(docs, tmp_path, monkeypatch):
+    """Before each checkpoint the run checks the artifact store's free space for weights + AdamW state (3×
+    the weights) + 1 GB: short at step 0, the job fails at once (disk-full); short later, like the time
+    limit, it fails keeping its curves and the checkpoints written."""
+    from collections import namedtuple
+
+    import lmscope.analyses.train as train_module
+
+    usage = namedtuple("usage", "total used free")
+
+    def free_space(gigabytes_at_step):
+        def disk_usage(path):
+            step = len(ctx.registered)  # checkpoints written so far: 0 at step 0, 1 at step 50
+            return usage(1 << 40, 0, gigabytes_at_step(step))
+        return disk_usage
+
+    params = TrainParams(**{**SMALL, "run_name": None})
+    ctx = LocalContext(tmp_path / "first", datasets={"wiki": docs}, job_id=7)
+    monkeypatch.setattr(train_module.shutil, "disk_usage", free_space(lambda n: 1 << 30))  # the 1 GB to spare, no more
+    with pytest.raises(JobFailed, match="the checkpoint at step 0 needs about") as failed:
+        run(params, ctx)
+    assert failed.value.error_type == "disk-full" and failed.value.partial is None and ctx.registered == {}
+
+    ctx = LocalContext(tmp_path / "later", datasets={"wiki": docs}, job_id=8)
+    monkeypatch.setattr(train_module.shutil, "disk_usage", free_space(lambda n: 1 << 40 if n < 2 else 1 << 30))
+    with pytest.raises(JobFailed, match="the checkpoint at step 100 needs") as failed:
+        run(params, ctx)
+    assert failed.value.error_type == "disk-full" and list(ctx.registered) == ["run8@step0", "run8@step50"]
+    partial = failed.value.partial
+    assert partial.summary["partial"] is True and partial.summary["steps"] == 100
+    # the size it asked for: the weights in bytes, three times, and the 1 GB to spare
+    model = load_model("x", "checkpoint", str(ctx.registered["run8@step0"][0])).model
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert f"{(3 * weights + (1 << 30)) / 1e9:.1f} GB" in str(failed.value)
