@@ -66,8 +66,10 @@ def serve(settings: Settings) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Alembic announces every plugin and migration step at INFO: noise before the ready line.
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    settings.artifact_dir.mkdir(parents=True, exist_ok=True)
+    # Private to its user when made here: the database, uploads and results are one person's (other
+    # accounts on a shared host could read them otherwise). An existing folder keeps its mode.
+    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    settings.artifact_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with hold_data_dir(settings.data_dir):
         _serve_holding_the_data_dir(settings)
 

@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
 
     @app.after_request
     def _count(response):
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")  # a file is what its type says
         route = _route_of(app, request)
         started = g.get("started")
         if started is not None:

@@ -19,6 +19,11 @@ from lmscope.db.models import Artifact, Series
 
 bp = Blueprint("results", __name__, url_prefix="/v1")
 
+# Shown in the browser; anything else (an SVG or HTML file, which can hold scripts that would run with
+# the API's origin) is a download.
+INLINE_MEDIA_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "application/json", "text/plain", "text/csv",
+                                "text/markdown"})
+
 
 def series_filter(wanted: list[str]):
     """SQL for "the name is one of `wanted`" (a name ending in `*` matches a prefix)."""
@@ -133,5 +138,5 @@ def download_artifact(job_id: int, name: str):
         raise Problem(404, "not-found", "Artifact file missing",
                       f"artifact {name!r} of job {job_id} is recorded but its file is not in the artifact store")
     return send_file(Path(path).absolute(), mimetype=artifact.media_type, download_name=Path(name).name,
-                     as_attachment=not artifact.media_type.startswith(("image/", "text/", "application/json")),
-                     conditional=True, etag=artifact.sha256)
+                     as_attachment=artifact.media_type not in INLINE_MEDIA_TYPES, conditional=True,
+                     etag=artifact.sha256)

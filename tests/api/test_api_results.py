@@ -23,7 +23,8 @@ def add_results(api, job_id: int, files: dict[str, bytes]):
             path = folder / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-            media = "image/png" if name.endswith(".png") else "application/octet-stream"
+            media = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/html",
+                     ".json": "application/json"}.get(Path(name).suffix, "application/octet-stream")
             session.add(Artifact(job_id=job_id, name=name, media_type=media, size=len(data),
                                  sha256=hashlib.sha256(data).hexdigest()))
 
@@ -55,6 +56,24 @@ def test_artifacts_list_and_download(api):
         r = api.client.get(item["url"], headers=h)
         assert r.status_code == 200 and r.data == data and r.mimetype == item["media_type"]
     is_problem(api.client.get(f"/v1/jobs/{job_id}/artifacts/nope.png", headers=h), 404, "not-found")
+
+
+def test_only_passive_artifacts_are_shown_inline(api):
+    """A PNG or JSON opens in the browser; an SVG or HTML file (scripts that would run on the API's origin)
+    and bytes are downloads; no answer lets a browser guess another type."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    add_results(api, job_id, {"a.png": b"\x89PNG\r\n\x1a\n", "b.json": b"{}",
+                              "c.svg": b"<svg xmlns='http://www.w3.org/2000/svg'><script>alert(1)</script></svg>",
+                              "d.html": b"<script>alert(1)</script>", "e.npz": b"PK"})
+    disposition = {}
+    for name in ("a.png", "b.json", "c.svg", "d.html", "e.npz"):
+        r = api.client.get(f"/v1/jobs/{job_id}/artifacts/{name}", headers=h)
+        assert r.status_code == 200 and r.headers["X-Content-Type-Options"] == "nosniff"
+        disposition[name] = r.headers["Content-Disposition"].split(";")[0]
+    assert disposition == {"a.png": "inline", "b.json": "inline", "c.svg": "attachment", "d.html": "attachment",
+                           "e.npz": "attachment"}
+    assert api.client.get("/v1/jobs", headers=h).headers["X-Content-Type-Options"] == "nosniff"
 
 
 def test_artifact_paths_cannot_escape_the_job_folder(api):

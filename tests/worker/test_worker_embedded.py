@@ -196,6 +196,7 @@ def test_serve_keeps_jobs_across_a_restart(tmp_path):
     data = tmp_path / "data"
     with open(tmp_path / "serve.log", "w") as log:
         with _serving(data, log) as (proc, base):
+            assert data.stat().st_mode & 0o077 == 0  # created private: one user's database and results
             done = _http("POST", f"{base}/v1/jobs", {"kind": "count", "params": {"steps": 4, "plot": False}})
             wait_until(lambda: _http("GET", f"{base}/v1/jobs/{done['id']}")["status"] == "succeeded", timeout=30,
                        what="the first job")
