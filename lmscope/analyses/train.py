@@ -209,7 +209,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the job
 
-CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves this much of the disk free for everyone else
+CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves at least this much of the disk free (or 5 %)
 
 
 def _gigabytes(n: int) -> str:
@@ -389,16 +389,19 @@ class TrainingRun:
         self.ctx.register_model(f"{self.run_name}@step{step}", path, step=step)
 
     def check_disk_space(self) -> None:
-        """Refuse a checkpoint the disk cannot hold (weights, and AdamW's two moments beside the newest), with
-        room to spare, rather than fill the disk every job and user shares."""
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        needed = 3 * weights + CHECKPOINT_HEADROOM_BYTES
+        """Refuse a checkpoint the disk cannot hold (weights, and AdamW's two moments beside the newest) with
+        room to spare for everyone else (1 GB or 5 % of the disk, the more), rather than fill the disk every
+        job and user shares."""
+        # parameters(), not state_dict(): a tied embedding / LM head is one tensor, saved once
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.ckpt_root).free
-        if free < needed:
+        disk = shutil.disk_usage(self.ckpt_root)
+        spare = max(CHECKPOINT_HEADROOM_BYTES, disk.total // 20)
+        needed = 3 * weights + spare
+        if disk.free < needed:
             raise JobFailed(f"the checkpoint at step {self.step} needs about {_gigabytes(needed)} (weights "
-                            f"{_gigabytes(weights)}, AdamW state twice that, and {_gigabytes(CHECKPOINT_HEADROOM_BYTES)} "
-                            f"to spare) and the artifact store has {_gigabytes(free)} free; train a smaller model "
+                            f"{_gigabytes(weights)}, AdamW state twice that, and {_gigabytes(spare)} left free for "
+                            f"others) and the artifact store has {_gigabytes(disk.free)} free; train a smaller model "
                             "(width, layers) or free disk space", error_type="disk-full")
 
     def results(self, stopped: str | None = None) -> JobOutput:

@@ -417,41 +417,57 @@ def test_a_run_writes_at_most_100_checkpoints():
     long = validate_params("train", {"dataset": "wiki", "steps": 100_000})
     assert long.checkpoint_every == 1011  # ⌈100000 / 99⌉: 1 + ⌈100000 / 1011⌉ = 100 checkpoints
     assert len({0, *range(1011, 100_001, 1011), 100_000}) == 100
-    assert validate_params("train", long.model_dump(mode="json")) == long  # the worker's re-validation
+    assert validate_params("train", long.model_dump(mode="json")) == long  # the API's stored form
+    assert validate_params("train", long.model_dump(mode="json"), internal=True) == long  # the worker's
+    # a row stored before the limit (the default 250 over 100000 steps: 401 checkpoints) still runs as accepted
+    old = {**long.model_dump(mode="json"), "checkpoint_every": 250}
+    assert validate_params("train", old, internal=True).checkpoint_every == 250
+    with pytest.raises(ValidationError, match="writes 401 checkpoints"):
+        validate_params("train", old)  # as a new submission it is refused
     assert validate_params("train", {"dataset": "wiki", "steps": 1000}).checkpoint_every == 250  # the default
 
 
 def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained(docs, tmp_path, monkeypatch):
     """Before each checkpoint the run checks the artifact store's free space for weights + AdamW state (3×
-    the weights) + 1 GB: short at step 0, the job fails at once (disk-full); short later, like the time
-    limit, it fails keeping its curves and the checkpoints written."""
+    the parameters' bytes, a tied embedding once) + 5 % of the disk (at least 1 GB) left for others: short
+    at step 0, the job fails at once (disk-full); short later, like the time limit, it fails keeping its
+    curves and the checkpoints written."""
+    import shutil
     from collections import namedtuple
+    from types import SimpleNamespace
 
     import lmscope.analyses.train as train_module
 
     usage = namedtuple("usage", "total used free")
+    total = 1 << 40
+    spare = total // 20  # 5 % of a 1.1 TB disk: more than the 1 GB floor
 
-    def free_space(gigabytes_at_step):
-        def disk_usage(path):
-            step = len(ctx.registered)  # checkpoints written so far: 0 at step 0, 1 at step 50
-            return usage(1 << 40, 0, gigabytes_at_step(step))
-        return disk_usage
+    def free_space(free_after):  # free bytes, by how many checkpoints the run has written so far
+        return SimpleNamespace(rmtree=shutil.rmtree,
+                               disk_usage=lambda path: usage(total, 0, free_after(len(ctx.registered))))
 
     params = TrainParams(**{**SMALL, "run_name": None})
     ctx = LocalContext(tmp_path / "first", datasets={"wiki": docs}, job_id=7)
-    monkeypatch.setattr(train_module.shutil, "disk_usage", free_space(lambda n: 1 << 30))  # the 1 GB to spare, no more
+    monkeypatch.setattr(train_module, "shutil", free_space(lambda n: spare))  # the part to spare, no more
     with pytest.raises(JobFailed, match="the checkpoint at step 0 needs about") as failed:
         run(params, ctx)
     assert failed.value.error_type == "disk-full" and failed.value.partial is None and ctx.registered == {}
 
+    def saved_weights() -> int:  # the step-0 checkpoint's weights as saved (a tied embedding / LM head once)
+        from safetensors import safe_open
+
+        with safe_open(str(ctx.registered["run8@step0"][0] / "model.safetensors"), "pt") as f:
+            return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+    def exactly_enough_until_step_100(n):  # at step 150 one byte short
+        return total if n < 2 else 3 * saved_weights() + spare - (n > 2)
+
     ctx = LocalContext(tmp_path / "later", datasets={"wiki": docs}, job_id=8)
-    monkeypatch.setattr(train_module.shutil, "disk_usage", free_space(lambda n: 1 << 40 if n < 2 else 1 << 30))
-    with pytest.raises(JobFailed, match="the checkpoint at step 100 needs") as failed:
+    monkeypatch.setattr(train_module, "shutil", free_space(exactly_enough_until_step_100))
+    with pytest.raises(JobFailed, match="the checkpoint at step 150 needs") as failed:
         run(params, ctx)
-    assert failed.value.error_type == "disk-full" and list(ctx.registered) == ["run8@step0", "run8@step50"]
+    assert failed.value.error_type == "disk-full"
+    assert list(ctx.registered) == ["run8@step0", "run8@step50", "run8@step100"]
     partial = failed.value.partial
-    assert partial.summary["partial"] is True and partial.summary["steps"] == 100
-    # the size it asked for: the weights in bytes, three times, and the 1 GB to spare
-    model = load_model("x", "checkpoint", str(ctx.registered["run8@step0"][0])).model
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    assert f"{(3 * weights + (1 << 30)) / 1e9:.1f} GB" in str(failed.value)
+    assert partial.summary["partial"] is True and partial.summary["steps"] == 150
+    assert f"{spare / 1e9:.1f} GB left free for others" in str(failed.value)
