@@ -200,6 +200,12 @@ def validation_problem(exc, prefix: tuple = (), title: str = "Invalid request",
     return fields_problem(title, pydantic_errors(exc, prefix, model))
 
 
+def json_too_large(limit: int | None) -> str:
+    """The 413 detail for a JSON body past its limit."""
+    return (f"the request body is larger than {limit} bytes; a request here is a few kilobytes of JSON (a job's "
+            "params, a registration): check what is being sent; datasets are uploaded to POST /v1/datasets")
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Problem)
     def _problem(p: Problem):
@@ -217,11 +223,8 @@ def register_error_handlers(app: Flask) -> None:
         elif status == 413:
             limit = request.max_content_length
             view = app.view_functions.get(request.endpoint) if request.endpoint else None
-            advice = ("send a smaller file (uploads are limited by LMSCOPE_MAX_UPLOAD_BYTES)"
-                      if getattr(view, "takes_upload", False) else
-                      "a request here is a few kilobytes of JSON (a job's params, a registration): check what is "
-                      "being sent; datasets are uploaded to POST /v1/datasets")
-            detail = f"the request body is larger than {limit} bytes; {advice}"
+            detail = (f"the request body is larger than {limit} bytes; send a smaller file (uploads are limited by "
+                      "LMSCOPE_MAX_UPLOAD_BYTES)" if getattr(view, "takes_upload", False) else json_too_large(limit))
         else:
             detail = e.description or e.name
         slug = _HTTP_TYPES.get(status, (e.name or "error").lower().replace(" ", "-"))

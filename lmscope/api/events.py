@@ -141,5 +141,13 @@ def job_events(job_id: int):
     response = Response(stream(), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # when the server closes the response: at the stream's end, a client that went away, or one that never read
-    response.call_on_close(lambda: slots.give_back(caller.id))
+    # (once, however often the response is closed)
+    given_back = threading.Event()
+
+    def give_back() -> None:
+        if not given_back.is_set():
+            given_back.set()
+            slots.give_back(caller.id)
+
+    response.call_on_close(give_back)
     return response

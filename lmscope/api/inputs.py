@@ -15,7 +15,7 @@ from flask import current_app, request
 from werkzeug.datastructures import MultiDict
 
 from lmscope import strict_json
-from lmscope.api.errors import Problem, fields_problem
+from lmscope.api.errors import Problem, fields_problem, json_too_large
 from lmscope.wording import did_you_mean
 
 # Free text in a JSON string may hold tabs and line breaks; no other control character has a use,
@@ -69,8 +69,13 @@ def json_body(example: str) -> Any:
     if request.content_encoding not in (None, "", "identity"):  # gzip bytes would be "not UTF-8"
         raise Problem(415, "unsupported-media-type", "Compressed body",
                       f"the body is sent with Content-Encoding: {request.content_encoding}; send the JSON uncompressed")
+    data = request.get_data(cache=True)
+    limit = request.max_content_length
+    if request.content_length is None and limit is not None and len(data) >= limit:
+        # a chunked body (no Content-Length) is cut at the limit rather than refused: refuse it here
+        raise Problem(413, "payload-too-large", "Request Entity Too Large", json_too_large(limit))
     try:
-        value = strict_json.loads(request.get_data(cache=True))
+        value = strict_json.loads(data)
     except strict_json.StrictJsonError as e:
         raise Problem(400, "invalid-json", "Body is not JSON",
                       f"the body is not valid JSON: {e}. Send a JSON object like {example} "

@@ -41,7 +41,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
                         "description": "same key + same body → the first job (200); a different body → 422"}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitJob"}}}},
         "responses": {"202": _json("Job", "accepted; Location names the job"), "200": _json("Job", "an idempotent replay"),
-                      "400": PROBLEM, "409": PROBLEM, "415": PROBLEM, "422": PROBLEM, "429": PROBLEM},
+                      "400": PROBLEM, "409": PROBLEM, "413": PROBLEM, "415": PROBLEM, "422": PROBLEM, "429": PROBLEM},
     },
     ("get", "jobs.list_jobs"): {
         "parameters": [
@@ -76,7 +76,8 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "results.download_artifact"): {
         "responses": {"200": {
-            "description": "the file, with the media type it was recorded with; images, JSON and text are served inline",
+            "description": "the file, with the media type it was recorded with; PNG/JPEG/GIF images, JSON, plain text, "
+                           "CSV and Markdown are served inline, anything else (SVG and HTML too) as an attachment",
             "content": {media: {"schema": {"type": "string", "format": "binary"}}
                         for media in ("image/png", "application/json", "text/plain", "text/csv", "application/octet-stream")}},
         "304": {"description": "If-None-Match named the file's ETag (its sha256): you have it already"}}},
@@ -84,12 +85,13 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
         "parameters": [_query("timeout", {"type": "number", "default": 300, "exclusiveMinimum": 0, "maximum": 3600},
                               "longest stream in seconds")],
         "responses": {"200": {"description": "events `status`, `progress`, `end` (and `timeout`)",
-                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, "422": PROBLEM},
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, "422": PROBLEM,
+                      "429": PROBLEM},
     },
     ("post", "registry.register_model"): {
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RegisterModelBody"}}}},
         "responses": {"201": {"description": "registered"}, "400": PROBLEM, "403": PROBLEM, "409": PROBLEM,
-                      "415": PROBLEM, "422": PROBLEM},
+                      "413": PROBLEM, "415": PROBLEM, "422": PROBLEM},
     },
     ("post", "registry.upload_dataset"): {
         "parameters": [_query("name", {"type": "string"}, "dataset name (raw-body uploads)"),

@@ -7,9 +7,11 @@ bytes are decoded and split into documents *before* anything is stored, so a bad
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +30,7 @@ from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, Cat
                              parse_documents, sha256_bytes)
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model
 
+log = logging.getLogger("lmscope.api")
 bp = Blueprint("registry", __name__, url_prefix="/v1")
 
 
@@ -266,12 +269,33 @@ def delete_dataset(name: str):
                           f"dataset {name!r} is {whose}; its uploader or an admin can remove it")
         refuse_while_read(session, caller, "dataset", name, lambda p: name in p.dataset_refs())
         session.delete(row)
-        # else deleted uploads would fill the disk with files no name leads to
-        orphan = row.source == "upload" and session.scalar(
-            select(Dataset.id).where(Dataset.path == row.path, Dataset.id != row.id).limit(1)) is None
-    if orphan:
-        Path(row.path).unlink(missing_ok=True)
+    if row.source == "upload":  # else deleted uploads would fill the disk with files no name leads to
+        remove_unused_upload(state().sessions, Path(row.path))
     return "", 204
+
+
+def remove_unused_upload(sessions, path: Path) -> None:
+    """Delete an upload's file if no dataset row uses it, safe against an upload of the same bytes at the
+    same moment: the file is first moved aside, and only then are the rows read. An upload that committed
+    before that read keeps the file (it is moved back); one that commits after it finds the file gone when
+    it stores its bytes again after its commit (``upload_dataset``), and writes it anew."""
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.deleting")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    except OSError as e:  # the name is freed either way; a file left behind only takes space
+        log.warning("could not remove the file of a deleted upload, %s: %s", path, e)
+        return
+    try:
+        with sessions() as session:
+            used = session.scalar(select(Dataset.id).where(Dataset.path == str(path)).limit(1)) is not None
+        if used:
+            os.replace(aside, path)
+        else:
+            aside.unlink()
+    except Exception as e:  # the delete has succeeded: say so to the caller, log what is left to tidy
+        log.warning("could not finish removing the file of a deleted upload, %s (left as %s): %s", path, aside, e)
 
 
 def store_file(path: Path, data: bytes) -> bool:

@@ -293,9 +293,12 @@ def test_event_streams_are_limited_per_user_and_per_process(make_api):
         assert is_problem(full, 429, "too-many-streams")["detail"].startswith("this server holds 3 event streams")
         assert full.headers["Retry-After"] == "30"
         assert api.client.get("/v1/me", headers=ann).status_code == 200  # the rest of the API answers
-        opened.pop(0).close()
+        closed = opened.pop(0)
+        closed.close()
+        closed.close()  # closed twice, given back once
         opened.append(stream(ann, ann_job))
         assert opened[-1].status_code == 200  # the closed stream's slot was given back
+        is_problem(stream(ann, ann_job), 429, "too-many-streams")  # and only it
     finally:
         for r in opened:
             r.close()
