@@ -24,6 +24,7 @@ ENV_VARS = {
     "LMSCOPE_AUTH": "1 = bearer tokens required, 0 = single-user mode (also true/false, yes/no, on/off; default: 1 when LMSCOPE_BROKER_URL is set, else 0)",
     "LMSCOPE_MAX_ACTIVE_JOBS": "per-user quota of queued+running jobs (default 20; `lmscope user limits` sets one user's own)",
     "LMSCOPE_MAX_UPLOAD_BYTES": "largest dataset upload accepted (default 64 MiB)",
+    "LMSCOPE_MAX_UPLOADED_BYTES_PER_USER": "total size of one user's uploaded datasets (default 1 GiB; deleting one frees its share)",
     "LMSCOPE_MAX_SWEEP_POINTS": "largest sweep grid a user may submit (default 256; `lmscope user limits` sets one user's own)",
     "LMSCOPE_MAX_EVENT_STREAMS": "event streams (GET /v1/jobs/{id}/events) one API process keeps open at once, all users together (default 8; each holds a server thread: keep it below gunicorn's --threads)",
     "LMSCOPE_MAX_EVENT_STREAMS_PER_USER": "event streams one user may keep open at once in one API process (default 4)",
@@ -107,6 +108,7 @@ class Settings:
     auth: bool = True
     max_active_jobs: int = 20
     max_upload_bytes: int = 64 * 1024 * 1024
+    max_uploaded_bytes_per_user: int = 1024 ** 3
     max_sweep_points: int = 256
     max_event_streams: int = 8
     max_event_streams_per_user: int = 4
@@ -154,6 +156,7 @@ class Settings:
             auth=on_off(env, "LMSCOPE_AUTH", default=bool(broker)),
             max_active_jobs=_int(env, "LMSCOPE_MAX_ACTIVE_JOBS", 20),
             max_upload_bytes=_int(env, "LMSCOPE_MAX_UPLOAD_BYTES", 64 * 1024 * 1024),
+            max_uploaded_bytes_per_user=_int(env, "LMSCOPE_MAX_UPLOADED_BYTES_PER_USER", 1024 ** 3),
             max_sweep_points=_int(env, "LMSCOPE_MAX_SWEEP_POINTS", 256),
             max_event_streams=_int(env, "LMSCOPE_MAX_EVENT_STREAMS", 8),
             max_event_streams_per_user=_int(env, "LMSCOPE_MAX_EVENT_STREAMS_PER_USER", 4),

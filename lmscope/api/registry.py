@@ -17,7 +17,7 @@ from typing import Annotated
 
 from flask import Blueprint, request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import current_caller, require_admin
@@ -237,6 +237,7 @@ def upload_dataset():
     with st.sessions() as session:
         if session.scalar(select(Dataset.id).where(Dataset.name == form.name)) is not None:
             raise name_taken("dataset", form.name)
+        check_upload_quota(session, caller, st.settings, len(data))
     digest = sha256_bytes(data)
     path = st.settings.data_dir / "datasets" / f"{digest}.{'jsonl' if form.format == 'jsonl' else 'txt'}"
     created_file = store_file(path, data)
@@ -296,6 +297,18 @@ def remove_unused_upload(sessions, path: Path) -> None:
             aside.unlink()
     except Exception as e:  # the delete has succeeded: say so to the caller, log what is left to tidy
         log.warning("could not finish removing the file of a deleted upload, %s (left as %s): %s", path, aside, e)
+
+
+def check_upload_quota(session, caller, settings, size: int) -> None:
+    """A user's uploads together stay within LMSCOPE_MAX_UPLOADED_BYTES_PER_USER (the disk is shared)."""
+    limit = settings.max_uploaded_bytes_per_user
+    stored = session.scalar(select(func.coalesce(func.sum(Dataset.num_bytes), 0))
+                            .where(Dataset.source == "upload", Dataset.created_by == caller.id))
+    if stored + size > limit:
+        raise Problem(409, "upload-quota", "Upload quota reached",
+                      f"your uploads take {stored} bytes and this one {size}: together more than the {limit} a user "
+                      "may store (LMSCOPE_MAX_UPLOADED_BYTES_PER_USER); delete one you no longer need "
+                      "(`lmscope datasets delete NAME`, DELETE /v1/datasets/NAME) or ask an admin to raise the limit")
 
 
 def store_file(path: Path, data: bytes) -> bool:

@@ -519,3 +519,22 @@ def test_a_delete_and_an_upload_of_the_same_bytes_at_once_never_leave_a_dataset_
     assert stored_files(api) == [path.name]  # nothing left aside
     assert api.client.delete("/v1/datasets/new", headers=ann).status_code == 204
     assert stored_files(api) == []
+
+
+def test_one_users_uploads_together_stay_within_their_quota(make_api):
+    """Uploads count against their uploader (the disk is shared): past the quota 409 upload-quota, saying
+    how much is stored and how to free it; another user has their own; deleting one frees its share."""
+    api = make_api(max_upload_bytes=4096, max_uploaded_bytes_per_user=5000)
+    ann, bob = api.user("ann"), api.user("bob")
+
+    def upload(h, name, size):
+        return api.client.post(f"/v1/datasets?name={name}&format=text", headers=h, data=b"w " * (size // 2))
+
+    assert upload(ann, "a", 3000).status_code == 201
+    body = is_problem(upload(ann, "b", 2002), 409, "upload-quota")
+    assert "your uploads take 3000 bytes and this one 2002" in body["detail"] and "5000" in body["detail"]
+    assert "lmscope datasets delete" in body["detail"] and len(stored_files(api)) == 1  # the refused one left nothing
+    assert upload(ann, "b", 2000).status_code == 201  # exactly at the quota
+    assert upload(bob, "c", 4000).status_code == 201  # bob's own
+    assert api.client.delete("/v1/datasets/a", headers=ann).status_code == 204
+    assert upload(ann, "d", 3000).status_code == 201
