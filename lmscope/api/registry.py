@@ -277,9 +277,15 @@ def delete_dataset(name: str):
 
 def remove_unused_upload(sessions, path: Path) -> None:
     """Delete an upload's file if no dataset row uses it, safe against an upload of the same bytes at the
-    same moment: the file is first moved aside, and only then are the rows read. An upload that committed
+    same moment: the file is first moved aside, and only then are the rows read (again). An upload that committed
     before that read keeps the file (it is moved back); one that commits after it finds the file gone when
     it stores its bytes again after its commit (``upload_dataset``), and writes it anew."""
+    def used() -> bool:
+        with sessions() as session:
+            return session.scalar(select(Dataset.id).where(Dataset.path == str(path)).limit(1)) is not None
+
+    if used():  # another name's file, which a job may be reading: never moved, not even for a moment
+        return
     aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.deleting")
     try:
         os.rename(path, aside)
@@ -289,9 +295,7 @@ def remove_unused_upload(sessions, path: Path) -> None:
         log.warning("could not remove the file of a deleted upload, %s: %s", path, e)
         return
     try:
-        with sessions() as session:
-            used = session.scalar(select(Dataset.id).where(Dataset.path == str(path)).limit(1)) is not None
-        if used:
+        if used():
             os.replace(aside, path)
         else:
             aside.unlink()

@@ -499,8 +499,13 @@ def test_a_delete_and_an_upload_of_the_same_bytes_at_once_never_leave_a_dataset_
     def upload():
         assert api.client.post("/v1/datasets?name=new&format=text", headers=ann, data=data).status_code == 201
 
+    reads = []
+
     def sessions():  # what remove_unused_upload reads the rows through, with the upload at the forced moment
         session = api.sessions()
+        reads.append(path.exists())
+        if len(reads) == 1:  # its first read, before it moves the file: no other name uses it yet
+            return session
         if upload_commits == "before the read":
             upload()
         else:  # once the read is over (its session closed: SQLite would hold the upload's write back)
@@ -513,6 +518,7 @@ def test_a_delete_and_an_upload_of_the_same_bytes_at_once_never_leave_a_dataset_
         return session
 
     remove_unused_upload(sessions, path)
+    assert reads == [True, False]  # the upload came while the file was moved aside
     with api.sessions() as session:
         assert session.scalar(select(Dataset.path).where(Dataset.name == "new")) == str(path)
     assert path.read_bytes() == data
