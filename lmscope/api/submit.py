@@ -277,6 +277,25 @@ def check_layers(session: Session, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "layer_out_of_range"} for m, loc in errors.items()])
 
 
+def check_query_keys_read(session: Session, parsed: list) -> None:
+    """The entropy job's dimension-wise part reads each layer's q and k from lmscope's attention function:
+    on a model that computes its attention in its own modules it is refused now, not after a queue wait and
+    a model load (the worker checks again; a `train_job`'s checkpoints are GPT-2 or LLaMA, always readable)."""
+    for p in parsed:
+        field, names = p.query_keys_read()
+        if not names:
+            continue
+        own = session.execute(select(Model.name, Model.architecture).where(
+            Model.name.in_(names), Model.architecture.in_(sorted(OWN_ATTENTION_MODULES)))).all()
+        if own:
+            msg = "; ".join(f"model {name!r} ({arch}) computes its attention in its own modules, so lmscope never "
+                            "sees its q and k" for name, arch in sorted(own))
+            raise Problem(422, "validation-error", "Dimension-wise entropy cannot read this model",
+                          f"{msg}; set {field}=false (the per-head entropies are still measured), or study a model "
+                          "whose attention goes through transformers' AttentionInterface (docs/models-and-datasets.md "
+                          "lists them)", errors=[{"loc": ["params", field], "msg": msg, "type": "unsupported_attention"}])
+
+
 def check_softmax_attention(session: Session, parsed: list) -> None:
     """The attention study on an architecture it cannot read is refused now, not by every child after a
     queue wait and a model load (the worker checks again: a config may differ from its type's)."""
@@ -436,6 +455,7 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     check_context(session, [params, *child_params])
     check_layers(session, [params, *child_params])
     check_softmax_attention(session, [params])
+    check_query_keys_read(session, [params])
     check_same_shapes(session, [params])
     check_model_names(session, caller, [params, *child_params])
     check_quota(session, caller, settings)

@@ -50,6 +50,12 @@ class JobParams(BaseModel):
         at submit against the model's number of layers."""
         return None
 
+    def query_keys_read(self) -> tuple[str, list[str]]:
+        """(field, models) whose layers' q and k the job reads from lmscope's attention function (the
+        entropy job's dimension-wise part); checked at submit against architectures that compute their
+        attention in their own modules."""
+        return "", []
+
     def softmax_attention_read(self) -> str | None:
         """The model whose layers' q, k, v the job compares with its own softmax attention (the attention
         study), or None; checked at submit against architectures whose attention cannot be read so."""

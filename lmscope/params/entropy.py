@@ -66,5 +66,8 @@ class EntropyParams(JobParams):
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.seq_len is not None else None
 
+    def query_keys_read(self) -> tuple[str, list[str]]:
+        return ("dimension_wise", self.model_refs()) if self.dimension_wise else ("", [])
+
     def models_compared(self) -> tuple[str, list[str]] | None:
         return ("models", list(self.models)) if self.models and len(self.models) > 1 else None

@@ -509,6 +509,23 @@ def test_an_attention_study_of_a_model_it_cannot_read_is_refused_at_submit(api):
                                                "seq_len": 16}).status_code == 202
 
 
+def test_dimension_wise_entropy_of_a_model_computing_its_own_attention_is_refused_at_submit(api):
+    """The dimension-wise part reads q and k from lmscope's attention function, which Falcon-like models never
+    call: the worker refused it after a queue wait and a model load; now a 422 names the model and the fix."""
+    h = api.user("ann")
+    api.add_model("falcon-7b", architecture="falcon")
+    for params in ({"model": "falcon-7b"}, {"models": ["m", "falcon-7b"]}):
+        body = is_problem(api.submit(h, kind="entropy", params={**params, "dataset": "d", "dimension_wise": True}),
+                          422, "validation-error")
+        assert "model 'falcon-7b' (falcon) computes its attention in its own modules" in body["detail"], body
+        assert "set dimension_wise=false" in body["detail"] and "'m'" not in body["detail"]
+        assert body["errors"][0]["loc"] == ["params", "dimension_wise"]
+    assert api.jobs() == []
+    # the per-head entropies of the same model, and the dimension-wise part of a model it can read, are accepted
+    assert api.submit(h, kind="entropy", params={"model": "falcon-7b", "dataset": "d"}).status_code == 202
+    assert api.submit(h, kind="entropy", params={"model": "m", "dataset": "d", "dimension_wise": True}).status_code == 202
+
+
 def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):
     """The job follows each (layer, head) across its models: a 2-layer and a 3-layer model failed in
     the worker with an IndexError, after measuring the first."""
