@@ -11,7 +11,6 @@ the kernels share (``forward_backend``, ``check_heads``, ``check_grid``,
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 
@@ -24,16 +23,22 @@ ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels take (fp32 accumulators)
 
 
-@functools.lru_cache(maxsize=None)
+_triton_found: bool | None = None  # asked once per process
+
+
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported (a CPU worker may not have it)."""
-    try:
-        if importlib.util.find_spec("triton") is None:
-            return False
-        import triton  # noqa: F401
-    except Exception:  # a broken or blocked install counts as missing: fall back rather than crash
-        return False
-    return True
+    # A module global rather than functools.lru_cache: torch.compile traces this call (through the HF
+    # attention function) and warns about every lru_cache it meets; a global it simply reads.
+    global _triton_found
+    if _triton_found is None:
+        try:
+            _triton_found = importlib.util.find_spec("triton") is not None
+            if _triton_found:
+                import triton  # noqa: F401
+        except Exception:  # a broken or blocked install counts as missing: fall back rather than crash
+            _triton_found = False
+    return _triton_found
 
 
 def interpreting() -> bool:
