@@ -1126,9 +1126,8 @@ def natural_key(text: str) -> tuple:
 def models_list(run=None):
     """List registered models, names in natural order (cx@step20 before cx@step100)."""
     run = group_run(run)
-    items = sorted(client().models(), key=lambda m: natural_key(m["name"]))
+    items = sorted(client().models(run=run), key=lambda m: natural_key(m["name"]))
     if run is not None:
-        items = [m for m in items if m["name"].startswith(f"{run}@")]
         if not items:
             click.echo(f"no checkpoints of a training run {run!r} (models named {run}@step<N>)", err=True)
     print_table([[m["name"], m["source"], m.get("architecture") or "", m.get("layers") or "", m.get("heads") or "",
@@ -1155,7 +1154,7 @@ def models_delete(names, run=None):
     c = client()
     names, run = list(names), group_run(run)
     if run is not None:
-        found = sorted((m["name"] for m in c.models() if m["name"].startswith(f"{run}@step")), key=natural_key)
+        found = sorted((m["name"] for m in c.models(run=run)), key=natural_key)
         if not found:
             raise click.UsageError(f"no checkpoints of a training run {run!r} (models named {run}@step<N>); "
                                    "`lmscope models` lists the models")

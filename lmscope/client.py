@@ -268,8 +268,17 @@ class Client:
 
     # ------------------------------------------------------------ models and datasets
 
-    def models(self) -> list[dict[str, Any]]:
-        return self._json("GET", "/v1/models")["items"]
+    def models(self, *, run: str | None = None, source: str | None = None) -> list[dict[str, Any]]:
+        """Registered models by name, across pages; `run`: one training run's checkpoints, `source`:
+        builtin, directory or checkpoint."""
+        params = {k: v for k, v in (("run", run), ("source", source)) if v is not None}
+        items, token = [], None
+        while True:
+            page = self._json("GET", "/v1/models", params={**params, **({"page_token": token} if token else {})})
+            items += page["items"]
+            token = page.get("next_page_token")
+            if not token:
+                return items
 
     def register_model(self, name: str, path: str | Path) -> dict[str, Any]:
         return self._json("POST", "/v1/models", json={"name": name, "path": str(path)})

@@ -541,9 +541,10 @@ class _FakeApi:
         c.shared_series = sorted(set.intersection(*({s["name"] for s in ss} for ss in self.series)))
         return c
 
-    def models(self):
+    def models(self, *, run=None, source=None):
         self.calls.append(("models",))
-        return self._models
+        # as GET /v1/models?run=R answers: the checkpoints R@step<N>
+        return [m for m in self._models if run is None or re.fullmatch(re.escape(run) + r"@step\d+", m["name"])]
 
 
 LONG_NOTE = "clamped to 20 (φ has only that many monomials; all of them are used) " * 3

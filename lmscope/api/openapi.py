@@ -57,6 +57,15 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {"200": _json("JobPage"), "422": PROBLEM},
     },
     ("get", "jobs.get_job"): {"responses": {"200": _json("Job")}},
+    ("get", "registry.list_models"): {
+        "parameters": [
+            _query("run", {"type": "string"}, "only the checkpoints of this training run (`<run>@step<N>`)"),
+            _query("source", {"type": "string", "enum": ["builtin", "directory", "checkpoint"]}, "only this kind of model"),
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000}, "page size"),
+            _query("page_token", {"type": "string"}, "next_page_token of the previous page"),
+        ],
+        "responses": {"200": {"description": "`{items: [model], next_page_token}`, by name"}, "422": PROBLEM},
+    },
     ("delete", "registry.delete_model"): {"responses": {"204": {"description": "removed"}, "409": PROBLEM}},
     ("delete", "registry.delete_dataset"): {"responses": {"204": {"description": "removed"}, "409": PROBLEM}},
     ("get", "jobs.list_kinds"): {"responses": {"200": _json("KindList")}},

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from lmscope.catalog import CatalogError, parse_documents
-from lmscope.db.models import Dataset
+from lmscope.db.models import Dataset, Model
 
 from .conftest import is_problem
 
@@ -544,3 +544,31 @@ def test_one_users_uploads_together_stay_within_their_quota(make_api):
     assert upload(bob, "c", 4000).status_code == 201  # bob's own
     assert api.client.delete("/v1/datasets/a", headers=ann).status_code == 204
     assert upload(ann, "d", 3000).status_code == 201
+
+
+def test_models_are_listed_by_name_in_pages_and_by_run(api):
+    """A team's registry grows by a run's checkpoints at a time: the list pages by name (every model once,
+    none skipped), `run` keeps one run's checkpoints (not a longer run name, not `R@stepX`), `source` one kind."""
+    h = api.user("ann")
+    with api.sessions.begin() as session:
+        for name, step in (("r@step0", 0), ("r@step20", 20), ("r@step100", 100), ("r2@step5", 5), ("r@stepx", None)):
+            session.add(Model(name=name, source="checkpoint", path="/nonexistent", step=step))
+    with api.sessions() as session:
+        every = list(session.scalars(select(Model.name).order_by(Model.name)))  # the database's own collation
+    seen, token, pages = [], None, 0
+    while True:
+        page = api.client.get("/v1/models?limit=2" + (f"&page_token={token}" if token else ""), headers=h).get_json()
+        assert len(page["items"]) <= 2
+        seen += [m["name"] for m in page["items"]]
+        pages += 1
+        token = page["next_page_token"]
+        if not token:
+            break
+    assert seen == every and pages == -(-len(every) // 2)
+    run = api.client.get("/v1/models?run=r", headers=h).get_json()
+    assert sorted(m["name"] for m in run["items"]) == ["r@step0", "r@step100", "r@step20"]
+    assert run["next_page_token"] is None
+    built = api.client.get("/v1/models?source=builtin", headers=h).get_json()["items"]
+    assert {m["source"] for m in built} == {"builtin"} and {"tiny-gpt2", "tiny-llama"} <= {m["name"] for m in built}
+    is_problem(api.client.get("/v1/models?source=hub", headers=h), 422, "validation-error")
+    is_problem(api.client.get("/v1/models?page_token=nonsense", headers=h), 422, "validation-error")
