@@ -8,6 +8,8 @@ names the place and says what to change.
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from typing import Any, Callable, Iterable
 
@@ -178,3 +180,23 @@ def query_seconds(name: str, default: float, most: float) -> float:
         raise _invalid_query(name, f"a number of seconds, more than 0 and at most {most:g} (e.g. 300 or 2.5)",
                              "number_range")
     return value
+
+
+# ---------------------------------------------------------------- page tokens
+
+def encode_page_token(**position: Any) -> str:
+    """An opaque token for where the next page starts (keyset: e.g. before=<id>, after=<name>)."""
+    return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str, key: str, valid: Callable[[Any], bool], route: str) -> Any:
+    """The position `key` of a token `encode_page_token` wrote for `route`; 422 for anything else."""
+    try:
+        value = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))[key]
+        if not valid(value):
+            raise ValueError(value)
+        return value
+    except Exception:
+        raise Problem(422, "validation-error", "Invalid page_token",
+                      f"page_token must be a next_page_token returned by GET {route}; start over without it",
+                      errors=[{"loc": ["query", "page_token"], "msg": "not a page token", "type": "page_token"}]) from None

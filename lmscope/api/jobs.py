@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 from datetime import datetime
 
 from flask import Blueprint, request
@@ -14,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.inputs import json_body, parse_id, query_int, query_params
+from lmscope.api.inputs import decode_page_token, encode_page_token, json_body, parse_id, query_int, query_params
 from lmscope.api.render import job_json
 from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
@@ -103,23 +101,7 @@ def publish(ids: list[int], *, aggregation: bool = False) -> list[int]:
     return publish_jobs(st.publisher, st.sessions, ids, aggregation=aggregation)
 
 
-# ---------------------------------------------------------------- page tokens
-
-def encode_page_token(last_id: int) -> str:
-    return base64.urlsafe_b64encode(json.dumps({"before": last_id}).encode()).decode().rstrip("=")
-
-
-def decode_page_token(token: str) -> int:
-    try:
-        before = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))["before"]
-        if type(before) is not int or not 1 <= before <= MAX_JOB_ID:  # what encode_page_token writes
-            raise ValueError(before)
-        return before
-    except Exception:
-        raise Problem(422, "validation-error", "Invalid page_token",
-                      "page_token must be a next_page_token returned by GET /v1/jobs; start over without it",
-                      errors=[{"loc": ["query", "page_token"], "msg": "not a page token", "type": "page_token"}]) from None
-
+# ---------------------------------------------------------------- filters
 
 def tag_filter(session, tag: str):
     """`tag` is an element of the JSON list `jobs.tags`; each database spells that differently."""
@@ -215,7 +197,8 @@ def list_jobs():
                           "children, or `none` for top-level jobs only",
                           errors=[{"loc": ["query", "parent"], "msg": "a job id or none", "type": "parent"}])
     if token := request.args.get("page_token"):
-        q = q.where(Job.id < decode_page_token(token))
+        q = q.where(Job.id < decode_page_token(token, "before", lambda v: type(v) is int and 1 <= v <= MAX_JOB_ID,
+                                                       "/v1/jobs"))
 
     with st.sessions() as session:
         if caller.is_admin and user and session.scalar(select(User.id).where(User.name == user)) is None:
@@ -239,7 +222,7 @@ def list_jobs():
         counts, ends = children_counts(session, parents), last_child_ends(session, parents)
         items = [job_json(job, user_name=name, children=counts.get(job.id), last_child_end=ends.get(job.id))
                  for job, name in page]
-    return {"items": items, "next_page_token": encode_page_token(page[-1][0].id) if more else None}
+    return {"items": items, "next_page_token": encode_page_token(before=page[-1][0].id) if more else None}
 
 
 @bp.get("/jobs/<int:job_id>")

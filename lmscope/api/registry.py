@@ -7,8 +7,6 @@ bytes are decoded and split into documents *before* anything is stored, so a bad
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import re
@@ -24,7 +22,8 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import current_caller, require_admin
 from lmscope.api.errors import Problem, validation_problem
-from lmscope.api.inputs import json_body, query_int, query_params, refuse_bad_strings, single_values, takes_upload
+from lmscope.api.inputs import (decode_page_token, encode_page_token, json_body, query_int, query_params,
+                                refuse_bad_strings, single_values, takes_upload)
 from lmscope.api.render import iso
 from lmscope.api.state import state
 from lmscope.api.submit import active_job_params
@@ -83,22 +82,6 @@ MODEL_SOURCES = ("builtin", "directory", "checkpoint")
 DEFAULT_MODEL_PAGE, MAX_MODEL_PAGE = 1000, 1000
 
 
-def encode_name_token(last_name: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps({"after": last_name}).encode()).decode().rstrip("=")
-
-
-def decode_name_token(token: str) -> str:
-    try:
-        after = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))["after"]
-        if type(after) is not str:
-            raise ValueError(after)
-        return after
-    except Exception:
-        raise Problem(422, "validation-error", "Invalid page_token",
-                      "page_token must be a next_page_token returned by GET /v1/models; start over without it",
-                      errors=[{"loc": ["query", "page_token"], "msg": "not a page token", "type": "page_token"}]) from None
-
-
 @bp.get("/models")
 @query_params("run", "source", "limit", "page_token")
 def list_models():
@@ -116,12 +99,12 @@ def list_models():
     if run is not None:  # checkpoints `<run>@step<N>` (the step is checked below: `a@step1x` is no checkpoint)
         q = q.where(Model.source == "checkpoint", Model.name.startswith(f"{run}@step", autoescape=True))
     if token := request.args.get("page_token"):
-        q = q.where(Model.name > decode_name_token(token))
+        q = q.where(Model.name > decode_page_token(token, "after", lambda v: type(v) is str, "/v1/models"))
     with state().sessions() as session:
         rows = session.scalars(q).all()
     page, more = rows[:limit], len(rows) > limit
     items = [model_json(m) for m in page if run is None or m.name == f"{run}@step{m.step}"]
-    return {"items": items, "next_page_token": encode_name_token(page[-1].name) if more else None}
+    return {"items": items, "next_page_token": encode_page_token(after=page[-1].name) if more else None}
 
 
 @bp.post("/models")
