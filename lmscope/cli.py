@@ -30,7 +30,7 @@ from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS, INT32_MAX
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError, field_line
 from lmscope.config import ConfigError
-from lmscope.wording import article, did_you_mean
+from lmscope.wording import article, byte_size, did_you_mean
 
 
 # ---------------------------------------------------------------- errors
@@ -53,7 +53,10 @@ class ApiFailure(click.ClickException):
         title = self.error.problem.get("title") or f"HTTP {self.error.status}"
         click.echo(f"Error: {title}" if only_fields else f"Error: {self.error.headline}", err=True)
         for e in errors:
-            click.echo(f"  {field_line(e)}", err=True)
+            if only_fields or str(e.get("msg")) not in detail:
+                click.echo(f"  {field_line(e)}", err=True)
+            else:  # the detail above says it already: only where
+                click.echo(f"  (field {'.'.join(str(p) for p in e.get('loc', [])) or '(body)'})", err=True)
 
 
 class LmscopeGroup(click.Group):
@@ -1094,8 +1097,10 @@ def whoami():
     """Who your token belongs to, your active jobs and your limits."""
     me = client().me()
     own = set(me.get("per_user_limits") or [])
-    limits = ", ".join(f"{k}={v}" + ("" if k in own else " (server default)") for k, v in me["limits"].items())
-    click.echo(f"{me['name']}{' (admin)' if me['is_admin'] else ''}: {me['active_jobs']} active job(s); {limits}")
+    limits = ", ".join(f"{k}={byte_size(v) if k.endswith('_bytes') else v}" + ("" if k in own else " (server default)")
+                       for k, v in me["limits"].items())
+    uploads = f", {byte_size(me['uploaded_bytes'])} of uploads" if "uploaded_bytes" in me else ""
+    click.echo(f"{me['name']}{' (admin)' if me['is_admin'] else ''}: {me['active_jobs']} active job(s){uploads}; {limits}")
 
 
 # ---------------------------------------------------------------- models and datasets
@@ -1155,31 +1160,34 @@ def models_delete(names, run=None):
     names, run = list(names), group_run(run)
     if run is not None:
         found = sorted((m["name"] for m in c.models(run=run)), key=natural_key)
-        if not found:
-            raise click.UsageError(f"no checkpoints of a training run {run!r} (models named {run}@step<N>); "
-                                   "`lmscope models` lists the models")
+        if not found:  # not a usage mistake: a clean-up run twice finds nothing the second time
+            raise click.ClickException(f"no checkpoints of a training run {run!r} (models named {run}@step<N>); "
+                                       "`lmscope models` lists the models")
         names += found
     if not names:
         raise click.UsageError("name the models to remove, or give --run NAME")
     kept = remove_each("model", names, c.delete_model)
     if kept and run is not None:
+        not_yours = any(e.status == 403 for e in kept.values())
+        then = ("they are another user's: ask their owner or an admin to remove them" if not_yours else
+                f"`lmscope models delete --run {run}` again once they are free")
         raise click.ClickException(f"run {run!r} keeps {plural(len(kept), 'checkpoint')} ({', '.join(kept)}), "
-                                   f"so its name stays taken; `lmscope models delete --run {run}` again once they are free")
+                                   f"so its name stays taken; {then}")
     if kept:
         raise SystemExit(1)
 
 
-def remove_each(what: str, names: list[str], remove) -> list[str]:
+def remove_each(what: str, names: list[str], remove) -> dict[str, LmscopeError]:
     """Try to remove every name (one refusal does not stop the rest); say what happened to each; the
-    names kept."""
-    kept = []
+    names kept, with why."""
+    kept = {}
     for name in names:
         try:
             remove(name)
         except LmscopeError as e:
             if e.status == 0:  # no answer at all: nothing to go on with
                 raise
-            kept.append(name)
+            kept[name] = e
             click.echo(f"kept {what} {name}: {e.headline}", err=True)
         else:
             click.echo(f"removed {what} {name}")
@@ -1228,8 +1236,8 @@ def datasets_add(name, path, fmt, description):
 def datasets_list():
     """List datasets."""
     items = client().datasets()
-    print_table([[d["name"], d["source"], d["format"], d["documents"], d["bytes"]] for d in items],
-                ["NAME", "SOURCE", "FORMAT", "DOCUMENTS", "BYTES"])
+    print_table([[d["name"], d["source"], d["format"], d["documents"], d["bytes"], d.get("uploaded_by") or ""]
+                 for d in items], ["NAME", "SOURCE", "FORMAT", "DOCUMENTS", "BYTES", "UPLOADED BY"])
 
 
 @datasets.command("upload")

@@ -16,6 +16,14 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0]}"
 
 
+def byte_size(n: int) -> str:
+    """'65.6 KB', '1.1 GB': a size as a person reads it (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def article(word: str) -> str:
     """'an' before 'entropy', 'a' before 'norms'."""
     return "an" if word[:1].lower() in "aeiou" else "a"

@@ -262,9 +262,10 @@ def test_db_upgrade_says_what_it_did(tmp_path, monkeypatch):
     from lmscope.db.engine import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
-    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{tmp_path / 'fresh.db'}")
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"sqlite:///{tmp_path / 'data' / 'fresh.db'}")
     first = CliRunner().invoke(main, ["db", "upgrade"])
     assert first.exit_code == 0 and first.output.strip() == f"database created: now at revision {head}"
+    assert (tmp_path / "data").stat().st_mode & 0o077 == 0  # the folder it made is private (tokens, results)
     again = CliRunner().invoke(main, ["db", "upgrade"])
     assert again.output.strip() == f"database is up to date (revision {head})"
 
@@ -776,3 +777,19 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}
     assert line.render(requeued) == "job 7 queued (2 ahead, 1 running); its last attempt got to 70.0% (84/120)"
     assert line.render(requeued, head=False) == "its last attempt got to 70.0% (84/120)"  # `show`'s own line
+
+
+def test_an_api_problem_is_shown_with_each_field_once(capsys):
+    """A problem's detail often holds its field's message (the dimension-wise refusal): the sentence is shown
+    once, and the field it belongs to still named; a field message the detail lacks is shown whole."""
+    from lmscope.cli import ApiFailure
+    from lmscope.client import LmscopeError
+
+    said = "model 'f' (falcon) computes its attention in its own modules, so lmscope never sees its q and k"
+    problem = {"title": "Dimension-wise entropy cannot read this model", "detail": f"{said}; set dimension_wise=false",
+               "errors": [{"loc": ["params", "dimension_wise"], "msg": said},
+                          {"loc": ["params", "dataset"], "msg": "dataset 'x' is not registered"}]}
+    ApiFailure(LmscopeError(422, problem)).show()
+    err = capsys.readouterr().err
+    assert err.count(said) == 1 and "(field params.dimension_wise)" in err
+    assert "params.dataset: dataset 'x' is not registered" in err

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
 from lmscope.api.inputs import decode_page_token, encode_page_token, json_body, parse_id, query_int, query_params
+from lmscope.api.registry import uploaded_bytes
 from lmscope.api.render import job_json
 from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
@@ -295,10 +296,12 @@ def whoami():
     st, caller = state(), current_caller()
     with st.sessions() as session:
         active = active_jobs(session, caller.id)
+        uploaded = uploaded_bytes(session, caller.id)
     return {
-        "name": caller.name, "is_admin": caller.is_admin, "active_jobs": active,
+        "name": caller.name, "is_admin": caller.is_admin, "active_jobs": active, "uploaded_bytes": uploaded,
         "limits": {"max_active_jobs": caller.active_jobs_limit(st.settings),
-                   "max_sweep_points": caller.sweep_points_limit(st.settings)},
+                   "max_sweep_points": caller.sweep_points_limit(st.settings),
+                   "max_uploaded_bytes": st.settings.max_uploaded_bytes_per_user},
         "per_user_limits": [k for k in ("max_active_jobs", "max_sweep_points") if getattr(caller, k) is not None],
     }
 

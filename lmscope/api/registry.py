@@ -29,7 +29,8 @@ from lmscope.api.state import state
 from lmscope.api.submit import active_job_params
 from lmscope.catalog import (DATASET_FORMATS, NAME_MAX_LENGTH, NAME_PATTERN, CatalogError, inspect_model_dir,
                              parse_documents, sha256_bytes)
-from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model
+from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User
+from lmscope.wording import byte_size
 
 log = logging.getLogger("lmscope.api")
 bp = Blueprint("registry", __name__, url_prefix="/v1")
@@ -66,9 +67,10 @@ def model_json(m: Model) -> dict:
             "job_id": m.job_id, "created_at": iso(m.created_at)}
 
 
-def dataset_json(d: Dataset) -> dict:
+def dataset_json(d: Dataset, uploaded_by: str | None = None) -> dict:
     return {"name": d.name, "source": d.source, "format": d.format, "documents": d.num_documents,
-            "bytes": d.num_bytes, "sha256": d.sha256, "description": d.description, "created_at": iso(d.created_at)}
+            "bytes": d.num_bytes, "sha256": d.sha256, "description": d.description, "uploaded_by": uploaded_by,
+            "created_at": iso(d.created_at)}
 
 
 def name_taken(what: str, name: str) -> Problem:
@@ -200,8 +202,9 @@ def refuse_while_read(session, caller, what: str, name: str, reads) -> None:
 def list_datasets():
     """Registered text datasets (uploads and built-in corpora)."""
     with state().sessions() as session:
-        rows = session.scalars(select(Dataset).order_by(Dataset.name)).all()
-        return {"items": [dataset_json(d) for d in rows]}
+        rows = session.execute(select(Dataset, User.name).outerjoin(User, User.id == Dataset.created_by)
+                               .order_by(Dataset.name)).all()
+        return {"items": [dataset_json(d, by if d.source == "upload" else None) for d, by in rows]}
 
 
 def _read_upload() -> tuple[dict, bytes]:
@@ -273,7 +276,7 @@ def upload_dataset():
             path.unlink(missing_ok=True)
         raise name_taken("dataset", form.name) from None
     store_file(path, data)  # a delete of another name with these bytes may have removed the file meanwhile
-    return dataset_json(row), 201, {"Location": "/v1/datasets"}
+    return dataset_json(row, caller.name), 201, {"Location": "/v1/datasets"}
 
 
 @bp.delete("/datasets/<name>")
@@ -328,13 +331,21 @@ def remove_unused_upload(sessions, path: Path) -> None:
 def check_upload_quota(session, caller, settings, size: int) -> None:
     """A user's uploads together stay within LMSCOPE_MAX_UPLOADED_BYTES_PER_USER (the disk is shared)."""
     limit = settings.max_uploaded_bytes_per_user
-    stored = session.scalar(select(func.coalesce(func.sum(Dataset.num_bytes), 0))
-                            .where(Dataset.source == "upload", Dataset.created_by == caller.id))
+    stored = uploaded_bytes(session, caller.id)
     if stored + size > limit:
         raise Problem(409, "upload-quota", "Upload quota reached",
-                      f"your uploads take {stored} bytes and this one {size}: together more than the {limit} a user "
-                      "may store (LMSCOPE_MAX_UPLOADED_BYTES_PER_USER); delete one you no longer need "
-                      "(`lmscope datasets delete NAME`, DELETE /v1/datasets/NAME) or ask an admin to raise the limit")
+                      f"your uploads take {byte_size(stored)} and this one {byte_size(size)}: together more than the "
+                      f"{byte_size(limit)} a user may store (LMSCOPE_MAX_UPLOADED_BYTES_PER_USER; each name counts, "
+                      "even for the same bytes). `lmscope datasets` shows who uploaded what: delete one of yours you no "
+                      "longer need (`lmscope datasets delete NAME`), or ask the server's admin to raise the limit",
+                      stored=stored, size=size, limit=limit)
+
+
+def uploaded_bytes(session, user_id: int) -> int:
+    """The bytes a user's uploads count against their quota (each name, as uploaded)."""
+    total = session.scalar(select(func.sum(Dataset.num_bytes))
+                           .where(Dataset.source == "upload", Dataset.created_by == user_id))
+    return int(total or 0)  # SUM is NULL over no rows, and a Decimal on PostgreSQL
 
 
 def store_file(path: Path, data: bytes) -> bool:

@@ -348,7 +348,10 @@ def check_model_names(session: Session, caller: Caller, parsed: list) -> None:
         taken = session.execute(select(Model.name, Model.job_id).where(Model.name.startswith(prefix, autoescape=True))
                                 .order_by(Model.id).limit(1)).first()
         if taken is not None:
-            what = f"model {taken.name!r} exists" + (f" (a checkpoint of job {taken.job_id})" if taken.job_id else "")
+            run_job = session.get(Job, taken.job_id) if taken.job_id is not None else None
+            whose = ("" if taken.job_id is None else f" (a checkpoint of job {taken.job_id})"
+                     if run_job is None or caller.can_see(run_job.user_id) else " (a checkpoint of another user's run)")
+            what = f"model {taken.name!r} exists{whose}"
         elif (active := _active_job_registering(session, prefix)) is not None:
             whose = f"job {active}" if caller.can_see(session.get(Job, active).user_id) else "another user's job"
             what = f"{whose} (still active) will register models named {prefix}<N>"
@@ -356,9 +359,8 @@ def check_model_names(session: Session, caller: Caller, parsed: list) -> None:
             continue
         run_name = prefix.removesuffix("@step")
         # a finished run's checkpoints can be removed (by its owner or an admin) to use the name again
-        run = session.get(Job, taken.job_id) if taken is not None and taken.job_id is not None else None
         free = (f", or (its owner or an admin) remove that run's checkpoints: `lmscope models delete --run {run_name}`"
-                if taken is not None and (run is None or run.status not in ACTIVE_STATES) else "")
+                if taken is not None and (run_job is None or run_job.status not in ACTIVE_STATES) else "")
         raise Problem(409, "name-taken", "Model names taken",
                       f"{what}; pick another run_name than {run_name!r} (models: GET /v1/models or `lmscope models`)"
                       + free,

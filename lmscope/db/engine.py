@@ -26,7 +26,9 @@ def make_engine(url: str, **kwargs) -> Engine:
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            # private when made here (`lmscope db upgrade`, `user create`, `up`): the file holds everyone's
+            # results and token hashes; an existing folder keeps its mode
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
 
         @event.listens_for(engine, "connect")

@@ -63,8 +63,22 @@ class TrainParams(JobParams):
                              "e.g. 'my-run', or leave it out")
         return name
 
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _at_most_100_checkpoints(cls, every: int, info: ValidationInfo) -> int:
+        # A stored row (a worker's re-validation) runs as it was accepted: a job submitted before the limit
+        # must not fail its next attempt as invalid-params. (Left out, the value is raised instead: below.)
+        stored = info.context is not None and info.context.get("submitted") is False
+        steps = info.data.get("steps")
+        if stored or steps is None or checkpoint_count(steps, every) <= MAX_CHECKPOINTS:
+            return every
+        fewest = -(-steps // (MAX_CHECKPOINTS - 1))
+        raise ValueError(f"checkpoint_every={every} over {steps} steps writes {checkpoint_count(steps, every)} "
+                         f"checkpoints (step 0, one every {every} step{'s' if every > 1 else ''}, and the last); "
+                         f"a run writes at most {MAX_CHECKPOINTS}: use checkpoint_every={fewest} or more")
+
     @model_validator(mode="after")
-    def _check_shapes(self, info: ValidationInfo) -> "TrainParams":
+    def _check_shapes(self) -> "TrainParams":
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}; choose width = heads × head size")
         if self.architecture == "llama":
@@ -74,17 +88,9 @@ class TrainParams(JobParams):
                 raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         elif self.kv_heads is not None and self.kv_heads != self.heads:
             raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
-        fewest = -(-self.steps // (MAX_CHECKPOINTS - 1))  # the smallest checkpoint_every within the limit
-        # A stored row (a worker's re-validation) runs as it was accepted: a job submitted before the limit
-        # must not fail its next attempt as invalid-params.
-        stored = info.context is not None and info.context.get("submitted") is False
-        if not stored and checkpoint_count(self.steps, self.checkpoint_every) > MAX_CHECKPOINTS:
-            if "checkpoint_every" in self.model_fields_set:
-                raise ValueError(f"checkpoint_every={self.checkpoint_every} over {self.steps} steps writes "
-                                 f"{checkpoint_count(self.steps, self.checkpoint_every)} checkpoints (step 0, every "
-                                 f"{self.checkpoint_every} steps, the last); a run writes at most {MAX_CHECKPOINTS}: "
-                                 f"use checkpoint_every={fewest} or more")
-            self.checkpoint_every = fewest
+        if "checkpoint_every" not in self.model_fields_set and \
+                checkpoint_count(self.steps, self.checkpoint_every) > MAX_CHECKPOINTS:
+            self.checkpoint_every = -(-self.steps // (MAX_CHECKPOINTS - 1))  # the smallest within the limit
         if self.warmup_steps is None:  # a tenth of a short run, as many runs use, at most 100 steps
             self.warmup_steps = min(DEFAULT_WARMUP_STEPS, self.steps // 10)
         if self.warmup_steps >= self.steps:

@@ -36,9 +36,12 @@ def test_whoami_shows_the_limits_and_where_they_come_from(api, cli):
     with api.sessions.begin() as session:
         session.execute(update(User).where(User.name == "ann").values(max_sweep_points=3))
     api.submit(api.user("ann"))
+    assert api.client.post("/v1/datasets?name=mine&format=text", headers=api.user("ann"),
+                           data=b"one two three").status_code == 201
     r = cli("whoami")
     assert r.exit_code == 0, r.output
-    assert r.output.strip() == "ann: 1 active job(s); max_active_jobs=5 (server default), max_sweep_points=3"
+    assert r.output.strip() == ("ann: 1 active job(s), 13 bytes of uploads; max_active_jobs=5 (server default), "
+                                "max_sweep_points=3, max_uploaded_bytes=1.1 GB (server default)")
 
 
 def test_a_refused_submit_names_each_bad_field_once(api, cli):
@@ -453,14 +456,22 @@ def test_models_delete_run_removes_every_checkpoint_of_a_run(api, cli, live):
     assert r.exit_code == 1
     assert r.stdout.splitlines() == ["removed model blip@step0", "removed model blip@step10"]  # one refusal stops nothing
     assert f"kept model blip@step5: Jobs use this model: job(s) {reader} read" in r.stderr
-    assert "run 'blip' keeps 1 checkpoint (blip@step5), so its name stays taken" in r.stderr
+    assert "run 'blip' keeps 1 checkpoint (blip@step5), so its name stays taken; `lmscope models delete --run blip` " \
+        "again once they are free" in r.stderr
+    # another user is told whose they are, not to try again
+    api.user("bob")
+    theirs = CliRunner(env={"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["bob"]}).invoke(
+        main, ["models", "delete", "--run", "blip"])
+    assert theirs.exit_code == 1 and "they are another user's: ask their owner or an admin" in theirs.output
     api.set_job(reader, status="succeeded")
     r = cli("models", "delete", "--run", "blip")
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines() == ["removed model blip@step5"]
     assert [m["name"] for m in Client(live.url, api.tokens["ann"]).models() if "blip" in m["name"]] == ["blip2@step0"]
     nothing = cli("models", "delete", "--run", "blip")
-    assert nothing.exit_code == 2 and "no checkpoints of a training run 'blip'" in nothing.output
+    # run twice (a clean-up script): said plainly, exit 1, not a usage error
+    assert nothing.exit_code == 1 and "no checkpoints of a training run 'blip'" in nothing.output
+    assert "Usage:" not in nothing.output
     refused = cli("models", "delete", "tiny-gpt2")
     assert refused.exit_code == 1 and "built in" in refused.output
 

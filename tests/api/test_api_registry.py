@@ -538,8 +538,12 @@ def test_one_users_uploads_together_stay_within_their_quota(make_api):
 
     assert upload(ann, "a", 3000).status_code == 201
     body = is_problem(upload(ann, "b", 2002), 409, "upload-quota")
-    assert "your uploads take 3000 bytes and this one 2002" in body["detail"] and "5000" in body["detail"]
+    assert "your uploads take 3.0 KB and this one 2.0 KB: together more than the 5.0 KB" in body["detail"]
+    assert (body["stored"], body["size"], body["limit"]) == (3000, 2002, 5000)
     assert "lmscope datasets delete" in body["detail"] and len(stored_files(api)) == 1  # the refused one left nothing
+    listed = {d["name"]: d["uploaded_by"] for d in api.client.get("/v1/datasets", headers=bob).get_json()["items"]}
+    assert listed["a"] == "ann" and listed["wikitext-2"] is None  # who uploaded what, for everyone to see
+    assert api.client.get("/v1/me", headers=ann).get_json()["uploaded_bytes"] == 3000
     assert upload(ann, "b", 2000).status_code == 201  # exactly at the quota
     assert upload(bob, "c", 4000).status_code == 201  # bob's own
     assert api.client.delete("/v1/datasets/a", headers=ann).status_code == 204

@@ -589,10 +589,12 @@ def test_limits_are_per_user_with_the_server_default_otherwise(api):
     assert is_problem(api.submit(ann, kind="sweep", params=small_sweep(9)), 422, "sweep-too-large")["limit"] == 8
 
     me = {who: api.client.get("/v1/me", headers=h).get_json() for who, h in (("ann", ann), ("bob", bob), ("cat", cat))}
-    assert me["bob"] == {"name": "bob", "is_admin": False, "active_jobs": 1,
-                         "limits": {"max_active_jobs": 1, "max_sweep_points": 2},
+    assert me["bob"] == {"name": "bob", "is_admin": False, "active_jobs": 1, "uploaded_bytes": 0,
+                         "limits": {"max_active_jobs": 1, "max_sweep_points": 2,
+                                    "max_uploaded_bytes": api.settings.max_uploaded_bytes_per_user},
                          "per_user_limits": ["max_active_jobs", "max_sweep_points"]}
-    assert me["ann"]["limits"] == {"max_active_jobs": 5, "max_sweep_points": 8} and me["ann"]["per_user_limits"] == []
+    assert me["ann"]["limits"] == {"max_active_jobs": 5, "max_sweep_points": 8, "max_uploaded_bytes": 1024 ** 3}
+    assert me["ann"]["per_user_limits"] == []
     assert me["cat"]["limits"]["max_sweep_points"] == 20 and me["cat"]["per_user_limits"] == ["max_sweep_points"]
     assert api.client.get("/v1/me").status_code == 401
 
@@ -631,7 +633,10 @@ def test_a_reused_run_name_is_refused_at_submit(api):
     add_checkpoint(api, "demo@step150", first)
     body = is_problem(api.submit(api.user("bob"), kind="train", params={"dataset": "d", "run_name": "demo"}),
                       409, "name-taken")
-    assert "'demo@step150'" in body["detail"] and f"job {first}" in body["detail"] and "'demo'" in body["detail"]
+    assert "'demo@step150' exists (a checkpoint of another user's run)" in body["detail"] and "'demo'" in body["detail"]
+    assert f"job {first}" not in body["detail"]
+    body = is_problem(api.submit(h, kind="train", params={"dataset": "d", "run_name": "demo"}), 409, "name-taken")
+    assert f"'demo@step150' exists (a checkpoint of job {first})" in body["detail"]  # its owner is told which
     assert len(api.jobs()) == 1 and api.publisher.published == [first]
     # Other names are free: a longer name with the same start, and one whose `_` a LIKE would match.
     add_checkpoint(api, "axb@step1", first)

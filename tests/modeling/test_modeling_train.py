@@ -411,8 +411,9 @@ def test_checkpoint_count_is_step_0_every_n_and_the_last(steps, every, written):
 def test_a_run_writes_at_most_100_checkpoints():
     """Each checkpoint is a copy of the weights and a registered model: an explicit checkpoint_every that
     writes more is refused saying the smallest that fits; left out, it is raised to fit (and stored so)."""
-    with pytest.raises(ValidationError, match=r"writes 101 checkpoints .* use checkpoint_every=2 or more"):
+    with pytest.raises(ValidationError, match=r"writes 101 checkpoints .* use checkpoint_every=2 or more") as refused:
         validate_params("train", {"dataset": "wiki", "steps": 100, "checkpoint_every": 1})
+    assert refused.value.errors()[0]["loc"] == ("checkpoint_every",)  # the field to change
     assert validate_params("train", {"dataset": "wiki", "steps": 99, "checkpoint_every": 1}).checkpoint_every == 1
     long = validate_params("train", {"dataset": "wiki", "steps": 100_000})
     assert long.checkpoint_every == 1011  # ⌈100000 / 99⌉: 1 + ⌈100000 / 1011⌉ = 100 checkpoints
