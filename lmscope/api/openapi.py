@@ -255,8 +255,10 @@ STATIC_SCHEMAS: dict[str, Any] = {
                     "description": "params of a small job of this kind on the built-ins (under a minute on a CPU)"}}}}}},
     "Me": {"type": "object", "properties": {
         "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
+        "uploaded_bytes": {"type": "integer", "description": "what your uploads count against max_uploaded_bytes"},
         "limits": {"type": "object", "properties": {"max_active_jobs": {"type": "integer"},
-                                                    "max_sweep_points": {"type": "integer"}}},
+                                                    "max_sweep_points": {"type": "integer"},
+                                                    "max_uploaded_bytes": {"type": "integer"}}},
         "per_user_limits": {"type": "array", "items": {"type": "string"},
                             "description": "the limits set for this user (the others are the server's)"}}},
     "Comparison": {"type": "object", "properties": {
