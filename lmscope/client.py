@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import re
 import time
 import unicodedata
 from collections.abc import Iterable
@@ -274,7 +275,17 @@ class Client:
         params = {k: v for k, v in (("run", run), ("source", source)) if v is not None}
         items, token = [], None
         while True:
-            page = self._json("GET", "/v1/models", params={**params, **({"page_token": token} if token else {})})
+            try:
+                page = self._json("GET", "/v1/models", params={**params, **({"page_token": token} if token else {})})
+            except LmscopeError as e:
+                if not (e.status == 422 and any(err.get("loc") in (["query", "run"], ["query", "source"])
+                                                 for err in e.errors)):
+                    raise
+                # a server older than these filters: every model, filtered here as the server would
+                pattern = re.compile(re.escape(run) + r"@step\d+") if run is not None else None
+                return [m for m in self.models() if (pattern is None or pattern.fullmatch(m["name"]))
+                        and (source is None or m.get("source") == source)
+                        and (run is None or m.get("source") == "checkpoint")]
             items += page["items"]
             token = page.get("next_page_token")
             if not token:

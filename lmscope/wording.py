@@ -17,8 +17,8 @@ def error_line(e: BaseException) -> str:
 
 
 def byte_size(n: int) -> str:
-    """'65.6 KB', '1.1 GB': a size as a person reads it (decimal units)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    """'64.0 MiB', '1.0 GiB': a size as a person reads it (binary units, as the limits are documented)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"

@@ -142,12 +142,13 @@ def job_events(job_id: int):
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # when the server closes the response: at the stream's end, a client that went away, or one that never read
     # (once, however often the response is closed)
-    given_back = threading.Event()
+    held, lock = [True], threading.Lock()
 
     def give_back() -> None:
-        if not given_back.is_set():
-            given_back.set()
-            slots.give_back(caller.id)
+        with lock:
+            if held[0]:
+                held[0] = False
+                slots.give_back(caller.id)
 
     response.call_on_close(give_back)
     return response

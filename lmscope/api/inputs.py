@@ -71,9 +71,11 @@ def json_body(example: str) -> Any:
     if request.content_encoding not in (None, "", "identity"):  # gzip bytes would be "not UTF-8"
         raise Problem(415, "unsupported-media-type", "Compressed body",
                       f"the body is sent with Content-Encoding: {request.content_encoding}; send the JSON uncompressed")
-    data = request.get_data(cache=True)
     limit = request.max_content_length
-    if request.content_length is None and limit is not None and len(data) >= limit:
+    if request.content_length is None and limit is not None:
+        request.max_content_length = limit + 1  # a chunked body is cut, not refused: one byte more tells
+    data = request.get_data(cache=True)
+    if request.content_length is None and limit is not None and len(data) > limit:
         # a chunked body (no Content-Length) is cut at the limit rather than refused: refuse it here
         raise Problem(413, "payload-too-large", "Request Entity Too Large", json_too_large(limit))
     try:

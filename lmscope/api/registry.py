@@ -101,7 +101,9 @@ def list_models():
     if run is not None:  # checkpoints `<run>@step<N>` (the step is checked below: `a@step1x` is no checkpoint)
         q = q.where(Model.source == "checkpoint", Model.name.startswith(f"{run}@step", autoescape=True))
     if token := request.args.get("page_token"):
-        q = q.where(Model.name > decode_page_token(token, "after", lambda v: type(v) is str, "/v1/models"))
+        q = q.where(Model.name > decode_page_token(
+            token, "after", lambda v: type(v) is str and len(v) <= NAME_MAX_LENGTH and re.fullmatch(NAME_PATTERN, v),
+            "/v1/models"))
     with state().sessions() as session:
         rows = session.scalars(q).all()
     page, more = rows[:limit], len(rows) > limit
@@ -265,15 +267,21 @@ def upload_dataset():
         check_upload_quota(session, caller, st.settings, len(data))
     digest = sha256_bytes(data)
     path = st.settings.data_dir / "datasets" / f"{digest}.{'jsonl' if form.format == 'jsonl' else 'txt'}"
-    created_file = store_file(path, data)
+    store_file(path, data)
     row = Dataset(name=form.name, source="upload", path=str(path), format=form.format, num_documents=len(documents),
                   num_bytes=len(data), sha256=digest, description=form.description, created_by=caller.id)
     try:
         with st.sessions() as session, session.begin():
+            # again, with the user's row locked (PostgreSQL; SQLite serialises writers): two uploads of
+            # one user at once cannot both pass a check made before either was inserted
+            session.execute(select(User.id).where(User.id == caller.id).with_for_update())
+            check_upload_quota(session, caller, st.settings, len(data))
             session.add(row)
-    except IntegrityError:
-        if created_file:
-            path.unlink(missing_ok=True)
+    except (IntegrityError, Problem) as e:
+        # the file may be another name's too (the same bytes, uploaded meanwhile): removed only if unused
+        remove_unused_upload(st.sessions, path)
+        if isinstance(e, Problem):
+            raise
         raise name_taken("dataset", form.name) from None
     store_file(path, data)  # a delete of another name with these bytes may have removed the file meanwhile
     return dataset_json(row, caller.name), 201, {"Location": "/v1/datasets"}

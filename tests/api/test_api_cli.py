@@ -41,7 +41,7 @@ def test_whoami_shows_the_limits_and_where_they_come_from(api, cli):
     r = cli("whoami")
     assert r.exit_code == 0, r.output
     assert r.output.strip() == ("ann: 1 active job(s), 13 bytes of uploads; max_active_jobs=5 (server default), "
-                                "max_sweep_points=3, max_uploaded_bytes=1.1 GB (server default)")
+                                "max_sweep_points=3, max_uploaded_bytes=1.0 GiB (server default)")
 
 
 def test_a_refused_submit_names_each_bad_field_once(api, cli):

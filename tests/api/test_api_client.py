@@ -253,3 +253,24 @@ def test_a_long_outage_says_the_job_keeps_running(api, live):
     waiter.join(30)
     e = outcome["error"]
     assert e.status == 0 and f"job {job_id} keeps running on the server: `lmscope wait {job_id}`" in str(e)
+
+
+def test_models_of_a_run_from_a_server_without_the_filters(api, live, monkeypatch):
+    """A server older than GET /v1/models?run=&source= refuses them as unknown query parameters (422): the
+    client then lists every model and keeps the run's checkpoints itself, as the server would have."""
+    import lmscope.api.registry as registry
+    from lmscope.db.models import Model
+
+    api.user("ann")
+    with api.sessions.begin() as session:
+        for name, step in (("r@step0", 0), ("r@step10", 10), ("r2@step0", 0), ("r@stepx", None)):
+            session.add(Model(name=name, source="checkpoint", path="/nonexistent", step=step))
+    c = Client(live.url, api.tokens["ann"])
+    new = sorted(m["name"] for m in c.models(run="r"))
+    new_builtin = {m["name"] for m in c.models(source="builtin")}
+    monkeypatch.setattr(registry.list_models, "query_params", ((), frozenset()))  # reads no query parameters
+    with pytest.raises(LmscopeError) as refused:
+        c._json("GET", "/v1/models", params={"run": "r"})
+    assert refused.value.status == 422 and refused.value.errors[0]["loc"] == ["query", "run"]
+    assert sorted(m["name"] for m in c.models(run="r")) == new == ["r@step0", "r@step10"]
+    assert {m["name"] for m in c.models(source="builtin")} == new_builtin >= {"tiny-gpt2", "tiny-llama"}

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from lmscope.catalog import CatalogError, parse_documents
-from lmscope.db.models import Dataset, Model
+from lmscope.db.models import Dataset, Model, User
 
 from .conftest import is_problem
 
@@ -477,6 +477,15 @@ def test_json_bodies_are_held_to_a_megabyte_and_uploads_to_their_own_limit(make_
     chunked = Response(*run_wsgi_app(api.app, environ, buffered=True))
     assert str(JSON_BODY_BYTES) in is_problem(chunked, 413, "payload-too-large")["detail"]
     assert api.jobs() == []
+    # exactly at the limit, chunked as with a Content-Length, is taken (JSON padded with spaces)
+    small = json.dumps({"kind": "probe", "params": {"model": "m"}}).encode()
+    environ = EnvironBuilder(path="/v1/jobs", method="POST", headers={**h, "Transfer-Encoding": "chunked"},
+                             content_type="application/json",
+                             data=small + b" " * (JSON_BODY_BYTES - len(small))).get_environ()
+    del environ["CONTENT_LENGTH"]
+    environ["wsgi.input_terminated"] = True
+    assert Response(*run_wsgi_app(api.app, environ, buffered=True)).status_code == 202
+    api.set_job(api.jobs()[0].id, status="cancelled")
     # a body within the limit is the ordinary submission
     assert api.submit(h, kind="probe", params={"model": "m"}, tags=["t"] * 32).status_code == 202
 
@@ -538,7 +547,7 @@ def test_one_users_uploads_together_stay_within_their_quota(make_api):
 
     assert upload(ann, "a", 3000).status_code == 201
     body = is_problem(upload(ann, "b", 2002), 409, "upload-quota")
-    assert "your uploads take 3.0 KB and this one 2.0 KB: together more than the 5.0 KB" in body["detail"]
+    assert "your uploads take 2.9 KiB and this one 2.0 KiB: together more than the 4.9 KiB" in body["detail"]
     assert (body["stored"], body["size"], body["limit"]) == (3000, 2002, 5000)
     assert "lmscope datasets delete" in body["detail"] and len(stored_files(api)) == 1  # the refused one left nothing
     listed = {d["name"]: d["uploaded_by"] for d in api.client.get("/v1/datasets", headers=bob).get_json()["items"]}
@@ -576,3 +585,58 @@ def test_models_are_listed_by_name_in_pages_and_by_run(api):
     assert {m["source"] for m in built} == {"builtin"} and {"tiny-gpt2", "tiny-llama"} <= {m["name"] for m in built}
     is_problem(api.client.get("/v1/models?source=hub", headers=h), 422, "validation-error")
     is_problem(api.client.get("/v1/models?page_token=nonsense", headers=h), 422, "validation-error")
+
+
+def _racing_store(monkeypatch, api, *rows):
+    """registry.store_file that, the first time, commits `rows` right after writing the file: what another
+    request does between an upload's first checks and its insert."""
+    import lmscope.api.registry as registry
+
+    real, raced = registry.store_file, []
+
+    def store_file(path, data):
+        created = real(path, data)
+        if not raced:
+            raced.append(path)
+            with api.sessions.begin() as session:
+                for row in rows:
+                    session.add(Dataset(**{"source": "upload", "format": "text", "num_documents": 1, "sha256": "0" * 64,
+                                           "num_bytes": 1, **row, "path": str(path) if row.get("path") == "SAME" else
+                                           row.get("path", "/elsewhere")}))
+        return created
+    monkeypatch.setattr(registry, "store_file", store_file)
+    return raced
+
+
+def test_an_upload_that_loses_its_name_keeps_a_file_another_name_uploaded_meanwhile(api, monkeypatch):
+    """Upload x writes its file; meanwhile x is taken (other bytes) and y is uploaded with the same bytes;
+    x's insert fails: the file it wrote is y's now, and stays."""
+    ann = api.user("ann")
+    raced = _racing_store(monkeypatch, api, {"name": "x"}, {"name": "y", "path": "SAME"})
+    is_problem(api.client.post("/v1/datasets?name=x&format=text", headers=ann, data=b"one two three"), 409, "name-taken")
+    assert raced and raced[0].read_bytes() == b"one two three"  # y's file
+
+
+def test_two_uploads_of_one_user_at_once_cannot_both_pass_the_quota(make_api, monkeypatch):
+    """The quota is checked again in the insert's transaction, with the user's row locked: an upload of the
+    same user that committed after this one's first check counts, and this one leaves no file behind."""
+    api = make_api(max_upload_bytes=4096, max_uploaded_bytes_per_user=5000)
+    ann = api.user("ann")
+    with api.sessions() as session:
+        ann_id = session.scalar(select(User.id).where(User.name == "ann"))
+    raced = _racing_store(monkeypatch, api, {"name": "first", "num_bytes": 3000, "created_by": ann_id})
+    body = is_problem(api.client.post("/v1/datasets?name=second&format=text", headers=ann, data=b"w " * 1500),
+                      409, "upload-quota")
+    assert (body["stored"], body["size"]) == (3000, 3000)
+    assert raced and not raced[0].exists() and stored_files(api) == []
+
+
+def test_a_page_token_holds_a_model_name(api):
+    """A token naming no possible model (a NUL: PostgreSQL refused the query with a 500) is a 422."""
+    import base64
+
+    h = api.user("ann")
+    for after in ("a\u0000", "x" * 201, " a", 5):
+        token = base64.urlsafe_b64encode(json.dumps({"after": after}).encode()).decode().rstrip("=")
+        body = is_problem(api.client.get(f"/v1/models?page_token={token}", headers=h), 422, "validation-error")
+        assert body["errors"][0]["loc"] == ["query", "page_token"]
