@@ -1120,11 +1120,6 @@ def group_run(run: str | None) -> str | None:
     return run if run is not None else ((click.get_current_context().obj or {}).get("run"))
 
 
-def is_checkpoint_of(run: str, name: str) -> bool:
-    """`name` is a checkpoint of training run `run` (`run@step<N>`): what `--run` lists and deletes."""
-    return re.fullmatch(re.escape(run) + r"@step\d+", name) is not None
-
-
 def natural_key(text: str) -> tuple:
     """Sort key putting numbers in order as numbers: cx@step20 before cx@step100."""
     parts = re.split(r"(\d+)", text)
@@ -1136,8 +1131,7 @@ def natural_key(text: str) -> tuple:
 def models_list(run=None):
     """List registered models, names in natural order (cx@step20 before cx@step100)."""
     run = group_run(run)
-    items = sorted((m for m in client().models(run=run) if run is None or is_checkpoint_of(run, m["name"])),
-                   key=lambda m: natural_key(m["name"]))
+    items = sorted(client().models(run=run), key=lambda m: natural_key(m["name"]))
     if run is not None:
         if not items:
             click.echo(f"no checkpoints of a training run {run!r} (models named {run}@step<N>)", err=True)
@@ -1165,7 +1159,7 @@ def models_delete(names, run=None):
     c = client()
     names, run = list(names), group_run(run)
     if run is not None:
-        found = sorted((m["name"] for m in c.models(run=run) if is_checkpoint_of(run, m["name"])), key=natural_key)
+        found = sorted((m["name"] for m in c.models(run=run)), key=natural_key)
         if not found:  # not a usage mistake: a clean-up run twice finds nothing the second time
             raise click.ClickException(f"no checkpoints of a training run {run!r} (models named {run}@step<N>); "
                                        "`lmscope models` lists the models")

@@ -273,19 +273,21 @@ class Client:
         """Registered models by name, across pages; `run`: one training run's checkpoints, `source`:
         builtin, directory or checkpoint."""
         params = {k: v for k, v in (("run", run), ("source", source)) if v is not None}
+        try:
+            items = self._model_pages(params)
+        except LmscopeError as e:
+            if not (e.status == 422 and any(err.get("loc") in (["query", "run"], ["query", "source"])
+                                             for err in e.errors)):
+                raise
+            items = self._model_pages({})  # a server older than these filters: every model, filtered below
+        checkpoint = re.compile(re.escape(run) + r"@step\d+") if run is not None else None
+        return [m for m in items if (source is None or m.get("source") == source)
+                and (checkpoint is None or (m.get("source") == "checkpoint" and checkpoint.fullmatch(m["name"])))]
+
+    def _model_pages(self, params: dict[str, str]) -> list[dict[str, Any]]:
         items, token = [], None
         while True:
-            try:
-                page = self._json("GET", "/v1/models", params={**params, **({"page_token": token} if token else {})})
-            except LmscopeError as e:
-                if not (e.status == 422 and any(err.get("loc") in (["query", "run"], ["query", "source"])
-                                                 for err in e.errors)):
-                    raise
-                # a server older than these filters: every model, filtered here as the server would
-                pattern = re.compile(re.escape(run) + r"@step\d+") if run is not None else None
-                return [m for m in self.models() if (pattern is None or pattern.fullmatch(m["name"]))
-                        and (source is None or m.get("source") == source)
-                        and (run is None or m.get("source") == "checkpoint")]
+            page = self._json("GET", "/v1/models", params={**params, **({"page_token": token} if token else {})})
             items += page["items"]
             token = page.get("next_page_token")
             if not token:

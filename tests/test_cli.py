@@ -544,7 +544,8 @@ class _FakeApi:
 
     def models(self, *, run=None, source=None):
         self.calls.append(("models",))
-        return self._models  # unfiltered, as an older server answers: the CLI's own filter shows
+        # as Client.models(run=R) answers: the checkpoints R@step<N>
+        return [m for m in self._models if run is None or re.fullmatch(re.escape(run) + r"@step\d+", m["name"])]
 
 
 LONG_NOTE = "clamped to 20 (φ has only that many monomials; all of them are used) " * 3

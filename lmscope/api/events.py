@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections import Counter
+from typing import Callable
 
 from flask import Blueprint, Response, current_app
 from sqlalchemy.exc import SQLAlchemyError
@@ -41,22 +42,26 @@ class StreamSlots:
         self._lock = threading.Lock()
         self._open: Counter[int] = Counter()
 
-    def take(self, user_id: int, *, most: int, most_per_user: int) -> str | None:
-        """Hold a slot for the user's stream; None when taken, else why not (nothing is held then)."""
+    def take(self, user_id: int, *, most: int, most_per_user: int) -> tuple[Callable[[], None] | None, str | None]:
+        """(release, None) with a slot held for the user's stream, release giving it back once however
+        often it is called; or (None, why not), nothing held."""
         with self._lock:
             if self._open[user_id] >= most_per_user:
-                return (f"you have {self._open[user_id]} event streams open here, the most one user may "
-                        f"(LMSCOPE_MAX_EVENT_STREAMS_PER_USER={most_per_user})")
+                return None, (f"you have {self._open[user_id]} event streams open here, the most one user may "
+                              f"(LMSCOPE_MAX_EVENT_STREAMS_PER_USER={most_per_user})")
             if sum(self._open.values()) >= most:
-                return f"this server holds {most} event streams open, its most (LMSCOPE_MAX_EVENT_STREAMS={most})"
+                return None, f"this server holds {most} event streams open, its most (LMSCOPE_MAX_EVENT_STREAMS={most})"
             self._open[user_id] += 1
-            return None
+        held = [True]
 
-    def give_back(self, user_id: int) -> None:
-        with self._lock:
-            self._open[user_id] -= 1
-            if self._open[user_id] <= 0:
-                del self._open[user_id]
+        def release() -> None:
+            with self._lock:
+                if held[0]:
+                    held[0] = False
+                    self._open[user_id] -= 1
+                    if self._open[user_id] <= 0:
+                        del self._open[user_id]
+        return release, None
 
 
 def sse(event: str, data: dict) -> str:
@@ -90,8 +95,8 @@ def job_events(job_id: int):
     poll = current_app.config.get("LMSCOPE_SSE_POLL_SECONDS", 0.5)
     sessions = st.sessions  # the generator runs after the request context is gone
     slots = st.extra.setdefault("event_streams", StreamSlots())
-    refused = slots.take(caller.id, most=st.settings.max_event_streams,
-                         most_per_user=st.settings.max_event_streams_per_user)
+    release, refused = slots.take(caller.id, most=st.settings.max_event_streams,
+                                  most_per_user=st.settings.max_event_streams_per_user)
     if refused is not None:
         raise Problem(429, "too-many-streams", "Too many event streams",
                       f"{refused}; close one (a stream ends at the job's end or its timeout), or poll "
@@ -141,14 +146,5 @@ def job_events(job_id: int):
     response = Response(stream(), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # when the server closes the response: at the stream's end, a client that went away, or one that never read
-    # (once, however often the response is closed)
-    held, lock = [True], threading.Lock()
-
-    def give_back() -> None:
-        with lock:
-            if held[0]:
-                held[0] = False
-                slots.give_back(caller.id)
-
-    response.call_on_close(give_back)
+    response.call_on_close(release)
     return response

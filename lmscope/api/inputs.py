@@ -71,13 +71,13 @@ def json_body(example: str) -> Any:
     if request.content_encoding not in (None, "", "identity"):  # gzip bytes would be "not UTF-8"
         raise Problem(415, "unsupported-media-type", "Compressed body",
                       f"the body is sent with Content-Encoding: {request.content_encoding}; send the JSON uncompressed")
-    limit = request.max_content_length
-    if request.content_length is None and limit is not None:
-        request.max_content_length = limit + 1  # a chunked body is cut, not refused: one byte more tells
+    # a chunked body (no Content-Length) is cut at the limit rather than refused: read one byte more to tell
+    chunked_limit = request.max_content_length if request.content_length is None else None
+    if chunked_limit is not None:
+        request.max_content_length = chunked_limit + 1
     data = request.get_data(cache=True)
-    if request.content_length is None and limit is not None and len(data) > limit:
-        # a chunked body (no Content-Length) is cut at the limit rather than refused: refuse it here
-        raise Problem(413, "payload-too-large", "Request Entity Too Large", json_too_large(limit))
+    if chunked_limit is not None and len(data) > chunked_limit:
+        raise Problem(413, "payload-too-large", "Request Entity Too Large", json_too_large(chunked_limit))
     try:
         value = strict_json.loads(data)
     except strict_json.StrictJsonError as e:

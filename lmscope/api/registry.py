@@ -277,11 +277,12 @@ def upload_dataset():
             session.execute(select(User.id).where(User.id == caller.id).with_for_update())
             check_upload_quota(session, caller, st.settings, len(data))
             session.add(row)
-    except (IntegrityError, Problem) as e:
-        # the file may be another name's too (the same bytes, uploaded meanwhile): removed only if unused
+    # refused: the file may be another name's too (the same bytes, uploaded meanwhile): removed only if unused
+    except Problem:
         remove_unused_upload(st.sessions, path)
-        if isinstance(e, Problem):
-            raise
+        raise
+    except IntegrityError:
+        remove_unused_upload(st.sessions, path)
         raise name_taken("dataset", form.name) from None
     store_file(path, data)  # a delete of another name with these bytes may have removed the file meanwhile
     return dataset_json(row, caller.name), 201, {"Location": "/v1/datasets"}

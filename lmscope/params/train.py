@@ -19,6 +19,11 @@ def checkpoint_count(steps: int, every: int) -> int:
     return 1 + -(-steps // every)
 
 
+def fewest_checkpoint_every(steps: int) -> int:
+    """The smallest checkpoint_every whose run writes at most MAX_CHECKPOINTS."""
+    return -(-steps // (MAX_CHECKPOINTS - 1))
+
+
 class TrainParams(JobParams):
     """Train a small causal LM (GPT-2 or LLaMA style) on a registered dataset, with HF checkpoints.
 
@@ -72,7 +77,7 @@ class TrainParams(JobParams):
         steps = info.data.get("steps")
         if stored or steps is None or checkpoint_count(steps, every) <= MAX_CHECKPOINTS:
             return every
-        fewest = -(-steps // (MAX_CHECKPOINTS - 1))
+        fewest = fewest_checkpoint_every(steps)
         raise ValueError(f"checkpoint_every={every} over {steps} steps writes {checkpoint_count(steps, every)} "
                          f"checkpoints (step 0, one every {every} step{'s' if every > 1 else ''}, and the last); "
                          f"a run writes at most {MAX_CHECKPOINTS}: use checkpoint_every={fewest} or more")
@@ -90,7 +95,7 @@ class TrainParams(JobParams):
             raise ValueError("kv_heads applies to architecture 'llama' only; leave it out for gpt2")
         if "checkpoint_every" not in self.model_fields_set and \
                 checkpoint_count(self.steps, self.checkpoint_every) > MAX_CHECKPOINTS:
-            self.checkpoint_every = -(-self.steps // (MAX_CHECKPOINTS - 1))  # the smallest within the limit
+            self.checkpoint_every = fewest_checkpoint_every(self.steps)
         if self.warmup_steps is None:  # a tenth of a short run, as many runs use, at most 100 steps
             self.warmup_steps = min(DEFAULT_WARMUP_STEPS, self.steps // 10)
         if self.warmup_steps >= self.steps:
