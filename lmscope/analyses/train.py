@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series, own_attention
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.train import TrainParams
+from lmscope.wording import byte_size
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -210,10 +211,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the job
 
 CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves at least this much of the disk free (or 5 %)
-
-
-def _gigabytes(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
 
 
 def _eta(seconds: float) -> str:
@@ -390,7 +387,7 @@ class TrainingRun:
 
     def check_disk_space(self) -> None:
         """Refuse a checkpoint the disk cannot hold (weights, and AdamW's two moments beside the newest) with
-        room to spare for everyone else (1 GB or 5 % of the disk, the more), rather than fill the disk every
+        room to spare for everyone else (1 GiB or 5 % of the disk, the more), rather than fill the disk every
         job and user shares."""
         # parameters(), not state_dict(): a tied embedding / LM head is one tensor, saved once
         weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
@@ -399,9 +396,9 @@ class TrainingRun:
         spare = max(CHECKPOINT_HEADROOM_BYTES, disk.total // 20)
         needed = 3 * weights + spare
         if disk.free < needed:
-            raise JobFailed(f"the checkpoint at step {self.step} needs about {_gigabytes(needed)} (weights "
-                            f"{_gigabytes(weights)}, AdamW state twice that, and {_gigabytes(spare)} left free for "
-                            f"others) and the artifact store has {_gigabytes(disk.free)} free; train a smaller model "
+            raise JobFailed(f"the checkpoint at step {self.step} needs about {byte_size(needed)} (weights "
+                            f"{byte_size(weights)}, AdamW state twice that, and {byte_size(spare)} left free for "
+                            f"others) and the artifact store has {byte_size(disk.free)} free; train a smaller model "
                             "(width, layers) or free disk space", error_type="disk-full")
 
     def results(self, stopped: str | None = None) -> JobOutput:

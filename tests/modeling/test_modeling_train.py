@@ -430,7 +430,7 @@ def test_a_run_writes_at_most_100_checkpoints():
 
 def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained(docs, tmp_path, monkeypatch):
     """Before each checkpoint the run checks the artifact store's free space for weights + AdamW state (3×
-    the parameters' bytes, a tied embedding once) + 5 % of the disk (at least 1 GB) left for others: short
+    the parameters' bytes, a tied embedding once) + 5 % of the disk (at least 1 GiB) left for others: short
     at step 0, the job fails at once (disk-full); short later, like the time limit, it fails keeping its
     curves and the checkpoints written."""
     import shutil
@@ -441,7 +441,7 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained
 
     usage = namedtuple("usage", "total used free")
     total = 1 << 40
-    spare = total // 20  # 5 % of a 1.1 TB disk: more than the 1 GB floor
+    spare = total // 20  # 5 % of a 1 TiB disk: more than the 1 GiB floor
 
     def free_space(free_after):  # free bytes, by how many checkpoints the run has written so far
         return SimpleNamespace(rmtree=shutil.rmtree,
@@ -471,4 +471,4 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained
     assert list(ctx.registered) == ["run8@step0", "run8@step50", "run8@step100"]
     partial = failed.value.partial
     assert partial.summary["partial"] is True and partial.summary["steps"] == 150
-    assert f"{spare / 1e9:.1f} GB left free for others" in str(failed.value)
+    assert f"{spare / 2**30:.1f} GiB left free for others" in str(failed.value)  # 51.2 GiB
