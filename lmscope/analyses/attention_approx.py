@@ -27,14 +27,22 @@ def per_segment_rel_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Te
     return diff / exact.flatten(1).norm(dim=1)
 
 
-def _timed(fn, device: torch.device) -> tuple[Any, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
+TIMING_REPEATS = 3  # each timed call is the fastest of this many: a busy host or GPU slows some calls, never speeds one
+
+
+def _timed(fn, device: torch.device, repeats: int = TIMING_REPEATS) -> tuple[Any, float]:
+    """fn()'s result and the fastest of `repeats` calls' wall times (synchronised on CUDA)."""
+    out, best = None, float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        out = result if out is None else out
+    return out, best
 
 
 def pooling_projection(k: int, seq_len: int) -> torch.Tensor:
@@ -215,8 +223,12 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     device = next(loaded.model.parameters()).device
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
+    if params.bos_per_window and loaded.tokenizer.bos_token_id is None:
+        raise JobFailed(f"{params.model}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows "
+                        "with one; set bos_per_window=false")
     try:
-        windows = token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments)
+        windows = token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments,
+                                bos_first=params.bos_per_window)
     except ValueError as e:
         raise JobFailed(f"dataset {params.dataset!r}: {e}") from None
 

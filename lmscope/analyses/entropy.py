@@ -263,18 +263,14 @@ def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> 
     With ``bos_per_window`` each window is BOS followed by the next seq_len − 1 tokens of the stream
     (the stream itself is still cut without overlap).
     """
-    bos = loaded.tokenizer.bos_token_id
-    if params.bos_per_window and bos is None:
+    if params.bos_per_window and loaded.tokenizer.bos_token_id is None:
         raise JobFailed(f"{name}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows with "
                         "one; set bos_per_window=false")
-    stream_len = params.seq_len - 1 if params.bos_per_window else params.seq_len
     try:
-        windows = token_windows(loaded.tokenizer, documents, stream_len, params.num_segments)
+        return token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments,
+                             bos_first=params.bos_per_window)
     except ValueError as e:  # not even one full window
         raise JobFailed(f"dataset {params.dataset!r} with {name}'s tokenizer: {e}") from None
-    if params.bos_per_window:
-        windows = torch.cat([torch.full((len(windows), 1), bos, dtype=windows.dtype), windows], dim=1)
-    return windows
 
 
 MATRIX_ROUTE = "attention-matrix"  # the backend name a job records for the output_attentions route

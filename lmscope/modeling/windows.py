@@ -46,21 +46,30 @@ def token_stream(tokenizer, documents: Sequence[str], *, limit: int | None = Non
 
 
 def token_windows(tokenizer, documents: Sequence[str], seq_len: int, num_windows: int | None, *,
-                  special: bool = False) -> torch.LongTensor:
+                  special: bool = False, bos_first: bool = False) -> torch.LongTensor:
     """``[n, seq_len]`` consecutive non-overlapping windows of the joined token stream, in order.
 
     ``n = min(num_windows, available)``; ``num_windows=None`` takes every full window. A trailing
-    partial window is dropped. Raises ValueError when not even one window fits.
+    partial window is dropped. ``bos_first``: each window is the tokenizer's BOS followed by the next
+    seq_len − 1 tokens of the stream (still cut without overlap), as pretrained LLaMA-family models saw
+    their inputs start. Raises ValueError when not even one window fits, or there is no BOS to put first.
     """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be ≥ 1, got {seq_len}")
-    limit = None if num_windows is None else seq_len * num_windows
+    if seq_len < 1 + bos_first:
+        raise ValueError(f"seq_len must be ≥ {1 + bos_first}, got {seq_len}")
+    bos = tokenizer.bos_token_id
+    if bos_first and bos is None:
+        raise ValueError("the tokenizer has no BOS token to start each window with")
+    stream_len = seq_len - bos_first
+    limit = None if num_windows is None else stream_len * num_windows
     ids = token_stream(tokenizer, documents, limit=limit, special=special)
-    n = len(ids) // seq_len
+    n = len(ids) // stream_len
     if n == 0:
-        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than one window of {seq_len}; "
+        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than one window of {stream_len}; "
                          "use a shorter seq_len or a larger dataset")
-    return ids[: n * seq_len].view(n, seq_len)
+    windows = ids[: n * stream_len].view(n, stream_len)
+    if bos_first:
+        windows = torch.cat([torch.full((n, 1), bos, dtype=windows.dtype), windows], dim=1)
+    return windows
 
 
 def document_samples(tokenizer, documents: Sequence[str], *, min_words: int, max_tokens: int,

@@ -21,6 +21,12 @@ JobId = Annotated[int, Field(ge=1, le=MAX_JOB_ID)]
 MAX_SEED = 2**63 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
+# Token windows of the analyses that cut a dataset's stream (entropy, the attention study)
+BosPerWindow = Annotated[bool, Field(
+    description="start every window with the tokenizer's BOS token followed by seq_len − 1 stream tokens "
+                "(pretrained LLaMA-family models keep their position-0 attention sink); default: plain "
+                "non-overlapping windows of the token stream")]
+
 
 class JobParams(BaseModel):
     """Parameters of one job kind. Unknown fields are an error (422 naming the field), and so is a

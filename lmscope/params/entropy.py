@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from lmscope.params.base import DType, JobId, JobParams, Seed
+from lmscope.params.base import BosPerWindow, DType, JobId, JobParams, Seed
 
 DEFAULT_SEQ_LEN = 512
 
@@ -36,10 +36,7 @@ class EntropyParams(JobParams):
         False, description="dimension-wise rows see only earlier keys (bound ln(position+1)); "
                            "default bidirectional as in the note (bound ln(seq_len))")
     near_uniform_margin: float = Field(0.03, gt=0, description="nats below the uniform bound that count as near uniform")
-    bos_per_window: bool = Field(
-        False, description="start every window with the tokenizer's BOS token followed by seq_len − 1 stream tokens "
-                           "(pretrained LLaMA-family models keep their position-0 attention sink); default: plain "
-                           "non-overlapping windows of the token stream")
+    bos_per_window: BosPerWindow = False
     seed: Seed = 0  # kept for the record: the measurement draws no random numbers
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from lmscope.params.base import ChildSpec, JobParams, Seed
+from lmscope.params.base import BosPerWindow, ChildSpec, JobParams, Seed
 
 Architecture = Literal["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"]
 USES_FEATURES = ("linformer", "performer")  # k random features (Performer) / k projected keys (Linformer)
@@ -72,7 +72,7 @@ DEFAULT_ATTENTION_FEATURES = (16, 32, 64, 128, 256, 512, 1024)
 # Which SweepParams fields belong to which study (setting the other study's fields is an error).
 SUMFORMER_FIELDS = ("target", "architectures", "grid", "train")
 ATTENTION_FIELDS = ("model", "dataset", "layers", "methods", "features", "seq_len", "num_segments",
-                    "batch_size", "linformer_projection", "seeds")
+                    "batch_size", "linformer_projection", "bos_per_window", "seeds")
 
 
 def _mark_studies(schema: dict) -> None:
@@ -196,6 +196,7 @@ class AttentionApproxParams(JobParams):
     num_segments: SegmentCount = 16
     batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
+    bos_per_window: BosPerWindow = False
     seed: Seed = 0
 
     @field_validator("features")
@@ -270,6 +271,7 @@ class SweepParams(JobParams):
     num_segments: SegmentCount = 16
     batch_size: WindowBatch = 4
     linformer_projection: LinformerProjection = DEFAULT_LINFORMER_PROJECTION
+    bos_per_window: BosPerWindow = False
     seeds: int | list[Seed] = Field(3, description="number of seeds (0..seeds-1) or the seeds themselves")
 
     @property
@@ -397,7 +399,8 @@ def expand_sweep(params: SweepParams) -> list[ChildSpec]:
                 AttentionApproxParams(
                     model=params.model, dataset=params.dataset, method=method, features=params.features,
                     layers=params.layers, seq_len=params.seq_len, num_segments=params.num_segments,
-                    batch_size=params.batch_size, linformer_projection=params.linformer_projection, seed=seed,
+                    batch_size=params.batch_size, linformer_projection=params.linformer_projection,
+                    bos_per_window=params.bos_per_window, seed=seed,
                 ).model_dump(mode="json"),
                 name=f"{method} seed={seed}",
             )

@@ -64,7 +64,8 @@ def test_stored_params_keep_only_their_study_and_validate_back_to_the_same():
     attention = SweepParams(study="attention", model="m", dataset="d", features=[8, 16])
     assert set(sumformer.stored()) == {"study", "target", "architectures", "grid", "train"}
     assert set(attention.stored()) == {"study", "model", "dataset", "layers", "methods", "features", "seq_len",
-                                       "num_segments", "batch_size", "linformer_projection", "seeds"}
+                                       "num_segments", "batch_size", "linformer_projection", "bos_per_window",
+                                       "seeds"}
     # a row stored before the attention study's seq_len defaulted to the model's context holds 512
     former = {**sumformer.model_dump(mode="json"), "seq_len": 512}
     assert validate_params("sweep", former, internal=True).study == "sumformer"
@@ -326,6 +327,24 @@ def _gpt2_with_inverse_layer_scaling():
     return LoadedModel(name="scaled-gpt2", model=model, tokenizer=byte_tokenizer())
 
 
+def test_bos_per_window_needs_a_bos_token_and_belongs_to_the_attention_study(tmp_path):
+    from lmscope.catalog import read_documents
+
+    loaded = _gpt2_with_inverse_layer_scaling()
+    loaded.tokenizer.bos_token = None
+    ctx = LocalContext(tmp_path, datasets={"w": read_documents(WIKITEXT, "lines")[:60]},
+                       models={"scaled-gpt2": loaded})
+    params = validate_params("attention_approx", {"model": "scaled-gpt2", "dataset": "w", "features": [4],
+                                                  "seq_len": 16, "num_segments": 1, "bos_per_window": True},
+                             internal=True)
+    with pytest.raises(JobFailed, match="no BOS token, so bos_per_window=true .* set bos_per_window=false"):
+        run_attention_approx(params, ctx)
+    with pytest.raises(ValidationError, match="bos_per_window belongs to the other study"):
+        validate_params("sweep", {"bos_per_window": True})
+    kids = expand_sweep(SweepParams(study="attention", model="m", dataset="d", seeds=1, bos_per_window=True))
+    assert [c.params["bos_per_window"] for c in kids] == [True, True]
+
+
 def _block_mean_pooling(k: int, n: int) -> torch.Tensor:
     """Linformer's `pooling` E = F [min(k, N), N], built here (docs/analyses/sweep.md): row j is the mean of
     its block of contiguous positions; k ≥ N is the identity. When k does not divide N the block edges are
@@ -437,13 +456,15 @@ def test_the_explicit_approximations_by_hand():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method,projection,scaled", [
-    ("performer", "gaussian", False), ("linformer", "gaussian", False), ("linformer", "shared", False),
-    ("linformer", "pooling", False), ("performer", "gaussian", True), ("linformer", "shared", True)])
-def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled, device):
+@pytest.mark.parametrize("method,projection,scaled,bos", [
+    ("performer", "gaussian", False, False), ("linformer", "gaussian", False, False),
+    ("linformer", "shared", False, False), ("linformer", "pooling", False, False),
+    ("performer", "gaussian", True, False), ("linformer", "shared", True, False), ("performer", "gaussian", False, True)])
+def test_attention_study_errors_match_an_independent_computation(tmp_path, method, projection, scaled, bos, device):
     """`scaled`: a GPT-2 with scale_attn_by_inverse_layer_idx, whose own attention is softmax(q kᵀ/(√D·(l+1))).
-    On a GPU the study runs the Triton paths; the independent computation stays on the CPU.
-    k = 6 does not divide N = 32: pooling blocks of 5 and 6 positions."""
+    `bos`: bos_per_window, every window BOS + 31 stream tokens. On a GPU the study runs the Triton paths;
+    the independent computation stays on the CPU. k = 6 does not divide N = 32: pooling blocks of 5 and 6
+    positions."""
     from lmscope.catalog import read_documents
     from lmscope.modeling.windows import token_windows
 
@@ -457,6 +478,7 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     params = validate_params("attention_approx", {
         "model": name, "dataset": "w", "method": method, "features": [6, 256], "layers": [0, 2],
         "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1, "linformer_projection": projection,
+        "bos_per_window": bos,
     }, internal=True)
     out = run_attention_approx(params, ctx)
     assert ctx.environment["approximation_backend"] == ("triton" if device == "cuda" else "reference")
@@ -464,7 +486,8 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     got = {(s.labels["layer"], int(x)): y for s in out.series if s.name == "rel_error" for x, y in zip(s.x, s.y)}
 
     lm = ctx.load_model(name)
-    ids = token_windows(lm.tokenizer, docs, 32, 2)
+    ids = token_windows(lm.tokenizer, docs, 32, 2, bos_first=bos)
+    assert (ids[:, 0] == lm.tokenizer.bos_token_id).all() == bos
     with torch.no_grad():
         qkv = _gpt2_qkv_by_hand(lm.model, ids.to(lm.model.device))
     head_dim = qkv[0][0].shape[-1]
@@ -501,6 +524,21 @@ def test_attention_study_errors_match_an_independent_computation(tmp_path, metho
     # a measured time has no independent value: the headline is the series' point at the largest k
     assert out.summary["time_ratio_at_max_features"] == ratio.y[list(ratio.x).index(max(ratio.x))]
     assert (tmp_path / "attention_approx.png").stat().st_size > 10_000
+
+
+def test_a_timed_call_is_the_fastest_of_its_repeats_and_keeps_the_first_result(monkeypatch):
+    """time_ratio's times: a busy machine slows some calls and never speeds one up, so each is the least of
+    three wall times (a clock that reads 5, 1 and 3 s for three calls gives 1 s), and the result used is
+    the first call's."""
+    from types import SimpleNamespace
+
+    import lmscope.analyses.attention_approx as attention_approx
+
+    clock = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # start/stop of three calls: 5, 1 and 3 s
+    monkeypatch.setattr(attention_approx, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    calls = []
+    out, seconds = attention_approx._timed(lambda: calls.append(len(calls)) or len(calls), torch.device("cpu"))
+    assert seconds == 1.0 and out == 1 and calls == [0, 1, 2]
 
 
 def _llama_qkv_by_hand(model, ids):

@@ -73,10 +73,11 @@ def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
     sweep = cli("kinds", "sweep").output
     assert "grid.latent_dim" in sweep and "train.epochs" in sweep and "one of poly_sumformer" in sweep
     rows = {line.split()[0]: line for line in sweep.splitlines()[2:] if line.strip()}
-    # which study reads each field, written out from issue #7 (not from the code's own field lists)
+    # which study reads each field, written out from issue #7 (not from the code's own field lists), with
+    # the attention study's additions (Linformer's projections, BOS-first windows)
     sumformer = {"target", "architectures", "grid", "train"}
     attention = {"model", "dataset", "layers", "methods", "features", "seq_len", "num_segments", "seeds",
-                 "batch_size", "linformer_projection"}
+                 "batch_size", "linformer_projection", "bos_per_window"}
     assert sumformer | attention | {"study"} <= {name.split(".")[0] for name in rows}
     for name, line in rows.items():  # every field says which study reads it; `study` chooses
         top = name.split(".")[0]

@@ -221,6 +221,16 @@ def test_token_windows_hand_example():
     assert token_windows(tok, docs, 2, 1).dtype == torch.long
     with pytest.raises(ValueError, match="fewer than one window"):
         token_windows(tok, docs, 9, None)
+    # bos_first: BOS (256), then the next seq_len − 1 tokens of the same stream, still without overlap
+    bos = 256
+    assert token_windows(tok, docs, 3, None, bos_first=True).tolist() == [
+        [bos, a, b], [bos, eos, c], [bos, d, e], [bos, eos, f]]
+    assert token_windows(tok, docs, 4, 1, bos_first=True).tolist() == [[bos, a, b, eos]]
+    with pytest.raises(ValueError, match="seq_len must be ≥ 2"):
+        token_windows(tok, docs, 1, None, bos_first=True)
+    tok.bos_token = None
+    with pytest.raises(ValueError, match="no BOS token"):
+        token_windows(tok, docs, 3, None, bos_first=True)
 
 
 def test_special_token_text_in_a_document_is_text():
