@@ -66,7 +66,7 @@ def bench_model(spec: str, dtype: str, device: str) -> LoadedModel:
 def plain_forward(lm: LoadedModel, params: NormsParams, documents, device: str) -> float:
     """Seconds for model(...).logits over exactly the job's batches."""
     samples = norms.select_samples(lm.tokenizer, documents, params)
-    pad = lm.tokenizer.pad_token_id or 0
+    pad = 0  # what the job pads with (masked positions)
     start = time.perf_counter()
     for batch, _ in norms.batches(samples, params.batch_size):
         ids, mask = norms.pad_batch(samples, batch, pad, device)

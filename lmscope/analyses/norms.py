@@ -722,7 +722,9 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
     if params.position == "all" and params.min_position >= max_tokens:
         raise JobFailed(f"min_position={params.min_position} is beyond the {max_tokens} positions {params.model} "
                         f"reads; set min_position < {max_tokens}")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out anyway
+    # Padded positions are masked out; id 0 is in every embedding table, while a tokenizer's own pad id
+    # may be one added to it without growing the model's embeddings (an IndexError at the first padding).
+    pad_id = 0
 
     samples = select_samples(tokenizer, ctx.load_documents(params.dataset), params, max_tokens)
     if params.inner_loss:

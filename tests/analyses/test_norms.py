@@ -419,6 +419,26 @@ def test_gpt2_attention_without_keys_equals_attention_over_keys_and_values():
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+def test_padding_needs_no_pad_id_in_the_model(tmp_path, documents):
+    """A tokenizer whose pad id (258) is past the model's 258 embeddings, as when a pad token was added to a
+    tokenizer without resizing the model: the padded batches run (padding is masked, whatever id fills it),
+    and the trajectories are those of the same samples run one at a time, without padding."""
+    config = GPT2Config(n_layer=3, n_head=2, n_embd=32, n_positions=128, vocab_size=258, initializer_range=0.05)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    tokenizer = byte_tokenizer(add_bos=False)  # ids 0..257 (EOS), pad 258
+    assert tokenizer.pad_token_id == 258
+    out, _ = run_job(tmp_path, LoadedModel("m", model, tokenizer, model_info(model)), documents[:12],
+                     max_samples=8, inner_loss=False, gram_condition=False, pca_samples=0)
+    got = np.load(tmp_path / "trajectories.npz")["norms"]
+    samples = [tokens for _, tokens in reference_samples(tokenizer, documents[:12], max_samples=8)]
+    assert len(got) == len(samples) == 8 and len({len(t) for t in samples}) > 1  # the batches were padded
+    for row, tokens in zip(got, samples):
+        states, _ = unbatched_states(model, tokens)
+        want = [float(h[-1].norm()) for h in states[:3]]  # h_0 .. h_2 at the current token
+        np.testing.assert_allclose(row, want, rtol=1e-5)
+
+
 def test_documents_too_short_for_a_current_token_are_counted():
     """position="all", min_position=5: a sample needs 7 tokens (BOS + 6 bytes with the byte tokenizer).
     Documents with enough words but fewer tokens are skipped and counted, up to max_samples."""
