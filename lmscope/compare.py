@@ -343,7 +343,9 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
 
     names = list(dict.fromkeys(curve.name for curve in c.curves))
     if not names:
-        raise ValueError("no curves to plot: name them with --series (e.g. --series 'norm.*')")
+        raise ValueError("no curves to plot: no job has a series of the names asked for; name some that they have "
+                         "(--series 'norm.*' in the CLI, compare(ids, series='norm.*') in Python; shared_series "
+                         "lists those all the jobs have)")
     if len(names) > MAX_PANELS:
         raise ValueError(f"{len(names)} series names match; plot at most {MAX_PANELS} (narrow --series)")
     cols = min(3, len(names))

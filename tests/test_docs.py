@@ -99,3 +99,21 @@ def test_parameter_tables_in_the_docs_give_the_models_defaults():
                         assert said == actual, (doc, name, cell, actual)
                     checked += 1
     assert checked >= 60, checked  # the tables were found and read
+
+
+def test_the_sweep_docs_python_block_runs_a_sweep_without_the_service(tmp_path, monkeypatch):
+    """docs/analyses/sweep.md's 'Python use' block, as written: every grid point, then the parent's
+    aggregation, which draws the figures and picks d' by the lowest validation error (checked here on the
+    children's own errors)."""
+    text = (ROOT / "docs/analyses/sweep.md").read_text()
+    section = text[text.index("## Python use (without the service)"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("```", start)]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "sweep.md", "exec"), scope)
+    (best,) = scope["parent"].summary["best"]
+    errors = {r.params["latent_dim"]: r.summary["best_val_error"] for r in scope["results"]}  # one seed each
+    assert best["best_latent_dim"] == min(errors, key=errors.get)
+    assert best["best_val_error"] == min(errors.values())
+    assert (tmp_path / "out/sweep/fig2_latent_dim.png").stat().st_size > 10_000
