@@ -30,6 +30,7 @@ import torch
 
 from .attention_entropy import attention_with_entropy
 from .attention_entropy.naive import attention_with_entropy_reference, visible_keys
+from .dispatch import triton_available
 
 ATTENTION_NAME = "lmscope_entropy"
 
@@ -45,6 +46,9 @@ def register_attention() -> str:
     AttentionInterface.register(ATTENTION_NAME, lmscope_attention_forward)
     # The sdpa mask builder: None for plain causal batches, a bool [B, 1, Nq, Nk] mask otherwise.
     AttentionMaskInterface.register(ATTENTION_NAME, AttentionMaskInterface._global_mapping["sdpa"])
+    # Asked now, before any forward: a compiled one (generate() with a static cache) that asked first
+    # would guard on the unanswered check and compile again at its next call.
+    triton_available()
     return ATTENTION_NAME
 
 

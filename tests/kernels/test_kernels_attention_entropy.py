@@ -369,3 +369,9 @@ def test_heads_last_only_while_the_rows_offsets_fit_32_bits():
     too_long = empty_output(torch.empty(1, 32, 2**20, 128, device="meta"), 128, heads_last=True)
     assert too_long.is_contiguous() and too_long.shape == (1, 32, 2**20, 128)
     assert empty_output(torch.empty(1, 2, 8, 16, device="meta"), 16, heads_last=False).is_contiguous()
+    # values wider than queries: q's head fits int32 offsets (2^24 + 1 rows of 64) but the output's does not
+    # (of 128: its last element at 2^31 + 127), in either layout
+    for heads_last in (True, False):
+        with pytest.raises(ValueError, match="more than 2\\^31 elements; split the sequence"):
+            empty_output(torch.empty(1, 1, 2**24 + 1, 64, device="meta"), 128, heads_last=heads_last)
+    assert empty_output(torch.empty(1, 1, 2**24, 64, device="meta"), 128, heads_last=False).shape[2] == 2**24

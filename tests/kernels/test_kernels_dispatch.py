@@ -124,6 +124,32 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def test_a_model_compiled_before_any_eager_call_compiles_once():
+    """A fresh process that registers the HF attention and then compiles before any eager call (as
+    generate() with a static cache does): three calls, one graph. The triton check, traced unanswered,
+    was a guard, and the second call compiled again."""
+    code = (
+        "import os\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "os.environ['LMSCOPE_KERNEL_BACKEND'] = 'triton'\n"
+        "import torch\n"
+        "from torch._dynamo.utils import counters\n"
+        "from lmscope.kernels import attention_with_entropy, dispatch\n"
+        "from lmscope.kernels.hf import register_attention\n"
+        "assert dispatch._triton_found is None\n"
+        "register_attention()\n"
+        "@torch.compile(backend='eager')\n"
+        "def f(q):\n"
+        "    r = attention_with_entropy(q * 1.0, q, q, causal=True)\n"
+        "    return r.out.sum() + r.entropy.sum()\n"
+        "q = torch.randn(1, 2, 16, 32)\n"
+        "f(q); f(q); f(q)\n"
+        "print('graphs', counters['stats']['unique_graphs'])\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0 and "graphs 1" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
 def test_import_is_light_and_works_without_triton():
     # importing the package loads neither triton nor transformers; with triton made unimportable
     # the kernels still run (reference) and CUDA would fall back to the reference too

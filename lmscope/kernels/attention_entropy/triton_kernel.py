@@ -325,6 +325,9 @@ def empty_output(q: torch.Tensor, dv: int, heads_last: bool) -> torch.Tensor:
     b, h, nq, _ = q.shape
     if heads_last and (nq - 1) * h * dv + dv - 1 <= INT32_MAX:
         return torch.empty((b, nq, h, dv), device=q.device, dtype=q.dtype).transpose(1, 2)
+    if nq * dv - 1 > INT32_MAX:  # even one contiguous head's rows (fit_int32_offsets checked q, k, v, not Dv × Nq)
+        raise ValueError(f"one head of the output [{b}, {h}, {nq}, {dv}] holds more than 2^31 elements; "
+                         "split the sequence")
     return torch.empty((b, h, nq, dv), device=q.device, dtype=q.dtype)
 
 
