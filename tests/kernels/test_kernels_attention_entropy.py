@@ -375,3 +375,44 @@ def test_heads_last_only_while_the_rows_offsets_fit_32_bits():
         with pytest.raises(ValueError, match="more than 2\\^31 elements; split the sequence"):
             empty_output(torch.empty(1, 1, 2**24 + 1, 64, device="meta"), 128, heads_last=heads_last)
     assert empty_output(torch.empty(1, 1, 2**24, 64, device="meta"), 128, heads_last=False).shape[2] == 2**24
+
+
+def _tile_buckets():
+    from lmscope.kernels.dispatch import triton_available
+
+    if not triton_available():
+        return []
+    from lmscope.kernels.attention_entropy import triton_kernel
+
+    return sorted(triton_kernel._TILES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner's tiles run compiled, on a GPU (the "
+                    "interpreter runs each tile's block sizes in test_kernels_gpu_tiles.py)")
+@pytest.mark.parametrize("ieee,d", _tile_buckets())
+def test_every_candidate_tile_on_the_gpu_matches_the_oracle(oracle, monkeypatch, ieee, d):
+    """Each (BLOCK_M, BLOCK_N, warps, stages) candidate of a bucket, forced alone: a GPU otherwise runs only
+    the autotuner's pick for its shapes (or, with LMSCOPE_AUTOTUNE=0, a bucket's first), so a tile that
+    compiles but computes wrongly would wait for the shapes that pick it. GQA, ragged N, causal and not."""
+    from lmscope.kernels.attention_entropy import triton_kernel
+
+    dtype = torch.float32 if ieee else torch.bfloat16
+    failures = []
+    for tile in list(triton_kernel._TILES[ieee, d]):
+        monkeypatch.setitem(triton_kernel._TILES, (ieee, d), [tile])
+        triton_kernel._kernel.cache.clear()  # the pick per shape, else kept from an earlier tile
+        n = tile[0] + tile[1] + 3
+        q, k, v = _qkv(1, 4, 2, n, d, device="cuda", dtype=dtype, seed=sum(tile) + d)
+        for causal in (True, False):
+            res = attention_with_entropy(q, k, v, causal=causal, backend="triton")
+            ran = triton_kernel._kernel.best_config
+            ran = (ran.kwargs["BLOCK_M"], ran.kwargs["BLOCK_N"], ran.num_warps, ran.num_stages)
+            out, ent, lse, _ = oracle.attention(q, k, v, causal=causal)
+            tol = 2e-5 if ieee else 2e-2  # a bfloat16 output is rounded to bfloat16
+            errors = [(res.out.double().cpu() - out.cpu()).abs().max().item() / tol,
+                      (res.entropy.double().cpu() - ent.cpu()).abs().max().item() / 1e-4,
+                      (res.lse.double().cpu() - lse.cpu()).abs().max().item() / 1e-4]
+            if ran != tile or max(errors) > 1:
+                failures.append(f"{dtype} D={d} tile {tile} (ran {ran}) causal={causal}: "
+                                f"errors / tolerance (out, entropy, lse) {[round(e, 2) for e in errors]}")
+    assert not failures, "\n".join(failures)
