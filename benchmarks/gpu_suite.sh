@@ -15,8 +15,8 @@
 #                                           # the device tool's 10-minute / 8-file limits)
 #
 # On the device tool, one call per part, each meant to end inside 10 minutes and bring back ≤ 8 files.
-# The session has 30 minutes of device time: tests, then bench-jobs-large, then the sweep, then
-# bench-kernels and bench-jobs with what is left. The sweep runs whole, with its figures: 8 processes
+# The session has 30 minutes of device time: tests, then the sweep (the run issue #7 waits for), then
+# bench-jobs-large, then bench-kernels and bench-jobs with what is left. The sweep runs whole, with its figures: 8 processes
 # took 25 s per child (12 min for the grid, past one call), 16 may take half that (the children are
 # bound by the host's kernel launches, and the machine has 16 cores); a run the limit stops is
 # finished by a second call (SWEEP_RESULTS, below). `SWEEP_LIMIT=40 …` extrapolates instead.
