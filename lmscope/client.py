@@ -213,9 +213,16 @@ class Client:
         """{job_id, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a prefix).
 
         A picked name that matches nothing is listed in `missing`, the job's series names in `available`.
+        A large job's series come from the server in pages of whole series: all of them are fetched.
         """
         names = [series] if isinstance(series, str) else list(series or [])
-        return self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=[("series", n) for n in names])
+        params = [("series", n) for n in names]
+        doc = self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=params)
+        page = doc
+        while token := page.pop("next_page_token", None):  # a large job's series come in pages of whole series
+            page = self._json("GET", f"/v1/jobs/{int(job_id)}/results", params=params + [("page_token", token)])
+            doc["series"].extend(page["series"])
+        return doc
 
     def compare(self, job_ids: list[int], series: str | list[str] | None = None) -> Comparison:
         """Jobs side by side (GET /v1/compare → lmscope.compare.Comparison): the parameters that differ,

@@ -827,6 +827,30 @@ def test_finished_job_draws_a_picked_series_loaded_only_then(page, url, jobs):
     assert page.js("$('job-series').value === 'best_val_error' && $('logx').checked && !$('logy').checked")
 
 
+def test_a_series_of_more_points_than_a_page_draws_its_first_page_and_says_where_the_rest_are(page, url, up_env):
+    """A job whose curves of one name pass the results API's page (250,000 points): the chart draws the
+    curves of the first page and says how to get them all, instead of loading a hundred megabytes."""
+    from sqlalchemy import create_engine, insert
+
+    from lmscope.api.results import RESULT_PAGE_POINTS
+    from lmscope.db.models import Series
+
+    job_id = submit(url, "probe", {"model": "tiny-gpt2"}, name="dash many points")
+    assert Client(url).wait(job_id, timeout=180)["status"] == "succeeded"
+    n = RESULT_PAGE_POINTS // 2  # three curves: two fit the first page
+    engine = create_engine(f"sqlite:///{up_env['LMSCOPE_DATA_DIR']}/lmscope.db")
+    with engine.begin() as conn:
+        conn.execute(insert(Series), [dict(job_id=job_id, name="big.curve", labels={"layer": layer},
+                                           x=list(range(n)), y=[float(layer)] * n) for layer in range(3)])
+    engine.dispose()
+    load(page, f"{url}/#job={job_id}&series=big.curve")
+    page.wait("document.getElementById('curves-more')", timeout=60)
+    assert page.js("document.querySelectorAll('#job-chart svg polyline').length") == 2
+    assert page.text("#curves-more") == (f"The first 2 curves of big.curve; the others are more points than a page "
+                                         f"holds. All of them: lmscope results {job_id} --series big.curve")
+    assert len(Client(url).results(job_id, "big.curve")["series"]) == 3  # the client joins the pages
+
+
 def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     page.goto(f"{url}/")
     page.wait("document.querySelectorAll('#jobs tr.job').length > 0 && document.querySelectorAll('#f-kind option').length > 1")

@@ -3,6 +3,8 @@ and a database made by an older revision is upgraded in place without losing row
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -77,3 +79,35 @@ def test_schema_problem_says_what_to_do_for_each_state_of_the_database(tmp_path)
         c.execute(text("UPDATE alembic_version SET version_num = '9999'"))
     assert "9999, which this lmscope does not know" in schema_problem(engine)
     engine.dispose()
+
+
+def test_series_stored_before_0003_get_their_lengths(db_url):
+    """0003 counts each stored curve's points (x's length) in SQL, on SQLite and PostgreSQL alike; the
+    answers that page or cap curves read that count."""
+    from alembic import command
+
+    from lmscope.api.auth import create_user
+    from lmscope.db.engine import alembic_config, make_engine, make_sessionmaker
+    from lmscope.db.models import Job
+
+    engine = make_engine(db_url)
+    with make_sessionmaker(engine).begin() as session:
+        user, _ = create_user(session, "ann")
+        job = Job(user_id=user.id, kind="probe", params={}, status="succeeded")
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    engine.dispose()
+    command.downgrade(alembic_config(db_url), "0002")
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        for name, x in (("a", [1, 2, 3]), ("b", []), ("c", list(range(4096)))):
+            conn.execute(text("INSERT INTO series (job_id, name, labels, x, y) VALUES (:j, :n, '{}', :x, :x)"),
+                         {"j": job_id, "n": name, "x": json.dumps(x)})
+    engine.dispose()
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        points = dict(conn.execute(text("SELECT name, points FROM series ORDER BY name")).all())
+    engine.dispose()
+    assert points == {"a": 3, "b": 0, "c": 4096}

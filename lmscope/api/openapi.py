@@ -73,8 +73,9 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},
     ("get", "results.get_results"): {
         "parameters": [{**_query("series", {"type": "array", "items": {"type": "string"}},
-                                 "series names to return (repeat; `prefix*` matches a prefix)"), "explode": True}],
-        "responses": {"200": _json("Results")},
+                                 "series names to return (repeat; `prefix*` matches a prefix)"), "explode": True},
+                       _query("page_token", {"type": "string"}, "next_page_token of the previous page")],
+        "responses": {"200": _json("Results"), "422": PROBLEM},
     },
     ("get", "results.compare_jobs"): {
         "parameters": [
@@ -275,7 +276,8 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names that matched nothing"},
-        "available": {"type": "array", "items": {"type": "string"}, "description": "with `missing`: the job's series names"}}},
+        "available": {"type": "array", "items": {"type": "string"}, "description": "with `missing`: the job's series names"},
+        "next_page_token": {**_NULLABLE_STR, "description": "more series: whole series up to 250,000 points per answer"}}},
 }
 
 

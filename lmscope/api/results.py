@@ -10,10 +10,11 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.inputs import parse_id, query_params
+from lmscope.api.inputs import decode_page_token, encode_page_token, parse_id, query_params
 from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, iso
 from lmscope.api.state import state
+from lmscope.catalog import INT32_MAX
 from lmscope.compare import compare
 from lmscope.db.models import Artifact, Series
 
@@ -32,14 +33,29 @@ def series_filter(wanted: list[str]):
     return or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes))
 
 
-def pick_series(session, job_id: int, wanted: list[str]) -> tuple[list[Series], list[str]]:
+def pick_series(session, job_id: int, wanted: list[str], *, after: int = 0,
+                budget: int | None = None) -> tuple[list[Series], list[str], int | None]:
     """The job's series whose names are in `wanted` (a name ending in `*` matches a prefix; none: all),
-    and the wanted names that matched nothing."""
-    q = select(Series).where(Series.job_id == job_id).order_by(Series.id)
-    if wanted:
-        q = q.where(series_filter(wanted))
-    rows = session.scalars(q).all()
-    return rows, unmatched(wanted, {r.name for r in rows})
+    from the one after id `after`, as many whole series as fit `budget` points (at least one); the wanted
+    names that matched nothing; and the id to continue after when more are left (else None).
+
+    The series are sized by their stored `points` before any is loaded: a job over a hundred checkpoints
+    can hold millions of points (an entropy job's by-position curves)."""
+    chosen = [Series.job_id == job_id] + ([series_filter(wanted)] if wanted else [])
+    index = session.execute(select(Series.id, Series.points, Series.name).where(*chosen).order_by(Series.id)).all()
+    missing = unmatched(wanted, {name for _, _, name in index})
+    index = [(sid, points) for sid, points, _ in index if sid > after]
+    taken, total = 0, 0
+    for _, points in index:
+        if taken and budget is not None and total + points > budget:
+            break
+        taken, total = taken + 1, total + points
+    if not taken:
+        return [], missing, None
+    first, last = index[0][0], index[taken - 1][0]
+    rows = session.scalars(select(Series).where(*chosen, Series.id >= first, Series.id <= last)
+                           .order_by(Series.id)).all()
+    return rows, missing, (last if taken < len(index) else None)
 
 
 def unmatched(wanted: list[str], found: set[str]) -> list[str]:
@@ -51,22 +67,30 @@ def series_json(rows: list[Series]) -> list[dict]:
     return [{"name": r.name, "labels": r.labels, "x": r.x, "y": r.y} for r in rows]
 
 
+RESULT_PAGE_POINTS = 250_000  # x values per answer (about 10 MB of JSON); a series is never split
+
+
 @bp.get("/jobs/<int:job_id>/results")
-@query_params("series", repeatable=["series"])
+@query_params("series", "page_token", repeatable=["series"])
 def get_results(job_id: int):
     """The job's series; repeat `series=NAME` to pick some (a name ending in `*` matches a prefix).
 
     A requested name that matches nothing is listed in `missing`, with every series name of the job in
-    `available`.
+    `available`. Whole series up to RESULT_PAGE_POINTS points per answer; `next_page_token` continues.
     """
     wanted = request.args.getlist("series")
+    after = 0
+    if token := request.args.get("page_token"):
+        after = decode_page_token(token, "after", lambda v: type(v) is int and 0 <= v <= INT32_MAX,
+                                  f"/v1/jobs/{job_id}/results")
     with state().sessions() as session:
         load_visible_job(session, current_caller(), job_id)
-        rows, missing = pick_series(session, job_id, wanted)
+        rows, missing, more_after = pick_series(session, job_id, wanted, after=after, budget=RESULT_PAGE_POINTS)
         # A requested name (or prefix*) that matched nothing: say so, and which names exist.
         available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
                      if missing else None)
-    body = {"job_id": job_id, "series": series_json(rows)}
+    body = {"job_id": job_id, "series": series_json(rows),
+            "next_page_token": encode_page_token(after=more_after) if more_after is not None else None}
     if missing:
         body.update(missing=missing, available=available)
     return body
@@ -74,6 +98,7 @@ def get_results(job_id: int):
 
 MAX_COMPARED = 20
 MAX_COMPARED_SERIES = 5000  # curves in one answer, over all the jobs
+MAX_COMPARED_POINTS = 1_000_000  # and their x values (about 40 MB of JSON)
 
 
 @bp.get("/compare")
@@ -96,12 +121,14 @@ def compare_jobs():
         rows = []
         if wanted:
             chosen = (Series.job_id.in_(ids), series_filter(wanted))
-            count = session.scalar(select(func.count()).select_from(Series).where(*chosen))
-            if count > MAX_COMPARED_SERIES:  # counted in SQL, before any curve is loaded
+            count, points = session.execute(select(func.count(), func.coalesce(func.sum(Series.points), 0))
+                                            .where(*chosen)).one()
+            if count > MAX_COMPARED_SERIES or points > MAX_COMPARED_POINTS:  # counted in SQL, before any is loaded
                 raise Problem(422, "too-many-series", "Too many curves to compare",
-                              f"series={','.join(wanted)} matches {count} curves over these jobs, more than "
-                              f"{MAX_COMPARED_SERIES}; name fewer series (e.g. entropy.layer_mean rather than "
-                              "entropy.*)")
+                              f"series={','.join(wanted)} matches {count} curves of {points} points in all over "
+                              f"these jobs, more than {MAX_COMPARED_SERIES} curves or {MAX_COMPARED_POINTS} points; "
+                              "name fewer series (e.g. entropy.layer_mean rather than entropy.* or "
+                              "entropy.by_position) or compare fewer jobs", curves=count, points=int(points))
             rows = session.scalars(select(Series).where(*chosen).order_by(Series.id)).all()
         names: dict[int, set[str]] = {i: set() for i in ids}
         for job_id, name in session.execute(select(Series.job_id, Series.name).where(Series.job_id.in_(ids))

@@ -73,6 +73,10 @@ class Job(Base):
         UniqueConstraint("user_id", "idempotency_key", name="uq_jobs_user_idempotency_key"),
         Index("ix_jobs_user_id_id", "user_id", "id"),
         Index("ix_jobs_status", "status"),
+        # the job list's filters, newest first, without walking a user's (or everyone's) whole history
+        Index("ix_jobs_kind_id", "kind", "id"),
+        Index("ix_jobs_user_id_kind_id", "user_id", "kind", "id"),
+        Index("ix_jobs_user_id_status_id", "user_id", "status", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -124,6 +128,9 @@ class Series(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     x: Mapped[list[Any]] = mapped_column(default=list)
     y: Mapped[list[Any]] = mapped_column(default=list)
+    # len(x), counted at insert: the size of an answer, known before any curve is loaded
+    points: Mapped[int] = mapped_column(Integer, default=lambda ctx: len(ctx.get_current_parameters().get("x") or []),
+                                        server_default="0")
 
 
 class Artifact(Base):

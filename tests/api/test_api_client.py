@@ -171,6 +171,15 @@ def test_results_download_and_fetch(api, ann, tmp_path):
                                  sha256=hashlib.sha256(data).hexdigest()))
     assert ann.results(job_id, "s1")["series"] == [{"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]}]
     assert len(ann.results(job_id)["series"]) == 2
+    from lmscope.api import results
+
+    results.RESULT_PAGE_POINTS, before = 1, results.RESULT_PAGE_POINTS  # the live server's thread reads it
+    try:  # one series per page: the client joins the pages into the one answer
+        assert ann.results(job_id) == {"job_id": job_id, "series": [
+            {"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]},
+            {"name": "s2", "labels": {}, "x": [], "y": []}]}
+    finally:
+        results.RESULT_PAGE_POINTS = before
     written = ann.fetch(job_id, tmp_path / "out")
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in written) == sorted(files)
     for name, data in files.items():

@@ -42,6 +42,40 @@ def test_results_filtered_by_series(api):
     assert [s["name"] for s in prefix["series"]] == ["norm.mean", "norm.std"]
 
 
+def test_a_large_jobs_series_come_in_pages_of_whole_series(api, monkeypatch):
+    """Whole series up to RESULT_PAGE_POINTS x values per answer (a series alone may pass it: it is never
+    split), next_page_token continuing in order; together, the pages are the one-answer result, and a
+    missing name is said on every page."""
+    from lmscope.api import results
+
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    add_results(api, job_id, {})  # norm.mean (3 points), norm.std (3), entropy.head (1)
+    whole = api.client.get(f"/v1/jobs/{job_id}/results", headers=h).get_json()
+    assert whole["next_page_token"] is None
+
+    def pages(query: str) -> list[list[str]]:
+        names, token = [], None
+        while True:
+            doc = api.client.get(f"/v1/jobs/{job_id}/results?{query}" + (f"&page_token={token}" if token else ""),
+                                 headers=h).get_json()
+            names.append([s["name"] for s in doc["series"]])
+            if query.startswith("series=nope"):
+                assert doc["missing"] == ["nope"]
+            if not (token := doc["next_page_token"]):
+                return names, doc
+
+    monkeypatch.setattr(results, "RESULT_PAGE_POINTS", 4)
+    assert pages("")[0] == [["norm.mean"], ["norm.std", "entropy.head"]]  # 3, then 3 + 1
+    monkeypatch.setattr(results, "RESULT_PAGE_POINTS", 2)
+    got, _ = pages("")
+    assert got == [["norm.mean"], ["norm.std"], ["entropy.head"]]  # each of 3 points over the 2 on its own
+    assert [n for page in got for n in page] == [s["name"] for s in whole["series"]]
+    assert pages("series=nope&series=norm.*")[0] == [["norm.mean"], ["norm.std"]]
+    bad = api.client.get(f"/v1/jobs/{job_id}/results?page_token=abc", headers=h)
+    assert is_problem(bad, 422, "validation-error")["errors"][0]["loc"] == ["query", "page_token"]
+
+
 def test_artifacts_list_and_download(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]
@@ -237,7 +271,15 @@ def test_compare_refuses_an_answer_too_large_to_use(api, monkeypatch):
         add_results(api, job_id, {})  # three curves each
     monkeypatch.setattr(results, "MAX_COMPARED_SERIES", 5)
     body = is_problem(api.client.get(f"/v1/compare?jobs={a},{b}&series=*", headers=h), 422, "too-many-series")
-    assert "matches 6 curves over these jobs, more than 5" in body["detail"] and "name fewer series" in body["detail"]
+    assert "matches 6 curves of 14 points in all over these jobs, more than 5 curves" in body["detail"]
+    assert "name fewer series" in body["detail"] and (body["curves"], body["points"]) == (6, 14)
+    assert api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).status_code == 200
+    # few curves of many points: norm.* is 4 curves of 3 + 3 points each, 12 in all
+    monkeypatch.setattr(results, "MAX_COMPARED_SERIES", 5000)
+    monkeypatch.setattr(results, "MAX_COMPARED_POINTS", 11)
+    body = is_problem(api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h), 422, "too-many-series")
+    assert "4 curves of 12 points in all" in body["detail"] and "or 11 points" in body["detail"]
+    monkeypatch.setattr(results, "MAX_COMPARED_POINTS", 12)
     assert api.client.get(f"/v1/compare?jobs={a},{b}&series=norm.*", headers=h).status_code == 200
 
 
