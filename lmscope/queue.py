@@ -48,6 +48,9 @@ class Publisher(Protocol):
         """Hand a job id to the workers; raises if the queue did not accept it. ``aggregation``: the id is
         a sweep parent's, to be aggregated, and goes ahead of the queued jobs."""
 
+    # Optional, where the queue can lose messages: ``waiting() -> int | None``, the messages it holds
+    # (None when it cannot say). The reaper republishes only as many long-waiting jobs as are missing.
+
 
 # ---------------------------------------------------------------- Celery
 
@@ -113,6 +116,19 @@ class CeleryPublisher:
     def publish(self, job_id: int, *, aggregation: bool = False) -> None:
         self.app.send_task(TASK_NAME, args=[int(job_id)], queue=QUEUE_NAME,
                            priority=AGGREGATION_PRIORITY if aggregation else JOB_PRIORITY)
+
+    def waiting(self) -> int | None:
+        """Messages waiting in the queue, every priority (not those a worker holds); None if the broker
+        cannot be asked. A declare, not a passive one: Redis drops an empty queue's lists, and a passive
+        declare of it fails instead of saying 0."""
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1)  # a broker that is down: say so within a second
+                return int(conn.default_channel.queue_declare(QUEUE_NAME, durable=True, auto_delete=False)
+                           .message_count)
+        except Exception as e:
+            log.warning("could not ask the broker how many messages it holds (%s: %s)", type(e).__name__, e)
+            return None
 
 
 # ---------------------------------------------------------------- embedded

@@ -10,9 +10,12 @@ each job is acted on by exactly one of them:
    else ``failed`` ("worker lost N times; last seen at ..."). A sweep parent stuck in its aggregation
    waits for its aggregation again. Not within ``stale_after_seconds`` of a database outage (nobody
    could write a heartbeat during it; see ``ReaperPasses``).
-2. queued jobs never published (``published_at`` NULL for ``unpublished_after_seconds``) or
-   published so long ago that the message must be lost (``REPUBLISH_FACTOR`` × the larger of the two
-   thresholds): published again. A duplicate message is harmless: the claim drops it.
+2. queued jobs never published (``published_at`` NULL for ``unpublished_after_seconds``), and those
+   published so long ago that their message may be lost (``REPUBLISH_FACTOR`` × the larger of the two
+   thresholds): published again. A long wait alone is no loss (a backlog of jobs that take hours): where
+   the broker says how many messages it holds, only as many of the longest-waiting jobs as the queued
+   jobs outnumber its messages are. A duplicate message is harmless (the claim drops it) but not free:
+   re-sending the whole backlog every pass had piled one more message per queued job into Redis.
 3. sweep parents still waiting although every child is terminal: published (the aggregation claim
    makes it run exactly once).
 
@@ -26,7 +29,7 @@ import logging
 import threading
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, exists, or_, select, update
+from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from lmscope.config import Settings
@@ -111,11 +114,14 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
     for parent_id in dict.fromkeys(failed_children):
         after_terminal(session_factory, publisher, parent_id)
 
-    # 2. lost or never-sent messages
-    unpublished = (Job.status == "queued") & or_(
-        and_(Job.published_at.is_(None), Job.created_at < now - timedelta(seconds=settings.unpublished_after_seconds)),
-        Job.published_at < now - timedelta(seconds=republish_after(settings)))
-    report["republished"] = _claim_and_publish(session_factory, publisher, unpublished, now)
+    # 2. never-sent and lost messages
+    queued = Job.status == "queued"
+    never_sent = queued & Job.published_at.is_(None) & (
+        Job.created_at < now - timedelta(seconds=settings.unpublished_after_seconds))
+    long_waiting = queued & (Job.published_at < now - timedelta(seconds=republish_after(settings)))
+    report["republished"] = _claim_and_publish(session_factory, publisher, never_sent, now)
+    report["republished"] += _claim_and_publish(session_factory, publisher, long_waiting, now,
+                                                most=messages_missing(session_factory, publisher))
 
     # 3. sweep parents whose children are all done but that nobody aggregated
     child = aliased(Job)
@@ -128,22 +134,41 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
 
 
 def _last_child_finished():
-    from sqlalchemy import func
-
     child = aliased(Job)
     return select(func.max(child.finished_at)).where(child.parent_id == Job.id).scalar_subquery()
 
 
-def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publisher, condition, now, *,
-                       aggregation: bool = False) -> list[int]:
+def messages_missing(session_factory: sessionmaker[Session], publisher: Publisher) -> int | None:
+    """How many queued jobs' messages the broker may have lost: the published queued jobs less the messages
+    it holds (duplicates and cancelled jobs' messages count as held, so a loss can show only once the queue
+    has drained that far: when the lost job's turn would have come). None when the broker cannot say."""
+    waiting = publisher.waiting() if hasattr(publisher, "waiting") else None
+    if waiting is None:
+        return None
     with session_factory() as session:
-        ids = session.execute(select(Job.id).where(condition).order_by(Job.id)).scalars().all()
+        published = session.scalar(select(func.count()).select_from(Job)
+                                    .where(Job.status == "queued", Job.published_at.is_not(None)))
+    return max(0, published - waiting)
+
+
+CLAIM_CHUNK = 500  # ids per claiming UPDATE
+
+
+def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publisher, condition, now, *,
+                       aggregation: bool = False, most: int | None = None) -> list[int]:
+    """Publish the jobs matching `condition` (at most `most`, those published longest ago first), each
+    claimed by setting ``published_at`` under the same condition, so concurrent reapers never both send one."""
+    if most == 0:
+        return []
+    with session_factory() as session:
+        ids = session.execute(select(Job.id).where(condition).order_by(Job.published_at, Job.id)
+                              .limit(most)).scalars().all()
     claimed = []
-    for job_id in ids:
+    for start in range(0, len(ids), CLAIM_CHUNK):
         with session_factory() as session, session.begin():
-            if session.execute(update(Job).where((Job.id == job_id) & condition)
-                               .values(published_at=now)).rowcount == 1:
-                claimed.append(job_id)
+            claimed += session.execute(update(Job).where(Job.id.in_(ids[start:start + CLAIM_CHUNK]) & condition)
+                                       .values(published_at=now).returning(Job.id)).scalars().all()
+    claimed.sort()
     if claimed:
         log.info("publishing jobs %s again (message lost or never sent)", claimed)
     return _publish_claimed(publisher, session_factory, claimed, aggregation=aggregation)

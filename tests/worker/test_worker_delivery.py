@@ -300,6 +300,32 @@ def test_a_queued_job_survives_a_redis_restart(delivery, sessions, make_job, job
     assert job.attempts == 1 and job.published_at == published_at
 
 
+def test_the_reaper_sends_again_only_messages_redis_no_longer_holds(delivery, sessions, make_job, job_row,
+                                                                      redis_server):
+    """Real Redis, no worker: two jobs that have waited past the republish time while their messages sit in
+    the queue are left alone (a backlog, not a loss); once Redis has lost them (FLUSHALL), both go again,
+    and the queue then holds one message each."""
+    import redis
+
+    from lmscope.worker import reaper
+
+    ids = [make_job(params={"steps": 3, "plot": False}) for _ in range(2)]
+    assert publish_jobs(delivery.publisher, sessions, ids) == ids
+    assert delivery.publisher.waiting() == 2
+    long_ago = utcnow() - timedelta(seconds=reaper.republish_after(delivery.settings) + 1)
+    with sessions.begin() as session:
+        session.execute(update(Job).where(Job.id.in_(ids)).values(published_at=long_ago))
+    assert reaper.reap(delivery.settings, sessions, delivery.publisher)["republished"] == []
+    assert delivery.publisher.waiting() == 2 and job_row(ids[0]).published_at == long_ago
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    assert delivery.publisher.waiting() == 0
+    assert sorted(reaper.reap(delivery.settings, sessions, delivery.publisher)["republished"]) == ids
+    assert delivery.publisher.waiting() == 2
+    redis_server.stop()
+    assert delivery.publisher.waiting() is None  # a broker that cannot be asked
+
+
 def test_a_worker_refuses_to_start_on_a_database_without_the_schema(delivery, tmp_path):
     """Started, it would take messages off the queue and drop them (every claim fails)."""
     log = tmp_path / "unmigrated-worker.log"

@@ -71,6 +71,38 @@ def test_lost_and_never_sent_messages_are_published_again(settings, sessions, ma
     assert sorted(publisher.published) == sorted([never, lost]) and job_row(waiting).status == "queued"
 
 
+def test_a_long_backlog_is_not_sent_again_while_the_broker_holds_its_messages(settings, sessions, make_job, job_row):
+    """Waiting long is no loss where the broker can say what it holds: with as many messages as published
+    queued jobs, nothing goes again; two short, the two jobs published longest ago do (the FIFO queue would
+    have delivered them first). Re-sending every long-waiting job each pass piled a message per queued job
+    into Redis every ten minutes."""
+    now = utcnow()
+    long_ago = reaper.republish_after(settings) + 1
+    backlog = [make_job(published_at=now - timedelta(seconds=long_ago + age)) for age in (30, 10, 50, 20, 40)]
+    recent = make_job(published_at=now - timedelta(seconds=5))
+    never = make_job(created_at=now - timedelta(seconds=settings.unpublished_after_seconds + 1))
+
+    class Broker(RecordingPublisher):
+        held = 6  # messages in the queue: one per published queued job
+
+        def publish(self, job_id, *, aggregation=False):
+            super().publish(job_id, aggregation=aggregation)
+            self.held += 1
+
+        def waiting(self):
+            return self.held
+
+    broker = Broker()
+    assert reaper.reap(settings, sessions, broker, now=now)["republished"] == [never]  # never sent: always
+    broker.held -= 2  # two of the seven published jobs' messages are gone
+    report = reaper.reap(settings, sessions, broker, now=now)
+    assert sorted(report["republished"]) == sorted([backlog[2], backlog[4]])  # published 50 and 40 s before the rest
+    assert job_row(backlog[2]).published_at == now and job_row(recent).published_at < now
+    broker.waiting = lambda: None  # a broker that cannot say: every long-waiting job goes again, as before
+    assert sorted(reaper.reap(settings, sessions, broker, now=now + timedelta(seconds=long_ago))["republished"]) == \
+        sorted(backlog + [recent, never])
+
+
 def test_broker_down_loses_nothing(settings, sessions, make_job, job_row):
     now = utcnow()
     job_ids = [make_job(created_at=now - timedelta(seconds=10)) for _ in range(5)]
