@@ -118,3 +118,20 @@ def test_job_durations_histogram(api):
     assert 'lmscope_job_duration_seconds_bucket{kind="probe",status="succeeded",le="15"} 0' in text
     assert 'lmscope_job_duration_seconds_bucket{kind="probe",status="succeeded",le="60"} 1' in text
     assert re.search(r'lmscope_job_duration_seconds_sum\{kind="probe",status="succeeded"\} 42\.0', text)
+    # more: half a second, exactly a bound (le means at most), past the last bound, a clock that went back
+    # (counted as 0 s), and a sweep still waiting for its children (not finished: not counted)
+    for seconds in (0.5, 60, 100_000, -5):
+        other = api.submit(h).get_json()["id"]
+        api.set_job(other, status="succeeded", started_at=now - timedelta(seconds=seconds), finished_at=now)
+    waiting = api.submit(h).get_json()["id"]
+    api.set_job(waiting, status="succeeded", waiting_children=True, started_at=now - timedelta(seconds=9),
+                finished_at=now)
+    text = api.client.get("/metrics").get_data(as_text=True)
+    got = dict(re.findall(r'lmscope_job_duration_seconds_bucket\{kind="probe",status="succeeded",le="([^"]+)"\} (\d+)',
+                          text))
+    durations = [42, 0.5, 60, 100_000, 0]  # the test's own bucketing, cumulative as Prometheus wants it
+    assert got == {**{str(b): str(sum(d <= b for d in durations)) for b in (1, 5, 15, 60, 300, 900, 3600, 14400,
+                                                                           43200, 86400)}, "+Inf": "5"}
+    assert 'lmscope_job_duration_seconds_count{kind="probe",status="succeeded"} 5' in text
+    total = re.search(r'lmscope_job_duration_seconds_sum\{kind="probe",status="succeeded"\} ([0-9.]+)', text)
+    assert float(total.group(1)) == pytest.approx(sum(durations), abs=1e-3)
