@@ -851,6 +851,61 @@ def test_a_series_of_more_points_than_a_page_draws_its_first_page_and_says_where
     assert len(Client(url).results(job_id, "big.curve")["series"]) == 3  # the client joins the pages
 
 
+def test_a_running_sweeps_points_are_fetched_again_only_when_one_starts_or_ends(page, url, up_env, jobs):
+    """A running sweep's page: between refreshes where no point started or ended it asks only for the running
+    points (whose progress moves), not the whole list (2 MB for 2,000 points, every 2 s); a point that ends
+    brings the whole list once. The sweep is written into the server's database, its running point with a
+    heartbeat ahead so that the reaper leaves it be."""
+    from datetime import timedelta
+
+    from sqlalchemy import create_engine, delete, update
+    from sqlalchemy.orm import Session
+
+    from lmscope.db.models import Job, utcnow
+
+    engine = create_engine(f"sqlite:///{up_env['LMSCOPE_DATA_DIR']}/lmscope.db")
+    now = utcnow()
+    with Session(engine) as session, session.begin():
+        user_id = session.get(Job, jobs["a"]).user_id
+        parent = Job(user_id=user_id, kind="sweep", params=TINY_SWEEP, status="running", waiting_children=True,
+                     created_at=now, started_at=now, name="dash frozen sweep")
+        session.add(parent)
+        session.flush()
+        point = dict(user_id=user_id, kind="sumformer_fit", params={}, parent_id=parent.id, created_at=now)
+        running = Job(**point, status="running", started_at=now, heartbeat_at=now + timedelta(days=1),
+                      progress_done=1, progress_total=10, name="running point")
+        done = [Job(**point, status="succeeded", started_at=now, finished_at=now, name=f"done {i}") for i in range(2)]
+        session.add_all([running, *done])
+        session.flush()
+        sweep, point_id = parent.id, running.id
+    try:
+        open_job(page, url, sweep)
+        page.wait("document.querySelectorAll('#children tbody tr').length === 3")
+        wait_refreshes(page, 3)
+        asked = page.js("performance.getEntriesByType('resource').map(e => e.name)"
+                        f".filter(n => n.includes('parent={sweep}'))")
+        assert asked and all("status=running" in n for n in asked), asked  # the running point only
+
+        with Session(engine) as session, session.begin():  # its progress moves: the row follows
+            session.execute(update(Job).where(Job.id == point_id).values(progress_done=7))
+        page.wait(f"document.querySelector('#children tr[data-id=\"{point_id}\"] td.status')"
+                  "?.textContent.includes('7/10')", timeout=15)
+
+        with Session(engine) as session, session.begin():  # it ends: the whole list, once
+            session.execute(update(Job).where(Job.id == point_id).values(status="succeeded", finished_at=utcnow()))
+        page.js("performance.clearResourceTimings(); true")
+        page.wait(f"document.querySelector('#children tr[data-id=\"{point_id}\"] td.status')"
+                  "?.textContent.startsWith('succeeded')", timeout=15)
+        whole = page.js("performance.getEntriesByType('resource').map(e => e.name)"
+                        f".filter(n => n.includes('parent={sweep}') && !n.includes('status='))")
+        assert len(whole) == 1, whole
+    finally:
+        with Session(engine) as session, session.begin():  # gone again: the module's other tests list its jobs
+            session.execute(delete(Job).where(Job.parent_id == sweep))
+            session.execute(delete(Job).where(Job.id == sweep))
+        engine.dispose()
+
+
 def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     page.goto(f"{url}/")
     page.wait("document.querySelectorAll('#jobs tr.job').length > 0 && document.querySelectorAll('#f-kind option').length > 1")
