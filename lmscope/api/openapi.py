@@ -277,7 +277,7 @@ STATIC_SCHEMAS: dict[str, Any] = {
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names that matched nothing"},
         "available": {"type": "array", "items": {"type": "string"}, "description": "with `missing`: the job's series names"},
-        "next_page_token": {**_NULLABLE_STR, "description": "more series: whole series up to 250,000 points per answer"}}},
+        "next_page_token": {**_NULLABLE_STR, "description": "more series: whole series up to 250,000 points per answer (a longer one alone)"}}},
 }
 
 

@@ -33,6 +33,11 @@ def series_filter(wanted: list[str]):
     return or_(Series.name.in_(exact), *(Series.name.startswith(p, autoescape=True) for p in prefixes))
 
 
+def series_points():
+    """A series' length in SQL: its stored count, or (a row written without one) the length of its x."""
+    return func.coalesce(Series.points, func.json_array_length(Series.x))
+
+
 def pick_series(session, job_id: int, wanted: list[str], *, after: int = 0,
                 budget: int | None = None) -> tuple[list[Series], list[str], int | None]:
     """The job's series whose names are in `wanted` (a name ending in `*` matches a prefix; none: all),
@@ -42,7 +47,7 @@ def pick_series(session, job_id: int, wanted: list[str], *, after: int = 0,
     The series are sized by their stored `points` before any is loaded: a job over a hundred checkpoints
     can hold millions of points (an entropy job's by-position curves)."""
     chosen = [Series.job_id == job_id] + ([series_filter(wanted)] if wanted else [])
-    index = session.execute(select(Series.id, Series.points, Series.name).where(*chosen).order_by(Series.id)).all()
+    index = session.execute(select(Series.id, series_points(), Series.name).where(*chosen).order_by(Series.id)).all()
     missing = unmatched(wanted, {name for _, _, name in index})
     index = [(sid, points) for sid, points, _ in index if sid > after]
     taken, total = 0, 0
@@ -121,7 +126,7 @@ def compare_jobs():
         rows = []
         if wanted:
             chosen = (Series.job_id.in_(ids), series_filter(wanted))
-            count, points = session.execute(select(func.count(), func.coalesce(func.sum(Series.points), 0))
+            count, points = session.execute(select(func.count(), func.coalesce(func.sum(series_points()), 0))
                                             .where(*chosen)).one()
             if count > MAX_COMPARED_SERIES or points > MAX_COMPARED_POINTS:  # counted in SQL, before any is loaded
                 raise Problem(422, "too-many-series", "Too many curves to compare",

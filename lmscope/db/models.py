@@ -116,6 +116,14 @@ class Job(Base):
     user: Mapped[User] = relationship()
 
 
+def _points_of(ctx) -> int:
+    try:
+        return len(ctx.get_current_parameters().get("x") or [])
+    except KeyError:  # SQLAlchemy cannot give a multi-VALUES insert's row to a default (insert().values([...]))
+        raise ValueError("insert series rows as a list of parameters (session.execute(insert(Series), rows)) or "
+                         "give each its points") from None
+
+
 class Series(Base):
     """One curve of a job's results: small, queryable, plot-ready."""
 
@@ -128,9 +136,9 @@ class Series(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     x: Mapped[list[Any]] = mapped_column(default=list)
     y: Mapped[list[Any]] = mapped_column(default=list)
-    # len(x), counted at insert: the size of an answer, known before any curve is loaded
-    points: Mapped[int] = mapped_column(Integer, default=lambda ctx: len(ctx.get_current_parameters().get("x") or []),
-                                        server_default="0")
+    # len(x), counted at insert: the size of an answer, known before any curve is loaded. NULL (a row a
+    # worker of an older lmscope wrote during an upgrade, or raw SQL) is counted when read: series_points()
+    points: Mapped[int | None] = mapped_column(Integer, default=lambda ctx: _points_of(ctx))
 
 
 class Artifact(Base):

@@ -120,8 +120,11 @@ def reap(settings: Settings, session_factory: sessionmaker[Session], publisher: 
         Job.created_at < now - timedelta(seconds=settings.unpublished_after_seconds))
     long_waiting = queued & (Job.published_at < now - timedelta(seconds=republish_after(settings)))
     report["republished"] = _claim_and_publish(session_factory, publisher, never_sent, now)
-    report["republished"] += _claim_and_publish(session_factory, publisher, long_waiting, now,
-                                                most=messages_missing(session_factory, publisher))
+    with session_factory() as session:  # the broker is asked only when some job has waited that long
+        any_long_waiting = session.scalar(select(Job.id).where(long_waiting).limit(1)) is not None
+    if any_long_waiting:
+        report["republished"] += _claim_and_publish(session_factory, publisher, long_waiting, now,
+                                                    most=messages_missing(session_factory, publisher))
 
     # 3. sweep parents whose children are all done but that nobody aggregated
     child = aliased(Job)

@@ -7,6 +7,8 @@ import json
 import threading
 from pathlib import Path
 
+from sqlalchemy import insert
+
 from lmscope.db.models import Artifact, Series, utcnow
 
 from .conftest import is_problem
@@ -72,6 +74,14 @@ def test_a_large_jobs_series_come_in_pages_of_whole_series(api, monkeypatch):
     assert got == [["norm.mean"], ["norm.std"], ["entropy.head"]]  # each of 3 points over the 2 on its own
     assert [n for page in got for n in page] == [s["name"] for s in whole["series"]]
     assert pages("series=nope&series=norm.*")[0] == [["norm.mean"], ["norm.std"]]
+    # a row stored without its count (a worker of an older lmscope during an upgrade): sized by its x
+    with api.sessions.begin() as session:
+        session.execute(insert(Series).values(job_id=job_id, name="old.curve", labels={}, x=[0] * 5, y=[0] * 5,
+                                              points=None))
+    monkeypatch.setattr(results, "RESULT_PAGE_POINTS", 6)
+    assert pages("")[0] == [["norm.mean", "norm.std"], ["entropy.head", "old.curve"]]  # 3 + 3, then 1 + 5
+    monkeypatch.setattr(results, "RESULT_PAGE_POINTS", 5)
+    assert pages("")[0] == [["norm.mean"], ["norm.std", "entropy.head"], ["old.curve"]]  # not 0 points
     bad = api.client.get(f"/v1/jobs/{job_id}/results?page_token=abc", headers=h)
     assert is_problem(bad, 422, "validation-error")["errors"][0]["loc"] == ["query", "page_token"]
 

@@ -398,21 +398,24 @@ def test_every_candidate_tile_on_the_gpu_matches_the_oracle(oracle, monkeypatch,
 
     dtype = torch.float32 if ieee else torch.bfloat16
     failures = []
-    for tile in list(triton_kernel._TILES[ieee, d]):
-        monkeypatch.setitem(triton_kernel._TILES, (ieee, d), [tile])
-        triton_kernel._kernel.cache.clear()  # the pick per shape, else kept from an earlier tile
-        n = tile[0] + tile[1] + 3
-        q, k, v = _qkv(1, 4, 2, n, d, device="cuda", dtype=dtype, seed=sum(tile) + d)
-        for causal in (True, False):
-            res = attention_with_entropy(q, k, v, causal=causal, backend="triton")
-            ran = triton_kernel._kernel.best_config
-            ran = (ran.kwargs["BLOCK_M"], ran.kwargs["BLOCK_N"], ran.num_warps, ran.num_stages)
-            out, ent, lse, _ = oracle.attention(q, k, v, causal=causal)
-            tol = 2e-5 if ieee else 2e-2  # a bfloat16 output is rounded to bfloat16
-            errors = [(res.out.double().cpu() - out.cpu()).abs().max().item() / tol,
-                      (res.entropy.double().cpu() - ent.cpu()).abs().max().item() / 1e-4,
-                      (res.lse.double().cpu() - lse.cpu()).abs().max().item() / 1e-4]
-            if ran != tile or max(errors) > 1:
-                failures.append(f"{dtype} D={d} tile {tile} (ran {ran}) causal={causal}: "
-                                f"errors / tolerance (out, entropy, lse) {[round(e, 2) for e in errors]}")
+    try:
+        for tile in list(triton_kernel._TILES[ieee, d]):
+            monkeypatch.setitem(triton_kernel._TILES, (ieee, d), [tile])
+            triton_kernel._kernel.cache.clear()  # the pick per shape, else kept from an earlier tile
+            n = tile[0] + tile[1] + 3
+            q, k, v = _qkv(1, 4, 2, n, d, device="cuda", dtype=dtype, seed=sum(tile) + d)
+            for causal in (True, False):
+                res = attention_with_entropy(q, k, v, causal=causal, backend="triton")
+                ran = triton_kernel._kernel.best_config
+                ran = (ran.kwargs["BLOCK_M"], ran.kwargs["BLOCK_N"], ran.num_warps, ran.num_stages)
+                out, ent, lse, _ = oracle.attention(q, k, v, causal=causal)
+                tol = 2e-5 if ieee else 2e-2  # a bfloat16 output is rounded to bfloat16
+                errors = [(res.out.double().cpu() - out.cpu()).abs().max().item() / tol,
+                          (res.entropy.double().cpu() - ent.cpu()).abs().max().item() / 1e-4,
+                          (res.lse.double().cpu() - lse.cpu()).abs().max().item() / 1e-4]
+                if ran != tile or max(errors) > 1:
+                    failures.append(f"{dtype} D={d} tile {tile} (ran {ran}) causal={causal}: "
+                                    f"errors / tolerance (out, entropy, lse) {[round(e, 2) for e in errors]}")
+    finally:  # the later tests' shapes pick from the whole bucket again
+        triton_kernel._kernel.cache.clear()
     assert not failures, "\n".join(failures)

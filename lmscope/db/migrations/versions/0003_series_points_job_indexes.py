@@ -16,7 +16,7 @@ depends_on = None
 def upgrade() -> None:
     # recreate='never': plain ALTER TABLE ADD/DROP COLUMN, never a copy of a table that may hold millions of rows
     with op.batch_alter_table('series', schema=None, recreate='never') as batch_op:
-        batch_op.add_column(sa.Column('points', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('points', sa.Integer(), nullable=True))  # NULL: counted when read
     # json_array_length: SQLite's JSON1 and PostgreSQL's json both have it
     op.execute("UPDATE series SET points = json_array_length(x)")
     op.create_index('ix_jobs_kind_id', 'jobs', ['kind', 'id'])
