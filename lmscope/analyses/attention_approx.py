@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, context_seq_len, require_positions
+from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
+                                   require_positions)
 from lmscope.analyses.plotting import OrderedColours, pyplot, save
 from lmscope.params.sweep import DEFAULT_ATTENTION_SEQ_LEN, AttentionApproxParams
 from lmscope.seeds import derived_seed
@@ -217,20 +218,11 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     says (`sliding_windows`, `sliding_window_note`).
     """
     from lmscope.kernels import kernel_backend
-    from lmscope.modeling.windows import token_windows
-
     loaded, layers, params = _attention_study_model(params, ctx)
     device = next(loaded.model.parameters()).device
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
-    if params.bos_per_window and loaded.tokenizer.bos_token_id is None:
-        raise JobFailed(f"{params.model}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows "
-                        "with one; set bos_per_window=false")
-    try:
-        windows = token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments,
-                                bos_first=params.bos_per_window)
-    except ValueError as e:
-        raise JobFailed(f"dataset {params.dataset!r}: {e}") from None
+    windows = dataset_windows(loaded.tokenizer, documents, params, params.model)
 
     causal_ref = params.method == "performer"  # every supported model is a causal LM
     m = measure_approximations(loaded.model, windows, layers, params, Approximation(params), causal_ref, ctx)

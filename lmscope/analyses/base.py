@@ -63,6 +63,22 @@ def require_positions(config, seq_len: int, model_name: str) -> None:
                         f"lower seq_len to at most {max_pos}")
 
 
+def dataset_windows(tokenizer, documents: list[str], params, model_name: str):
+    """[W, seq_len] consecutive non-overlapping windows of the dataset's token stream, W <= num_segments
+    (``params``: seq_len, num_segments, bos_per_window, dataset); with ``bos_per_window`` each is BOS and
+    the next seq_len − 1 stream tokens. A tokenizer without BOS, or too few tokens, fails the job."""
+    from lmscope.modeling.windows import token_windows
+
+    if params.bos_per_window and tokenizer.bos_token_id is None:
+        raise JobFailed(f"{model_name}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows "
+                        "with one; set bos_per_window=false")
+    try:
+        return token_windows(tokenizer, documents, params.seq_len, params.num_segments,
+                             bos_first=params.bos_per_window)
+    except ValueError as e:  # not even one full window
+        raise JobFailed(f"dataset {params.dataset!r} with {model_name}'s tokenizer: {e}") from None
+
+
 @dataclass
 class Series:
     """One curve: y against x, with labels that say which curve it is (layer, head, ...)."""

@@ -38,10 +38,10 @@ import re
 import numpy as np
 import torch
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, context_seq_len, require_positions
+from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
+                                   require_positions)
 from lmscope.analyses import entropy_plots
 from lmscope.modeling.memory import to_device
-from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
 
 # ---------------------------------------------------------------------------- which models
@@ -257,22 +257,6 @@ class DimensionStats:
 # ---------------------------------------------------------------------------- measuring one model
 
 
-def _windows(params: EntropyParams, loaded, documents: list[str], name: str) -> torch.Tensor:
-    """[W, seq_len] consecutive non-overlapping windows of the dataset's token stream, W <= num_segments.
-
-    With ``bos_per_window`` each window is BOS followed by the next seq_len − 1 tokens of the stream
-    (the stream itself is still cut without overlap).
-    """
-    if params.bos_per_window and loaded.tokenizer.bos_token_id is None:
-        raise JobFailed(f"{name}'s tokenizer has no BOS token, so bos_per_window=true cannot start windows with "
-                        "one; set bos_per_window=false")
-    try:
-        return token_windows(loaded.tokenizer, documents, params.seq_len, params.num_segments,
-                             bos_first=params.bos_per_window)
-    except ValueError as e:  # not even one full window
-        raise JobFailed(f"dataset {params.dataset!r} with {name}'s tokenizer: {e}") from None
-
-
 MATRIX_ROUTE = "attention-matrix"  # the backend name a job records for the output_attentions route
 
 
@@ -428,7 +412,7 @@ def run(params: EntropyParams, ctx: JobContext) -> JobOutput:
         if params.seq_len is None:  # not given: 512, or the (first) model's context when shorter
             params = params.model_copy(update={"seq_len": context_seq_len(loaded.model.config, DEFAULT_SEQ_LEN)})
         with ctx.stage("tokenize"):
-            windows = _windows(params, loaded, documents, name)
+            windows = dataset_windows(loaded.tokenizer, documents, params, name)
         batches_per_model[i] = batch_count(len(windows))
         with ctx.stage("measure"):
             res, dim = measure_model(params, name, loaded, windows, report, backends)

@@ -38,8 +38,8 @@ def series_points():
     return func.coalesce(Series.points, func.json_array_length(Series.x))
 
 
-def pick_series(session, job_id: int, wanted: list[str], *, after: int = 0,
-                budget: int | None = None) -> tuple[list[Series], list[str], int | None]:
+def pick_series(session, job_id: int, wanted: list[str], *, after: int,
+                budget: int) -> tuple[list[Series], list[str], int | None]:
     """The job's series whose names are in `wanted` (a name ending in `*` matches a prefix; none: all),
     from the one after id `after`, as many whole series as fit `budget` points (at least one); the wanted
     names that matched nothing; and the id to continue after when more are left (else None).
@@ -52,7 +52,7 @@ def pick_series(session, job_id: int, wanted: list[str], *, after: int = 0,
     index = [(sid, points) for sid, points, _ in index if sid > after]
     taken, total = 0, 0
     for _, points in index:
-        if taken and budget is not None and total + points > budget:
+        if taken and total + points > budget:
             break
         taken, total = taken + 1, total + points
     if not taken:

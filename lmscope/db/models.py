@@ -138,7 +138,7 @@ class Series(Base):
     y: Mapped[list[Any]] = mapped_column(default=list)
     # len(x), counted at insert: the size of an answer, known before any curve is loaded. NULL (a row a
     # worker of an older lmscope wrote during an upgrade, or raw SQL) is counted when read: series_points()
-    points: Mapped[int | None] = mapped_column(Integer, default=lambda ctx: _points_of(ctx))
+    points: Mapped[int | None] = mapped_column(Integer, default=_points_of)
 
 
 class Artifact(Base):
