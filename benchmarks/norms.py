@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from lmscope.analyses import norms
 from lmscope.analyses.base import LoadedModel
+from lmscope.analyses.linearised_layer import linearisable
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import read_documents
 from lmscope.config import Settings
@@ -150,7 +151,7 @@ def main() -> None:
         "gpu_busy_forward": gpu_busy(routes["forward"], args.device),
         "gpu_busy_job": gpu_busy(routes["job"], args.device),
     }
-    if all(norms.is_gpt2_block(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
+    if all(linearisable(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
         gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
                                      "gram_samples": args.gram_samples})
         job(lm, gram_params, documents, args.device)

@@ -9,7 +9,8 @@ For every sample (one document, first max_tokens + 1 tokens; the model reads all
     inner loss      loss_l = CE(lm_head(final_norm(block_L(h_l)))[t], label)   l = 0 … L-1   (eq. 14)
     PCA             principal axes of all trajectory points; 3-D polylines for a few trajectories
     Gram condition  W = (I + W2·W1)(I + Σ_h W_O^h (Σ_{i≤t} v_i^h k_i^hᵀ) W_Q^h),  v_i = W_V z_i, k_i = W_K z_i
-                    (linear attention over the sample's own layer-l context z_i = h_l[i]; eq. 10)
+                    (linear attention over the sample's own layer-l context z_i = h_l[i]; eq. 10;
+                    lmscope.analyses.linearised_layer)
                     holds when Σ λ_j a_j b_j ≥ Σ a_j b_j,  WᵀW = U Λ U⁻¹, a = Uᵀx, b = U⁻¹x, x = h_l[t]
 
 Everything is batched: one forward pass per batch of right-padded samples gives all hidden states;
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
+from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable, stretch_ratio,
+                                               visible_context)
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.memory import to_device
 from lmscope.modeling.windows import document_samples
@@ -131,16 +134,6 @@ def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -
         raise JobFailed(f"the inner loss rebuilds {type(model).__name__}'s logits from its last block's output, but "
                         f"they differ from the model's own by {error:.3g} nats (it changes its logits in a way "
                         "lmscope does not know); set inner_loss=false to measure the norms alone")
-
-
-def is_gpt2_block(block) -> bool:
-    """Plain two-matrix FFN and fused Conv1D q/k/v: the blocks Proposition 1 is stated for.
-
-    GPTBigCode names its parts alike but packs q/k/v for multi-query attention in an nn.Linear: not these.
-    """
-    return all(hasattr(block, a) for a in ("attn", "mlp", "ln_1")) and hasattr(block.attn, "c_attn") \
-        and hasattr(block.mlp, "c_fc") and hasattr(block.mlp, "c_proj") \
-        and type(block.attn.c_attn).__name__ == "Conv1D"
 
 
 # ---------------------------------------------------------------- samples
@@ -474,59 +467,6 @@ def inner_losses(parts: ModelParts, hidden: list[torch.Tensor], call: BlockCall,
     return token_losses(parts, current.reshape(-1, D), labels.repeat(L)).view(L, -1).T  # [n, L]
 
 
-# ---------------------------------------------------------------- Gram condition (Proposition 1)
-
-class LinearisedGPT2:
-    """The linearised GPT-2 blocks of eq. 10, as column-vector matrices (y = W x) in float64.
-
-    GPT-2's Conv1D computes y = x @ weight + bias with weight [in, out], so the matrix acting on a
-    column vector is weight.T. Biases and layer norms are omitted, as in the paper.
-    """
-
-    def __init__(self, blocks, device):
-        def col(conv):  # Conv1D weight [in, out] → matrix of y = W x
-            return conv.weight.detach().to(device, torch.float64).T
-
-        D = blocks[0].attn.c_proj.weight.shape[0]
-        qkv = [col(b.attn.c_attn) for b in blocks]  # [3D, D]: rows = q | k | v outputs
-        self.W_Q = torch.stack([w[:D] for w in qkv])  # [L, D, D]
-        self.W_K = torch.stack([w[D:2 * D] for w in qkv])
-        self.W_V = torch.stack([w[2 * D:] for w in qkv])
-        self.W_O = torch.stack([col(b.attn.c_proj) for b in blocks])
-        self.W_FFN = torch.stack([col(b.mlp.c_proj) @ col(b.mlp.c_fc) for b in blocks])  # W2·W1
-        self.heads = blocks[0].attn.num_heads
-        self.dim = D
-
-    def apply(self, layer: int, context: torch.Tensor, context_mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """W x [P, D] for P pairs at one layer, without forming W or any k_i, v_i.
-
-        With q = W_Q x and per head h: k_i^h · q^h = z_i · r^h where r^h = W_K^hᵀ q^h, and
-        Σ_i v_i^h s_i^h = W_V^h (Σ_i s_i^h z_i). So W_MHSA x = Σ_h W_O^h W_V^h Σ_{i≤t} z_i (z_i · W_K^hᵀ q^h):
-        O(T·D·H + D²) per pair, and nothing of size [P, T, D] but the context itself.
-        Then W x = y + W_FFN y with y = x + W_MHSA x.
-        """
-        z = context.to(torch.float64)  # [P, T, D]
-        x = x.to(torch.float64)
-        P, T, D = z.shape
-        H = self.heads
-        q = x @ self.W_Q[layer].T  # [P, D]
-        r = torch.einsum("phd,hdD->phD", q.view(P, H, D // H), self.W_K[layer].view(H, D // H, D))
-        scores = torch.einsum("ptD,phD->pth", z, r) * context_mask[..., None]  # k_i^h · q^h, i ≤ t
-        pooled = torch.einsum("ptD,pth->phD", z, scores)  # Σ_i s_i^h z_i
-        u = torch.einsum("hdD,phD->phd", self.W_V[layer].view(H, D // H, D), pooled).reshape(P, D)
-        y = x + u @ self.W_O[layer].T
-        return y + y @ self.W_FFN[layer].T
-
-
-def stretch_ratio(Wx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(‖Wx‖ ≥ ‖x‖ [P] bool, ‖Wx‖² / ‖x‖² [P]): Proposition 1's condition and its Σλab / Σab.
-
-    WᵀW is symmetric, so its eigenvectors U are orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx, and
-    Σ λ_i a_i b_i ≥ Σ a_i b_i reads xᵀWᵀWx ≥ xᵀx (the tests check it against the eigen form)."""
-    ratio = Wx.to(torch.float64).square().sum(-1) / x.to(torch.float64).square().sum(-1)
-    return ratio >= 1, ratio
-
-
 # ---------------------------------------------------------------- PCA
 
 class RunningPCA:
@@ -779,12 +719,12 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
     if not params.gram_condition:
         return "not requested (gram_condition=false)"
     gated = info.get("gated_ffn")
-    if gated or not all(is_gpt2_block(b) for b in parts.blocks):
+    if gated or not all(linearisable(b) for b in parts.blocks):
         why = ("a gated FFN (LLaMA family)" if gated else
-               f"{type(parts.blocks[0]).__name__} blocks (only transformers' GPT-2 blocks, x + MHSA then + FFN "
-               "with Conv1D projections, are linearised here; a parallel-residual block, as GPT-NeoX's, would "
-               "be I + W_FFN + W_MHSA, not the product)")
-        return (f"not applicable: Proposition 1 is stated for GPT-2-style blocks with a plain "
+               f"{type(parts.blocks[0]).__name__} blocks (linearised here: GPT-2, GPTBigCode, BLOOM and StarCoder2 "
+               "blocks, x + MHSA then + FFN; a parallel-residual block, as GPT-NeoX's, GPT-J's, Phi's or Falcon's, "
+               "would be I + W_FFN + W_MHSA, not the product)")
+        return (f"not applicable: Proposition 1 is stated for sequential blocks with a plain "
                 f"two-matrix FFN (W2·W1); {params.model} has {why}")
     if params.gram_samples == 0:
         return "gram_samples=0"
@@ -800,7 +740,7 @@ def gram_trajectories(params: NormsParams, parts: ModelParts, samples: Samples, 
 
 def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int,
                    device, points: int, info: dict, chosen: np.ndarray, progress: Progress) -> dict:
-    """% of (trajectory, layer) pairs meeting Proposition 1's condition, for GPT-2-style blocks.
+    """% of (trajectory, layer) pairs meeting Proposition 1's condition (lmscope.analyses.linearised_layer).
 
     Layer l pairs x = h_l[t] with block l + 1 (blocks numbered 1 … L: the map h_l → h_{l+1}), for
     the steps of the trajectory.
@@ -809,26 +749,34 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     if reason:
         return {"gram_condition_pct": None, "gram_condition_reason": reason}
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
-    linear = LinearisedGPT2(list(parts.blocks)[:steps], device)
+    linear = [block_matrices(b, device) for b in list(parts.blocks)[:steps]]
+    D, H = linear[0].W_O.shape[0], linear[0].heads
     longest = max(len(tokens) for tokens in samples.tokens)
-    # per pair: the gathered context and its float64 copy [T, D], and [H, D] float64 temporaries
-    per_chunk = max(1, GRAM_CONTEXT_BYTES // (2 * 8 * max(longest, linear.heads) * linear.dim))
+    # per pair: the gathered context and its float64 copy [T, D] (and rotated keys, at most as large),
+    # and [H, D] float64 temporaries
+    copies = 3 if linear[0].rotary else 2
+    per_chunk = max(1, GRAM_CONTEXT_BYTES // (copies * 8 * max(longest, H) * D))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
-            hidden, _ = hidden_states(parts, input_ids, mask)
+            hidden, call = hidden_states(parts, input_ids, mask)
+            rope = call.kwargs.get("position_embeddings") if linear[0].rotary else None
+            if linear[0].rotary and rope is None:
+                raise JobFailed(f"{params.model}: its blocks were not given rotary position embeddings, which the "
+                                "Gram condition's keys need; set gram_condition=false")
             rows, cols = current_tokens(samples, batch, trajs, device)
-            T = input_ids.shape[1]
+            B, T = input_ids.shape
             traj_ids = torch.as_tensor(trajs)
             # every (trajectory, layer) pair of this batch, layer by layer, in chunks of trajectories
             for layer in range(steps):
                 for start in range(0, len(trajs), per_chunk):
                     r, c = rows[start:start + per_chunk], cols[start:start + per_chunk]
                     context = hidden[layer][r]  # [P, T, D]: h_l of the pair's sample
-                    context_mask = torch.arange(T, device=device)[None, :] <= c[:, None]  # i ≤ t
+                    visible = visible_context(c, T, linear[layer].window, mask[r].bool())
                     x = hidden[layer][r, c]  # the current token's h_l
-                    ok, ratio_ = stretch_ratio(linear.apply(layer, context, context_mask, x), x)
+                    pair_rope = None if rope is None else tuple(e.expand(B, T, -1)[r] for e in rope)
+                    ok, ratio_ = stretch_ratio(apply_linearised(linear[layer], context, visible, x, pair_rope, c), x)
                     holds.append(ok.cpu())
                     ratio.append(ratio_.cpu())
                     pair_traj.append(traj_ids[start:start + per_chunk])

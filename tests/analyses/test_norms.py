@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
 
-from lmscope.analyses import norms
+from lmscope.analyses import linearised_layer, norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
@@ -847,7 +847,7 @@ def test_the_linearised_layer_applied_without_forming_w_is_w_times_x():
     """The job computes W x by matrix-vector products; W itself (eq. 10, term by term) is the oracle."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50))
-    linear = norms.LinearisedGPT2(list(model.transformer.h), "cpu")
+    linear = [linearised_layer.block_matrices(b, "cpu") for b in model.transformer.h]
     P, T = 5, 7
     context = torch.randn(P, T, 32)
     positions = [0, 2, 3, 6, 6]
@@ -860,9 +860,9 @@ def test_the_linearised_layer_applied_without_forming_w_is_w_times_x():
     Wx = torch.empty(P, 32, dtype=torch.float64)
     for l in (0, 1):  # the job applies one layer at a time
         at = layer == l
-        Wx[at] = linear.apply(l, context[at], mask[at], x[at])
+        Wx[at] = linearised_layer.apply(linear[l], context[at], mask[at], x[at])
     torch.testing.assert_close(Wx, (W @ x.double()[..., None])[..., 0], rtol=1e-10, atol=1e-10)
-    holds, ratio = norms.stretch_ratio(Wx, x)
+    holds, ratio = linearised_layer.stretch_ratio(Wx, x)
     eigen_holds, eigen_ratio = gram_condition_holds(W, x)  # the paper's eigen form
     assert torch.equal(holds, eigen_holds)
     torch.testing.assert_close(ratio, eigen_ratio, rtol=1e-9, atol=0)

@@ -1,0 +1,160 @@
+"""The linearised transformer layer of Wu & Varshney's Proposition 1 (eq. 10), for the `norms` job's
+Gram condition.
+
+A sequential block with a plain two-matrix FFN maps h_l to h_{l+1}. Dropping the softmax, the layer
+norms, the biases, the activation and the 1/√d scale leaves a linear map of the current token x = h_l[t]:
+
+    W_MHSA x = Σ_h W_O^h Σ_{i≤t} v_i^h (k_i^h · q^h),   q = W_Q x,  k_i = W_K z_i,  v_i = W_V z_i
+    W x      = (I + W_FFN)(I + W_MHSA) x,                W_FFN = W2·W1
+
+over the sample's own layer-l context z_i = h_l[i] (the keys query t sees: i ≤ t, and t − i < window
+where the layer slides). With grouped- or multi-query attention head h reads key/value head
+h // (H / H_kv). With rotary positions (StarCoder2) the query and each key are rotated as the model
+rotates them, q = R_t W_Q x and k_i = R_i W_K z_i: still linear in x. Additive position terms
+(BLOOM's ALiBi) are left out like the biases: they do not depend on x.
+
+Each architecture stores W_Q, W_K, W_V, W_O, W1, W2 its own way; ``block_matrices`` reads them into one
+layout (column-vector matrices, y = W x, float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockMatrices:
+    """One block's matrices, y = W x, float64. Rows of W_Q for head h: h·d … (h+1)·d − 1; W_K, W_V
+    hold H_kv heads alike; W_O's columns follow W_Q's rows."""
+
+    W_Q: torch.Tensor  # [H·d, D]
+    W_K: torch.Tensor  # [H_kv·d, D]
+    W_V: torch.Tensor  # [H_kv·d, D]
+    W_O: torch.Tensor  # [D, H·d]
+    W_FFN: torch.Tensor  # [D, D] = W2·W1
+    heads: int
+    kv_heads: int
+    rotary: bool = False  # q and k rotated by the model's RoPE before their dot product
+    window: int | None = None  # the layer's sliding window (query t sees keys t − window < i ≤ t)
+
+    def __post_init__(self):  # slices of transposed weights: contiguous, so that heads are views
+        for name in ("W_Q", "W_K", "W_V", "W_O", "W_FFN"):
+            setattr(self, name, getattr(self, name).contiguous())
+
+
+def linearisable(block) -> bool:
+    """Whether ``block_matrices`` reads this block: GPT-2 (Conv1D q/k/v), GPTBigCode (multi-query or not),
+    BLOOM and StarCoder2 — the sequential blocks, x + MHSA then + FFN, with a plain two-matrix FFN."""
+    name = type(block).__name__
+    if name == "GPT2Block":
+        return type(block.attn.c_attn).__name__ == "Conv1D"
+    if name == "GPTBigCodeBlock":
+        return not getattr(block.attn, "is_cross_attention", False)
+    return name in ("BloomBlock", "Starcoder2DecoderLayer")
+
+
+def _per_head_thirds(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused q/k/v weight [3·H·d, D] laid out per head as [H, 3, d] (BLOOM, GPTBigCode without
+    multi-query) into W_Q, W_K, W_V [H·d, D]."""
+    per = w.view(heads, 3, w.shape[0] // (3 * heads), w.shape[1])
+    return tuple(per[:, j].reshape(-1, w.shape[1]) for j in range(3))
+
+
+def block_matrices(block, device) -> BlockMatrices | None:
+    """The block's matrices, or None for a block this module does not linearise."""
+
+    def f64(weight):
+        return weight.detach().to(device, torch.float64)
+
+    if not linearisable(block):
+        return None
+    name = type(block).__name__
+    if name == "GPT2Block":
+        attn, mlp = block.attn, block.mlp
+        D = attn.c_proj.weight.shape[0]
+        qkv = f64(attn.c_attn.weight).T  # Conv1D: y = x @ weight, weight [in, out]; rows q | k | v
+        return BlockMatrices(qkv[:D], qkv[D:2 * D], qkv[2 * D:], f64(attn.c_proj.weight).T,
+                             f64(mlp.c_proj.weight).T @ f64(mlp.c_fc.weight).T, attn.num_heads, attn.num_heads)
+    if name == "GPTBigCodeBlock":
+        attn, mlp = block.attn, block.mlp
+        w, D, d = f64(attn.c_attn.weight), attn.embed_dim, attn.head_dim
+        if attn.multi_query:  # outputs q [D] | k [d] | v [d]: one key/value head for all
+            W_Q, W_K, W_V = w[:D], w[D:D + d], w[D + d:]
+        else:
+            W_Q, W_K, W_V = _per_head_thirds(w, attn.num_heads)
+        return BlockMatrices(W_Q, W_K, W_V, f64(attn.c_proj.weight), f64(mlp.c_proj.weight) @ f64(mlp.c_fc.weight),
+                             attn.num_heads, 1 if attn.multi_query else attn.num_heads)
+    if name == "BloomBlock":
+        attn, mlp = block.self_attention, block.mlp
+        W_Q, W_K, W_V = _per_head_thirds(f64(attn.query_key_value.weight), attn.num_heads)
+        return BlockMatrices(W_Q, W_K, W_V, f64(attn.dense.weight),
+                             f64(mlp.dense_4h_to_h.weight) @ f64(mlp.dense_h_to_4h.weight), attn.num_heads, attn.num_heads)
+    if name == "Starcoder2DecoderLayer":  # q/k/v/o_proj with grouped-query heads and RoPE, c_fc/c_proj
+        attn, mlp = block.self_attn, block.mlp
+        heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        window = getattr(attn.config, "sliding_window", None)
+        return BlockMatrices(f64(attn.q_proj.weight), f64(attn.k_proj.weight), f64(attn.v_proj.weight),
+                             f64(attn.o_proj.weight), f64(mlp.c_proj.weight) @ f64(mlp.c_fc.weight),
+                             heads, kv_heads, rotary=True, window=window)
+    raise AssertionError(name)  # linearisable() said yes
+
+
+def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as LLaMA-family models apply it: x [..., d] · cos + (−x₂, x₁) · sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def visible_context(positions: torch.Tensor, T: int, window: int | None, real: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, T] bool: the keys query positions [P] see: i ≤ t, t − i < window when the layer slides,
+    and real tokens only (``real`` [P, T], False on padding)."""
+    keys = torch.arange(T, device=positions.device)
+    t = positions[:, None]
+    visible = keys[None, :] <= t
+    if window is not None:
+        visible &= t - keys[None, :] < window
+    return visible if real is None else visible & real
+
+
+def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: torch.Tensor,
+          rope: tuple[torch.Tensor, torch.Tensor] | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """W x [P, D] for P pairs, without forming W: context [P, T, D] (z_i), visible [P, T] (which z_i
+    query t sees), x [P, D]; with ``m.rotary``, rope = the model's (cos, sin) [P, T, d] and the query
+    positions [P].
+
+    Without rotation no key is formed: k_i^h · q^h = z_i · r^h with r^h = W_K^hᵀ q^h, and
+    Σ_i v_i^h s_i^h = W_V^h (Σ_i s_i^h z_i): O(T·D·H + D²) per pair. Rotated keys depend on their
+    position, so they are formed ([P, T, H_kv·d])."""
+    z = context.to(torch.float64)
+    x = x.to(torch.float64)
+    P, T, D = z.shape
+    H, G = m.heads, m.kv_heads
+    d = m.W_Q.shape[0] // H
+    kv_of = torch.arange(H, device=z.device) // (H // G)  # key/value head of each query head
+    q = (x @ m.W_Q.T).view(P, H, d)
+    if m.rotary:
+        cos, sin = (r.to(torch.float64) for r in rope)
+        at_t = torch.arange(P, device=z.device), positions
+        q = rotate_half_pairs(q, cos[at_t][:, None], sin[at_t][:, None])
+        k = rotate_half_pairs((z @ m.W_K.T).view(P, T, G, d), cos[:, :, None], sin[:, :, None])
+        scores = torch.einsum("pthd,phd->pth", k[:, :, kv_of], q)
+    else:
+        r = torch.einsum("phd,hdD->phD", q, m.W_K.view(G, d, D)[kv_of])
+        scores = torch.einsum("ptD,phD->pth", z, r)
+    scores = scores * visible[..., None]
+    pooled = torch.einsum("ptD,pth->phD", z, scores)  # Σ_i s_i^h z_i
+    u = torch.einsum("hdD,phD->phd", m.W_V.view(G, d, D)[kv_of], pooled).reshape(P, H * d)
+    y = x + u @ m.W_O.T
+    return y + y @ m.W_FFN.T
+
+
+def stretch_ratio(Wx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖Wx‖ ≥ ‖x‖ [P] bool, ‖Wx‖² / ‖x‖² [P]): Proposition 1's condition and its Σλab / Σab.
+
+    WᵀW is symmetric, so its eigenvectors U are orthogonal and U⁻¹ = Uᵀ: a = b = Uᵀx, and
+    Σ λ_i a_i b_i ≥ Σ a_i b_i reads xᵀWᵀWx ≥ xᵀx (the tests check it against the eigen form)."""
+    ratio = Wx.to(torch.float64).square().sum(-1) / x.to(torch.float64).square().sum(-1)
+    return ratio >= 1, ratio
