@@ -106,6 +106,12 @@ if [[ "$PART" == bench-jobs-large || "$PART" == all ]]; then
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 1024,4096 \
     --windows 16 --batch-size 4 --dtype bfloat16 --skip-longest --json "$OUT/entropy_1b.json" 2>&1 | tee "$OUT/entropy_1b.log" | tail -12
   step_failed "${PIPESTATUS[0]}"
+  # a job of the size researchers submit (64 windows of 4096 tokens, where 8 leave the job's fixed costs of
+  # statistics and plots in the ratio): the whole job against sdpa and against the eager route, batch 1
+  timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 4096 \
+    --windows 64 --batch-size 1 --repeats 1 --dtype bfloat16 --skip-longest --json "$OUT/entropy_1b_w64.json" 2>&1 \
+    | tee "$OUT/entropy_1b_w64.log" | tail -8
+  step_failed "${PIPESTATUS[0]}"
 fi
 
 if [[ "$PART" == sweep || "$PART" == all ]]; then
