@@ -5,7 +5,7 @@ A sequential block with a plain two-matrix FFN maps h_l to h_{l+1}. Dropping the
 norms, the biases, the activation and the 1/√d scale leaves a linear map of the current token x = h_l[t]:
 
     W_MHSA x = Σ_h W_O^h Σ_{i≤t} v_i^h (k_i^h · q^h),   q = W_Q x,  k_i = W_K z_i,  v_i = W_V z_i
-    W x      = (I + W_FFN)(I + W_MHSA) x,                W_FFN = W2·W1
+    W x      = (I + W_FFN)(I + W_MHSA) x,                W_FFN = W2·W1 (applied as W2 (W1 y): no D × D product)
 
 over the sample's own layer-l context z_i = h_l[i] (the keys query t sees: i ≤ t, and t − i < window
 where the layer slides). With grouped- or multi-query attention head h reads key/value head
@@ -33,14 +33,15 @@ class BlockMatrices:
     W_K: torch.Tensor  # [H_kv·d, D]
     W_V: torch.Tensor  # [H_kv·d, D]
     W_O: torch.Tensor  # [D, H·d]
-    W_FFN: torch.Tensor  # [D, D] = W2·W1
+    W1: torch.Tensor  # [I, D]: the FFN's first matrix
+    W2: torch.Tensor  # [D, I]: its second; W_FFN = W2·W1
     heads: int
     kv_heads: int
     rotary: bool = False  # q and k rotated by the model's RoPE before their dot product
     window: int | None = None  # the layer's sliding window (query t sees keys t − window < i ≤ t)
 
     def __post_init__(self):  # slices of transposed weights: contiguous, so that heads are views
-        for name in ("W_Q", "W_K", "W_V", "W_O", "W_FFN"):
+        for name in ("W_Q", "W_K", "W_V", "W_O", "W1", "W2"):
             setattr(self, name, getattr(self, name).contiguous())
 
 
@@ -76,7 +77,7 @@ def block_matrices(block, device) -> BlockMatrices | None:
         D = attn.c_proj.weight.shape[0]
         qkv = f64(attn.c_attn.weight).T  # Conv1D: y = x @ weight, weight [in, out]; rows q | k | v
         return BlockMatrices(qkv[:D], qkv[D:2 * D], qkv[2 * D:], f64(attn.c_proj.weight).T,
-                             f64(mlp.c_proj.weight).T @ f64(mlp.c_fc.weight).T, attn.num_heads, attn.num_heads)
+                             f64(mlp.c_fc.weight).T, f64(mlp.c_proj.weight).T, attn.num_heads, attn.num_heads)
     if name == "GPTBigCodeBlock":
         attn, mlp = block.attn, block.mlp
         w, D, d = f64(attn.c_attn.weight), attn.embed_dim, attn.head_dim
@@ -84,20 +85,20 @@ def block_matrices(block, device) -> BlockMatrices | None:
             W_Q, W_K, W_V = w[:D], w[D:D + d], w[D + d:]
         else:
             W_Q, W_K, W_V = _per_head_thirds(w, attn.num_heads)
-        return BlockMatrices(W_Q, W_K, W_V, f64(attn.c_proj.weight), f64(mlp.c_proj.weight) @ f64(mlp.c_fc.weight),
+        return BlockMatrices(W_Q, W_K, W_V, f64(attn.c_proj.weight), f64(mlp.c_fc.weight), f64(mlp.c_proj.weight),
                              attn.num_heads, 1 if attn.multi_query else attn.num_heads)
     if name == "BloomBlock":
         attn, mlp = block.self_attention, block.mlp
         W_Q, W_K, W_V = _per_head_thirds(f64(attn.query_key_value.weight), attn.num_heads)
-        return BlockMatrices(W_Q, W_K, W_V, f64(attn.dense.weight),
-                             f64(mlp.dense_4h_to_h.weight) @ f64(mlp.dense_h_to_4h.weight), attn.num_heads, attn.num_heads)
+        return BlockMatrices(W_Q, W_K, W_V, f64(attn.dense.weight), f64(mlp.dense_h_to_4h.weight),
+                             f64(mlp.dense_4h_to_h.weight), attn.num_heads, attn.num_heads)
     if name == "Starcoder2DecoderLayer":  # q/k/v/o_proj with grouped-query heads and RoPE, c_fc/c_proj
         attn, mlp = block.self_attn, block.mlp
         heads = attn.q_proj.weight.shape[0] // attn.head_dim
         kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
         window = getattr(attn.config, "sliding_window", None)
         return BlockMatrices(f64(attn.q_proj.weight), f64(attn.k_proj.weight), f64(attn.v_proj.weight),
-                             f64(attn.o_proj.weight), f64(mlp.c_proj.weight) @ f64(mlp.c_fc.weight),
+                             f64(attn.o_proj.weight), f64(mlp.c_fc.weight), f64(mlp.c_proj.weight),
                              heads, kv_heads, rotary=True, window=window)
     raise AssertionError(name)  # linearisable() said yes
 
@@ -126,7 +127,7 @@ def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: tor
     positions [P].
 
     Without rotation no key is formed: k_i^h · q^h = z_i · r^h with r^h = W_K^hᵀ q^h, and
-    Σ_i v_i^h s_i^h = W_V^h (Σ_i s_i^h z_i): O(T·D·H + D²) per pair. Rotated keys depend on their
+    Σ_i v_i^h s_i^h = W_V^h (Σ_i s_i^h z_i): O(T·D·H + D·I) per pair (I: the FFN width). Rotated keys depend on their
     position, so they are formed ([P, T, H_kv·d])."""
     z = context.to(torch.float64)
     x = x.to(torch.float64)
@@ -148,7 +149,7 @@ def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: tor
     pooled = torch.einsum("ptD,pth->phD", z, scores)  # Σ_i s_i^h z_i
     u = torch.einsum("hdD,phD->phd", m.W_V.view(G, d, D)[kv_of], pooled).reshape(P, H * d)
     y = x + u @ m.W_O.T
-    return y + y @ m.W_FFN.T
+    return y + (y @ m.W1.T) @ m.W2.T
 
 
 def stretch_ratio(Wx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ from lmscope.params.norms import NormsParams
 LAST_BLOCK_ELEMENTS = 64_000_000  # hidden-state elements fed to one call of the last block
 LOGIT_ELEMENTS = 64_000_000  # logits materialised at once for the inner loss
 GRAM_CONTEXT_BYTES = 256 * 2**20  # the Gram condition's [pairs, T, D] contexts (gathered + float64 copy), per chunk
+GRAM_WEIGHT_BYTES = 2**30  # float64 copies of every linearised block's weights kept for the job, when they fit
 TRAJECTORY_LINES = 30  # thin lines drawn in norms.png
 
 
@@ -738,6 +739,25 @@ def gram_trajectories(params: NormsParams, parts: ModelParts, samples: Samples, 
     return _choose(len(samples.traj_sample), params.gram_samples, params.seed, 3)
 
 
+class LinearisedBlocks:
+    """``block_matrices`` of each block, read once and kept when all of them fit in GRAM_WEIGHT_BYTES
+    (GPT-2 small: 0.7 GB), else read again for each batch: float64 copies of a large model's blocks
+    (StarCoder2-15B: 40 GB) would not fit next to the model."""
+
+    def __init__(self, blocks, device):
+        self.blocks, self.device = blocks, device
+        self.keep = sum(8 * p.numel() for b in blocks for p in b.parameters()) <= GRAM_WEIGHT_BYTES
+        self.kept: dict[int, object] = {}
+
+    def __getitem__(self, layer: int):
+        if layer in self.kept:
+            return self.kept[layer]
+        matrices = block_matrices(self.blocks[layer], self.device)
+        if self.keep:
+            self.kept[layer] = matrices
+        return matrices
+
+
 def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int,
                    device, points: int, info: dict, chosen: np.ndarray, progress: Progress) -> dict:
     """% of (trajectory, layer) pairs meeting Proposition 1's condition (lmscope.analyses.linearised_layer).
@@ -749,20 +769,21 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     if reason:
         return {"gram_condition_pct": None, "gram_condition_reason": reason}
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
-    linear = [block_matrices(b, device) for b in list(parts.blocks)[:steps]]
-    D, H = linear[0].W_O.shape[0], linear[0].heads
+    linear = LinearisedBlocks(list(parts.blocks)[:steps], device)
+    first = linear[0]
+    D, H = first.W_O.shape[0], first.heads
     longest = max(len(tokens) for tokens in samples.tokens)
     # per pair: the gathered context and its float64 copy [T, D] (and rotated keys, at most as large),
     # and [H, D] float64 temporaries
-    copies = 3 if linear[0].rotary else 2
+    copies = 3 if first.rotary else 2
     per_chunk = max(1, GRAM_CONTEXT_BYTES // (copies * 8 * max(longest, H) * D))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, call = hidden_states(parts, input_ids, mask)
-            rope = call.kwargs.get("position_embeddings") if linear[0].rotary else None
-            if linear[0].rotary and rope is None:
+            rope = call.kwargs.get("position_embeddings") if first.rotary else None
+            if first.rotary and rope is None:
                 raise JobFailed(f"{params.model}: its blocks were not given rotary position embeddings, which the "
                                 "Gram condition's keys need; set gram_condition=false")
             rows, cols = current_tokens(samples, batch, trajs, device)
@@ -770,13 +791,14 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
             traj_ids = torch.as_tensor(trajs)
             # every (trajectory, layer) pair of this batch, layer by layer, in chunks of trajectories
             for layer in range(steps):
+                matrices = linear[layer]
                 for start in range(0, len(trajs), per_chunk):
                     r, c = rows[start:start + per_chunk], cols[start:start + per_chunk]
                     context = hidden[layer][r]  # [P, T, D]: h_l of the pair's sample
-                    visible = visible_context(c, T, linear[layer].window, mask[r].bool())
+                    visible = visible_context(c, T, matrices.window, mask[r].bool())
                     x = hidden[layer][r, c]  # the current token's h_l
                     pair_rope = None if rope is None else tuple(e.expand(B, T, -1)[r] for e in rope)
-                    ok, ratio_ = stretch_ratio(apply_linearised(linear[layer], context, visible, x, pair_rope, c), x)
+                    ok, ratio_ = stretch_ratio(apply_linearised(matrices, context, visible, x, pair_rope, c), x)
                     holds.append(ok.cpu())
                     ratio.append(ratio_.cpu())
                     pair_traj.append(traj_ids[start:start + per_chunk])

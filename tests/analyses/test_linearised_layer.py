@@ -206,3 +206,24 @@ def test_parallel_residual_and_gated_blocks_are_not_linearised():
         assert not linearised_layer.linearisable(parts.blocks[0])
         reason = norms.gram_not_applicable(NormsParams(model="m", dataset="d"), parts, model_info(model))
         assert reason.startswith("not applicable")
+
+
+def test_blocks_read_again_per_batch_give_the_same_pairs(documents, tmp_path, monkeypatch):
+    """A model whose float64 blocks do not fit GRAM_WEIGHT_BYTES reads them per batch: same results."""
+    torch.manual_seed(1)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS["starcoder2"]()).eval()
+    loaded = LoadedModel("starcoder2", model, byte_tokenizer(), model_info(model))
+    params = NormsParams(model="m", dataset="d", max_samples=6, max_tokens=16, batch_size=2, gram_samples=5,
+                         inner_loss=False, pca_samples=0)
+    results, read = [], norms.block_matrices
+    for budget in (norms.GRAM_WEIGHT_BYTES, 0):
+        monkeypatch.setattr(norms, "GRAM_WEIGHT_BYTES", budget)
+        out = tmp_path / str(budget)
+        reads = []
+        monkeypatch.setattr(norms, "block_matrices", lambda block, device: reads.append(block) or read(block, device))
+        norms.run(params, LocalContext(out, models={"m": loaded}, datasets={"d": documents}))
+        results.append((np.load(out / "gram_condition.npz"), len(reads)))
+    (kept, kept_reads), (again, again_reads) = results
+    assert kept_reads == 2 and again_reads > kept_reads  # L − 1 = 2 blocks; then once per batch and block
+    for name in kept.files:
+        np.testing.assert_array_equal(kept[name], again[name], err_msg=name)
