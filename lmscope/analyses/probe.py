@@ -71,10 +71,14 @@ def _plot(path, model_name: str, by_layer: list[dict[str, int]], totals: dict[st
     attention = [c["attention"] for c in by_layer]
     mlp = [c["mlp"] for c in by_layer]
     norms = [c["norms"] for c in by_layer]
+    other = [c["other"] for c in by_layer]  # what a layer holds besides (Mamba's mixer, a router, ...)
     fig, ax = pyplot().subplots(figsize=(max(6.5, 0.35 * len(layers) + 3), 4.2))
     ax.bar(layers, attention, label="attention", color="tab:blue")
     ax.bar(layers, mlp, bottom=attention, label="MLP", color="tab:orange")
     ax.bar(layers, norms, bottom=[a + m for a, m in zip(attention, mlp)], label="norms", color="tab:gray")
+    if any(other):
+        ax.bar(layers, other, bottom=[a + m + n for a, m, n in zip(attention, mlp, norms)], label="other",
+               color="tab:purple")
     ax.set_xticks(layers if len(layers) <= 32 else layers[:: math.ceil(len(layers) / 32)])
     ax.set_xlabel("layer")
     ax.set_ylabel("parameters")
@@ -82,7 +86,7 @@ def _plot(path, model_name: str, by_layer: list[dict[str, int]], totals: dict[st
     total = sum(totals.values())
     ax.set_title(f"{model_name}: parameters per layer\n(total {total:,}; embeddings {totals['embeddings']:,}; "
                  f"LM head {totals['head']:,}{' (tied)' if totals['head'] == 0 else ''})", fontsize=10)
-    ax.legend(ncol=3, loc="upper center")
+    ax.legend(ncol=4 if any(other) else 3, loc="upper center")
     save(fig, path)
 
 
@@ -123,7 +127,7 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
     num_heads = info.get("num_heads")
     series = [
         Series("parameters.by_layer", list(range(len(by_layer))), [c[g] for c in by_layer], {"group": g})
-        for g in ("attention", "mlp", "norms")
+        for g in ("attention", "mlp", "norms", "other") if g != "other" or any(c["other"] for c in by_layer)
     ]
     series.append(Series("parameters.by_layer", list(range(len(by_layer))),
                          [sum(c.values()) for c in by_layer], {"group": "total"}))

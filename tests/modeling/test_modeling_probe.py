@@ -159,3 +159,24 @@ def test_a_prompt_that_quotes_special_tokens_is_read_as_text(tmp_path):
     prompt = "the <eos> token and <pad>"
     out = run(ProbeParams(model="tiny-gpt2", prompt=prompt), LocalContext(tmp_path))
     assert out.summary["prompt_tokens"] == len(prompt.encode()) + 1
+
+
+def test_parameters_of_a_layer_outside_attention_mlp_and_norms_are_drawn_and_counted(tmp_path):
+    """Mamba's layers hold a mixer, neither attention nor MLP: its parameters are an "other" bar and series,
+    and the per-layer groups add up to the layer's total."""
+    transformers = need_module("transformers")
+    from lmscope.analyses.base import LoadedModel
+    from lmscope.modeling.loading import model_info
+    from lmscope.modeling.tokenization import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.MambaConfig(vocab_size=259, hidden_size=32, num_hidden_layers=2, state_size=4)).eval()
+    ctx = LocalContext(tmp_path, models={"m": LoadedModel("m", model, byte_tokenizer(), model_info(model))})
+    out = run(ProbeParams(model="m", prompt=PROMPT), ctx)
+    groups = {s.labels["group"]: s.y for s in out.series if s.name == "parameters.by_layer"}
+    assert set(groups) == {"attention", "mlp", "norms", "other", "total"}
+    layer0 = dict(model.backbone.layers[0].named_parameters())
+    assert groups["other"][0] == sum(p.numel() for n, p in layer0.items() if n.startswith("mixer.")) > 0
+    parts = [sum(g[i] for name, g in groups.items() if name != "total") for i in range(2)]
+    assert parts == groups["total"]
