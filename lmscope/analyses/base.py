@@ -129,6 +129,9 @@ class JobContext(Protocol):
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
         """A registered model by name (cached by the worker)."""
 
+    def load_tokenizer(self, name: str):
+        """A registered model's tokenizer, without loading (or caching) its weights."""
+
     def load_documents(self, dataset: str) -> list[str]:
         """A registered dataset's documents, in file order."""
 

@@ -84,6 +84,18 @@ class LocalContext:
             return load_model(name, "builtin", None, dtype=dtype, device=self.device)
         raise KeyError(f"unknown model {name!r}")
 
+    def load_tokenizer(self, name: str):
+        if name in self.models:
+            return self.models[name].tokenizer
+        from lmscope.catalog import BUILTIN_MODELS
+        from lmscope.modeling.loading import load_tokenizer
+
+        if name in self.registered:
+            return load_tokenizer("checkpoint", str(self.registered[name][0]))
+        if name in BUILTIN_MODELS:
+            return load_tokenizer("builtin", None)
+        raise KeyError(f"unknown model {name!r}")
+
     def load_documents(self, dataset: str) -> list[str]:
         return self.datasets[dataset]
 

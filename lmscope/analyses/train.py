@@ -211,6 +211,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the job
 
 CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves at least this much of the disk free (or 5 %)
+# A stopped run saves its last step when the weights write in seconds: the time limit leaves a minute.
+STOP_CHECKPOINT_BYTES = 2 << 30
 
 
 def _eta(seconds: float) -> str:
@@ -225,7 +227,7 @@ def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
         return train_bpe_tokenizer(train_docs, p.vocab_size, add_bos=False)
     if p.tokenizer == "bytes":
         return byte_tokenizer(add_bos=False)
-    tokenizer = ctx.load_model(p.tokenizer).tokenizer
+    tokenizer = ctx.load_tokenizer(p.tokenizer)  # not the model: its weights would sit on the device all run
     if tokenizer.eos_token_id is None:
         raise JobFailed(f"the tokenizer of {p.tokenizer!r} has no EOS token to separate documents; "
                         "use tokenizer 'bpe' or 'bytes'")
@@ -340,6 +342,8 @@ class TrainingRun:
         p, ctx, history = self.p, self.ctx, self.history
         report_every = max(1, min(10, p.steps // 100))
         with ctx.stage("train"):
+            # the whole run's checkpoints, before hours of training rather than at the one that does not fit
+            self.check_disk_space(checkpoints=len(self.checkpoint_steps_ahead()))
             if not self.resume_dir:  # the untrained model: where curves over training start
                 self.checkpoint()
             while self.step < p.steps:
@@ -353,13 +357,19 @@ class TrainingRun:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                value = loss.item()
+                if not math.isfinite(value):  # the step's update made the weights NaN: it is not counted
+                    raise self.diverged(f"the training loss at step {self.step + 1} is {value}")
                 self.step += 1
                 step = self.step
-                history["train"].append([step, loss.item()])
+                history["train"].append([step, value])
                 history["lr"].append([step, lr])
 
                 if step % p.eval_every == 0 or step == p.steps:
-                    history["val"].append([step, evaluate(self.model, self.val_windows, p.batch_size, self.autocast)])
+                    val = evaluate(self.model, self.val_windows, p.batch_size, self.autocast)
+                    if not math.isfinite(val):
+                        raise self.diverged(f"the validation loss after step {step} is {val}")
+                    history["val"].append([step, val])
                 if step % p.checkpoint_every == 0 or step == p.steps:
                     self.checkpoint()
                 if step % report_every == 0 or step == p.steps:
@@ -374,8 +384,21 @@ class TrainingRun:
     def train_seconds(self) -> float:
         return self.wall_before + time.perf_counter() - self.loop_start
 
+    def checkpoint_steps_ahead(self) -> list[int]:
+        """The steps still to be checkpointed: 0 (a fresh run), every checkpoint_every, and the last."""
+        p = self.p
+        ahead = [s for s in range(self.step + 1, p.steps + 1) if s % p.checkpoint_every == 0 or s == p.steps]
+        return ([0] if not self.resume_dir and self.step == 0 else []) + ahead
+
+    def diverged(self, what: str) -> JobFailed:
+        return JobFailed(f"{what}: the run diverged; lower lr, raise warmup_steps or keep grad_clip on "
+                         "(the checkpoints written before it stay registered)", error_type="diverged")
+
     def checkpoint(self) -> None:
         p, step = self.p, self.step
+        finite = torch.stack([prm.detach().isfinite().all() for prm in self.model.parameters()]).all()
+        if not bool(finite):  # a NaN gradient (clipping cannot fix one) with a still-finite loss
+            raise self.diverged(f"the weights after step {step} are not finite")
         self.check_disk_space()
         trainer_state = {"step": step, "run_name": self.run_name, "params": p.model_dump(), "history": self.history,
                          "rng": _rng_state(), "tokens_seen": step * p.batch_size * p.context,
@@ -385,21 +408,38 @@ class TrainingRun:
         path = save_checkpoint(self.ckpt_root, step, self.model, self.tokenizer, self.optimizer, trainer_state)
         self.ctx.register_model(f"{self.run_name}@step{step}", path, step=step)
 
-    def check_disk_space(self) -> None:
-        """Refuse a checkpoint the disk cannot hold (weights, and AdamW's two moments beside the newest) with
-        room to spare for everyone else (1 GiB or 5 % of the disk, the more), rather than fill the disk every
-        job and user shares."""
+    def weights_bytes(self) -> int:
         # parameters(), not state_dict(): a tied embedding / LM head is one tensor, saved once
-        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in self.model.parameters())
+
+    def check_disk_space(self, checkpoints: int = 1) -> None:
+        """Refuse checkpoints the disk cannot hold (weights each, and AdamW's two moments beside the newest)
+        with room to spare for everyone else (1 GiB or 5 % of the disk, the more), rather than fill the disk
+        every job and user shares. At the start of the run ``checkpoints`` is all of them still to come."""
+        if checkpoints < 1:
+            return
+        weights = self.weights_bytes()
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
         disk = shutil.disk_usage(self.ckpt_root)
         spare = max(CHECKPOINT_HEADROOM_BYTES, disk.total // 20)
-        needed = 3 * weights + spare
+        needed = (checkpoints + 2) * weights + spare
         if disk.free < needed:
-            raise JobFailed(f"the checkpoint at step {self.step} needs about {byte_size(needed)} (weights "
-                            f"{byte_size(weights)}, AdamW state twice that, and {byte_size(spare)} left free for "
-                            f"others) and the artifact store has {byte_size(disk.free)} free; train a smaller model "
-                            "(width, layers) or free disk space", error_type="disk-full")
+            what = (f"the checkpoint at step {self.step} needs" if checkpoints == 1 else
+                    f"the run's {checkpoints} checkpoints still to write need")
+            raise JobFailed(f"{what} about {byte_size(needed)} (weights {byte_size(weights)} each, AdamW state twice "
+                            f"that, and {byte_size(spare)} left free for others) and the artifact store has "
+                            f"{byte_size(disk.free)} free; train a smaller model (width, layers), write fewer "
+                            "checkpoints (checkpoint_every) or free disk space", error_type="disk-full")
+
+    def stop_checkpoint(self) -> None:
+        """A run stopped early (cancel, time limit) saves the step it reached, so that the weights of the steps
+        since the last checkpoint are not lost — unless it is already saved, or too large to write quickly."""
+        if self.step in {s for s, _ in checkpoint_dirs(self.ckpt_root)} or self.weights_bytes() > STOP_CHECKPOINT_BYTES:
+            return
+        try:
+            self.checkpoint()
+        except JobFailed:  # no room, or diverged: the run keeps the checkpoints it has
+            pass
 
     def results(self, stopped: str | None = None) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""
@@ -438,6 +478,10 @@ class TrainingRun:
             "train_seconds": round(train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - self.started, 2),
         }
+        first_val, last_val = history["val"][0][1], history["val"][-1][1]
+        if len(history["val"]) > 1 and last_val > first_val:
+            summary["warning"] = (f"the validation loss rose from {first_val:.4g} at step 0 to {last_val:.4g} at step "
+                                  f"{history['val'][-1][0]}: the run diverged; lower lr or raise warmup_steps")
         if stopped:
             summary.update(partial=True, steps_planned=p.steps,
                            note=f"{stopped} after step {step} of {p.steps}: the numbers and curves stop there, "
@@ -456,14 +500,18 @@ def run(params: TrainParams, ctx: JobContext) -> JobOutput:
         if training.step >= params.steps:  # the cancel came with the last step: the run is complete
             return training.results()
         # What was trained stays usable: its checkpoints are registered, its loss curve and numbers kept.
+        training.stop_checkpoint()
         raise JobCancelled(partial=training.results("cancelled")) from None
     except JobFailed as e:
-        if e.error_type not in ("time-limit", "disk-full") or (e.error_type == "disk-full" and training.step == 0):
+        if e.error_type not in ("time-limit", "disk-full", "diverged") or (e.error_type == "disk-full" and training.step == 0):
             raise
         if e.error_type == "time-limit" and training.step >= params.steps:  # the limit came with the last step
             return training.results()
+        if e.error_type == "time-limit":
+            training.stop_checkpoint()
         # The job fails, but like a cancelled run it keeps what it trained.
-        why = "stopped by the time limit" if e.error_type == "time-limit" else "stopped: no disk space for a checkpoint"
+        why = {"time-limit": "stopped by the time limit", "disk-full": "stopped: no disk space for a checkpoint",
+               "diverged": "stopped: the loss diverged"}[e.error_type]
         raise JobFailed(str(e), error_type=e.error_type, partial=training.results(why)) from None
     return training.results()
 
@@ -479,7 +527,9 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     # Its window grows with the run (a two-hundredth of it, at least 21 steps), so long runs read smooth too.
     half = max(10, len(losses) // 400)
     at = range(0, len(losses), max(1, len(losses) // 2000))  # a line of ~2000 points: the medians cost n²/200 else
-    smooth = [statistics.median(losses[max(0, i - half):i + half + 1]) for i in at]
+    # the window shrinks symmetrically at the ends, so the line starts at the first loss, not at a later median
+    ends = [min(half, i, len(losses) - 1 - i) for i in at]
+    smooth = [statistics.median(losses[i - h:i + h + 1]) for i, h in zip(at, ends)]
     ax.plot([steps[i] for i in at], smooth, color="tab:blue", label=f"train (running median of {2 * half + 1} steps)")
     val = history["val"]
     ax.plot([s for s, _ in val], [l for _, l in val], "o-" if len(val) <= 40 else "-", color="tab:orange", ms=3,
@@ -493,12 +543,14 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
         ax.plot(checkpoint_steps, [1.0] * len(checkpoint_steps), "|", color="gray", ms=6,
                 transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_yscale("log")
-    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5 on a short run's axis
-
-    for formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 5, 6, 7 rather than 5×10⁰
-        formatter(ScalarFormatter())
+    # 5, 6, 7 rather than 5×10⁰; minor ticks are labelled only within one decade, where they are the only
+    # labels (over several, 2 … 9 of each decade would overlap)
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    lo, hi = ax.get_ylim()
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if hi / lo < 10 else NullFormatter())
     ax.set_ylabel("next-token loss (nats, log scale)")
     marks = "dotted lines" if few_checkpoints else "ticks along the top"
     ax.set_title(f"{run_name}: {p.architecture} {p.layers}×{p.width}, {p.heads} heads, context {p.context}, "

@@ -12,6 +12,7 @@ GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels swit
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from lmscope.modeling.loaded import LoadedModel
 from lmscope.modeling.memory import free_memory
 from lmscope.modeling.tokenization import byte_tokenizer
 
-__all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "model_info", "max_positions",
+__all__ = ["LoadedModel", "ModelCache", "ModelLoadError", "load_model", "load_tokenizer", "model_info", "max_positions",
            "builtin_config", "byte_tokenizer"]
 
 # Loading bars belong in a terminal, not in worker logs.
@@ -76,6 +77,20 @@ def _load_tokenizer(path: Path, vocab_size: int | None):
     raise ModelLoadError(f"{path} has no tokenizer vocabulary ({' / '.join(TOKENIZER_FILES)}; tokenizer_config.json "
                          "alone holds none); save the tokenizer into the model directory with "
                          "tokenizer.save_pretrained(path)")
+
+
+def load_tokenizer(source: str, path: str | None):
+    """A registered model's tokenizer alone (``source`` as in :func:`load_model`), its weights left on disk."""
+    if source == "builtin":
+        return byte_tokenizer()
+    if source not in ("directory", "checkpoint"):
+        raise ModelLoadError(f"unknown model source {source!r}; use builtin, directory or checkpoint")
+    p = Path(path)
+    try:
+        vocab_size = json.loads((p / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{p}/config.json cannot be read ({e})") from None
+    return _load_tokenizer(p, vocab_size if isinstance(vocab_size, int) else None)
 
 
 def check_vocabulary(model, tokenizer, where: str) -> None:

@@ -166,18 +166,37 @@ class WorkerContext:
 
         return through_outage(f"{what} of job {self.job_id}", read, stop=self._shutdown)
 
-    def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
+    def _model_row(self, name: str):
+        """(the model's row, its path on this worker)."""
         row = self._read("model lookup", select(Model.name, Model.source, Model.path, Model.job_id)
                          .where(Model.name == name), one=True)
         if row is None:
             raise JobFailed(f"model {name!r} is not registered; list models with GET /v1/models or register a "
                             "Hugging Face directory with POST /v1/models", error_type="unknown-model")
-        cache = model_cache()
-        from lmscope.modeling.loading import ModelLoadError
-
         path = row.path
         if row.source == "checkpoint" and path and not Path(path).is_absolute():
             path = str(self.artifact_root / path)  # stored relative to the artifact store (see register_model)
+        return row, path
+
+    def load_tokenizer(self, name: str):
+        from lmscope.modeling.loading import ModelLoadError, load_tokenizer
+
+        row, path = self._model_row(name)
+        try:
+            tokenizer = load_tokenizer(row.source, path)
+        except (ModelLoadError, OSError, ValueError) as e:
+            raise JobFailed(f"the tokenizer of model {name!r} cannot be loaded: {e}", error_type="model-load") from None
+        record = {"source": row.source, "tokenizer_only": True}
+        if row.source != "builtin":
+            record.update(path=row.path, **({"job_id": row.job_id} if row.job_id is not None else {}))
+        self.environment.setdefault("models", {})[name] = record
+        return tokenizer
+
+    def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
+        row, path = self._model_row(name)
+        cache = model_cache()
+        from lmscope.modeling.loading import ModelLoadError
+
         try:
             loaded = cache.get(row.name, row.source, path, dtype=dtype, device=self.device)
         except ModelLoadError as e:  # a broken directory is the user's to fix, not a worker bug

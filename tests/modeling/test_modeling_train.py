@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -192,7 +193,6 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupte
 def test_a_run_checkpointed_before_the_bos_change_resumes_on_its_old_stream(reference, docs, tmp_path):
     """Checkpoints written before train's tokenizers stopped adding <bos> hold one that adds it, and their
     stream had no special tokens: a resumed attempt must read the same stream, not a <bos>-laden one."""
-    import json
 
     from lmscope.modeling.tokenization import byte_tokenizer
 
@@ -218,16 +218,20 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
     with pytest.raises(JobCancelled) as cancelled:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
     assert ctx.progress_log[-1][0] == 59
-    assert list(ctx.registered) == ["run3@step0", "run3@step50"]
-    lm = load_model("run3@step50", "checkpoint", str(ctx.registered["run3@step50"][0]))
+    # the step it stopped at is saved too: the 9 steps since step 50 are not lost
+    assert list(ctx.registered) == ["run3@step0", "run3@step50", "run3@step59"]
+    lm = load_model("run3@step59", "checkpoint", str(ctx.registered["run3@step59"][0]))
     assert lm.info["architecture"] == "gpt2"
+    state = json.loads((ctx.registered["run3@step59"][0] / "trainer_state.json").read_text())
+    assert state["step"] == 59 and len(state["history"]["train"]) == 59
 
     # What the worker stores with the cancelled status: the run up to step 59, the same numbers the
     # uninterrupted reference run had at those steps (CPU training is deterministic).
     partial = cancelled.value.partial
     summary = partial.summary
     assert summary["partial"] is True and summary["steps"] == 59 and summary["steps_planned"] == SMALL["steps"]
-    assert summary["checkpoints"] == ["run3@step0", "run3@step50"] and "cancelled after step 59" in summary["note"]
+    assert summary["checkpoints"] == ["run3@step0", "run3@step50", "run3@step59"]
+    assert "cancelled after step 59" in summary["note"]
     assert summary["tokens_seen"] == 59 * SMALL["batch_size"] * SMALL["context"]
     ref_train, ref_val = _series(reference[1], "loss.train"), _series(reference[1], "loss.val")
     train, val = _series(partial, "loss.train"), _series(partial, "loss.val")
@@ -245,7 +249,8 @@ def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, d
     ctx = FailingContext(tmp_path, datasets={"wiki": docs}, job_id=5, at=59, error=time_limit())
     with pytest.raises(JobFailed, match="time limit") as failed:
         run(TrainParams(**{**SMALL, "run_name": None}), ctx)
-    assert failed.value.error_type == "time-limit" and list(ctx.registered) == ["run5@step0", "run5@step50"]
+    assert failed.value.error_type == "time-limit"
+    assert list(ctx.registered) == ["run5@step0", "run5@step50", "run5@step59"]
     partial = failed.value.partial
     assert partial.summary["partial"] is True and partial.summary["steps"] == 59
     assert "stopped by the time limit after step 59 of 150" in partial.summary["note"]
@@ -277,6 +282,8 @@ def test_llama_with_grouped_query_attention_and_a_trained_bpe(docs, tmp_path):
     (dict(steps=50, warmup_steps=50), "warmup_steps"),
     (dict(run_name="has space"), "run_name"),
     (dict(learning_rate=1e-3), "learning_rate"),
+    (dict(tokenizer="bytes", vocab_size=512), "tokenizer 'bytes' brings its own vocabulary"),
+    (dict(tokenizer="tiny-gpt2", vocab_size=50257), "leave vocab_size out"),
 ])
 def test_bad_parameters_are_refused_with_a_reason(bad, message):
     with pytest.raises(ValidationError, match=message):
@@ -297,6 +304,12 @@ def test_parameters_survive_a_round_trip_through_json():
     for raw in ({"dataset": "d"}, {"dataset": "d", "tokenizer": "bytes", "architecture": "llama", "kv_heads": 2}):
         params = validate_params("train", raw)
         assert validate_params("train", params.model_dump(mode="json")) == params
+
+
+def test_a_stored_job_with_an_unused_vocab_size_still_runs():
+    """Refused at submit, a vocab_size next to another tokenizer stays valid in a job accepted before."""
+    raw = {"dataset": "d", "tokenizer": "bytes", "vocab_size": 512}
+    assert validate_params("train", raw, internal=True).vocab_size == 512
 
 
 def test_tokenizer_of_a_registered_model_is_a_model_reference():
@@ -450,7 +463,7 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained
     params = TrainParams(**{**SMALL, "run_name": None})
     ctx = LocalContext(tmp_path / "first", datasets={"wiki": docs}, job_id=7)
     monkeypatch.setattr(train_module, "shutil", free_space(lambda n: spare))  # the part to spare, no more
-    with pytest.raises(JobFailed, match="the checkpoint at step 0 needs about") as failed:
+    with pytest.raises(JobFailed, match="the run's 4 checkpoints still to write need about") as failed:
         run(params, ctx)
     assert failed.value.error_type == "disk-full" and failed.value.partial is None and ctx.registered == {}
 
@@ -472,3 +485,81 @@ def test_a_checkpoint_the_disk_cannot_hold_fails_the_run_keeping_what_it_trained
     partial = failed.value.partial
     assert partial.summary["partial"] is True and partial.summary["steps"] == 150
     assert f"{spare / 2**30:.1f} GiB left free for others" in str(failed.value)  # 51.2 GiB
+
+    # Room for three of the run's four checkpoints (0, 50, 100, 150) and AdamW's state: refused before
+    # training, not at step 150. Resumed after step 100, the one checkpoint still ahead fits.
+    three = (3 + 2) * saved_weights() + spare  # run8's step-0 checkpoint: the same model
+    ctx = LocalContext(tmp_path / "whole", datasets={"wiki": docs}, job_id=9)
+    monkeypatch.setattr(train_module, "shutil", free_space(lambda n: three))
+    with pytest.raises(JobFailed, match="the run's 4 checkpoints still to write need about") as failed:
+        run(params, ctx)
+    assert failed.value.partial is None and ctx.registered == {}
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_keeping_its_finite_checkpoints(reference, docs, tmp_path,
+                                                                                          monkeypatch):
+    """A loss that overflows (as bf16 or too high an lr makes it) stops the run, failed `diverged`: no NaN
+    weights are trained on, checkpointed or registered; the curves and checkpoints before it are kept."""
+    import lmscope.analyses.train as train_module
+
+    calls = {"n": 0}
+    real_loss = train_module.next_token_loss
+
+    def overflowing_at_step_61(model, windows, autocast):  # evaluations run under no_grad: not counted
+        loss = real_loss(model, windows, autocast)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 61:
+                return loss * float("inf")
+        return loss
+
+    monkeypatch.setattr(train_module, "next_token_loss", overflowing_at_step_61)
+    ctx = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=4)
+    with pytest.raises(JobFailed, match="the training loss at step 61 is (inf|nan): the run diverged") as failed:
+        run(TrainParams(**{**SMALL, "run_name": None}), ctx)
+    assert failed.value.error_type == "diverged"
+    assert list(ctx.registered) == ["run4@step0", "run4@step50"]  # no checkpoint of the broken step
+    partial = failed.value.partial.summary
+    assert partial["steps"] == 60 and "stopped: the loss diverged after step 60" in partial["note"]
+    train = _series(failed.value.partial, "loss.train")
+    assert list(train.x) == list(range(1, 61))
+    assert train.y == pytest.approx(list(_series(reference[1], "loss.train").y[:60]), rel=1e-5)
+    for name, (path, _) in ctx.registered.items():
+        lm = load_model(name, "checkpoint", str(path))
+        assert all(torch.isfinite(p).all() for p in lm.model.parameters())
+
+
+def test_a_nan_gradient_with_a_finite_loss_is_caught_before_its_checkpoint(docs, tmp_path, monkeypatch):
+    """Clipping cannot repair a NaN gradient: the weights turn NaN though the step's loss was finite. The
+    next checkpoint refuses them (failed `diverged`), rather than register a model of NaNs."""
+    import lmscope.analyses.train as train_module
+
+    def poisoned_clip(parameters, max_norm):
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+
+    monkeypatch.setattr(train_module.torch.nn.utils, "clip_grad_norm_", poisoned_clip)
+    ctx = LocalContext(tmp_path, datasets={"wiki": docs}, job_id=5)
+    params = TrainParams(**{**SMALL, "run_name": None, "steps": 3, "checkpoint_every": 1, "eval_every": 100,
+                            "warmup_steps": 1})
+    with pytest.raises(JobFailed, match="diverged") as failed:
+        run(params, ctx)
+    assert failed.value.error_type == "diverged" and list(ctx.registered) == ["run5@step0"]
+
+
+def test_a_registered_models_tokenizer_is_read_without_its_weights(docs, tmp_path):
+    """tokenizer=<model>: only the tokenizer is loaded (a 7B tokenizer source would otherwise sit on the
+    training GPU all run); the run trains on that tokenizer's ids."""
+    source = LocalContext(tmp_path / "source", datasets={"wiki": docs}, job_id=11)
+    run(TrainParams(**{**SMALL, "steps": 2, "checkpoint_every": 2, "warmup_steps": 1, "run_name": "src"}), source)
+
+    class NoWeights(LocalContext):
+        def load_model(self, name, *, dtype="float32"):
+            raise AssertionError(f"loaded the weights of {name}")
+
+    ctx = NoWeights(tmp_path / "b", datasets={"wiki": docs}, job_id=12)
+    ctx.registered.update(source.registered)
+    out = run(TrainParams(**{**SMALL, "tokenizer": "src@step2", "steps": 2, "warmup_steps": 1, "run_name": "b"}), ctx)
+    assert out.summary["vocab_size"] == len(load_model("src@step2", "checkpoint",
+                                                       str(source.registered["src@step2"][0])).tokenizer)

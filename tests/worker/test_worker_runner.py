@@ -627,6 +627,12 @@ def test_checkpoints_survive_moving_the_artifact_store(settings, sessions, make_
     shutil.copytree(old_root, new_root)
     shutil.rmtree(old_root)
     moved = WorkerContext(attempt, sessions, new_root / "jobs" / str(job_id), "cpu")
+    # a train job reusing its tokenizer reads the tokenizer alone: no weights enter the process's model cache
+    from lmscope.worker.context import model_cache
+
+    assert len(moved.load_tokenizer("moved@step5")) == 259
+    assert not any(name == "moved@step5" for name, *_ in model_cache()._models)
+    assert moved.environment["models"]["moved@step5"]["tokenizer_only"] is True
     loaded = moved.load_model("moved@step5")
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(loaded.model(ids).logits, model.eval()(ids).logits)
