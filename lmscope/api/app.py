@@ -85,6 +85,7 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
         return response
 
     upsert_builtins(settings, sessions, engine)
+    registry.tidy_deleted_uploads(sessions, settings.data_dir / "datasets")
     return app
 
 

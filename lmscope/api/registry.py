@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +19,7 @@ from typing import Annotated
 from flask import Blueprint, request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from lmscope.api.auth import current_caller, require_admin
 from lmscope.api.errors import Problem, validation_problem
@@ -320,7 +321,7 @@ def remove_unused_upload(sessions, path: Path) -> None:
 
     if used():  # another name's file, which a job may be reading: never moved, not even for a moment
         return
-    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.deleting")
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}{ASIDE_SUFFIX}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:
@@ -335,6 +336,30 @@ def remove_unused_upload(sessions, path: Path) -> None:
             aside.unlink()
     except Exception as e:  # the delete has succeeded: say so to the caller, log what is left to tidy
         log.warning("could not finish removing the file of a deleted upload, %s (left as %s): %s", path, aside, e)
+
+
+ASIDE_SUFFIX = ".deleting"
+
+
+def tidy_deleted_uploads(sessions, folder: Path, older_than_s: float = 600.0) -> None:
+    """Finish, at start-up, what ``remove_unused_upload`` logged it could not (a failed unlink, or a failed move
+    back): a file moved aside returns to its name when a dataset row names it and the name is free, else it is
+    deleted. Files moved aside in the last ``older_than_s`` seconds are left to the removal under way."""
+    now = time.time()
+    for aside in folder.glob(f"*{ASIDE_SUFFIX}"):
+        try:
+            if now - aside.stat().st_ctime < older_than_s:  # a rename sets ctime: when it was moved aside
+                continue
+            original = aside.with_name(aside.name.rsplit(".", 2)[0])  # <name>.<uuid hex>.deleting
+            with sessions() as session:
+                named = session.scalar(select(Dataset.id).where(Dataset.path == str(original)).limit(1)) is not None
+            if named and not original.exists():
+                os.replace(aside, original)
+                log.warning("restored %s, a registered dataset's file left aside by a failed delete", original)
+            else:
+                aside.unlink()
+        except (OSError, SQLAlchemyError) as e:  # tidying must not stop the API from starting
+            log.warning("could not tidy %s: %s", aside, e)
 
 
 def check_upload_quota(session, caller, settings, size: int) -> None:

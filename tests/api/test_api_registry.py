@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -534,6 +535,40 @@ def test_a_delete_and_an_upload_of_the_same_bytes_at_once_never_leave_a_dataset_
     assert stored_files(api) == [path.name]  # nothing left aside
     assert api.client.delete("/v1/datasets/new", headers=ann).status_code == 204
     assert stored_files(api) == []
+
+
+def test_files_a_failed_delete_left_aside_are_tidied_when_the_api_starts(api, make_api, monkeypatch):
+    """A delete whose unlink (or move back) failed leaves `<file>.<uuid>.deleting`: at start-up the API moves
+    it back where a dataset still names the file (nothing is lost), deletes it where none does, and leaves a
+    file moved aside moments ago to the removal under way."""
+    import os
+
+    ann = api.user("ann")
+    kept, gone = b"kept bytes one two\n", b"gone bytes three four\n"
+    for name, data in (("kept", kept), ("gone", gone)):
+        assert api.client.post(f"/v1/datasets?name={name}&format=text", headers=ann, data=data).status_code == 201
+    with api.sessions() as session:
+        kept_path, gone_path = (Path(session.scalar(select(Dataset.path).where(Dataset.name == n)))
+                                for n in ("kept", "gone"))
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(OSError("disk error")))
+    assert api.client.delete("/v1/datasets/gone", headers=ann).status_code == 204  # the delete itself succeeds
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    gone_aside = next(gone_path.parent.glob(gone_path.name + ".*.deleting"))
+    kept_aside = kept_path.with_name(kept_path.name + ".0123abcd.deleting")  # a move back that failed
+    os.replace(kept_path, kept_aside)
+    from lmscope.api import registry
+
+    registry.tidy_deleted_uploads(api.sessions, gone_path.parent)  # moved aside moments ago: left alone
+    assert gone_aside.exists() and kept_aside.exists() and not kept_path.exists()
+
+    monkeypatch.setattr(registry.time, "time", lambda real=time.time: real() + 601)  # ten minutes later
+    make_api()  # another API process starting on the same data directory
+    assert kept_path.read_bytes() == kept and not kept_aside.exists()
+    assert not gone_aside.exists() and not gone_path.exists()
+    with api.sessions() as session:
+        assert session.scalar(select(Dataset.path).where(Dataset.name == "kept")) == str(kept_path)
+    assert stored_files(api) == [kept_path.name]
 
 
 def test_one_users_uploads_together_stay_within_their_quota(make_api):
