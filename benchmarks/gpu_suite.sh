@@ -10,13 +10,15 @@
 #                                           # one device call each where a call has 10 minutes
 #   bash benchmarks/gpu_suite.sh bench-jobs-large  # the job benchmarks at the sizes where a GPU's time goes on
 #                                           # the model: norms in batches of 64, entropy on a 1B shape
+#   bash benchmarks/gpu_suite.sh bench-entropy-job # the whole entropy job on the 1B shape over 64 windows of
+#                                           # 4096 tokens, next to sdpa and eager (~2-3 min)
 #   bash benchmarks/gpu_suite.sh sweep      # fig2_full.json (200 children) on the GPU, SWEEP_PROCESSES (16)
 #   bash benchmarks/gpu_suite.sh all        # all three, one after the other (a machine without
 #                                           # the device tool's 10-minute / 8-file limits)
 #
 # On the device tool, one call per part, each meant to end inside 10 minutes and bring back ≤ 8 files.
 # The session has 30 minutes of device time: tests, then the sweep (the run issue #7 waits for), then
-# bench-jobs-large, then bench-kernels and bench-jobs with what is left. The sweep runs whole, with its figures: 8 processes
+# bench-jobs-large, bench-entropy-job, then bench-kernels and bench-jobs with what is left. The sweep runs whole, with its figures: 8 processes
 # took 25 s per child (12 min for the grid, past one call), 16 may take half that (the children are
 # bound by the host's kernel launches, and the machine has 16 cores); a run the limit stops is
 # finished by a second call (SWEEP_RESULTS, below). `SWEEP_LIMIT=40 …` extrapolates instead.
@@ -36,8 +38,9 @@ OUT="${OUT:-gpu-results}"
 PART="${1:-all}"
 PY="${PYTHON:-python3}"  # the GPU image has python3 (a venv), not necessarily `python`
 case "$PART" in
-  tests|bench|bench-kernels|bench-jobs|bench-jobs-large|sweep|all) ;;
-  *) echo "unknown part '$PART': give tests, bench (or bench-kernels, bench-jobs, bench-jobs-large), sweep or all" >&2
+  tests|bench|bench-kernels|bench-jobs|bench-jobs-large|bench-entropy-job|sweep|all) ;;
+  *) echo "unknown part '$PART': give tests, bench (or bench-kernels, bench-jobs, bench-jobs-large, bench-entropy-job)," \
+       "sweep or all" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -106,6 +109,9 @@ if [[ "$PART" == bench-jobs-large || "$PART" == all ]]; then
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 1024,4096 \
     --windows 16 --batch-size 4 --dtype bfloat16 --skip-longest --json "$OUT/entropy_1b.json" 2>&1 | tee "$OUT/entropy_1b.log" | tail -12
   step_failed "${PIPESTATUS[0]}"
+fi
+
+if [[ "$PART" == bench-entropy-job || "$PART" == all ]]; then
   # a job of the size researchers submit (64 windows of 4096 tokens, where 8 leave the job's fixed costs of
   # statistics and plots in the ratio): the whole job against sdpa and against the eager route, batch 1
   timeout -s INT "${BENCH_TIMEOUT:-590}" "$PY" benchmarks/entropy.py --model bench-llama-1b --device cuda --seq-lens 4096 \
