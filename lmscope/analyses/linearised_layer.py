@@ -141,7 +141,8 @@ def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: tor
         at_t = torch.arange(P, device=z.device), positions
         q = rotate_half_pairs(q, cos[at_t][:, None], sin[at_t][:, None])
         k = rotate_half_pairs((z @ m.W_K.T).view(P, T, G, d), cos[:, :, None], sin[:, :, None])
-        scores = torch.einsum("pthd,phd->pth", k[:, :, kv_of], q)
+        # query heads grouped by the key head they read (h = g·H/G + j): no copy of k per query head
+        scores = torch.einsum("ptgd,pgjd->ptgj", k, q.view(P, G, H // G, d)).reshape(P, T, H)
     else:
         r = torch.einsum("phd,hdD->phD", q, m.W_K.view(G, d, D)[kv_of])
         scores = torch.einsum("ptD,phD->pth", z, r)

@@ -729,6 +729,10 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
                 f"two-matrix FFN (W2·W1); {params.model} has {why}")
     if params.gram_samples == 0:
         return "gram_samples=0"
+    if any(p.is_meta for b in parts.blocks for p in b.parameters()):
+        return ("not computed: the model's weights are offloaded (device_map=auto put blocks on the CPU or disk "
+                "for lack of GPU memory), which the float64 linearisation cannot read; set gram_condition=false "
+                "or run it on a worker with more GPU memory")
     return None
 
 
@@ -741,18 +745,20 @@ def gram_trajectories(params: NormsParams, parts: ModelParts, samples: Samples, 
 
 class LinearisedBlocks:
     """``block_matrices`` of each block, read once and kept when all of them fit in GRAM_WEIGHT_BYTES
-    (GPT-2 small: 0.7 GB), else read again for each batch: float64 copies of a large model's blocks
-    (StarCoder2-15B: 40 GB) would not fit next to the model."""
+    (GPT-2 small: 0.7 GB), else read again for each batch, one block at a time: float64 copies of a large
+    model's blocks (8 bytes per parameter: 120 GB for a 15B model) would not fit next to the model."""
 
-    def __init__(self, blocks, device):
-        self.blocks, self.device = blocks, device
+    def __init__(self, blocks):
+        self.blocks = blocks
         self.keep = sum(8 * p.numel() for b in blocks for p in b.parameters()) <= GRAM_WEIGHT_BYTES
         self.kept: dict[int, object] = {}
 
-    def __getitem__(self, layer: int):
+    def get(self, layer: int, device):
+        """Block ``layer``'s matrices on ``device`` (where its hidden states are: a model spread over GPUs
+        keeps each block on its own)."""
         if layer in self.kept:
             return self.kept[layer]
-        matrices = block_matrices(self.blocks[layer], self.device)
+        matrices = block_matrices(self.blocks[layer], device)
         if self.keep:
             self.kept[layer] = matrices
         return matrices
@@ -769,21 +775,22 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     if reason:
         return {"gram_condition_pct": None, "gram_condition_reason": reason}
     steps = points - 1  # blocks 1 … steps (parts.blocks[:steps])
-    linear = LinearisedBlocks(list(parts.blocks)[:steps], device)
-    first = linear[0]
-    D, H = first.W_O.shape[0], first.heads
+    linear = LinearisedBlocks(list(parts.blocks)[:steps])
+    first = linear.get(0, device)
+    D, H, rotary = first.W_O.shape[0], first.heads, first.rotary
+    del first  # not kept: one block's float64 copy at a time
     longest = max(len(tokens) for tokens in samples.tokens)
-    # per pair: the gathered context and its float64 copy [T, D] (and rotated keys, at most as large),
-    # and [H, D] float64 temporaries
-    copies = 3 if first.rotary else 2
+    # per pair: the gathered context and its float64 copy [T, D] (and the rotated keys and their rotation's
+    # temporaries, at most three more of that size), and [H, D] float64 temporaries
+    copies = 5 if rotary else 2
     per_chunk = max(1, GRAM_CONTEXT_BYTES // (copies * 8 * max(longest, H) * D))
     holds, ratio, pair_traj, pair_layer = [], [], [], []
     with ctx.stage("gram condition"):
         for batch, trajs in batches(samples, params.batch_size, subset=chosen):
             input_ids, mask = pad_batch(samples, batch, pad_id, device)
             hidden, call = hidden_states(parts, input_ids, mask)
-            rope = call.kwargs.get("position_embeddings") if first.rotary else None
-            if first.rotary and rope is None:
+            rope = call.kwargs.get("position_embeddings") if rotary else None
+            if rotary and rope is None:
                 raise JobFailed(f"{params.model}: its blocks were not given rotary position embeddings, which the "
                                 "Gram condition's keys need; set gram_condition=false")
             rows, cols = current_tokens(samples, batch, trajs, device)
@@ -791,18 +798,20 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
             traj_ids = torch.as_tensor(trajs)
             # every (trajectory, layer) pair of this batch, layer by layer, in chunks of trajectories
             for layer in range(steps):
-                matrices = linear[layer]
+                h = hidden[layer]
+                matrices = linear.get(layer, h.device)
                 for start in range(0, len(trajs), per_chunk):
-                    r, c = rows[start:start + per_chunk], cols[start:start + per_chunk]
-                    context = hidden[layer][r]  # [P, T, D]: h_l of the pair's sample
-                    visible = visible_context(c, T, matrices.window, mask[r].bool())
-                    x = hidden[layer][r, c]  # the current token's h_l
-                    pair_rope = None if rope is None else tuple(e.expand(B, T, -1)[r] for e in rope)
+                    r, c = (t[start:start + per_chunk].to(h.device) for t in (rows, cols))
+                    context = h[r]  # [P, T, D]: h_l of the pair's sample
+                    visible = visible_context(c, T, matrices.window, mask.to(h.device)[r].bool())
+                    x = h[r, c]  # the current token's h_l
+                    pair_rope = None if rope is None else tuple(e.to(h.device).expand(B, T, -1)[r] for e in rope)
                     ok, ratio_ = stretch_ratio(apply_linearised(matrices, context, visible, x, pair_rope, c), x)
                     holds.append(ok.cpu())
                     ratio.append(ratio_.cpu())
                     pair_traj.append(traj_ids[start:start + per_chunk])
                     pair_layer.append(torch.full((len(ok),), layer))
+                del matrices  # before the next block's are read
             progress.step("gram condition")
     holds_np = torch.cat(holds).numpy()
     np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),

@@ -227,3 +227,13 @@ def test_blocks_read_again_per_batch_give_the_same_pairs(documents, tmp_path, mo
     assert kept_reads == 2 and again_reads > kept_reads  # L − 1 = 2 blocks; then once per batch and block
     for name in kept.files:
         np.testing.assert_array_equal(kept[name], again[name], err_msg=name)
+
+
+def test_offloaded_weights_are_reported_not_read():
+    """device_map="auto" leaves the blocks it offloads to the CPU or disk as meta tensors until their forward:
+    the Gram condition says why it is not computed instead of failing on them."""
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
+    parts = norms.model_parts(model)
+    reason = norms.gram_not_applicable(NormsParams(model="m", dataset="d"), parts, {"gated_ffn": False})
+    assert reason.startswith("not computed: the model's weights are offloaded")
