@@ -9,6 +9,7 @@ Parameter groups (tied weights counted once, under the module that owns them fir
   mlp         the feed-forward network of every block
   norms       every LayerNorm / RMSNorm, inside the blocks and the final one
   head        the LM head; 0 when it is tied to the token embedding
+  other       anything else (Mamba's mixer, a router, ...), per block where it sits
 """
 
 from __future__ import annotations

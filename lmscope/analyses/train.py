@@ -32,6 +32,7 @@ from the newest checkpoint; on CPU the result equals an uninterrupted run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -47,6 +48,8 @@ from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.train import TrainParams
 from lmscope.wording import byte_size
+
+log = logging.getLogger("lmscope.train")
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -211,7 +214,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the job
 
 CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves at least this much of the disk free (or 5 %)
-# A stopped run saves its last step when the weights write in seconds: the time limit leaves a minute.
+# A stopped run saves its last step when it writes in seconds (weights + AdamW state): the time limit leaves
+# a minute at most (a twentieth of a short limit).
 STOP_CHECKPOINT_BYTES = 2 << 30
 
 
@@ -433,13 +437,17 @@ class TrainingRun:
 
     def stop_checkpoint(self) -> None:
         """A run stopped early (cancel, time limit) saves the step it reached, so that the weights of the steps
-        since the last checkpoint are not lost — unless it is already saved, or too large to write quickly."""
-        if self.step in {s for s, _ in checkpoint_dirs(self.ckpt_root)} or self.weights_bytes() > STOP_CHECKPOINT_BYTES:
+        since the last checkpoint are not lost — unless it is already saved, or too large to write quickly
+        (weights and AdamW's two moments: 3× the weights)."""
+        if self.step in {s for s, _ in checkpoint_dirs(self.ckpt_root)} or \
+                3 * self.weights_bytes() > STOP_CHECKPOINT_BYTES:
             return
         try:
             self.checkpoint()
-        except JobFailed:  # no room, or diverged: the run keeps the checkpoints it has
-            pass
+        except Exception as e:  # noqa: BLE001 - no room, diverged, a write error: the stop and its results go on
+            log.warning("job %s: the checkpoint at the step the run stopped at (%d) was not written: %s",
+                        self.ctx.job_id, self.step, e)
+            shutil.rmtree(self.ckpt_root / f".step-{self.step}.tmp", ignore_errors=True)
 
     def results(self, stopped: str | None = None) -> JobOutput:
         """The run's results; `stopped` says why a partial run ended early ("cancelled", …)."""

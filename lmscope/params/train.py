@@ -40,7 +40,8 @@ class TrainParams(JobParams):
     kv_heads: int | None = Field(None, ge=1, le=64, description="llama only: key/value heads (GQA); default = heads")
     context: int = Field(128, ge=8, le=8192, description="tokens per training window")
     tokenizer: str = Field("bpe", description='"bpe" (trained on the dataset), "bytes", or a registered model whose tokenizer to reuse')
-    vocab_size: int = Field(DEFAULT_VOCAB_SIZE, ge=260, le=65536, description="BPE vocabulary size (tokenizer=bpe; the other tokenizers bring their own)")
+    vocab_size: int = Field(DEFAULT_VOCAB_SIZE, ge=260, le=65536, description="BPE vocabulary size (tokenizer=bpe; "
+                            "ignored with the other tokenizers, which bring their own)")
     steps: int = Field(1000, ge=1, le=1_000_000, description="optimiser steps (one batch each)")
     batch_size: int = Field(16, ge=1, le=4096, description="windows of context + 1 tokens per step")
     lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate (AdamW), after warm-up")
@@ -68,18 +69,6 @@ class TrainParams(JobParams):
             raise ValueError(f"run_name {name!r} is reserved (run<job id> is the default name); pick another, "
                              "e.g. 'my-run', or leave it out")
         return name
-
-    @field_validator("vocab_size")
-    @classmethod
-    def _bpe_only(cls, size: int, info: ValidationInfo) -> int:
-        # Only a value other than the default: parameters dumped whole (a job's stored params sent again) carry
-        # the default. A stored row runs as it was accepted.
-        stored = info.context is not None and info.context.get("submitted") is False
-        tokenizer = info.data.get("tokenizer")
-        if stored or tokenizer in (None, "bpe") or size == DEFAULT_VOCAB_SIZE:
-            return size
-        raise ValueError(f"vocab_size sets the size of a BPE vocabulary trained on the dataset (tokenizer 'bpe'); "
-                         f"tokenizer {tokenizer!r} brings its own vocabulary: leave vocab_size out")
 
     @field_validator("checkpoint_every")
     @classmethod
