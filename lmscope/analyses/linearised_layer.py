@@ -103,27 +103,17 @@ def block_matrices(block, device) -> BlockMatrices | None:
     raise AssertionError(name)  # linearisable() said yes
 
 
-def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as LLaMA-family models apply it: x [..., d] · cos + (−x₂, x₁) · sin."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as LLaMA-family models apply it: x [N, T, H, d], cos/sin [N, T, d]; x·cos + (−x₂, x₁)·sin.
+    (The inner loss's LLaMA-family blocks use it too: lmscope.analyses.norms.)"""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def visible_context(positions: torch.Tensor, T: int, window: int | None, real: torch.Tensor | None = None) -> torch.Tensor:
-    """[P, T] bool: the keys query positions [P] see: i ≤ t, t − i < window when the layer slides,
-    and real tokens only (``real`` [P, T], False on padding)."""
-    keys = torch.arange(T, device=positions.device)
-    t = positions[:, None]
-    visible = keys[None, :] <= t
-    if window is not None:
-        visible &= t - keys[None, :] < window
-    return visible if real is None else visible & real
+    return x * cos[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin[:, :, None]
 
 
 def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: torch.Tensor,
           rope: tuple[torch.Tensor, torch.Tensor] | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """W x [P, D] for P pairs, without forming W: context [P, T, D] (z_i), visible [P, T] (which z_i
-    query t sees), x [P, D]; with ``m.rotary``, rope = the model's (cos, sin) [P, T, d] and the query
+    query t sees: lmscope.analyses.norms.keys_visible_from), x [P, D]; with ``m.rotary``, rope = the model's (cos, sin) [P, T, d] and the query
     positions [P].
 
     Without rotation no key is formed: k_i^h · q^h = z_i · r^h with r^h = W_K^hᵀ q^h, and
@@ -139,8 +129,8 @@ def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: tor
     if m.rotary:
         cos, sin = (r.to(torch.float64) for r in rope)
         at_t = torch.arange(P, device=z.device), positions
-        q = rotate_half_pairs(q, cos[at_t][:, None], sin[at_t][:, None])
-        k = rotate_half_pairs((z @ m.W_K.T).view(P, T, G, d), cos[:, :, None], sin[:, :, None])
+        q = rotate(q[:, None], cos[at_t][:, None], sin[at_t][:, None])[:, 0]  # the query at its position t
+        k = rotate((z @ m.W_K.T).view(P, T, G, d), cos, sin)
         # query heads grouped by the key head they read (h = g·H/G + j): no copy of k per query head
         scores = torch.einsum("ptgd,pgjd->ptgj", k, q.view(P, G, H // G, d)).reshape(P, T, H)
     else:

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
-from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable, stretch_ratio,
-                                               visible_context)
+from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable, rotate,
+                                               stretch_ratio)
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.memory import to_device
 from lmscope.modeling.windows import document_samples
@@ -351,12 +351,6 @@ def gpt2_block_at(block, x, positions, visible, rope=None) -> torch.Tensor:
         a = attend(q, k, v, visible, attn.scaling)
     u = at(x, positions) + attn.c_proj(a)
     return u + block.mlp(block.ln_2(u))
-
-
-def rotate(x, cos, sin) -> torch.Tensor:
-    """RoPE as LLaMA applies it: x [N, T, H, d], cos/sin [N, T, d]; x·cos + (−x₂, x₁)·sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin[:, :, None]
 
 
 def llama_block_at(block, x, positions, visible, rope) -> torch.Tensor:
@@ -803,7 +797,7 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
                 for start in range(0, len(trajs), per_chunk):
                     r, c = (t[start:start + per_chunk].to(h.device) for t in (rows, cols))
                     context = h[r]  # [P, T, D]: h_l of the pair's sample
-                    visible = visible_context(c, T, matrices.window, mask.to(h.device)[r].bool())
+                    visible = keys_visible_from(c[:, None], mask.to(h.device)[r], matrices.window)[:, 0, 0]  # [P, T]
                     x = h[r, c]  # the current token's h_l
                     pair_rope = None if rope is None else tuple(e.to(h.device).expand(B, T, -1)[r] for e in rope)
                     ok, ratio_ = stretch_ratio(apply_linearised(matrices, context, visible, x, pair_rope, c), x)

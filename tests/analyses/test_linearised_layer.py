@@ -188,11 +188,13 @@ def test_the_window_and_grouped_heads_matter(documents):
     context, t = torch.randn(1, T_, D, dtype=torch.float64), torch.tensor([T_ - 1])
     cos, sin = model.model.rotary_emb(context, torch.arange(T_)[None])
     rope = (cos.double(), sin.double())
-    windowed = linearised_layer.apply(m, context, linearised_layer.visible_context(t, T_, WINDOW), context[:, -1], rope, t)
-    full = linearised_layer.apply(m, context, linearised_layer.visible_context(t, T_, None), context[:, -1], rope, t)
+    def visible(window):
+        return norms.keys_visible_from(t[:, None], torch.ones(1, T_, dtype=torch.bool), window)[:, 0, 0]
+
+    windowed = linearised_layer.apply(m, context, visible(WINDOW), context[:, -1], rope, t)
+    full = linearised_layer.apply(m, context, visible(None), context[:, -1], rope, t)
     one_group = SimpleNamespace(**{**vars(m), "kv_heads": 1, "W_K": m.W_K[:8], "W_V": m.W_V[:8]})
-    grouped = linearised_layer.apply(one_group, context, linearised_layer.visible_context(t, T_, WINDOW),
-                                     context[:, -1], rope, t)
+    grouped = linearised_layer.apply(one_group, context, visible(WINDOW), context[:, -1], rope, t)
     assert not torch.allclose(windowed, full) and not torch.allclose(windowed, grouped)
 
 
