@@ -39,15 +39,18 @@ def poly_moments(x: torch.Tensor) -> torch.Tensor:
 
 def sin_exp(x: torch.Tensor) -> torch.Tensor:
     """g = sin(2π·x1) + exp(−Σ_{k≥2} (xk − x1)²)."""
-    diff = x.unsqueeze(-3) - x.unsqueeze(-2)  # [..., i, k, d]: x_k − x_i
-    # The k = i term is (x_i − x_i)² = 0, so summing over all k is the sum over the others.
-    return torch.sin(2 * math.pi * x) + torch.exp(-(diff**2).sum(dim=-2))
+    # Σ_k (x_k − x_i)² = p2 − 2·x_i·p1 + n·x_i² over all k (the k = i term is 0): O(n·d), not the
+    # [n, n, d] table of differences, which at n = 256, d = 32 and 2000 samples is 34 GB.
+    n = x.shape[-2]
+    p1, p2 = x.sum(dim=-2, keepdim=True), (x * x).sum(dim=-2, keepdim=True)
+    squares = (p2 - 2 * x * p1 + n * x * x).clamp_min(0)  # rounding may dip a hair below 0
+    return torch.sin(2 * math.pi * x) + torch.exp(-squares)
 
 
 def max_dist(x: torch.Tensor) -> torch.Tensor:
-    """g = max_{k≥2} |xk − x1| (the k = i term is 0 and never exceeds the others' distances)."""
-    diff = (x.unsqueeze(-3) - x.unsqueeze(-2)).abs()  # [..., i, k, d]
-    return diff.amax(dim=-2)
+    """g = max_{k≥2} |xk − x1| = max(max_k x_k − x1, x1 − min_k x_k): the farthest token is the largest
+    or the smallest one (the k = i term is 0 and never exceeds the others' distances)."""
+    return torch.maximum(x.amax(dim=-2, keepdim=True) - x, x - x.amin(dim=-2, keepdim=True))
 
 
 TARGETS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -41,6 +41,22 @@ def test_targets_match_their_formulas_and_are_equivariant():
         torch.testing.assert_close(evaluate_target(name, x[:, perm]), y[:, perm])
 
 
+def test_targets_at_a_long_sequence_match_their_formulas():
+    """Long sequences are where power-sum shortcuts lose digits (sin_exp's Σ(x_k − x_1)² as p2 − 2·x1·p1 +
+    n·x1²) and where a table of pairwise differences would not fit: n = 4096, d = 2 would be 537 MB."""
+    x = sample_inputs(2, 4096, 2, seed=11, dtype=torch.float64)
+    x[1] = 0.5 + 1e-3 * x[1]  # tokens close together: exp(−Σ(x_k − x_1)²) ≈ 0.9993, from p2 ≈ 1024 less 2·x1·p1
+    ys = {name: evaluate_target(name, x) for name in ("sin_exp", "max_dist")}
+    for b, i, c in [(0, 0, 0), (1, 4095, 1), (0, 1234, 1)]:
+        others = [float(x[b, k, c]) for k in range(4096) if k != i]
+        for name, y in ys.items():
+            assert float(y[b, i, c]) == pytest.approx(_g_loop(name, float(x[b, i, c]), others), rel=1e-12, abs=1e-300)
+    # a sequence with one token has no others: the exp term is exp(0) and the farthest distance is 0
+    one = sample_inputs(1, 1, 3, seed=2, dtype=torch.float64)
+    torch.testing.assert_close(evaluate_target("sin_exp", one), torch.sin(2 * math.pi * one) + 1)
+    assert evaluate_target("max_dist", one).abs().max() == 0
+
+
 def test_fig2_worked_example():
     # x = (0.5, 0.2, 0.1), d = 1: g(0.5; {0.2, 0.1}) = 0.5 + 7·0.25 + 3·0.5·0.3³ = 2.2905
     y = evaluate_target("fig2_poly", torch.tensor([[[0.5], [0.2], [0.1]]], dtype=torch.float64))
