@@ -3,8 +3,8 @@
 ``LMSCOPE_KERNEL_BACKEND=triton|reference`` overrides the automatic choice. Triton on CPU tensors
 only works under ``TRITON_INTERPRET=1`` (how the tests run the kernels). Jobs record
 ``kernel_backend(device)`` so every number says which code produced it. Also the argument checks
-the kernels share (``forward_backend``, ``check_heads``, ``check_grid``,
-``fit_int32_offsets``), ``repeat_kv`` for grouped-query heads, and the launch arithmetic (``cdiv``,
+the kernels share (``forward_backend``, ``check_heads``, ``check_floating``, ``check_scale``,
+``check_count``, ``check_grid``, ``fit_int32_offsets``), ``repeat_kv`` for grouped-query heads, and the launch arithmetic (``cdiv``,
 ``next_power_of_2``).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
+import numbers
 import os
 
 import torch
@@ -108,6 +110,38 @@ def check_heads(h: int, hk: int) -> None:
     """Grouped-query attention: H query heads share H_kv key/value heads, so H must be a multiple of H_kv."""
     if hk == 0 or h % hk != 0:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+
+
+def check_floating(name: str, **tensors: torch.Tensor) -> None:
+    """The kernels compute softmax attention: integer or boolean inputs are a mistake, not a cast to make,
+    and a head dim of 0 has no scores."""
+    for arg, t in tensors.items():
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be a floating-point tensor (float32, float16, bfloat16 or "
+                            f"float64); got {t.dtype}")
+        if t.shape[-1] == 0:
+            raise ValueError(f"{name}: {arg} has head dim 0; it must be at least 1")
+
+
+def check_scale(name: str, scale) -> float | None:
+    """``scale`` as a float, or None (the default 1/sqrt(D)); refuses what is not a finite real number (a
+    string, a bool, NaN, ±inf): every score would be NaN or ±inf, and the rows silently meaningless."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not (
+            isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.dtype.is_complex):
+        raise TypeError(f"{name}: scale must be a real number or None; got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: scale must be finite; got {value}")
+    return value
+
+
+def check_count(name: str, arg: str, value, least: int = 1) -> int:
+    """A whole number ≥ ``least`` (``num_features``, ``seed``): 16.0 or True are refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name}: {arg} must be a whole number >= {least}; got {value!r}")
+    return int(value)
 
 
 def check_grid(batch_heads: int) -> None:

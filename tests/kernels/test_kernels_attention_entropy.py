@@ -303,6 +303,38 @@ def test_validation_errors(device):
         attention_with_entropy(q, k, v, causal=False, window=4)
 
 
+def test_inputs_that_cannot_be_attention_are_refused(device):
+    """A scale that is not a finite number makes every score NaN or ±inf; integer inputs and a head
+    dim of 0 have no softmax: each is a clear error on either backend, not rows of NaN."""
+    q, k, v = _qkv(1, 2, 2, 8, 16, device=device)
+    for bad in (float("inf"), float("nan"), -float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            attention_with_entropy(q, k, v, scale=bad)
+    for bad in ("0.3", True, [0.3]):
+        with pytest.raises(TypeError, match="scale must be a real number"):
+            attention_with_entropy(q, k, v, scale=bad)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        attention_with_entropy(q.long(), k.long(), v.long())
+    with pytest.raises(ValueError, match="head dim 0"):
+        attention_with_entropy(q[..., :0], k[..., :0], v)
+
+
+def test_a_nan_score_gives_a_nan_row_not_an_empty_one(backend, device, oracle):
+    """A NaN in q (an fp16 overflow upstream) poisons its row's scores: entropy and lse are NaN, as in the
+    oracle, and not 0 / -inf, which would read as a row with no visible key. Other rows are untouched."""
+    q, k, v = _qkv(1, 2, 2, 9, 16, device=device, seed=4)
+    q[0, 0, 3, 5] = float("nan")
+    k[0, 1, 6, 0] = float("nan")  # key 6: rows 6.. of head 1 see it (causal), rows 0..5 do not
+    res = attention_with_entropy(q, k, v, causal=True, backend=backend)
+    nan = torch.zeros(1, 2, 9, dtype=torch.bool)
+    nan[0, 0, 3] = True
+    nan[0, 1, 6:] = True
+    assert torch.equal(res.entropy.isnan().cpu(), nan) and torch.equal(res.lse.isnan().cpu(), nan)
+    assert torch.equal(res.out.isnan().any(-1).cpu(), nan)
+    _, want, _, _ = oracle.attention(q, k, v, causal=True)
+    _close(res.entropy.cpu()[~nan], want.cpu()[~nan], atol=2e-5)
+
+
 def test_automatic_choice_runs_what_triton_cannot_take_on_the_reference(triton_backend, device, oracle, monkeypatch):
     """A model with head_dim 512 (or float64 inputs) on a GPU: the automatic choice is Triton, which
     cannot take them; the reference runs them and says so. Asked for by name, Triton refuses."""

@@ -89,6 +89,19 @@ def test_linformer_float32_and_validation():
     assert linformer_attention(q, k, v, e, f).dtype == torch.float32
     with pytest.raises(ValueError, match="columns"):
         linformer_attention(q, k, v, e[:, :5], f)
+    with pytest.raises(ValueError, match=r"E must be \[k, N\]"):
+        linformer_attention(q, k, v, e[0], f)
+    with pytest.raises(ValueError, match=r"broadcast against \[B, H\] = \[1, 2\]"):
+        linformer_attention(q, k, v, e.expand(3, 4, 12), f)  # per head, but 3 heads for q's 2
+    with pytest.raises(ValueError, match="scale must be finite"):
+        linformer_attention(q, k, v, e, f, scale=float("nan"))
+    with pytest.raises(TypeError, match="floating-point"):
+        linformer_attention(q, k, v, e.long(), f)
+    for bad in (4.0, True, 0):
+        with pytest.raises(ValueError, match="k must be a whole number >= 1"):
+            draw_linformer_projections(bad, 12, seed=0)
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        draw_linformer_projections(4, 12, seed=1.7)  # not truncated to 1: another seed's draw
 
 
 # ------------------------------------------------------------------ FAVOR+
@@ -206,6 +219,15 @@ def test_favor_float32_seed_and_validation():
         favor_attention(q, k, v)
     with pytest.raises(ValueError):
         favor_attention(q, k, v, projection=torch.randn(16, 4))
+    for bad in (16.0, True, 0, -3):
+        with pytest.raises(ValueError, match="num_features must be a whole number >= 1"):
+            favor_attention(q, k, v, num_features=bad, seed=3)
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        favor_attention(q, k, v, num_features=32, seed=1.7)  # not truncated to 1: another seed's draw
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        favor_attention(q, k, v, num_features=32, seed=3, scale="0.3")
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        favor_attention(q.int(), k.int(), v.int(), num_features=32, seed=3)
 
 
 # ------------------------------------------------------------------ the Triton paths (interpreted on CPU)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import check_heads, forward_backend, triton_dtype_refusal
+from ..dispatch import check_floating, check_heads, check_scale, forward_backend, triton_dtype_refusal
 from .naive import attention_with_entropy_reference
 
 
@@ -103,7 +103,9 @@ def attention_with_entropy(
     float64 or tensors that need gradients, runs on the reference), "triton" or "reference". The Triton
     path has no autograd; the reference path is differentiable.
     """
+    check_floating("attention_with_entropy", q=q, k=k, v=v)
     _check(q, k, v, key_padding_mask, causal, softcap, window)
+    scale = check_scale("attention_with_entropy", scale)
     backend = forward_backend(backend, "attention_with_entropy", q, k, v, refusal=attention_triton_refusal(q, v))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -219,7 +219,9 @@ def _attn_entropy_fwd(
     )
 
     # Rows with no visible key (padding, or N_Q > N_K under causal): out = 0, H = 0, lse = -inf.
-    seen = l_i > 0.0
+    # A NaN score (NaN inputs, an fp16 overflow) makes l_i NaN: kept NaN, as in the reference, not
+    # passed off as a row with nothing to see.
+    seen = (l_i > 0.0) | (l_i != l_i)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     ln_l = tl.log(l_safe)

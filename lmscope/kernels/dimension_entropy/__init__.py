@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_heads, forward_backend
+from ..dispatch import check_floating, check_heads, check_scale, forward_backend
 from .naive import dimension_entropy_reference
 
 
@@ -34,8 +34,10 @@ def dimension_entropy(
     check_heads(q.shape[1], k.shape[1])
     if q.shape[2] == 0:
         raise ValueError("sequence length must be at least 1")
+    check_floating("dimension_entropy", q=q, k=k)
     if q.dtype != k.dtype:
         raise ValueError(f"q and k dtypes differ: {q.dtype}, {k.dtype}")
+    scale = check_scale("dimension_entropy", scale)
     backend = forward_backend(backend, "dimension_entropy", q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

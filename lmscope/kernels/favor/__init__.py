@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_heads, forward_backend
+from ..dispatch import check_count, check_floating, check_heads, check_scale, forward_backend
 from .naive import draw_favor_projection, favor_attention_reference, favor_causal_key_features, favor_features
 
 
@@ -41,7 +41,11 @@ def favor_attention(
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
     check_heads(q.shape[1], k.shape[1])
+    check_floating("favor_attention", q=q, k=k, v=v)
+    scale = check_scale("favor_attention", scale)
     d = q.shape[-1]
+    if num_features is not None:
+        num_features = check_count("favor_attention", "num_features", num_features)
     if projection is None:
         if num_features is None or seed is None:
             raise ValueError("give projection=, or num_features= and seed=")

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..dispatch import repeat_kv
+from ..dispatch import check_count, repeat_kv
 
 
 def draw_favor_projection(
@@ -33,9 +33,9 @@ def draw_favor_projection(
     marginally N(0, I) as the estimator requires. Drawn on the CPU in float64 from ``seed`` so the
     same seed gives the same matrix on every device.
     """
-    if num_features < 1 or head_dim < 1:
-        raise ValueError(f"num_features and head_dim must be >= 1; got {num_features}, {head_dim}")
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    num_features = check_count("draw_favor_projection", "num_features", num_features)
+    head_dim = check_count("draw_favor_projection", "head_dim", head_dim)
+    gen = torch.Generator(device="cpu").manual_seed(check_count("draw_favor_projection", "seed", seed, least=0))
     n_blocks = math.ceil(num_features / head_dim)
     g = torch.randn(n_blocks, head_dim, head_dim, generator=gen, dtype=torch.float64)
     qmat, r = torch.linalg.qr(g)  # batched: one QR per block

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..dispatch import check_heads, forward_backend, repeat_kv
+from ..dispatch import check_floating, check_heads, check_scale, forward_backend, repeat_kv
 from .naive import draw_linformer_projections, linformer_attention_reference
 
 
@@ -37,7 +37,19 @@ def linformer_attention(
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
     check_heads(q.shape[1], k.shape[1])
+    check_floating("linformer_attention", q=q, k=k, v=v, E=E, F=F)
+    scale = check_scale("linformer_attention", scale)
     n = k.shape[2]
+    for name, m in (("E", E), ("F", F)):
+        if m.ndim < 2:
+            raise ValueError(f"{name} must be [k, N] (or per head [H, k, N]); got {tuple(m.shape)}")
+        try:
+            fits = torch.broadcast_shapes(m.shape[:-2], q.shape[:2]) == q.shape[:2]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{name} {tuple(m.shape)}: its leading dims must broadcast against [B, H] = "
+                             f"{list(q.shape[:2])} (shared [k, N], or per head [H, k, N])")
     if E.shape[-1] != n or F.shape[-1] != n:
         raise ValueError(f"E and F must have N = {n} columns; got {tuple(E.shape)} and {tuple(F.shape)}")
     if E.shape[-2] != F.shape[-2]:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..dispatch import repeat_kv
+from ..dispatch import check_count, repeat_kv
 
 
 def draw_linformer_projections(
@@ -24,9 +24,9 @@ def draw_linformer_projections(
 
     Drawn on the CPU in float64 so a seed gives the same matrices on every device.
     """
-    if k < 1 or seq_len < 1:
-        raise ValueError(f"k and seq_len must be >= 1; got {k}, {seq_len}")
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    k = check_count("draw_linformer_projections", "k", k)
+    seq_len = check_count("draw_linformer_projections", "seq_len", seq_len)
+    gen = torch.Generator(device="cpu").manual_seed(check_count("draw_linformer_projections", "seed", seed, least=0))
     e = torch.randn(k, seq_len, generator=gen, dtype=torch.float64) / math.sqrt(k)
     f = torch.randn(k, seq_len, generator=gen, dtype=torch.float64) / math.sqrt(k)
     return e.to(device=device, dtype=dtype), f.to(device=device, dtype=dtype)
