@@ -230,6 +230,28 @@ def test_favor_float32_seed_and_validation():
         favor_attention(q.int(), k.int(), v.int(), num_features=32, seed=3)
 
 
+def test_the_backend_functions_name_what_runs(triton_backend, device, monkeypatch):
+    """favor_backend / linformer_backend / dimension_entropy_backend say which code the kernel runs on these
+    inputs (jobs record it): with Triton the automatic choice, causal FAVOR+ is Triton and non-causal the
+    PyTorch matmuls; gradients, float64 and (for Linformer's attention kernel) head dims over 256 the
+    reference."""
+    from lmscope.kernels import dimension_entropy_backend, dispatch, favor_backend, linformer_backend
+
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    q, k, v = (t.to(device) for t in _qkv(1, 2, 8, 16, dtype=torch.float32))
+    assert favor_backend(q, k, v, causal=True) == "triton" and favor_backend(q, k, v, causal=False) == "reference"
+    assert linformer_backend(q, k, v) == dimension_entropy_backend(q, k) == "triton"
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    assert favor_backend(q64, k64, v64) == linformer_backend(q64, k64, v64) == dimension_entropy_backend(q64, k64) \
+        == "reference"
+    wide = torch.zeros(1, 2, 8, 288, device=device)
+    assert linformer_backend(wide, wide, wide) == "reference" and favor_backend(wide, wide, wide) == "triton"
+    needs_grad = q.clone().requires_grad_()
+    assert favor_backend(needs_grad, k, v) == linformer_backend(needs_grad, k, v) == "reference"
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert favor_backend(q, k, v) == linformer_backend(q, k, v) == dimension_entropy_backend(q, k) == "reference"
+
+
 # ------------------------------------------------------------------ the Triton paths (interpreted on CPU)
 
 @pytest.mark.parametrize("n", [1, 7, 77, 130])

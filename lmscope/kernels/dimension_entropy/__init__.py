@@ -10,6 +10,12 @@ from ..dispatch import check_floating, check_heads, check_scale, forward_backend
 from .naive import dimension_entropy_reference
 
 
+def dimension_entropy_backend(q: torch.Tensor, k: torch.Tensor, *, backend: str | None = None) -> str:
+    """The backend :func:`dimension_entropy` runs these inputs on (float64, or tensors that need gradients:
+    the reference)."""
+    return forward_backend(backend, "dimension_entropy", q, k)
+
+
 def dimension_entropy(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,7 +44,7 @@ def dimension_entropy(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k dtypes differ: {q.dtype}, {k.dtype}")
     scale = check_scale("dimension_entropy", scale)
-    backend = forward_backend(backend, "dimension_entropy", q, k)
+    backend = dimension_entropy_backend(q, k, backend=backend)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "reference":
@@ -49,4 +55,4 @@ def dimension_entropy(
         return dimension_entropy_triton(q, k, causal=causal, scale=float(scale))
 
 
-__all__ = ["dimension_entropy", "dimension_entropy_reference"]
+__all__ = ["dimension_entropy", "dimension_entropy_backend", "dimension_entropy_reference"]

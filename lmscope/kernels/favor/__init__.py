@@ -10,6 +10,14 @@ from ..dispatch import check_count, check_floating, check_heads, check_scale, fo
 from .naive import draw_favor_projection, favor_attention_reference, favor_causal_key_features, favor_features
 
 
+def favor_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                  backend: str | None = None) -> str:
+    """The backend :func:`favor_attention` runs these inputs on: "triton" only for the causal prefix sums
+    (the non-causal form is two matmuls, the same PyTorch code on both backends)."""
+    chosen = forward_backend(backend, "favor_attention", q, k, v)
+    return "triton" if chosen == "triton" and causal else "reference"
+
+
 def favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,7 +66,7 @@ def favor_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     projection = projection.to(q.device)
-    if forward_backend(backend, "favor_attention", q, k, v) == "triton" and causal:
+    if favor_backend(q, k, v, causal=causal, backend=backend) == "triton":
         from .triton_kernel import favor_causal_triton  # lazy: importing triton is optional
 
         with torch.no_grad():
@@ -68,5 +76,5 @@ def favor_attention(
     return favor_attention_reference(q, k, v, projection, causal=causal, scale=scale, eps=eps)
 
 
-__all__ = ["draw_favor_projection", "favor_attention", "favor_attention_reference", "favor_causal_key_features",
+__all__ = ["draw_favor_projection", "favor_attention", "favor_backend", "favor_attention_reference", "favor_causal_key_features",
            "favor_features"]

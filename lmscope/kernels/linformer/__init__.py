@@ -10,6 +10,14 @@ from ..dispatch import check_floating, check_heads, check_scale, forward_backend
 from .naive import draw_linformer_projections, linformer_attention_reference
 
 
+def linformer_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str | None = None) -> str:
+    """The backend :func:`linformer_attention` runs these inputs on: its attention over the projected keys
+    is :func:`attention_with_entropy`'s kernel, so that kernel's limits decide."""
+    from ..attention_entropy import attention_triton_refusal
+
+    return forward_backend(backend, "linformer_attention", q, k, v, refusal=attention_triton_refusal(q, v))
+
+
 def linformer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,10 +65,9 @@ def linformer_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     E, F = E.to(q.device), F.to(q.device)
-    from ..attention_entropy import attention_triton_refusal, attention_with_entropy
+    from ..attention_entropy import attention_with_entropy
 
-    # the attention over the projected keys runs in attention_with_entropy's kernel: its limits are these
-    if forward_backend(backend, "linformer_attention", q, k, v, refusal=attention_triton_refusal(q, v)) == "triton":
+    if linformer_backend(q, k, v, backend=backend) == "triton":
         with torch.no_grad():
             if E.ndim > 2 or F.ndim > 2:  # per-head projections are indexed by query head
                 k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
@@ -71,4 +78,4 @@ def linformer_attention(
     return linformer_attention_reference(q, k, v, E, F, scale=scale)
 
 
-__all__ = ["draw_linformer_projections", "linformer_attention", "linformer_attention_reference"]
+__all__ = ["draw_linformer_projections", "linformer_attention", "linformer_backend", "linformer_attention_reference"]
