@@ -130,9 +130,11 @@ class Approximation:
     def __init__(self, params: AttentionApproxParams):
         self.params = params
         self.draws: dict[tuple[int, int], Any] = {}
+        self.backends: set[str] = set()  # what ran the approximation (the kernels' own choice per call)
 
     def __call__(self, layer: int, k: int, q, kk, v, scale: float):
-        from lmscope.kernels import draw_favor_projection, favor_attention, linformer_attention
+        from lmscope.kernels import (draw_favor_projection, favor_attention, favor_backend, linformer_attention,
+                                     linformer_backend)
 
         p = self.params
         if (layer, k) not in self.draws:
@@ -142,8 +144,10 @@ class Approximation:
                                     if p.method == "performer" else
                                     linformer_projections(p.linformer_projection, k, q.shape[2], seed, q.device))
         if p.method == "performer":
+            self.backends.add(favor_backend(q, kk, v, causal=True))
             return favor_attention(q, kk, v, projection=self.draws[layer, k], causal=True, scale=scale)
         e, f = self.draws[layer, k]
+        self.backends.add(linformer_backend(q, kk, v))
         return linformer_attention(q, kk, v, e, f, scale=scale)
 
 
@@ -182,6 +186,7 @@ def measure_approximations(model, windows: torch.Tensor, layers: list[int], para
                 scale = m.scales[layer] = col.scaling[layer]  # the layer's own (GPT-2 may use 1/(√D·(l+1)))
                 m.head_info = {"num_heads": q.shape[1], "num_kv_heads": kk.shape[1], "head_dim": q.shape[-1]}
                 if b == 0:  # warm-up (Triton compilation, cuBLAS handles) outside the timings
+                    refuse_what_cannot_fit(params, q, kk, v)
                     attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale)
                     for k in ks:
                         approx(layer, k, q, kk, v, scale)
@@ -189,12 +194,7 @@ def measure_approximations(model, windows: torch.Tensor, layers: list[int], para
                 res, dt = _timed(lambda: attention_with_entropy(q, kk, v, causal=causal_ref, scale=scale), q.device)
                 m.exact_seconds += dt
                 m.backends.add(res.backend)
-                # the oracle: the reference kernel in float64, with the N × N matrix built explicitly,
-                # one window at a time (the float64 matrices of all heads of one window at most)
-                exact = torch.cat([attention_with_entropy(q[i:i + 1].double(), kk[i:i + 1].double(),
-                                                          v[i:i + 1].double(), causal=causal_ref, scale=scale,
-                                                          backend="reference").out
-                                   for i in range(q.shape[0])])
+                exact = exact_attention_float64(q, kk, v, causal=causal_ref, scale=scale)
                 for k in ks:
                     out, dt = _timed(lambda: approx(layer, k, q, kk, v, scale), q.device)
                     m.approx_seconds[k] += dt
@@ -203,6 +203,59 @@ def measure_approximations(model, windows: torch.Tensor, layers: list[int], para
             del col
             ctx.progress(b + 1, len(batches), f"batch {b + 1}/{len(batches)} ({params.method}, seed {params.seed})")
     return m
+
+
+def approximation_bytes(method: str, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, k: int) -> int:
+    """About the most memory one call of the approximation with k features holds on one layer's q, k, v.
+
+    Performer: the query and key features [B, H, N, k] in float32 and the log-features they come from.
+    Linformer: E and F [k, N], and on the reference path the scores and weights [B, H, N, k] (the Triton
+    path attends over the k projected keys without forming them)."""
+    from lmscope.kernels import linformer_backend
+
+    B, H, N, _ = q.shape
+    features = B * H * N * k * 4
+    if method == "performer":
+        return 3 * features
+    projections = 2 * k * N * 4
+    return projections if linformer_backend(q, kk, v) == "triton" else projections + 2 * features
+
+
+def refuse_what_cannot_fit(params: AttentionApproxParams, q, kk, v) -> None:
+    """A clear failure up front, not an out-of-memory kill hours in (or a host swapping), when the
+    largest k cannot fit beside what the job already holds."""
+    from lmscope.modeling.memory import available_bytes
+
+    k = max(params.features)
+    need, free = approximation_bytes(params.method, q, kk, v, k), available_bytes(q.device)
+    if free is not None and need > 0.9 * free:
+        raise JobFailed(f"{params.method} with {k} features on {q.shape[0]} windows of {q.shape[2]} tokens × "
+                        f"{q.shape[1]} heads needs about {need / 2**30:.3g} GiB for one layer, and {q.device} has "
+                        f"{free / 2**30:.3g} GiB free: lower the largest features, seq_len or batch_size",
+                        error_type="out-of-memory")
+
+
+ORACLE_ELEMENTS = 2**26  # float64 scores per block of query rows: 512 MB, plus the softmax's temporaries
+
+
+def exact_attention_float64(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    """The oracle: the reference kernel in float64, score matrices built explicitly, one window and one
+    block of query rows at a time. All heads of one 8192-token window at once would be 17 GB; rows
+    a..b−1 of a causal window see keys 0..b−1 only, so a block needs no more keys than that."""
+    from lmscope.kernels import attention_with_entropy
+
+    B, H, N, _ = q.shape
+    rows = max(1, ORACLE_ELEMENTS // (H * N))
+    out = torch.empty(B, H, N, v.shape[-1], dtype=torch.float64, device=q.device)
+    for i in range(B):
+        k_i, v_i = k[i:i + 1].double(), v[i:i + 1].double()
+        for a in range(0, N, rows):
+            b = min(N, a + rows)
+            keys = b if causal else N  # causal: bottom-right aligned, query a + j sees keys ≤ a + j
+            out[i:i + 1, :, a:b] = attention_with_entropy(q[i:i + 1, :, a:b].double(), k_i[:, :, :keys],
+                                                          v_i[:, :, :keys], causal=causal, scale=scale,
+                                                          backend="reference").out
+    return out
 
 
 def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobOutput:
@@ -217,21 +270,19 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
     sliding window is shorter than seq_len it is not the model's windowed attention, which the summary
     says (`sliding_windows`, `sliding_window_note`).
     """
-    from lmscope.kernels import kernel_backend
     loaded, layers, params = _attention_study_model(params, ctx)
-    device = next(loaded.model.parameters()).device
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
     windows = dataset_windows(loaded.tokenizer, documents, params, params.model)
 
     causal_ref = params.method == "performer"  # every supported model is a causal LM
-    m = measure_approximations(loaded.model, windows, layers, params, Approximation(params), causal_ref, ctx)
+    approx = Approximation(params)
+    m = measure_approximations(loaded.model, windows, layers, params, approx, causal_ref, ctx)
     backend = "/".join(sorted(m.backends))  # what ran, not what the device would pick
     ctx.record("kernel_backend", backend)
-    # FAVOR+ / Linformer pick theirs like the exact kernel (no gradients here): causal FAVOR+'s prefix sums
-    # run in Triton on a GPU; Linformer's attention over the projected keys runs in the exact kernel, with
-    # its limits (head_dim > 256: the reference), so it ran where the exact side did
-    ctx.record("approximation_backend", backend if params.method == "linformer" else kernel_backend(device))
+    # causal FAVOR+'s prefix sums run in Triton on a GPU; Linformer's attention over the projected keys in
+    # the exact kernel, with its limits (head_dim > 256: the reference)
+    ctx.record("approximation_backend", "/".join(sorted(approx.backends)))
 
     ks = list(params.features)
     # mean over segments for each layer and k

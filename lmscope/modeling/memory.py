@@ -26,3 +26,20 @@ def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def available_bytes(device: str | torch.device) -> int | None:
+    """Memory a job may still fill on ``device``: free GPU memory plus what torch's allocator holds
+    unused; on the host, the kernel's MemAvailable. None where it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -455,6 +455,47 @@ def test_the_explicit_approximations_by_hand():
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_oracle_in_blocks_of_query_rows_is_the_whole_matrix(monkeypatch, causal):
+    """The study's float64 oracle works through blocks of 3 query rows here (at 8192 tokens all heads of
+    a window at once were 17 GB); rows a..b−1 of a causal window see keys 0..b−1: the same numbers as the
+    whole score matrix, with grouped-query heads."""
+    from lmscope.analyses import attention_approx
+    from tests.kernels.conftest import attention_oracle
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 10, 8, generator=g)
+    k, v = (torch.randn(2, 2, 10, 8, generator=g) for _ in range(2))
+    monkeypatch.setattr(attention_approx, "ORACLE_ELEMENTS", 3 * 4 * 10)  # 3 rows of all 4 heads
+    got = attention_approx.exact_attention_float64(q, k, v, causal=causal, scale=0.4)
+    want = attention_oracle(q, k, v, causal=causal, scale=0.4)[0]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["performer", "linformer"])
+def test_an_attention_study_too_large_for_memory_fails_up_front_with_what_to_lower(tmp_path, monkeypatch, method):
+    """The features of the largest k are sized before anything runs: B·H·N·k floats (Performer's features,
+    Linformer's reference scores). Past the memory free they fail as out-of-memory, with the fields to lower."""
+    from lmscope.analyses.base import JobFailed
+    from lmscope.catalog import read_documents
+    from lmscope.modeling import memory
+
+    docs = read_documents(WIKITEXT, "lines")[:60]
+    ctx = LocalContext(tmp_path, datasets={"w": docs})
+    params = validate_params("attention_approx", {
+        "model": "tiny-gpt2", "dataset": "w", "method": method, "features": [6, 4096], "layers": [0],
+        "seq_len": 32, "num_segments": 2, "batch_size": 2, "seed": 1}, internal=True)
+    heads = ctx.load_model("tiny-gpt2").model.config.n_head
+    need = 2 * heads * 32 * 4096 * 4 * (3 if method == "performer" else 2) + (0 if method == "performer" else 2 * 4096 * 32 * 4)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(need / 0.9) - 1)
+    with pytest.raises(JobFailed, match="lower the largest features, seq_len or batch_size") as e:
+        run_attention_approx(params, ctx)
+    assert e.value.error_type == "out-of-memory" and f"{need / 2**30:.3g} GiB" in str(e.value)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(need / 0.9) + 1)  # just enough: it runs
+    assert run_attention_approx(params, ctx).summary["features"] == [6, 4096]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,projection,scaled,bos", [
     ("performer", "gaussian", False, False), ("linformer", "gaussian", False, False),
