@@ -392,6 +392,25 @@ def test_out_of_memory_names_the_fields_of_the_job_kind_that_shrink_it():
     assert out_of_memory_message(torch_text, "probe") == head + "use smaller parameters, or set dtype bfloat16"
 
 
+def test_the_host_running_out_of_memory_is_out_of_memory_not_a_bug():
+    """torch's CPU allocator raises a plain RuntimeError (a train run too large for the host's memory): it is
+    reported as out-of-memory with the kind's advice, not as a RuntimeError the docs call a bug."""
+    import torch
+
+    from lmscope.config import Settings
+    from lmscope.worker.runner import _failure
+
+    settings = Settings.from_env({})
+    try:
+        torch.empty(2**60, dtype=torch.uint8)  # an exabyte: no host has it
+    except RuntimeError as e:
+        error_type, message = _failure(e, settings, "train")
+    assert error_type == "out-of-memory"
+    assert message == "the host ran out of memory: the host has no room for 1.07e+09 GiB more; lower batch_size or context"
+    assert _failure(MemoryError(), settings, "norms")[0] == "out-of-memory"
+    assert _failure(RuntimeError("shape mismatch"), settings, "norms")[0] == "RuntimeError"  # other errors stay theirs
+
+
 def test_unknown_kind_fails_with_a_clear_message(settings, sessions, make_job, job_row, publisher):
     job_id = make_job(kind="no_such_kind", params={})
     assert runner.execute(job_id, settings, sessions, publisher) == "failed"
