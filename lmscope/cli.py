@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import re
 import shlex
 import sys
@@ -70,7 +71,11 @@ class LmscopeGroup(click.Group):
 
 
 def client() -> Client:
-    return Client()
+    url = os.environ.get("LMSCOPE_URL")
+    # The client's paths start with /v1: LMSCOPE_URL=http://host:8765/v1 asked for /v1/v1/jobs (a 404).
+    if url and re.search(r"/v1/*$", url):
+        url = re.sub(r"/v1/*$", "", url)
+    return Client(url or None)
 
 
 # ---------------------------------------------------------------- params
@@ -141,10 +146,48 @@ def parse_param(raw: str, schema: dict[str, Any] | None, key: str) -> Any:
         return raw
     # only where the kind's schema says the field is no text (without one, "[INST] hi" may be a prompt)
     if not_json is not None and prop is not None and not text_field and raw.strip()[:1] in ("[", "{"):
+        items = list_item_types(schema, prop) - {"null"}
+        strings = items == {"string"}
+        quoted = quoted_list(raw, strings) if items & {"string", "any"} else None  # bare words: no numbers
+        if quoted is not None:  # `[a,b]`: the shell's way of writing a list, not JSON's
+            raise click.BadParameter(f"{key}={raw} is not JSON: strings in a list need double quotes: {quoted}",
+                                     param_hint="--param")
         # `[1,2` meant a list: say where it stops parsing, not that a string is no list
+        example = '["a", "b"]' if strings else "[1, 2]"
         raise click.BadParameter(f"{key}={raw} starts like JSON but does not parse: {not_json} "
-                                 f"(a list is written [1, 2], an object {{\"a\": 1}})", param_hint="--param")
+                                 f"(a list is written {example}, an object {{\"a\": 1}})", param_hint="--param")
     return value
+
+
+def list_item_types(root: dict[str, Any] | None, node: Any) -> set[str]:
+    """The JSON types of the items of the list a field takes (`list[int] | None` → {"integer"}); {"any"} when
+    the schema does not say."""
+    node = _deref(root, node)
+    if not isinstance(node, dict):
+        return {"any"}
+    if "anyOf" in node or "oneOf" in node:
+        arrays = [n for n in node.get("anyOf", node.get("oneOf")) if "array" in json_types(root, n)]
+        return set().union(*(list_item_types(root, n) for n in arrays)) if arrays else {"any"}
+    return json_types(root, node["items"]) if "items" in node else {"any"}
+
+
+def quoted_list(raw: str, strings: bool) -> str | None:
+    """`[a, 'b', 3]` as the JSON list it means (["a", "b", 3]; every item a string when `strings`), or None
+    when the text is no flat list with a bare word in it."""
+    text = raw.strip()
+    if not (text.startswith("[") and text.endswith("]")) or any(c in text[1:-1] for c in '[]{}"'):
+        return None
+    parts = [p.strip() for p in text[1:-1].split(",")]
+    if not all(parts):
+        return None
+    items, bare = [], False
+    for part in parts:
+        try:
+            item = strict_json.loads(part)
+        except strict_json.StrictJsonError:
+            item, bare = part.strip("'"), True
+        items.append(part if strings and not isinstance(item, str) else item)
+    return json.dumps(items, ensure_ascii=False) if bare else None
 
 
 def set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
@@ -173,29 +216,57 @@ def params_file_bytes(value: str) -> bytes:
             raise click.BadParameter(f"no bundled example {name!r}; they are {', '.join(examples.names())}",
                                      param_hint="--params") from None
     path = Path(value)
-    if not path.is_file():
+    if not path.exists():
         stem = path.name.removesuffix(".json")
         hint = (f"; the bundled example is --params example:{stem} (the path {value} works only from a checkout's "
                 "root)" if stem in examples.names() else "")
         raise click.BadParameter(f"file {value!r} does not exist" + hint, param_hint="--params")
-    return path.read_bytes()
+    if path.is_dir():
+        raise click.BadParameter(f"{value!r} is a directory, not a JSON file", param_hint="--params")
+    return path.read_bytes()  # also /dev/null or a pipe (<(...)): not regular files, but readable
+
+
+# The fields of a POST /v1/jobs body: a --params file with "kind" and "params" among only these is a whole request.
+REQUEST_FIELDS = {"kind", "params", "name", "tags", "idempotency_key"}
+
+
+def params_of_file(params_file: str, kind: str | None) -> dict[str, Any]:
+    """The params object a --params file holds. A whole request body ({"kind": ..., "params": {...}}) of the
+    same `kind`, and nothing else, gives its "params"; any other request body is refused, saying why."""
+    try:
+        data = params_file_bytes(params_file)
+        if not data.strip():
+            raise click.BadParameter(f"{params_file} is empty; it must hold a JSON object of parameters, "
+                                     'e.g. {"model": "tiny-gpt2"}', param_hint="--params")
+        loaded = strict_json.loads(data)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(f"cannot read {params_file}: {e}", param_hint="--params") from None
+    if not isinstance(loaded, dict):
+        what = {list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(type(loaded), "a number")
+        raise click.BadParameter(f"{params_file} holds {what}, not a JSON object of parameters", param_hint="--params")
+    if "kind" in loaded and isinstance(loaded.get("params"), dict) and set(loaded) <= REQUEST_FIELDS:
+        if loaded["kind"] != kind:
+            raise click.BadParameter(f"{params_file} is a whole request for kind {loaded['kind']!r}; --params "
+                                     "takes only a params object (its \"params\")", param_hint="--params")
+        others = sorted(set(loaded) - {"kind", "params"})
+        if others:  # dropped unseen they would be lost: the command line has its own options for them
+            raise click.BadParameter(f"{params_file} is a whole request with {', '.join(others)}; --params takes "
+                                     "only its \"params\" object (give --name, --tag, --idempotency-key instead)",
+                                     param_hint="--params")
+        return loaded["params"]
+    return loaded
 
 
 def build_params(pairs: tuple[str, ...], params_file: str | None,
-                 schema: dict[str, Any] | None = None) -> dict[str, Any]:
+                 schema: dict[str, Any] | None = None, kind: str | None = None) -> dict[str, Any]:
     """--params FILE first, then each --param key=value on top (dotted keys make nested objects).
 
-    `schema` (the kind's params JSON schema) keeps values of string fields as text.
+    `schema` (the kind's params JSON schema) keeps values of string fields as text; `kind` lets a file that
+    holds a whole request of that kind stand for its params (`params_of_file`).
     """
     params: dict[str, Any] = {}
     if params_file:
-        try:
-            loaded = strict_json.loads(params_file_bytes(params_file))
-        except (OSError, ValueError) as e:
-            raise click.BadParameter(f"cannot read {params_file}: {e}", param_hint="--params") from None
-        if not isinstance(loaded, dict):
-            raise click.BadParameter(f"{params_file} must hold a JSON object", param_hint="--params")
-        params = loaded
+        params = params_of_file(params_file, kind)
     given: dict[str, str] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -307,6 +378,8 @@ def report_final(c: Client, job: dict[str, Any]) -> None:
         counts = job["children"]
         click.echo("children: " + ", ".join(f"{counts[s]} {s}" for s in ("succeeded", "failed", "cancelled") if counts.get(s)))
     for key, value in (job.get("summary") or {}).items():
+        if key == "children" and job.get("children"):  # a sweep's counts, said on the line above
+            continue
         click.echo(f"  {key}: {summary_value(value)}")
     echo_artifacts(c, job)
 
@@ -328,24 +401,37 @@ def echo_artifacts(c: Client, job: dict[str, Any]) -> None:
                 click.echo(f"  {c.url}{a['url']}")
 
 
+def left_as(status: str | None) -> str:
+    """What a job that is no longer watched goes on doing: a queued one does not run yet."""
+    return {"queued": "stays queued", "running": "keeps running"}.get(status or "", "is left as it is")
+
+
 def wait_and_report(c: Client, job_id: int, timeout: float | None) -> None:
     line = ProgressLine(job_id)
+    seen: dict[str, Any] = {}
+
+    def progress(job: dict[str, Any]) -> None:
+        seen["status"] = job["status"]
+        line(job)
 
     def outage(e: LmscopeError) -> None:
         line.close()
         click.echo(f"the API stopped answering ({e}); still waiting for job {job_id}…", err=True)
 
     try:
-        job = c.wait(job_id, on_progress=line, timeout=timeout, on_outage=outage)
+        job = c.wait(job_id, on_progress=progress, timeout=timeout, on_outage=outage)
     except LmscopeError:
         line.close()
         raise
     except TimeoutError as e:
         line.close()
-        raise click.ClickException(f"{e}; it keeps running: `lmscope wait {job_id}` or `lmscope show {job_id}`")
+        raise click.ClickException(f"{e}; it {left_as(seen.get('status'))}: `lmscope wait {job_id}` or "
+                                   f"`lmscope show {job_id}`")
     except KeyboardInterrupt:
         line.close()
-        click.echo(f"\nstopped watching; job {job_id} keeps running (`lmscope cancel {job_id}` to stop it)", err=True)
+        stop = "drop" if seen.get("status") == "queued" else "stop"
+        click.echo(f"\nstopped watching; job {job_id} {left_as(seen.get('status'))} (`lmscope cancel {job_id}` "
+                   f"to {stop} it)", err=True)
         raise SystemExit(130)
     line.close()
     report_final(c, job)
@@ -598,9 +684,10 @@ def user_list():
 
     with _sessions()() as session:
         users = list(session.scalars(select(User).order_by(User.name)))
-        width = max((len(u.name) + (8 if u.is_admin else 0) for u in users), default=0)
-        for u in users:
-            click.echo(f"{(u.name + ('  (admin)' if u.is_admin else '')):{width}}  {_limits_text(u)}")
+        labels = [u.name + ("  (admin)" if u.is_admin else "") for u in users]
+        width = max(map(len, labels), default=0)
+        for u, label in zip(users, labels):
+            click.echo(f"{label:{width}}  {_limits_text(u)}")
 
 
 # ---------------------------------------------------------------- jobs
@@ -650,7 +737,7 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
                                "watch later with `lmscope wait JOB --timeout SECONDS`")
     c = client()
     schema = kind_schema(c, kind) if pairs else None
-    job = c.submit(kind, build_params(pairs, params_file, schema), name=name, tags=list(tags),
+    job = c.submit(kind, build_params(pairs, params_file, schema, kind), name=name, tags=list(tags),
                    idempotency_key=idempotency_key)
     children = f" with {job['children']['total']} children" if job.get("children") else ""
     if job.get("replayed"):
@@ -1168,6 +1255,16 @@ def models_delete(names, run=None):
         raise click.UsageError("name the models to remove, or give --run NAME")
     kept = remove_each("model", names, c.delete_model)
     if kept and run is not None:
+        active: dict[int, str] = {}  # the run's train jobs that have not ended: id → status
+        for e in kept.values():  # the API's 409 for such a checkpoint names the job and its status
+            m = re.match(r"job (\d+) is (queued|running) and writes ", e.problem.get("detail") or "")
+            if e.status == 409 and m:
+                active[int(m[1])] = m[2]
+        if active:
+            training = ", ".join(f"train job {i} is {status}" for i, status in active.items())
+            cancel = " and ".join(f"`lmscope cancel {i}`" for i in active)
+            raise click.ClickException(f"run {run!r} has not ended ({training}): {cancel} first, or wait for it "
+                                       f"to end; then `lmscope models delete --run {run}` again")
         not_yours = any(e.status == 403 for e in kept.values())
         then = ("they are another user's: ask their owner or an admin to remove them" if not_yours else
                 f"`lmscope models delete --run {run}` again once they are free")

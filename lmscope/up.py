@@ -112,10 +112,15 @@ def _serve_holding_the_data_dir(settings: Settings) -> None:
 
     previous = {s: signal.signal(s, _shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     base = f"http://{url_host(settings.host)}:{server.port}"
+    if settings.broker_url:  # likely left over from a team deployment's environment: it does nothing here
+        print("lmscope up: LMSCOPE_BROKER_URL is ignored: this process queues and runs its jobs itself "
+              "(unset it to silence this)", flush=True)
     print(f"lmscope up: dashboard {base}/  API docs {base}/docs  (data in {settings.data_dir}; "
           f"{len(recovered['requeued'])} interrupted job(s) re-queued)", flush=True)
     if settings.auth:
-        print("lmscope up: bearer tokens required (LMSCOPE_AUTH=1); make one with "
+        # LMSCOPE_AUTH defaults to 1 with a broker URL, also the ignored one: say why tokens are on
+        why = ", its default while LMSCOPE_BROKER_URL is set" if settings.broker_url else ""
+        print(f"lmscope up: bearer tokens required (LMSCOPE_AUTH=1{why}); make one with "
               f"`LMSCOPE_DATA_DIR={settings.data_dir} lmscope user create NAME`", flush=True)
     try:
         server.serve_forever()

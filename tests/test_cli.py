@@ -793,3 +793,194 @@ def test_an_api_problem_is_shown_with_each_field_once(capsys):
     err = capsys.readouterr().err
     assert err.count(said) == 1 and "(field params.dimension_wise)" in err
     assert "params.dataset: dataset 'x' is not registered" in err
+
+
+# ---------------------------------------------------------------- messages of a user test
+
+def test_up_says_a_broker_url_is_ignored_and_its_readyz_pings_none(sqlite_url, settings_factory, monkeypatch, capsys):
+    """With LMSCOPE_BROKER_URL set, `lmscope up` queued in-process but /readyz said "broker: Connection refused"
+    (503) for ever, and the tokens the URL switched on went unexplained."""
+    import werkzeug.serving
+
+    from lmscope.up import serve
+
+    ready = []
+
+    class Server:  # serve_forever asks /readyz of the app being served, with its worker running
+        port = 18766
+
+        def __init__(self, app):
+            self.app = app
+
+        def serve_forever(self):
+            r = self.app.test_client().get("/readyz")
+            ready.append((r.status_code, r.get_json()))
+
+        def server_close(self):
+            pass
+
+    monkeypatch.setattr(werkzeug.serving, "make_server", lambda host, port, app, **k: Server(app))
+    from lmscope.config import Settings
+
+    settings = Settings.from_env({"LMSCOPE_DATA_DIR": str(settings_factory().data_dir),
+                                  "LMSCOPE_BROKER_URL": "redis://127.0.0.1:1/0"}, database_url=sqlite_url)
+    assert settings.auth  # the URL's default, also here
+    serve(settings)
+    out = capsys.readouterr().out
+    assert "lmscope up: LMSCOPE_BROKER_URL is ignored: this process queues and runs its jobs itself" in out
+    assert "bearer tokens required (LMSCOPE_AUTH=1, its default while LMSCOPE_BROKER_URL is set)" in out
+    assert ready == [(200, {"status": "ready", "checks": {"database": "ok", "worker": "ok"}})]
+    serve(settings_factory(database_url=sqlite_url, auth=False))
+    out = capsys.readouterr().out
+    assert "LMSCOPE_BROKER_URL" not in out and "bearer tokens" not in out
+
+
+class _Watched:
+    """`Client.wait` that reports the job once in `status`, then raises `stop` (Ctrl-C or the timeout)."""
+
+    def __init__(self, status, stop):
+        self.status, self.stop = status, stop
+
+    def wait(self, job_id, *, on_progress=None, timeout=None, on_outage=None):
+        on_progress({"id": job_id, "status": self.status, "progress": None,
+                     "queue": {"ahead": 3, "running": 1} if self.status == "queued" else None})
+        raise self.stop
+
+
+def test_stopping_to_watch_names_the_jobs_real_status(monkeypatch):
+    """Ctrl-C or --timeout on a queued job said "job 17 keeps running": it had not started."""
+    for status, says, verb in (("queued", "stays queued", "drop"), ("running", "keeps running", "stop")):
+        monkeypatch.setattr("lmscope.cli.client", lambda: _Watched(status, KeyboardInterrupt()))
+        r = CliRunner().invoke(main, ["wait", "17"])
+        assert r.exit_code == 130
+        assert f"stopped watching; job 17 {says} (`lmscope cancel 17` to {verb} it)" in r.stderr
+        monkeypatch.setattr("lmscope.cli.client",
+                            lambda: _Watched(status, TimeoutError(f"job 17 is still {status} after 15.0 s")))
+        r = CliRunner().invoke(main, ["wait", "17", "--timeout", "15"])
+        assert r.exit_code == 1
+        assert f"job 17 is still {status} after 15.0 s; it {says}: `lmscope wait 17`" in r.stderr
+        assert ("keeps running" in r.stderr) == (status == "running")
+
+
+def test_params_files_that_are_empty_or_a_whole_request_say_so(tmp_path):
+    """/dev/null "did not exist"; a request body ({"kind", "params"}) gave "unknown field params.kind"."""
+    with pytest.raises(click.BadParameter, match="/dev/null is empty; it must hold a JSON object of parameters"):
+        build_params((), "/dev/null")
+    f = tmp_path / "p.json"
+    f.write_text("[1, 2]")
+    with pytest.raises(click.BadParameter, match="holds a list, not a JSON object of parameters"):
+        build_params((), str(f))
+    with pytest.raises(click.BadParameter, match="is a directory"):
+        build_params((), str(tmp_path))
+    # a whole request of the kind submitted stands for its params; -p still goes on top
+    f.write_text(json.dumps({"kind": "norms", "params": {"model": "tiny-gpt2", "max_samples": 5}}))
+    assert build_params(("max_samples=9",), str(f), None, "norms") == {"model": "tiny-gpt2", "max_samples": 9}
+    with pytest.raises(click.BadParameter, match=r"a whole request for kind 'norms'; --params takes only a params "
+                                                 r"object \(its \"params\"\)"):
+        build_params((), str(f), None, "probe")
+    f.write_text(json.dumps({"kind": "norms", "params": {}, "name": "x", "tags": ["a"]}))
+    with pytest.raises(click.BadParameter, match="a whole request with name, tags; .*--name, --tag"):
+        build_params((), str(f), None, "norms")
+
+
+def test_an_lmscope_url_ending_in_v1_is_the_apis_root(monkeypatch):
+    """LMSCOPE_URL=http://host:8765/v1 asked for /v1/v1/jobs: "there is nothing at /v1/v1/jobs"."""
+    from lmscope.cli import client
+
+    for url in ("http://gpubox:8765/v1", "http://gpubox:8765/v1/", "http://gpubox:8765"):
+        monkeypatch.setenv("LMSCOPE_URL", url)
+        assert client().url == "http://gpubox:8765"
+    monkeypatch.setenv("LMSCOPE_URL", "http://gpubox:8765/lmscope/v10")
+    assert client().url == "http://gpubox:8765/lmscope/v10"
+
+
+def test_user_list_aligns_admins_with_the_others(sqlite_url, monkeypatch):
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", sqlite_url)
+    runner = CliRunner()
+    for args in (["ann", "--admin"], ["bobby"]):
+        assert runner.invoke(main, ["user", "create", *args]).exit_code == 0
+    lines = runner.invoke(main, ["user", "list"]).stdout.splitlines()
+    assert lines[0].startswith("ann  (admin)") and lines[1].startswith("bobby")
+    assert len({line.index("max_active_jobs=") for line in lines}) == 1, lines
+
+
+def test_a_sweeps_final_report_counts_its_children_once(capsys):
+    from lmscope.cli import report_final
+
+    class Api:
+        url, token = "http://x", None
+
+        def artifacts(self, job_id):
+            return []
+
+    counts = {"total": 6, "queued": 0, "running": 0, "succeeded": 6, "failed": 0, "cancelled": 0}
+    report_final(Api(), {"id": 4, "kind": "sweep", "status": "succeeded", "children": counts,
+                         "summary": {"children": {"succeeded": 6}, "best_loss": 0.25}})
+    out = capsys.readouterr().out
+    assert out.count("children") == 1 and "children: 6 succeeded" in out and "best_loss: 0.25" in out
+
+
+def test_a_list_written_without_quotes_gets_its_json_spelling():
+    """`-p 'models=[a,b]'` said only "does not parse ... a list is written [1, 2]"."""
+    entropy = KINDS["entropy"].params.model_json_schema()
+    sweep = KINDS["sweep"].params.model_json_schema()
+    with pytest.raises(click.BadParameter, match=r"models=\[a,b\] is not JSON: strings in a list need double "
+                                                 r"quotes: \[\"a\", \"b\"\]$"):
+        parse_param("[a,b]", entropy, "models")
+    with pytest.raises(click.BadParameter, match=r"quotes: \[\"gpt2\", \"llama\"\]$"):
+        parse_param("['gpt2', llama]", entropy, "models")
+    with pytest.raises(click.BadParameter, match=r"a list is written \[\"a\", \"b\"\]"):
+        parse_param("[a,b", entropy, "models")
+    # a list of numbers: no quotes to suggest, and its example has numbers
+    with pytest.raises(click.BadParameter, match=r"starts like JSON but does not parse: .*a list is written \[1, 2\]"):
+        parse_param("[a,2]", sweep, "grid.latent_dim")
+
+
+@pytest.fixture
+def live_app(sqlite_url, settings_factory, tmp_path):
+    """The API on a real port, tokens off (the admin `local`), a publisher that only records."""
+    from lmscope.api import create_app
+    from tests.api.conftest import LiveServer, RecordingPublisher
+
+    app = create_app(settings_factory(database_url=sqlite_url, auth=False), publisher=RecordingPublisher())
+    server = LiveServer(app)
+    yield app, CliRunner(env={"LMSCOPE_URL": server.url, "LMSCOPE_TOKEN": None})
+    server.stop()
+
+
+def test_a_list_field_given_a_comma_list_or_a_number_is_told_the_list_it_meant(live_app):
+    """`-p models=a,b` got "a list of one is written ["x"]"; `grid.latent_dim=4` an example of strings."""
+    _, runner = live_app
+    r = runner.invoke(main, ["submit", "entropy", "-p", "models=gpt2,llama", "-p", "dataset=d"])
+    assert r.exit_code == 1 and 'got the string "gpt2,llama" (write ["gpt2", "llama"])' in r.stderr, r.output
+    r = runner.invoke(main, ["submit", "sweep", "-p", "study=sumformer", "-p", "grid.latent_dim=4"])
+    assert r.exit_code == 1, r.output
+    assert "expected a list, e.g. [1, 2]; got the integer 4 (a list of one is written [4])" in r.stderr
+    r = runner.invoke(main, ["submit", "sweep", "-p", "study=sumformer", "-p", "grid.latent_dim=2,4"])
+    assert "(write [2, 4])" in r.stderr and '"' not in r.stderr.split("(write")[1], r.stderr
+
+
+def test_deleting_an_active_runs_checkpoints_names_its_train_job(live_app):
+    """A run still training was told "again once they are free", not which job holds them or how to stop it."""
+    from sqlalchemy import update
+
+    from lmscope.db.models import Dataset, Job, Model
+
+    app, runner = live_app
+    sessions = app.extensions["lmscope"].sessions
+    with sessions.begin() as session:
+        session.add(Dataset(name="d", source="upload", path="/nonexistent", format="text", num_documents=1,
+                            num_bytes=1, sha256="0" * 64))
+    r = runner.invoke(main, ["submit", "train", "-p", "dataset=d", "-p", "run_name=blip"])
+    assert r.exit_code == 0, r.output
+    run = int(r.stdout.strip())
+    with sessions.begin() as session:
+        session.add(Model(name="blip@step0", source="checkpoint", num_layers=2, job_id=run, step=0))
+    for status in ("queued", "running"):
+        with sessions.begin() as session:
+            session.execute(update(Job).where(Job.id == run).values(status=status))
+        r = runner.invoke(main, ["models", "delete", "--run", "blip"])
+        assert r.exit_code == 1
+        assert (f"run 'blip' has not ended (train job {run} is {status}): `lmscope cancel {run}` first, or wait for "
+                "it to end; then `lmscope models delete --run blip` again") in r.stderr
+        assert "once they are free" not in r.stderr

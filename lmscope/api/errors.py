@@ -143,18 +143,66 @@ def _quoted_literal(text: str, error_type: str) -> bool:
     return error_type.startswith("float") or float(text).is_integer()
 
 
-def type_error_message(error_type: str, given: Any) -> str:
-    """'expected an integer, e.g. 5; got the string "5" (write numbers without quotes)'."""
+def _scalars(annotation) -> set[type]:
+    """The scalar types (int, float, str, bool) an annotation allows outside lists (`Annotated[int, ...] | None`)."""
+    if annotation in (int, float, str, bool):
+        return {annotation}
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return {type(a) for a in args if a is not None}
+    if origin is typing.Annotated:
+        return _scalars(args[0])
+    if origin in (list, tuple, set, frozenset, dict):
+        return set()
+    return set().union(*map(_scalars, args)) if args else set()
+
+
+def _list_items(annotation) -> set[type]:
+    """The scalar types of the items of the list an annotation allows (`list[LatentDim | None]` → {int})."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple, set, frozenset):
+        return _scalars(args[0]) if args else set()
+    if origin is typing.Annotated:
+        return _list_items(args[0])
+    return set().union(*map(_list_items, args)) if args else set()
+
+
+def list_item_types(model: type[BaseModel] | None, loc: tuple) -> set[type]:
+    """What the list field at `loc` holds ({int} for a sweep grid's latent_dim); empty when unknown."""
+    parent = model_at(model, loc[:-1]) if loc else None
+    field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+    return _list_items(field.annotation) if field is not None else set()
+
+
+def written_as_list(given: Any, numbers: bool) -> str:
+    """The JSON list `given` meant: "a,b" → ["a", "b"], "1,2" → [1, 2] (`numbers`: the items are numbers), 4 → [4]."""
+    parts = [p.strip().strip("'\"") for p in given.split(",")] if isinstance(given, str) else [given]
+    return json.dumps([json.loads(p) if numbers and isinstance(p, str) and _JSON_NUMBER.fullmatch(p) else p
+                       for p in parts], ensure_ascii=False)
+
+
+def type_error_message(error_type: str, given: Any, items: set[type] = frozenset()) -> str:
+    """'expected an integer, e.g. 5; got the string "5" (write numbers without quotes)'. `items`: for a list,
+    the types of its items (list_item_types), which pick the example."""
     shown = json.dumps(given, ensure_ascii=False, default=str)
     if len(shown) > 40:
         shown = shown[:37] + "…"
     kind = {str: "the string", bool: "the boolean", int: "the integer", float: "the number", list: "the list",
             dict: "the object", type(None): ""}.get(type(given), "")
-    msg = f"expected {_TYPE_HINTS[error_type]}; got {kind + ' ' if kind else ''}{shown}"
-    if isinstance(given, str) and _quoted_literal(given, error_type):
+    numbers = bool(items & {int, float}) and str not in items
+    hint = "a list, e.g. [1, 2]" if error_type == "list_type" and numbers else _TYPE_HINTS[error_type]
+    msg = f"expected {hint}; got {kind + ' ' if kind else ''}{shown}"
+    if error_type == "list_type":
+        if isinstance(given, str) and "," in given:  # `-p models=a,b`: the list it meant
+            msg += f" (write {written_as_list(given, numbers)})"
+        elif isinstance(given, str) and not numbers:
+            msg += " (a list of one is written [\"x\"])"
+        elif isinstance(given, (str, int, float)):  # `grid.latent_dim=4`: [4]
+            msg += f" (a list of one is written {written_as_list(given, numbers)})"
+    elif isinstance(given, str) and _quoted_literal(given, error_type):
         msg += " (write numbers and true/false without quotes)"
-    elif isinstance(given, str) and error_type == "list_type":
-        msg += " (a list of one is written [\"x\"])"
     return msg
 
 
@@ -175,7 +223,8 @@ def pydantic_errors(exc, prefix: tuple = (), model: type[BaseModel] | None = Non
         elif e["type"] == "string_pattern_mismatch" and (e.get("ctx") or {}).get("pattern") == NAME_PATTERN:
             msg = NAME_RULE  # the rule in words, not the regular expression
         elif e["type"] in _TYPE_HINTS and "input" in e:
-            msg = type_error_message(e["type"], e["input"])
+            items = list_item_types(model, tuple(e["loc"])) if e["type"] == "list_type" else set()
+            msg = type_error_message(e["type"], e["input"], items)
         elif e["type"] in _BOUND_TYPES and isinstance(e.get("input"), (int, float)):
             msg += f"; got {json.dumps(e['input'])}"  # "Input should be greater than or equal to 1; got 0"
         out.append({"loc": [*prefix, *e["loc"]], "msg": msg, "type": e["type"]})

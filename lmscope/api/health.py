@@ -7,6 +7,7 @@ from flask import Blueprint
 from lmscope.api.errors import Problem
 from lmscope.api.state import state
 from lmscope.db.engine import schema_problem
+from lmscope.queue import LocalPublisher
 
 bp = Blueprint("health", __name__)
 
@@ -36,15 +37,17 @@ def ping_broker(url: str, timeout: float = 2.0) -> None:
 
 @bp.get("/readyz")
 def readyz():
-    """Ready to serve: the database answers and has this lmscope's schema, when configured the broker
-    answers a ping, and under `lmscope up` its worker still takes jobs."""
+    """Ready to serve: the database answers and has this lmscope's schema, the broker (when jobs go through
+    one) answers a ping, and under `lmscope up` its worker still takes jobs."""
     st = state()
     checks, failed = {}, []
     problem = schema_problem(st.engine)
     checks["database"] = "ok" if problem is None else f"error: {problem}"
     if problem is not None:
         failed.append("database")
-    if st.settings.broker_url:
+    # `lmscope up` queues in-process whatever LMSCOPE_BROKER_URL says: a broker it never uses is no reason to
+    # report it unready
+    if st.settings.broker_url and not isinstance(st.publisher, LocalPublisher):
         try:
             ping_broker(st.settings.broker_url)
             checks["broker"] = "ok"

@@ -18,6 +18,19 @@ def test_health_and_readiness(api):
     assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok"}
 
 
+def test_readiness_pings_only_a_broker_the_jobs_go_through(make_api, settings_factory, db_url):
+    """`lmscope up` (an in-process queue) with LMSCOPE_BROKER_URL set stayed 503 "broker: Connection refused"."""
+    from lmscope.api import create_app
+    from lmscope.queue import LocalPublisher
+
+    nobody = "redis://127.0.0.1:1/0"  # nothing listens there
+    embedded = create_app(settings_factory(database_url=db_url, broker_url=nobody), publisher=LocalPublisher())
+    r = embedded.test_client().get("/readyz")
+    assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok"}
+    body = is_problem(make_api(broker_url=nobody).client.get("/readyz"), 503, "not-ready")  # a publisher to it
+    assert body["checks"]["broker"].startswith("error") and "LMSCOPE_BROKER_URL points at it" in body["detail"]
+
+
 @pytest.mark.redis
 def test_readiness_pings_the_broker(make_api, redis_server):
     api = make_api(broker_url=redis_server.url)
