@@ -319,6 +319,7 @@ class ProgressLine:
         queue = job.get("queue")
         if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
+                     else f" (no worker takes jobs from the queue: {NO_WORKER_ADVICE})" if queue.get("workers") == 0
                      else f" ({queue['ahead']} ahead, {queue['running']} running)")
         if job["status"] == "queued" and job.get("attempts") and fraction is not None:  # re-queued: the last attempt's
             done = f" ({p.get('done') or 0}/{p['total']})" if p.get("total") is not None else ""
@@ -341,7 +342,9 @@ class ProgressLine:
             self.stream.write("\r" + text + " " * pad)
         else:
             now = self.clock()
-            state = (job["status"], bool(job.get("cancel_requested")), bool((job.get("queue") or {}).get("worker_stopped")))
+            queue = job.get("queue") or {}
+            state = (job["status"], bool(job.get("cancel_requested")), bool(queue.get("worker_stopped")),
+                     queue.get("workers") == 0)
             if state == self.last_status and now - self.last_logged < self.LOG_EVERY:
                 return
             self.stream.write(text + "\n")
@@ -354,6 +357,10 @@ class ProgressLine:
             self.stream.write("\n")
             self.stream.flush()
             self.last_text = None  # a later update starts a fresh line
+
+
+# what `queue.workers == 0` means to whoever submitted: the job waits until a worker starts
+NO_WORKER_ADVICE = "it waits until one starts (`lmscope worker`, docs/operations.md)"
 
 
 def plural(n: int, noun: str) -> str:
@@ -856,6 +863,8 @@ def show(job_id, as_json):
                        "(GET /readyz says whether it does)")
         if job["queue"].get("worker_stopped"):
             click.echo(f"{'':12} no worker takes jobs: {job['queue']['worker_stopped']}")
+        if job["queue"].get("workers") == 0:
+            click.echo(f"{'':12} no worker takes jobs from the queue: {NO_WORKER_ADVICE}")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
     for key in ("params", "summary", "error", "environment"):

@@ -50,6 +50,7 @@ class Publisher(Protocol):
 
     # Optional, where the queue can lose messages: ``waiting() -> int | None``, the messages it holds
     # (None when it cannot say). The reaper republishes only as many long-waiting jobs as are missing.
+    # Optional too: ``consumers() -> int | None``, the workers taking jobs from the queue now.
 
 
 # ---------------------------------------------------------------- Celery
@@ -102,6 +103,9 @@ def make_celery(settings: "Settings") -> "Celery":
     return app
 
 
+CONSUMERS_TIMEOUT = 0.5  # seconds a census of the workers waits for their answers (a live one answers in ms)
+
+
 class CeleryPublisher:
     """Sends task ``lmscope.run_job`` with args ``[job_id]`` (JSON) to queue ``lmscope``, at
     ``AGGREGATION_PRIORITY`` for a sweep parent's aggregation, else ``JOB_PRIORITY``."""
@@ -129,6 +133,19 @@ class CeleryPublisher:
         except Exception as e:
             log.warning("could not ask the broker how many messages it holds (%s: %s)", type(e).__name__, e)
             return None
+
+
+    def consumers(self, timeout: float = CONSUMERS_TIMEOUT) -> int | None:
+        """Workers consuming queue ``lmscope`` now: those that answer Celery's remote control within
+        ``timeout`` seconds. None if the broker cannot be asked."""
+        try:
+            with self.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1)
+                replies = self.app.control.inspect(timeout=timeout, connection=conn).active_queues() or {}
+        except Exception as e:
+            log.warning("could not ask the workers which queues they consume (%s: %s)", type(e).__name__, e)
+            return None
+        return sum(1 for queues in replies.values() if any(q.get("name") == QUEUE_NAME for q in queues or ()))
 
 
 # ---------------------------------------------------------------- embedded

@@ -773,6 +773,11 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     assert line.render({**queued, "status": "running"}) == "job 7 running"  # a stale queue field says nothing
     stopped = {**queued, "queue": {"ahead": 0, "running": 0, "worker_stopped": "the GPU is unusable; restart"}}
     assert line.render(stopped) == "job 7 queued (no worker takes jobs: the GPU is unusable; restart)"
+    # with a broker and no Celery worker consuming its queue: the job waits for one, which the line says
+    idle = {**queued, "queue": {"ahead": 0, "running": 0, "workers": 0}}
+    assert line.render(idle) == ("job 7 queued (no worker takes jobs from the queue: it waits until one starts "
+                                 "(`lmscope worker`, docs/operations.md))")
+    assert line.render({**queued, "queue": {"ahead": 2, "running": 1, "workers": 1}}) == "job 7 queued (2 ahead, 1 running)"
     # re-queued after a lost worker: the progress is its last attempt's, said as such and without a bar
     requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}
     assert line.render(requeued) == "job 7 queued (2 ahead, 1 running); its last attempt got to 70.0% (84/120)"

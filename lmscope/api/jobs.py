@@ -73,7 +73,8 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
     """What a queued job waits behind: the queued jobs submitted before it (anyone's: the queue is shared,
     first in, first out) and the jobs running now (sweep parents waiting for children hold no worker);
     under `lmscope up`, also why its worker takes no more jobs, if it does not; with a broker, whether
-    the job is still to be handed to it (a broker that was down when it was submitted)."""
+    the job is still to be handed to it (a broker that was down when it was submitted) and how many
+    workers take jobs from its queue (0: none is running, and the job waits for one)."""
     ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
     running = session.scalar(select(func.count()).where(Job.status == "running", Job.waiting_children.is_(False)))
     queue: dict[str, int | str | bool] = {"ahead": ahead, "running": running}
@@ -83,6 +84,9 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
         queue["worker_stopped"] = stopped
     if job.published_at is None and st.worker_stopped is None:  # with a broker (`lmscope up` reads SQL)
         queue["unsent"] = True  # the broker did not take it (yet): the reaper sends it again when it answers
+    workers = st.consumers()
+    if workers is not None:  # 0: nothing takes jobs from the queue; the job waits until a worker starts
+        queue["workers"] = workers
     return queue
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -11,6 +13,9 @@ from sqlalchemy.orm import sessionmaker
 
 from lmscope.config import Settings
 from lmscope.queue import Publisher
+
+
+CONSUMERS_TTL = 15.0  # seconds a census of the workers is reused
 
 
 @dataclass
@@ -24,6 +29,20 @@ class ApiState:
     # which wires the worker beside the API (the API never imports the worker).
     worker_stopped: Callable[[], str | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _census: tuple[float, int | None] | None = field(default=None, repr=False)
+    _census_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def consumers(self) -> int | None:
+        """Workers taking jobs from the broker's queue (None: no broker, or it cannot say), asked at most
+        every CONSUMERS_TTL seconds: the census waits half a second for the workers' answers."""
+        ask = getattr(self.publisher, "consumers", None)
+        if ask is None:
+            return None
+        now = time.monotonic()
+        with self._census_lock:
+            if self._census is None or now - self._census[0] > CONSUMERS_TTL:
+                self._census = (now, ask())
+            return self._census[1]
 
     def worker_stop_reason(self) -> str | None:
         """Why `lmscope up`'s worker takes no more jobs; None while it takes them, or with no worker here."""

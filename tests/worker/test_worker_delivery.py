@@ -188,6 +188,35 @@ def test_a_job_submitted_over_http_runs_and_its_results_are_readable(delivery, s
     assert hashlib.sha256(png.data).hexdigest() == items["plots/square.png"]["sha256"]
 
 
+def test_a_queued_job_says_whether_any_worker_takes_jobs_from_the_queue(delivery, sessions, job_row, monkeypatch):
+    """With a broker, a queued job's `queue.workers` counts the Celery workers consuming queue lmscope (asked
+    over Celery's remote control): 0 before a worker starts — the job waits, and the CLI can say why — and
+    1 once one runs."""
+    from lmscope.api import create_app, state
+    from lmscope.api.auth import create_user
+
+    monkeypatch.setattr(state, "CONSUMERS_TTL", 0.0)  # a census per request, not one per 15 s
+    app = create_app(replace(delivery.settings, auth=True))
+    with sessions.begin() as s:
+        _, token = create_user(s, "ann")
+    http, h = app.test_client(), {"Authorization": f"Bearer {token}"}
+
+    def submit(params):
+        r = http.post("/v1/jobs", headers=h, json={"kind": "count", "params": params})
+        assert r.status_code == 202, r.get_json()
+        return r.get_json()["id"]
+
+    first = submit({"steps": 40, "sleep": 0.25, "plot": False})
+    assert http.get(f"/v1/jobs/{first}", headers=h).get_json()["queue"]["workers"] == 0
+    worker = delivery.start()
+    wait_until(lambda: job_row(first).status == "running", timeout=60, what="the first job to start")
+    second = submit({"steps": 1, "plot": False})  # behind the first: the only worker is busy with it
+    body = http.get(f"/v1/jobs/{second}", headers=h).get_json()
+    assert body["status"] == "queued" and body["queue"]["workers"] == 1
+    worker.stop()
+    assert http.get(f"/v1/jobs/{second}", headers=h).get_json()["queue"]["workers"] == 0
+
+
 # A first attempt this slow (300 steps of 0.25 s: 75 s) is still running when the test, however starved, kills it.
 SLOW_FIRST_ATTEMPT = {"steps": 300, "sleep": 0.25, "plot": False}
 
