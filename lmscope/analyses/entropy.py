@@ -488,6 +488,11 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
     }
     if len(names) > 1:
         summary["summary_of"] = names[-1]  # per-layer numbers above are the last checkpoint's
+    if min(windows_used) < params.num_segments:  # a short dataset: fewer windows than asked for, said
+        held = (str(windows_used[-1]) if len(set(windows_used)) == 1
+                else " / ".join(map(str, windows_used)) + " (per model's tokenizer)")
+        summary["note"] = (f"dataset {params.dataset} holds {held} windows of {n} tokens: "
+                           f"num_segments={params.num_segments} was cut to that")
     if dim_results[-1] is not None:
         d = dim_results[-1]
         summary["near_uniform_pct"] = d["near_uniform_pct_all"]

@@ -134,7 +134,10 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
     """Training dynamics: one panel per layer, one line per head, across the checkpoints (or models).
 
     Steps spread over decades (0, 1, 2, 4, …, 143000) go on a symmetric-log axis, so that the early
-    checkpoints do not sit on top of each other."""
+    checkpoints do not sit on top of each other. Each panel has its own y range (at least NATS_IN_VIEW of
+    the uniform value): on a shared one, a layer whose heads are 0.01 nats apart is a flat line beside one
+    spanning 0.7. The uniform value is drawn where it is at most a panel's height above the lines, else
+    named in the panel's title."""
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     plt = pyplot()
@@ -145,7 +148,7 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
     # more heads than tab10 has colours: a colour map, named by a colour bar
     colours = OrderedColours(range(heads), "head", cmap="turbo") if heads > 10 else None
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + (1 if colours else 0), 3.2 * rows),
-                             sharex=True, sharey=True, squeeze=False, layout="constrained")
+                             sharex=True, squeeze=False, layout="constrained")
     positive = [s for s in steps if s > 0]
     symlog = over_training and len(positive) > 1 and max(positive) / min(positive) > 100
     for layer in range(layers):
@@ -154,9 +157,16 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
             ax.plot(steps, [r["mean"][layer, head] for r in results], marker=None if colours or len(steps) > 30 else ".",
                     color=colours(head) if colours else None, lw=1 if colours else 1.5,
                     label=None if colours else f"head {head}")
-        ax.axhline(float(last["bound"][layer].mean()), color="k", ls="--", lw=0.8, label="uniform")
+        uniform = float(last["bound"][layer].mean())
+        lowest = min(float(r["mean"][layer].min()) for r in results)
+        highest = max(float(r["mean"][layer].max()) for r in results)
+        title = f"layer {layer}"
+        if uniform - highest <= max(highest - lowest, NATS_IN_VIEW * uniform):
+            ax.axhline(uniform, color="k", ls="--", lw=0.8, label="uniform")
+        else:  # drawn, it would squeeze the heads into a strip at the bottom
+            title += f" (uniform {uniform:.2f}: above)"
         # checkpoints of one run lie on a step axis; other model lists are only in list order
-        ax.set(title=f"layer {layer}", xlabel="training step" if over_training else "model", ylabel="mean entropy (nats)")
+        ax.set(title=title, xlabel="training step" if over_training else "model", ylabel="mean entropy (nats)")
         if not over_training:
             ax.set_xticks(steps, names, rotation=30, ha="right", fontsize=7)
         elif symlog:
@@ -168,21 +178,24 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
         ax.tick_params(axis="x", labelbottom=True)  # every panel says which steps it shows
         if layer == 0:
             ax.legend(fontsize=6)
-    at_least_span(axes[0][0], NATS_IN_VIEW * float(last["bound"].mean(1).max()))  # the panels share y
+        at_least_span(ax, NATS_IN_VIEW * uniform)
     for extra in range(layers, rows * cols):
         axes[extra // cols][extra % cols].axis("off")
     if colours:
         colours.colour_bar(fig, axes.ravel().tolist(), shrink=0.5, aspect=40)
-    fig.suptitle(f"attention entropy over training, {source}" + (" (symmetric log step axis)" if symlog else "")
-                 if over_training else f"attention entropy across models, on {dataset}")
+    # the panels' heights are not comparable: the title says so
+    scales = "each panel its own y scale" + (", symmetric log step axis" if symlog else "")
+    fig.suptitle(f"attention entropy over training, {source} ({scales})"
+                 if over_training else f"attention entropy across models, on {dataset} ({scales})")
     save(fig, path)
 
 
 def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
     """Left: how far each row's entropy lies below its uniform bound, ln(visible keys) − H, per layer, on
     log-spaced bins (equal bins over [0, ln N] are wider than the 0.03-nat margin, and nearly every row
-    sits in the last one); left of the margin's line a row is near uniform. Right: the near-uniform share
-    per layer × head, its colours spread over the values there are."""
+    sits in the last one); left of the margin's line a row is near uniform. Up to MANY_LINES layers one
+    outline each; past that a layer × bin heatmap of the same percentages (32 overlapping outlines read as
+    none). Right: the near-uniform share per layer × head, its colours spread over the values there are."""
     plt = pyplot()
     n, margin = params.seq_len, params.near_uniform_margin
     share = d["near_uniform_pct"]
@@ -194,24 +207,34 @@ def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
                                  gridspec_kw={"width_ratios": [1.3, 1]})
     plot_edges = gaps.copy()
     plot_edges[0] = floor * gaps[1] / gaps[2]  # the [0, floor] bin drawn one bin wide, left of floor
-    styles = ["-", "--", "-.", ":"]
-    for layer in range(layers):
-        ax.stairs(d["gap_pct"][layer], plot_edges, color=colours(layer), lw=1 if colours.many else 1.6,
-                  ls="-" if colours.many else styles[layer % len(styles)],
-                  label=colours.label(f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)"))
-    colours.colour_bar(fig, ax)
+    if colours.many:
+        # empty bins blank, not the colour of "a few rows"; layer 0 on top, as in the map beside it
+        mesh = ax.pcolormesh(plot_edges, np.arange(layers + 1) - 0.5, np.ma.masked_equal(d["gap_pct"], 0),
+                             cmap="viridis", vmin=0)
+        ax.set_ylim(layers - 0.5, -0.5)
+        ax.set_yticks(sparse_ticks(layers))
+        fig.colorbar(mesh, ax=ax, label="% of the layer's rows (empty bins blank)")
+    else:
+        styles = ["-", "--", "-.", ":"]
+        for layer in range(layers):
+            ax.stairs(d["gap_pct"][layer], plot_edges, color=colours(layer), lw=1.6, ls=styles[layer % len(styles)],
+                      label=f"layer {layer} ({d['near_uniform_pct_layer'][layer]:.1f}% near uniform)")
     ax.set_xscale("log")
     filled = np.flatnonzero(d["gap_pct"].sum(0) > 0)
     if filled.size:  # the occupied bins, the margin in view
         ax.set_xlim(min(plot_edges[filled[0]], margin / 3), max(plot_edges[filled[-1] + 1], margin * 3))
-    ax.axvline(margin, color="r", ls=":", label=f"near-uniform margin ({margin} nats): rows left of it")
+    margin_label = f"near-uniform margin ({margin} nats): rows left of it"
+    ax.axvline(margin, color="r", ls=":", label=margin_label)
     bound = "ln(t+1), row t" if params.dimension_causal else f"ln({n}) = {math.log(n):.2f}"
-    ax.set(xlabel=f"nats below the uniform bound {bound} (log scale; first bin: < {floor:g})",
-           ylabel="% of rows",
+    xlabel = f"nats below the uniform bound {bound} (log scale; first bin: < {floor:g})"
+    if colours.many:  # a legend would cover cells of the heatmap
+        xlabel += f"\nred dotted line: {margin_label}"
+    else:
+        ax.legend(fontsize=7)
+    ax.set(xlabel=xlabel, ylabel="layer" if colours.many else "% of rows",
            title=f"dimension-wise attention entropy, {title_source}\n"
                  f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
                  f"({'causal' if params.dimension_causal else 'bidirectional'})")
-    ax.legend(fontsize=7)
     lo = float(np.floor(share.min())) if share.size else 0.0
     lo = min(lo, 99.0)  # every cell 100: still a scale
     im = hm.imshow(share, cmap="magma", aspect="auto", vmin=lo, vmax=100)

@@ -683,6 +683,8 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
         summary["note"] = f"{params.model} reads at most {max_tokens} positions: max_tokens={params.max_tokens} was cut to that"
     summary.update(gram)
     summary["pca_explained_variance"] = explained.cpu().tolist()
+    if not len(pca_trajs):  # an empty 3-D box would say nothing
+        summary["plots_note"] = "no pca3d.png: pca_samples=0 draws no trajectory (pca.npz still holds the principal axes)"
 
     out = ctx.artifact_dir
     # not compressed: float norms barely shrink under zlib, which is slow on position="all" (millions of rows)
@@ -701,12 +703,13 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
             norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title,
                                         vocab_size=parts.lm_head.weight.shape[0])
         progress.step("plots")
-        norms_plots.plot_pca3d(out / "pca3d.png", coords, explained.cpu().numpy(), params.include_last_layer, title)
+        if len(pca_trajs):
+            norms_plots.plot_pca3d(out / "pca3d.png", coords, explained.cpu().numpy(), params.include_last_layer, title)
         progress.step("plots")
     return JobOutput(summary, series)
 
 
-PLOTS = 3  # norms.png, inner_loss.png, pca3d.png
+PLOTS = 3  # norms.png, inner_loss.png, pca3d.png (a step each, drawn or not)
 
 
 def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> str | None:

@@ -341,7 +341,17 @@ def test_checkpoints_of_a_train_job_in_step_order(tmp_path, documents):
             assert list(s.x) == [100, 500]
             assert s.y[0] == pytest.approx(ref_early[layer, :, head].mean(), abs=2e-5)
             assert s.y[1] == pytest.approx(bound.mean(), abs=2e-5)  # the uniform (late) checkpoint
-    assert [s.labels["step"] for s in series(out, "entropy.layer_mean")] == [100, 500]
+    # the per-checkpoint series: each step's own model, not the last one's
+    ref_late = eager_entropies(late, token_windows(late.tokenizer, documents, SEQ_LEN, 2))
+    for step, name, ref in ((100, "r@step100", ref_early), (500, "r@step500", ref_late)):
+        (s,) = series(out, "entropy.layer_mean", step=step)
+        assert s.labels["model"] == name and list(s.x) == [0, 1]
+        np.testing.assert_allclose(s.y, ref.mean((1, 2, 3)), atol=2e-5)
+        for layer in range(2):
+            (s,) = series(out, "entropy.by_position", layer=layer, step=step)
+            assert s.labels["model"] == name and list(s.x) == list(range(SEQ_LEN))
+            np.testing.assert_allclose(s.y, ref[layer].mean((0, 1)), atol=2e-5)
+    assert np.abs(ref_early.mean((1, 2)) - ref_late.mean((1, 2))).max(-1).min() > 1e-3  # each layer tells them apart
     assert (tmp_path / "entropy_over_training.png").stat().st_size > 5000
     # One progress report per batch over both models, each stage the model being measured.
     assert ctx.progress_log == [(1, 2, "r@step100"), (2, 2, "r@step500")]
@@ -410,9 +420,12 @@ def test_runtime_refusals_and_cancel(tmp_path, documents):
     out, _ = run_job(tmp_path, {"m": loaded}, documents[:3], model="m", num_segments=10_000, batch_size=64)
     available = len(token_windows(loaded.tokenizer, documents[:3], SEQ_LEN, None))
     assert 1 <= out.summary["num_segments_used"] == available < 10_000
+    assert out.summary["note"] == (f"dataset wiki holds {available} windows of {SEQ_LEN} tokens: "
+                                   "num_segments=10000 was cut to that")
     # seq_len not given: 512, or the model's context (64) when shorter.
     out, _ = run_job(tmp_path, {"m": loaded}, documents, model="m", seq_len=None, num_segments=1)
     assert out.summary["seq_len"] == 64 and len(series(out, "uniform_bound")[0].x) == 64
+    assert "note" not in out.summary  # as many windows as asked for: nothing to say
     ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"wiki": documents}, cancel_after=1)
     with pytest.raises(JobCancelled):
         entropy.run(EntropyParams(model="m", dataset="wiki", seq_len=SEQ_LEN, num_segments=4, batch_size=1), ctx)
@@ -555,6 +568,71 @@ def test_every_over_training_panel_shows_its_steps(tmp_path, monkeypatch, names,
     if not trained:
         assert all(labels == names for labels in shown.values())
     assert ("over training" in fig._suptitle.get_text()) == trained
+
+
+def test_every_over_training_panel_has_its_own_y_range(tmp_path, monkeypatch):
+    """Layer 0's heads spread over 0.7 nats, layer 1's are 0.01 apart near uniform, layer 2's 0.01 apart far
+    below it: each panel spans its own heads (at least NATS_IN_VIEW of the uniform value), and the uniform line
+    is drawn where it fits, named in the title where it would squeeze the heads into a strip."""
+    saved = {}
+    monkeypatch.setattr(entropy_plots, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    n, steps = 64, [100, 200, 300]
+    bound = np.log(np.arange(n) + 1.0)
+    uniform = bound.mean()
+    spread = np.linspace(0, 1, 4)
+    means = [np.stack([uniform - 0.7 * spread * i / 2, uniform - 0.02 - 0.01 * spread, 1.0 - 0.01 * spread])
+             for i in range(len(steps))]
+    results = [{"mean": m, "bound": np.stack([bound] * 3), "sliding_windows": {}} for m in means]
+    entropy_plots.over_models(tmp_path / "o.png", steps, [f"r@step{s}" for s in steps], results, "r", "wiki", True)
+    panels = {ax.get_title(): ax for ax in saved["o.png"].axes if ax.get_title()}
+    assert set(panels) == {"layer 0", "layer 1", f"layer 2 (uniform {uniform:.2f}: above)"}
+    for layer, ax in enumerate(panels.values()):
+        lo, hi = ax.get_ylim()
+        heads = np.stack(means)[:, layer]
+        assert lo <= heads.min() and heads.max() <= hi  # every head in view
+        assert hi - lo >= entropy_plots.NATS_IN_VIEW * uniform - 1e-9  # 0.01 nats must not fill a panel
+        if layer:
+            assert hi - lo < 0.3  # not layer 0's 0.7 nats
+        uniform_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"
+                         and np.allclose(line.get_ydata(), uniform)]
+        assert len(uniform_lines) == (0 if layer == 2 else 1)
+        if layer < 2:
+            assert lo <= uniform <= hi
+
+
+@pytest.mark.parametrize("layers", [3, 32])
+def test_dimension_entropy_plot_stays_readable_with_many_layers(tmp_path, monkeypatch, layers):
+    """Up to 8 layers, one outline of the gap histogram each (named in a legend); past that, one heatmap row
+    per layer (layer 0 on top, as in the share map beside it) with the same percentages, empty bins blank."""
+    from matplotlib.collections import QuadMesh
+    from matplotlib.patches import StepPatch
+
+    saved = {}
+    monkeypatch.setattr(entropy_plots, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    edges = entropy.gap_edges(64)
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 50, (layers, len(edges) - 1)) * (rng.random((layers, len(edges) - 1)) < 0.7)
+    gap_pct = 100.0 * counts / counts.sum(1, keepdims=True)
+    share = rng.uniform(0, 100, (layers, 4))
+    d = {"near_uniform_pct": share, "near_uniform_pct_layer": share.mean(1), "near_uniform_pct_all": share.mean(),
+         "gap_edges": edges, "gap_counts": counts, "gap_pct": gap_pct}
+    params = EntropyParams(model="m", dataset="wiki", seq_len=64)
+    entropy_plots.dimension_entropy(tmp_path / "d.png", d, params, "m on wiki")
+    left = saved["d.png"].axes[0]
+    outlines = [p for p in left.patches if isinstance(p, StepPatch)]
+    meshes = [c for c in left.collections if isinstance(c, QuadMesh)]
+    if layers <= 8:
+        assert not meshes and len(outlines) == layers
+        for layer, outline in enumerate(outlines):
+            np.testing.assert_array_equal(outline.get_data().values, gap_pct[layer])
+        assert len(left.get_legend().get_texts()) == layers + 1  # the layers and the margin
+    else:
+        assert not outlines and len(meshes) == 1 and left.get_legend() is None
+        cells = meshes[0].get_array()
+        np.testing.assert_array_equal(cells.filled(0).reshape(gap_pct.shape), gap_pct)
+        np.testing.assert_array_equal(cells.mask.reshape(gap_pct.shape), counts == 0)
+        assert left.get_ylim() == (layers - 0.5, -0.5)  # layer 0 on top
+        assert "red dotted line: near-uniform margin" in left.get_xlabel()
 
 
 def test_dtype_runs_the_model_in_that_precision(tmp_path, documents):

@@ -251,6 +251,13 @@ def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path,
     out, ctx = run_job(tmp_path, lm, documents, max_samples=20, loss_filter=threshold, gram_condition=False,
                        pca_samples=0)
     assert out.summary["inner_loss_kept"] == 7 and out.summary["inner_loss_total"] == 20
+    # pca_samples=0: no trajectory to draw, so no (empty) pca3d.png, and the summary says why
+    assert not (ctx.artifact_dir / "pca3d.png").exists()
+    assert out.summary["plots_note"].startswith("no pca3d.png: pca_samples=0")
+    assert (ctx.artifact_dir / "norms.png").exists() and (ctx.artifact_dir / "inner_loss.png").exists()
+    assert np.load(ctx.artifact_dir / "pca.npz")["coords"].shape == (0, 3, 3)
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total  # the skipped plot still counts its step
     saved = np.load(ctx.artifact_dir / "trajectories.npz")
     assert saved["inner_loss_kept"].tolist() == (final <= threshold).tolist()
     series = {s.name: s for s in out.series}
@@ -267,6 +274,7 @@ def test_summary_series_artifacts_plots_and_progress(gpt2_run):
     assert {s.name for s in out.series} >= {"norm.mean", "norm.std", "norm.median", "inner_loss.mean", "inner_loss.std"}
     for name in ("norms.png", "inner_loss.png", "pca3d.png"):
         assert (ctx.artifact_dir / name).stat().st_size > 20_000, name  # a drawn figure, not an empty canvas
+    assert "plots_note" not in out.summary  # every plot drawn
     pca = np.load(ctx.artifact_dir / "pca.npz")
     assert pca["coords"].shape == (10, 3, 3) and pca["components"].shape == (3, 32)
     np.testing.assert_allclose(pca["components"] @ pca["components"].T, np.eye(3), atol=1e-8)
@@ -593,13 +601,20 @@ def direct_linearised_layer(maps, context, t):
     return (eye + W2 @ W1) @ (eye + mhsa)
 
 
-def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
+@pytest.mark.parametrize("include_last_layer", [False, True])
+def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents, tmp_path, include_last_layer):
+    """Every step of a trajectory: h_l with block l + 1, for l < L − 1, and with include_last_layer also
+    h_{L-1} with the last block (the step to h_L)."""
     lm, out, ctx = gpt2_run
+    if include_last_layer:
+        out, ctx = run_job(tmp_path, lm, documents, max_samples=20, loss_filter=None, gram_samples=12,
+                           pca_samples=10, include_last_layer=True, inner_loss=False)
     L = lm.model.config.num_hidden_layers
+    steps = L if include_last_layer else L - 1
     saved = np.load(ctx.artifact_dir / "gram_condition.npz")
     samples = reference_samples(lm.tokenizer, documents, 20)
     traj = np.load(ctx.artifact_dir / "trajectories.npz")
-    assert len(np.unique(saved["trajectory_ids"])) == 12 and set(saved["layers"].tolist()) == set(range(L - 1))
+    assert len(np.unique(saved["trajectory_ids"])) == 12 and set(saved["layers"].tolist()) == set(range(steps))
     maps = [block_maps(b, lm.model.config.n_embd) for b in lm.model.transformer.h]
     direct, ratios = [], []
     for tr, layer in zip(saved["trajectory_ids"], saved["layers"]):
@@ -615,7 +630,7 @@ def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents):
     assert saved["holds"].tolist() == direct.tolist()
     np.testing.assert_allclose(saved["ratio"], ratios, rtol=1e-6)  # Σλab / Σab = ‖Wx‖² / ‖x‖²
     assert out.summary["gram_condition_pct"] == pytest.approx(100 * direct.mean())
-    assert out.summary["gram_condition_pairs"] == 12 * (L - 1)
+    assert out.summary["gram_condition_pairs"] == 12 * steps
 
 
 def test_gram_condition_in_chunks_of_one_pair_gives_the_same_pairs(gpt2_run, documents, tmp_path, monkeypatch):
@@ -734,19 +749,29 @@ def test_hand_built_model_gives_known_percentages(include_last_layer, tmp_path, 
 def test_every_position_is_a_current_token(llama_run, tmp_path, documents):
     lm = llama_run[0]
     min_position = 30
+    documents = ["a line the word filter drops ."] + documents  # so that no sample id is its document's id
     out, ctx = run_job(tmp_path, lm, documents, max_samples=6, position="all", min_position=min_position,
                        gram_condition=False, loss_filter=None, pca_samples=4)
     saved = np.load(ctx.artifact_dir / "trajectories.npz")
     small = one_block_copy(lm.model)
     L = lm.model.config.num_hidden_layers
-    norms_, losses, positions = [], [], []
-    for _, tokens in reference_samples(lm.tokenizer, documents, 6):
+    norms_, losses, positions, owners = [], [], [], []
+    for sample, (doc, tokens) in enumerate(reference_samples(lm.tokenizer, documents, 6)):
         states, _ = unbatched_states(lm.model, tokens)
         pos = list(range(min_position, len(tokens) - 1))  # every position with a next token
         positions += pos
+        owners += [(sample, doc)] * len(pos)  # trajectory i is (owners[i], positions[i])
         norms_.append(torch.stack([h[pos].norm(dim=-1) for h in states[:L]], 1).numpy())
         losses.append(reference_inner_loss(small, states, tokens, pos))
     assert saved["positions"].tolist() == positions
+    # many trajectories per sample, so a trajectory id is no sample id; the skipped first document makes a
+    # sample id no document id
+    ref_samples, ref_docs = (np.array(column) for column in zip(*owners))
+    assert saved["sample_ids"].tolist() == ref_samples.tolist()
+    assert saved["doc_ids"].tolist() == ref_docs.tolist() and (ref_docs != ref_samples).all()
+    pca = np.load(ctx.artifact_dir / "pca.npz")
+    assert pca["sample_ids"].tolist() == ref_samples[pca["trajectory_ids"]].tolist()
+    assert (pca["trajectory_ids"] != pca["sample_ids"]).all()
     assert out.summary["samples"] == 6 and out.summary["trajectories"] == len(positions) > 6
     np.testing.assert_allclose(saved["norms"], np.concatenate(norms_), rtol=1e-5)
     np.testing.assert_allclose(saved["inner_loss"], np.concatenate(losses), rtol=1e-4)
