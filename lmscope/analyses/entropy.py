@@ -220,6 +220,7 @@ class DimensionStats:
         self.gap_edges = torch.tensor(gap_edges(seq_len), dtype=torch.float64, device=device)
         self.gap_hist = torch.zeros(layers, len(self.gap_edges) - 1, dtype=torch.int64, device=device)
         self.own_scales: dict[int, float] = {}  # layers whose own softmax scale is not 1/sqrt(d)
+        self.backends: set[str] = set()  # what ran dimension_entropy (float64 q, k: the reference)
 
     def note_scale(self, layer: int, own: float, head_dim: int) -> None:
         """The rows use 1/sqrt(d), as the definition says; remember a layer whose attention scales otherwise."""
@@ -251,6 +252,7 @@ class DimensionStats:
             "gap_counts": self.gap_hist.cpu().numpy(),  # [L, gap bins], heads pooled
             "gap_pct": (100.0 * self.gap_hist.double() / self.gap_hist.sum(1, keepdim=True).double()).cpu().numpy(),
             "own_scales": dict(sorted(self.own_scales.items())),
+            "backend": "+".join(sorted(self.backends)),
         }
 
 
@@ -298,7 +300,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
 
     `report(name)` after every batch; the kernel backends that ran are added to `backends`.
     """
-    from lmscope.kernels import dimension_entropy
+    from lmscope.kernels import dimension_entropy, dimension_entropy_backend
     from lmscope.kernels.hf import EntropyCollector, lmscope_attention_unsupported
 
     model = loaded.model
@@ -361,6 +363,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                 for layer in col.layers:
                     q, k, _ = col.qkv[layer]  # after RoPE; k keeps the model's H_kv heads (GQA)
                     # scale None = 1/sqrt(head dim): the note's softmax(q_i k_iᵀ/√d), whatever the model's own
+                    dim_stats.backends.add(dimension_entropy_backend(q, k))
                     dim_stats.add(layer, dimension_entropy(q, k, causal=params.dimension_causal))
                     dim_stats.note_scale(layer, col.scaling[layer], q.shape[-1])
                 col.clear()  # drop this batch's q, k, v before the next forward
@@ -504,6 +507,7 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             f"H >= ln({n}) - {params.near_uniform_margin} = {math.log(n) - params.near_uniform_margin:.4f} nats "
             "(bidirectional rows)")
         summary["dimension_segments_used"] = min(windows_used[-1], params.dimension_segments)
+        summary["dimension_backend"] = "+".join(sorted({b for r in dim_results for b in r["backend"].split("+")}))
         if d["own_scales"]:
             summary["dimension_scale_note"] = (
                 "the dimension-wise rows use 1/sqrt(head size), as defined; these layers scale their own scores "

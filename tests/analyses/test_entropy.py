@@ -19,6 +19,7 @@ from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
+from lmscope.kernels import kernel_backend
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
@@ -300,6 +301,8 @@ def test_dimension_entropy_matches_float64(tmp_path, documents, arch, causal):
         # every head has as many rows, so the layer's share is the mean of the heads' shares
         per_layer.append(float(near.mean()))
     assert 0 < out.summary["near_uniform_pct"] < 100  # a meaningful mix, not a degenerate case
+    # what ran the dimension-wise kernel on these (CPU, float32) q, k: the reference, unless forced
+    assert out.summary["dimension_backend"] == kernel_backend("cpu")
     assert out.summary["near_uniform_pct_per_layer"] == pytest.approx(per_layer, abs=1e-4)  # rounded to 4 places
     assert out.summary["near_uniform_pct"] == pytest.approx(np.mean(per_layer), abs=1e-9)  # counted, then divided in float64
     assert np.ptp(per_layer) > 1e-3  # the layers differ: a per-layer number that mixed them up would show
