@@ -43,6 +43,14 @@ def _layer_ticks(layers: int, windows: dict, most: int = 16) -> tuple[list[int],
     return at, [f"{layer} W" if layer in windows else str(layer) for layer in at]
 
 
+def heatmap_floor(mean: np.ndarray, uniform_mean: float) -> float:
+    """The colour scale's bottom: 0, or the lowest head's entropy rounded down to half a nat when every
+    head sits in the top part of [0, uniform] — a trained model's heads at 2.6–3.9 of 3.9 nats used a
+    third of the colours, and a 32 × 32 map (no numbers in the cells) then reads as one colour."""
+    low = math.floor(float(mean.min()) * 2) / 2
+    return low if low >= 0.25 * uniform_mean else 0.0
+
+
 def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> None:
     """Layer × head heatmap of the mean entropy, annotated with the values (up to 400 cells)."""
     plt = pyplot()
@@ -51,18 +59,19 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
     annotated = layers * heads <= 400
     cell_w, cell_h = (0.7, 0.45) if annotated else (0.3, 0.25)
     fig, ax = plt.subplots(figsize=(max(5.5, 2.5 + cell_w * heads), max(3.5, 1.8 + cell_h * layers)))
-    im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=0, vmax=uniform_mean)
+    low = heatmap_floor(last["mean"], uniform_mean)
+    im = ax.imshow(last["mean"], cmap="viridis", aspect="auto", vmin=low, vmax=uniform_mean)
     if annotated:
         for (layer, head), v in np.ndenumerate(last["mean"]):
             ax.text(head, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="black" if v > 0.6 * uniform_mean else "white")
+                    color="black" if v > low + 0.6 * (uniform_mean - low) else "white")
     # every layer named (its row is tall enough), so that every windowed one shows its W
     at, names = _layer_ticks(layers, last["sliding_windows"], most=64)
     ax.set(xlabel="head", ylabel="layer" + (" (W: sliding window, a lower ceiling)" if last["sliding_windows"] else ""),
            xticks=sparse_ticks(heads))
     ax.set_yticks(at, names, fontsize=10 if layers <= 32 else 7)
     ax.set_title(f"mean attention entropy (nats), {title_source}\n"
-                 f"scale top = uniform {uniform_mean:.2f} "
+                 f"scale {low:g} … uniform {uniform_mean:.2f} "
                  f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
     fig.colorbar(im, ax=ax, label="nats")
     save(fig, path)

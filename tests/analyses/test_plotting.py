@@ -112,6 +112,24 @@ def test_a_32_layer_model_names_its_layers_by_a_colour_bar_and_a_long_context_re
     assert [t.get_text() for t in ax.get_legend().get_texts()][:4] == [f"layer {i}" for i in range(4)]
 
 
+def test_the_heatmap_spends_its_colours_on_the_entropies_there_are(drawn, tmp_path):
+    """Heads at 2.6–3.9 of a 3.9-nat ceiling used the top third of a 0-based scale: the scale starts at the
+    lowest head rounded down to half a nat, up to the uniform value; a focused head keeps it at 0."""
+    results = entropy_results(4, 4, 128, [0])
+    uniform = float(results[0]["bound"].mean(1).max())
+    results[0]["mean"] = np.linspace(2.61, 3.85, 16).reshape(4, 4)
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0], ["m"], results, [None],
+                       over_training=False)
+    image = drawn["entropy_heatmap.png"].axes[0].get_images()[0]
+    assert image.get_clim() == pytest.approx((2.5, uniform))
+    assert "scale 2.5 … uniform" in drawn["entropy_heatmap.png"].axes[0].get_title()
+    results[0]["mean"][2, 1] = 0.3  # one head looks at one token
+    drawn.clear()
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0], ["m"], results, [None],
+                       over_training=False)
+    assert drawn["entropy_heatmap.png"].axes[0].get_images()[0].get_clim() == pytest.approx((0.0, uniform))
+
+
 def test_checkpoints_spread_over_decades_sit_on_a_symmetric_log_step_axis(drawn, tmp_path):
     """Pythia-style checkpoints 0, 1, 2, 4, …, 143000: on a linear axis all but the last few sit at x ≈ 0.
     More than 10 heads: tab10's colours would repeat, so a colour map and a colour bar name them."""
