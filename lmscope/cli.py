@@ -1007,6 +1007,9 @@ def comparison_rows(c) -> list[tuple[str, list[Any]]]:
     """The side-by-side fields: kind, status, name (when a job has one), the params that differ
     (`params.KEY`), the scalar summary values (`summary.KEY`); each with one value per job."""
     rows = [("kind", [j["kind"] for j in c.jobs]), ("status", [j["status"] for j in c.jobs])]
+    if any(j.get("error") for j in c.jobs):  # why a job failed belongs beside its status
+        rows.append(("error", [f"{j['error'].get('type')}: {j['error'].get('message')}" if j.get("error") else None
+                               for j in c.jobs]))
     if any(j.get("name") for j in c.jobs):
         rows.append(("name", [j.get("name") for j in c.jobs]))
     rows += [(f"params.{k}", [v.get(i, ABSENT) for i in c.ids]) for k, v in c.params.items()]
@@ -1053,9 +1056,15 @@ def _print_comparison(c, with_curves: bool) -> None:
         return "-" if v is ABSENT else "null" if v is None else clip(summary_value(v), TABLE_CELL_WIDTH)
 
     head = [f"job {j['id']}" for j in c.jobs]
-    rows = [[name.removeprefix("summary."), *(field(v) if name.startswith(("params.", "summary.")) else
-                                              clip(v or "", TABLE_CELL_WIDTH) for v in values)]
-            for name, values in comparison_rows(c)]
+    rows, same = [], []
+    for name, values in comparison_rows(c):
+        row = [name.removeprefix("summary."), *(field(v) if name.startswith(("params.", "summary.")) else
+                                                clip(v or "", TABLE_CELL_WIDTH) for v in values)]
+        # summary values every job shares go last, under their own heading: what differs comes first
+        alike = name.startswith("summary.") and ABSENT not in values and all(v == values[0] for v in values)
+        (same if alike else rows).append(row)
+    if same:
+        rows += [["(the same in every job)", *[""] * len(head)], *same]
     print_table(rows, ["", *head])
     if not with_curves:
         _hint_shared_series(c)

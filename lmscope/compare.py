@@ -111,7 +111,7 @@ class Curve:
 
 @dataclass
 class Comparison:
-    jobs: list[dict[str, Any]]  # id, kind, name, status of each job, in the order asked
+    jobs: list[dict[str, Any]]  # id, kind, name, status, error (type, message or null) of each job, in the order asked
     params: dict[str, dict[int, Any]]  # parameters whose values differ between the jobs
     summary: dict[str, dict[int, Any]]  # every scalar summary value, by key then job
     curves: list[Curve]
@@ -184,7 +184,7 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
             # a job with the very same name and labels twice keeps both curves
             curve = curves.setdefault((*key, seen[key]), Curve(s["name"], labels))
             curve.by_job[job_id] = (s["x"], s["y"])
-    return Comparison(jobs=[{k: j.get(k) for k in ("id", "kind", "name", "status")} for j in jobs],
+    return Comparison(jobs=[{k: j.get(k) for k in ("id", "kind", "name", "status", "error")} for j in jobs],
                       params=params, summary=summary, curves=list(curves.values()))
 
 

@@ -595,6 +595,23 @@ def test_compare_table_writes_null_values_and_dashes_absent_ones(monkeypatch):
     assert rows["params.loss_filter"] == ["null", "-"] and rows["gram_condition_pct"] == ["-", "null"]
 
 
+def test_compare_table_puts_what_differs_first_and_says_why_a_job_failed(monkeypatch):
+    """Summary values every job shares went row by row among the ones that differ; a failed job's error was
+    left out. Now the shared ones come last under a heading, and an `error` row follows `status`."""
+    api = _two_jobs()
+    api.jobs[0]["summary"]["layers"] = api.jobs[1]["summary"]["layers"] = 12
+    api.jobs[1].update(status="failed", error={"type": "out-of-memory", "message": "lower batch_size"})
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    r = CliRunner().invoke(main, ["compare", "3", "4"])
+    assert r.exit_code == 0, r.output
+    names = [line.split("  ")[0].strip() for line in r.stdout.splitlines() if line.strip()]
+    assert names.index("error") == names.index("status") + 1
+    error_line = r.stdout.splitlines()[names.index("error")]
+    assert error_line.split()[1:] == ["out-of-memory:", "lower", "batch_size"]  # job 3's cell is empty
+    assert names[-2:] == ["(the same in every job)", "layers"]
+    assert names.index("sequence_pct") < names.index("(the same in every job)")  # 56.0 vs 54.5: differs
+
+
 def test_compare_table_cuts_long_values_but_json_keeps_them(monkeypatch):
     api = _two_jobs()
     monkeypatch.setattr("lmscope.cli.client", lambda: api)

@@ -12,7 +12,7 @@ from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
 from lmscope.api.inputs import decode_page_token, encode_page_token, parse_id, query_params
 from lmscope.api.jobs import load_visible_job
-from lmscope.api.render import artifact_url, iso
+from lmscope.api.render import artifact_url, error_json, iso
 from lmscope.api.state import state
 from lmscope.catalog import INT32_MAX
 from lmscope.compare import compare
@@ -121,8 +121,8 @@ def compare_jobs():
     caller = current_caller()
     with state().sessions() as session:
         # compare() reads only these fields of a job: no full rendering (progress, user, children)
-        jobs = [{"id": j.id, "kind": j.kind, "name": j.name, "status": j.status, "params": j.params,
-                 "summary": j.summary} for j in (load_visible_job(session, caller, i) for i in ids)]
+        jobs = [{"id": j.id, "kind": j.kind, "name": j.name, "status": j.status, "error": error_json(j),
+                 "params": j.params, "summary": j.summary} for j in (load_visible_job(session, caller, i) for i in ids)]
         rows = []
         if wanted:
             chosen = (Series.job_id.in_(ids), series_filter(wanted))
