@@ -103,7 +103,9 @@ def make_celery(settings: "Settings") -> "Celery":
     return app
 
 
-CONSUMERS_TIMEOUT = 0.5  # seconds a census of the workers waits for their answers (a live one answers in ms)
+CONSUMERS_TIMEOUT = 1.0  # seconds a census of the workers waits for their answers (a live one answers in ms)
+# A broker that accepts connections and never answers (a paused container) held Redis' PING for ever.
+BOUNDED_SOCKETS = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
 
 
 class CeleryPublisher:
@@ -126,7 +128,7 @@ class CeleryPublisher:
         cannot be asked. A declare, not a passive one: Redis drops an empty queue's lists, and a passive
         declare of it fails instead of saying 0."""
         try:
-            with self.app.connection_for_write() as conn:
+            with self.app.connection_for_write(transport_options=BOUNDED_SOCKETS) as conn:
                 conn.ensure_connection(max_retries=1)  # a broker that is down: say so within ~2 s, not retry on
                 return int(conn.default_channel.queue_declare(QUEUE_NAME, durable=True, auto_delete=False)
                            .message_count)
@@ -139,7 +141,7 @@ class CeleryPublisher:
         """Workers consuming queue ``lmscope`` now: those that answer Celery's remote control within
         ``timeout`` seconds. None if the broker cannot be asked."""
         try:
-            with self.app.connection_for_write() as conn:
+            with self.app.connection_for_write(transport_options=BOUNDED_SOCKETS) as conn:
                 conn.ensure_connection(max_retries=1)
                 replies = self.app.control.inspect(timeout=timeout, connection=conn).active_queues() or {}
         except Exception as e:

@@ -8,6 +8,7 @@ turned into problems by the handlers registered in `register_error_handlers`.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import typing
@@ -176,11 +177,24 @@ def list_item_types(model: type[BaseModel] | None, loc: tuple) -> set[type]:
     return _list_items(field.annotation) if field is not None else set()
 
 
-def written_as_list(given: Any, numbers: bool) -> str:
-    """The JSON list `given` meant: "a,b" → ["a", "b"], "1,2" → [1, 2] (`numbers`: the items are numbers), 4 → [4]."""
+def written_as_list(given: Any, numbers: bool) -> str | None:
+    """The JSON list `given` meant: "a,b" → ["a", "b"], "1,2" → [1, 2] (`numbers`: the items are numbers), 4 → [4];
+    None when there is no such list to show (text that is already bracketed, a non-finite number), and cut
+    to 40 characters as the value it came from is."""
+    if isinstance(given, str) and given.lstrip().startswith("["):
+        return None
     parts = [p.strip().strip("'\"") for p in given.split(",")] if isinstance(given, str) else [given]
-    return json.dumps([json.loads(p) if numbers and isinstance(p, str) and _JSON_NUMBER.fullmatch(p) else p
-                       for p in parts], ensure_ascii=False)
+    items = []
+    for p in parts:
+        if numbers and isinstance(p, str):
+            if len(p) > 30 or not _JSON_NUMBER.fullmatch(p):  # no number the field could take: no hint
+                return None
+            p = json.loads(p)
+        if isinstance(p, float) and not math.isfinite(p):
+            return None
+        items.append(p)
+    text = json.dumps(items, ensure_ascii=False, default=str)
+    return text if len(text) <= 40 else text[:37] + "…"
 
 
 def type_error_message(error_type: str, given: Any, items: set[type] = frozenset()) -> str:
@@ -195,12 +209,14 @@ def type_error_message(error_type: str, given: Any, items: set[type] = frozenset
     hint = "a list, e.g. [1, 2]" if error_type == "list_type" and numbers else _TYPE_HINTS[error_type]
     msg = f"expected {hint}; got {kind + ' ' if kind else ''}{shown}"
     if error_type == "list_type":
-        if isinstance(given, str) and "," in given:  # `-p models=a,b`: the list it meant
-            msg += f" (write {written_as_list(given, numbers)})"
-        elif isinstance(given, str) and not numbers:
+        meant = written_as_list(given, numbers) if isinstance(given, (str, int, float)) and not isinstance(given, bool) \
+            else None
+        if isinstance(given, str) and "," in given and meant:  # `-p models=a,b`: the list it meant
+            msg += f" (write {meant})"
+        elif isinstance(given, str) and not numbers and not given.lstrip().startswith("["):
             msg += " (a list of one is written [\"x\"])"
-        elif isinstance(given, (str, int, float)):  # `grid.latent_dim=4`: [4]
-            msg += f" (a list of one is written {written_as_list(given, numbers)})"
+        elif meant:  # `grid.latent_dim=4`: [4]
+            msg += f" (a list of one is written {meant})"
     elif isinstance(given, str) and _quoted_literal(given, error_type):
         msg += " (write numbers and true/false without quotes)"
     return msg

@@ -239,9 +239,12 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "queue": {"type": "object", "description": "only on one queued job (not in lists): queued jobs submitted "
                   "before it, anyone's, and jobs running now; under `lmscope up`, worker_stopped says why its worker "
                   "takes no more jobs (e.g. an unusable GPU) when it does not; unsent: true while the broker has "
-                  "not taken the job (it was down at submit; the reaper sends it when it answers)",
+                  "not taken the job (it was down at submit; the reaper sends it when it answers); workers: with a "
+                  "broker, how many Celery workers consume its queue (0: none runs, the job waits for one; absent "
+                  "when the broker cannot say)",
                   "properties": {"ahead": {"type": "integer"}, "running": {"type": "integer"},
-                                 "worker_stopped": {"type": "string"}, "unsent": {"type": "boolean"}}},
+                                 "worker_stopped": {"type": "string"}, "unsent": {"type": "boolean"},
+                                 "workers": {"type": "integer"}}},
         "links": {"type": "object", "additionalProperties": {"type": "string"}}}},
     "JobPage": {"type": "object", "properties": {
         "items": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},

@@ -16,6 +16,7 @@ from lmscope.queue import Publisher
 
 
 CONSUMERS_TTL = 15.0  # seconds a census of the workers is reused
+CENSUS_WAIT = 1.5  # seconds a request waits for a census under way (the census itself waits 1 s for answers)
 
 
 @dataclass
@@ -31,18 +32,35 @@ class ApiState:
     extra: dict[str, Any] = field(default_factory=dict)
     _census: tuple[float, int | None] | None = field(default=None, repr=False)
     _census_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _census_running: threading.Event | None = field(default=None, repr=False)
 
     def consumers(self) -> int | None:
-        """Workers taking jobs from the broker's queue (None: no broker, or it cannot say), asked at most
-        every CONSUMERS_TTL seconds: the census waits half a second for the workers' answers."""
+        """Workers taking jobs from the broker's queue (None: no broker, or it cannot say yet), asked at most
+        every CONSUMERS_TTL seconds. The census runs in a thread of its own and a request waits for it at
+        most CENSUS_WAIT seconds, then answers with what it knew: a broker that hangs never holds up a page."""
         ask = getattr(self.publisher, "consumers", None)
         if ask is None:
             return None
-        now = time.monotonic()
         with self._census_lock:
-            if self._census is None or now - self._census[0] > CONSUMERS_TTL:
-                self._census = (now, ask())
-            return self._census[1]
+            stale = self._census is None or time.monotonic() - self._census[0] > CONSUMERS_TTL
+            if stale and self._census_running is None:
+                self._census_running = threading.Event()
+                threading.Thread(target=self._take_census, args=(ask, self._census_running), daemon=True,
+                                 name="lmscope-worker-census").start()
+            running = self._census_running
+        if stale and running is not None:
+            running.wait(CENSUS_WAIT)
+        with self._census_lock:
+            return self._census[1] if self._census else None
+
+    def _take_census(self, ask: Callable[[], int | None], done: threading.Event) -> None:
+        try:
+            value = ask()
+        except Exception:  # the publisher logs its own failures; a census that fails knows nothing
+            value = None
+        with self._census_lock:
+            self._census, self._census_running = (time.monotonic(), value), None
+        done.set()
 
     def worker_stop_reason(self) -> str | None:
         """Why `lmscope up`'s worker takes no more jobs; None while it takes them, or with no worker here."""

@@ -128,7 +128,7 @@ def check_scale(name: str, scale) -> float | None:
     string, a bool, NaN, ±inf): every score would be NaN or ±inf, and the rows silently meaningless."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not (
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) and not (  # numpy scalars are Real
             isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.dtype.is_complex):
         raise TypeError(f"{name}: scale must be a real number or None; got {scale!r}")
     value = float(scale)

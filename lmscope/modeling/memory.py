@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import torch
 
@@ -35,11 +36,28 @@ def available_bytes(device: str | torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
+    limit = _cgroup_room()  # a container's memory limit: the host may have far more than the job may use
+    return limit if free is None else free if limit is None else min(free, limit)
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's cgroup (v2, else v1) still allows: its limit less its usage; None without one."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes "no limit" as ~2^63
+            return None
+        return max(0, int(limit) - usage)
     return None

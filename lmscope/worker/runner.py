@@ -371,26 +371,27 @@ def _failure(e: BaseException, settings: Settings, kind: str | None = None) -> t
         return "time-limit", f"the job ran past its time limit ({settings.time_limit_setting}); use smaller parameters"
     if name == "OutOfMemoryError" or isinstance(e, MemoryError) or (
             name == "RuntimeError" and _CPU_OOM.search(str(e))):  # torch's, named: the Celery parent never loads torch
-        return "out-of-memory", out_of_memory_message(str(e) or name, kind)
+        host = isinstance(e, MemoryError) or _CPU_OOM.search(str(e))
+        return "out-of-memory", out_of_memory_message(str(e) or name, kind, host=bool(host))
     return name, str(e) or name
 
 
 # torch's CPU allocator fails with a plain RuntimeError: "[enforce fail at alloc_cpu.cpp:117] data.
 # DefaultCPUAllocator: not enough memory: you tried to allocate …" (or "can't allocate memory")
-_CPU_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
+_CPU_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory")
 # torch's message goes on, on the same line, about other processes and the allocator's settings
 _OOM_TAIL = re.compile(r"\s+(Process \d|Including non-PyTorch|Of the allocated|If reserved)")
 # what a job's peak memory grows with (rows per batch, tokens per row); each kind is told those it has
 _SIZE_FIELDS = ("batch_size", "seq_len", "max_tokens", "context")
 
 
-def out_of_memory_message(text: str, kind: str | None) -> str:
+def out_of_memory_message(text: str, kind: str | None, host: bool = False) -> str:
     """"the device ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has …; lower
     batch_size or seq_len, or dtype bfloat16": torch's first sentences and the kind's own size fields."""
     from lmscope.params import KINDS
 
     asked = re.search(r"you tried to allocate (\d+) bytes", text)
-    if _CPU_OOM.search(text):  # torch's CPU wording starts with the C++ assertion that failed
+    if host:  # torch's CPU wording starts with the C++ assertion that failed; Python's MemoryError says nothing
         head = "the host has no room for " + (f"{int(asked.group(1)) / 2**30:.3g} GiB more" if asked else "more")
     else:
         head = _OOM_TAIL.split(text, maxsplit=1)[0].strip().rstrip(".")
@@ -399,7 +400,7 @@ def out_of_memory_message(text: str, kind: str | None) -> str:
     advice = [("lower " + " or ".join(lower)) if lower else "use smaller parameters"]
     if "dtype" in fields:
         advice.append("set dtype bfloat16")
-    where = "the host" if _CPU_OOM.search(text) else "the device"
+    where = "the host" if host else "the device"
     return f"{where} ran out of memory: {head}; {', or '.join(advice)}"
 
 

@@ -467,7 +467,19 @@ def test_the_oracle_in_blocks_of_query_rows_is_the_whole_matrix(monkeypatch, cau
     q = torch.randn(2, 4, 10, 8, generator=g)
     k, v = (torch.randn(2, 2, 10, 8, generator=g) for _ in range(2))
     monkeypatch.setattr(attention_approx, "ORACLE_ELEMENTS", 3 * 4 * 10)  # 3 rows of all 4 heads
+    import lmscope.kernels as kernels
+
+    blocks, whole = [], kernels.attention_with_entropy
+
+    def recorded(q_block, k_block, *args, **kwargs):
+        blocks.append((q_block.shape[0], q_block.shape[2], k_block.shape[2]))
+        return whole(q_block, k_block, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_with_entropy", recorded)
     got = attention_approx.exact_attention_float64(q, k, v, causal=causal, scale=0.4)
+    # one window at a time, 3 query rows at a time: the scores held at once are 3 × 10 per head at most
+    keys = [3, 6, 9, 10] if causal else [10] * 4
+    assert blocks == [(1, rows, n) for _ in range(2) for rows, n in zip([3, 3, 3, 1], keys)]
     want = attention_oracle(q, k, v, causal=causal, scale=0.4)[0]
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -128,6 +128,35 @@ def test_filters(api):
     assert "no job kind 'norm'; did you mean 'norms'? Use one of: " in body["detail"]
 
 
+def test_a_broker_that_never_answers_holds_up_no_page(api, monkeypatch):
+    """The census of workers (queue.workers) asks the broker; a paused broker held its PING for ever and,
+    with it, every page of a queued job. Now a page waits at most CENSUS_WAIT for a census under way, then
+    answers without the count, and shows it once the census has come back."""
+    import threading
+    import time
+
+    from lmscope.api import state
+
+    monkeypatch.setattr(state, "CONSUMERS_TTL", 60.0)
+    monkeypatch.setattr(state, "CENSUS_WAIT", 0.2)
+    release, asked = threading.Event(), []
+    monkeypatch.setattr(api.publisher, "consumers", lambda: (asked.append(1), release.wait(30), 2)[-1], raising=False)
+    ann = api.user("ann")
+    job_id = api.submit(ann).get_json()["id"]
+
+    def queue():
+        return api.client.get(f"/v1/jobs/{job_id}", headers=ann).get_json()["queue"]
+
+    start = time.monotonic()
+    assert queue() == {"ahead": 0, "running": 0} and queue() == {"ahead": 0, "running": 0}
+    assert time.monotonic() - start < 5 and len(asked) == 1  # one census at a time, the pages not held
+    release.set()
+    deadline = time.monotonic() + 10
+    while "workers" not in queue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queue() == {"ahead": 0, "running": 0, "workers": 2} and len(asked) == 1  # reused for CONSUMERS_TTL
+
+
 def test_cancel_a_queued_job_cancels_it_now(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]

@@ -43,6 +43,26 @@ def test_field_errors_are_422_problems_naming_each_field(api):
     assert api.jobs() == [] and api.publisher.published == []
 
 
+def test_a_list_field_given_odd_text_is_a_422_with_no_made_up_list(api):
+    """The list hint once ran json.loads on whatever looked like digits: 5000 of them raised (a 500), and
+    1e999 became Infinity, which is no JSON. Such values get the plain message; a plain one its list."""
+    h = api.user("ann")
+
+    def message(latent_dim):
+        params = {"study": "sumformer", "grid": {"latent_dim": latent_dim}}
+        body = is_problem(api.client.post("/v1/jobs", headers=h, json={"kind": "sweep", "params": params}),
+                          422, "validation-error")
+        [error] = body["errors"]
+        assert error["loc"] == ["params", "grid", "latent_dim"]
+        return error["msg"]
+
+    assert message("9" * 5000 + ",2").startswith('expected a list, e.g. [1, 2]; got the string "999')
+    assert "(write" not in message("9" * 5000 + ",2") and "Infinity" not in message("1e999,2")
+    assert message("2,4").endswith("(write [2, 4])") and message(4).endswith("(a list of one is written [4])")
+    assert "a list of one" not in message(True)  # true is no count to put in a list
+    assert api.jobs() == []
+
+
 def test_values_of_the_wrong_json_type_are_refused_not_converted(api):
     """true is not 1 and "5" is not 5 (lax parsing ran jobs on values nobody meant); 2 is a fine float."""
     h = api.user("ann")

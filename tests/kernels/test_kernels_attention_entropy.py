@@ -315,6 +315,10 @@ def test_inputs_that_cannot_be_attention_are_refused(device):
             attention_with_entropy(q, k, v, scale=bad)
     with pytest.raises(TypeError, match="q must be a floating-point tensor"):
         attention_with_entropy(q.long(), k.long(), v.long())
+    import numpy as np  # a numpy scalar is a number like any other
+
+    torch.testing.assert_close(attention_with_entropy(q, k, v, scale=np.float32(0.25)).out,
+                               attention_with_entropy(q, k, v, scale=0.25).out)
     with pytest.raises(ValueError, match="head dim 0"):
         attention_with_entropy(q[..., :0], k[..., :0], v)
 

@@ -292,3 +292,22 @@ def test_a_sentencepiece_only_directory_loads(tmp_path):
     ids = lm.tokenizer(TEXT)["input_ids"]
     assert len(lm.tokenizer) == 60 and 3 < len(ids) < len(TEXT) and max(ids) < 60
     assert lm.tokenizer.decode(ids, skip_special_tokens=True).replace(" ", "") == TEXT.replace(" ", "")
+
+
+def test_the_memory_a_job_may_fill_is_bounded_by_its_container(tmp_path):
+    """A container's cgroup limit bounds what a job may fill, whatever the host has free (MemAvailable):
+    limit less usage, for cgroup v2 and v1; no limit ("max", v1's ~2^63) is none."""
+    from lmscope.modeling.memory import _cgroup_room
+
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("400\n")
+    assert _cgroup_room(tmp_path) == 600
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_room(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory/memory.limit_in_bytes").write_text("2048")
+    (v1 / "memory/memory.usage_in_bytes").write_text("4096")  # over its limit: no room at all
+    assert _cgroup_room(v1) == 0
+    (v1 / "memory/memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    assert _cgroup_room(v1) is None and _cgroup_room(tmp_path / "absent") is None

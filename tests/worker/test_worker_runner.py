@@ -407,7 +407,9 @@ def test_the_host_running_out_of_memory_is_out_of_memory_not_a_bug():
         error_type, message = _failure(e, settings, "train")
     assert error_type == "out-of-memory"
     assert message == "the host ran out of memory: the host has no room for 1.07e+09 GiB more; lower batch_size or context"
-    assert _failure(MemoryError(), settings, "norms")[0] == "out-of-memory"
+    assert _failure(MemoryError(), settings, "norms") == (
+        "out-of-memory", "the host ran out of memory: the host has no room for more; lower batch_size or max_tokens, "
+                         "or set dtype bfloat16")
     assert _failure(RuntimeError("shape mismatch"), settings, "norms")[0] == "RuntimeError"  # other errors stay theirs
 
 
