@@ -438,6 +438,9 @@ def bin_edges(params: EntropyParams) -> np.ndarray:
     return np.linspace(0.0, math.log(params.seq_len), params.histogram_bins + 1)
 
 
+HEAD_TIE_NATS = 1e-3  # heads' mean entropies closer than this are not told apart in the summary
+
+
 def _output(params, steps, names, results, dim_results, windows_used, backend) -> JobOutput:
     last = results[-1]
     layers, heads = last["mean"].shape
@@ -489,6 +492,10 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
         "highest_entropy_head": {"layer": int(hi[0]), "head": int(hi[1]), "value": float(mean[hi])},
         "kernel_backend": backend,
     }
+    spread = float(mean[hi] - mean[lo])
+    if spread < HEAD_TIE_NATS:  # e.g. a random-init model: "lowest" and "highest" are then rounding noise
+        summary["heads_note"] = (f"every head's mean entropy is within {spread:.2g} nats of the others': the lowest "
+                                 "and highest heads are ties")
     if len(names) > 1:
         summary["summary_of"] = names[-1]  # per-layer numbers above are the last checkpoint's
     if min(windows_used) < params.num_segments:  # a short dataset: fewer windows than asked for, said

@@ -124,6 +124,7 @@ def test_entropies_match_eager_attention(tmp_path, documents, arch, bins):
     assert summary["highest_entropy_head"]["value"] == pytest.approx(mean[hi], abs=2e-5)
     assert summary["lowest_entropy_head"]["value"] == pytest.approx(mean[lo], abs=2e-5)
     assert summary["uniform_bound_max"] == pytest.approx(math.log(n))
+    assert "heads_note" not in summary  # heads 1e-3 nats apart or more are told apart
     assert out.summary["layers"] == layers and out.summary["heads"] == heads
     assert out.summary["tokens"] == 5 * SEQ_LEN and out.summary["num_segments_used"] == 5
     assert out.summary["kernel_backend"] == ctx.environment["kernel_backend"] in ("triton", "reference")
@@ -176,6 +177,8 @@ def test_uniform_attention_gives_the_causal_bound(tmp_path, documents, arch):
     np.testing.assert_allclose(arrays["std"][0], bound.std(), atol=1e-5)
     # q = 0 also makes every per-dimension row uniform over all seq_len keys.
     assert out.summary["near_uniform_pct"] == pytest.approx(100.0)
+    # every head alike: the lowest and highest heads are ties, which the summary says
+    assert "are ties" in out.summary["heads_note"]
     assert (tmp_path / "dimension_entropy.png").stat().st_size > 5000
 
 
