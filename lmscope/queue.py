@@ -136,7 +136,6 @@ class CeleryPublisher:
             log.warning("could not ask the broker how many messages it holds (%s: %s)", type(e).__name__, e)
             return None
 
-
     def consumers(self, timeout: float = CONSUMERS_TIMEOUT) -> int | None:
         """Workers consuming queue ``lmscope`` now: those that answer Celery's remote control within
         ``timeout`` seconds. None if the broker cannot be asked."""

@@ -36,19 +36,21 @@ class ApiState:
 
     def consumers(self) -> int | None:
         """Workers taking jobs from the broker's queue (None: no broker, or it cannot say yet), asked at most
-        every CONSUMERS_TTL seconds. The census runs in a thread of its own and a request waits for it at
-        most CENSUS_WAIT seconds, then answers with what it knew: a broker that hangs never holds up a page."""
+        every CONSUMERS_TTL seconds. The census runs in a thread of its own (it waits a second for the
+        workers' answers): a page shows the last count while a new one is taken, and only the first waits
+        for one, at most CENSUS_WAIT seconds. A broker that hangs never holds up a page."""
         ask = getattr(self.publisher, "consumers", None)
         if ask is None:
             return None
         with self._census_lock:
-            stale = self._census is None or time.monotonic() - self._census[0] > CONSUMERS_TTL
+            first = self._census is None
+            stale = first or time.monotonic() - self._census[0] > CONSUMERS_TTL
             if stale and self._census_running is None:
                 self._census_running = threading.Event()
                 threading.Thread(target=self._take_census, args=(ask, self._census_running), daemon=True,
                                  name="lmscope-worker-census").start()
             running = self._census_running
-        if stale and running is not None:
+        if first and running is not None:
             running.wait(CENSUS_WAIT)
         with self._census_lock:
             return self._census[1] if self._census else None

@@ -130,8 +130,8 @@ def test_filters(api):
 
 def test_a_broker_that_never_answers_holds_up_no_page(api, monkeypatch):
     """The census of workers (queue.workers) asks the broker; a paused broker held its PING for ever and,
-    with it, every page of a queued job. Now a page waits at most CENSUS_WAIT for a census under way, then
-    answers without the count, and shows it once the census has come back."""
+    with it, every page of a queued job. Now the first page waits at most CENSUS_WAIT for the census, then
+    answers without the count; later pages do not wait, and show the count once the census has come back."""
     import threading
     import time
 

@@ -211,10 +211,15 @@ def test_a_queued_job_says_whether_any_worker_takes_jobs_from_the_queue(delivery
     worker = delivery.start()
     wait_until(lambda: job_row(first).status == "running", timeout=60, what="the first job to start")
     second = submit({"steps": 1, "plot": False})  # behind the first: the only worker is busy with it
-    body = http.get(f"/v1/jobs/{second}", headers=h).get_json()
-    assert body["status"] == "queued" and body["queue"]["workers"] == 1
+
+    def workers():  # a page shows the last census while the next is taken (a second): ask until it changes
+        body = http.get(f"/v1/jobs/{second}", headers=h).get_json()
+        assert body["status"] == "queued"
+        return body["queue"].get("workers")
+
+    wait_until(lambda: workers() == 1, timeout=20, what="the census to count the worker")
     worker.stop()
-    assert http.get(f"/v1/jobs/{second}", headers=h).get_json()["queue"]["workers"] == 0
+    wait_until(lambda: workers() == 0, timeout=20, what="the census to miss the stopped worker")
 
 
 # A first attempt this slow (300 steps of 0.25 s: 75 s) is still running when the test, however starved, kills it.
