@@ -424,6 +424,23 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     assert page.js(text % "undefined") == "queued, waiting for a worker"  # a list row has no queue field
     assert (page.js(text % "{ahead: 0, running: 0, worker_stopped: 'the GPU is unusable; restart'}")
             == "queued; no worker takes jobs: the GPU is unusable; restart")
+    # with a broker and no Celery worker consuming its queue (the API's census): the job waits for one
+    assert (page.js(text % "{ahead: 2, running: 0, workers: 0}")
+            == "queued; no worker takes jobs from the queue: it waits until one starts")
+    assert page.js(text % "{ahead: 2, running: 1, workers: 1}") == "queued behind 2 jobs · 1 running"
+
+
+def test_a_sweep_point_requeued_as_another_starts_is_refetched(page, url, jobs):
+    """A running sweep's page refetches all its points only when its counts by status move; point 1 put back in
+    the queue (a lost worker) as point 2 starts leaves them as they were. The running points the server names
+    then differ from the rows', which refetches every point, instead of showing point 1 running for ever."""
+    open_job(page, url, jobs["a"])
+    setup = ("const rows = new JobRows(document.createElement('tbody'), ['status']);"
+             "rows.update([{id: 1, status: 'running'}, {id: 2, status: 'queued'}, {id: 3, status: 'succeeded'}]);")
+    moved = "(() => { %s return runningPointsMoved(rows, %s); })()"
+    assert page.js(moved % (setup, "[{id: 2, status: 'running'}]")) is True  # the same count, another point
+    assert page.js(moved % (setup, "[]")) is True
+    assert page.js(moved % (setup, "[{id: 1, status: 'running'}]")) is False  # only its progress moved
 
 
 def test_finished_job_page_is_not_rebuilt_by_refreshes(page, url, jobs):
