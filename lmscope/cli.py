@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import os
 import re
 import shlex
 import sys
@@ -71,11 +70,7 @@ class LmscopeGroup(click.Group):
 
 
 def client() -> Client:
-    url = os.environ.get("LMSCOPE_URL")
-    # The client's paths start with /v1: LMSCOPE_URL=http://host:8765/v1 asked for /v1/v1/jobs (a 404).
-    if url and re.search(r"/v1/*$", url):
-        url = re.sub(r"/v1/*$", "", url)
-    return Client(url or None)
+    return Client()
 
 
 # ---------------------------------------------------------------- params

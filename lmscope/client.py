@@ -73,7 +73,8 @@ class LmscopeError(Exception):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 60.0,
                  session: requests.Session | None = None):
-        self.url = (url or os.environ.get("LMSCOPE_URL") or default_url()).rstrip("/")
+        # its paths start with /v1: a URL given with it (http://host:8765/v1) asked for /v1/v1/jobs
+        self.url = re.sub(r"(/v1)?/*$", "", url or os.environ.get("LMSCOPE_URL") or default_url())
         source = "the token" if token is not None else "LMSCOPE_TOKEN"
         token = token if token is not None else os.environ.get("LMSCOPE_TOKEN")
         # A pasted token often brings a newline or spaces along; inside, they mean a broken copy.

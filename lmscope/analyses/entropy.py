@@ -252,7 +252,7 @@ class DimensionStats:
             "gap_counts": self.gap_hist.cpu().numpy(),  # [L, gap bins], heads pooled
             "gap_pct": (100.0 * self.gap_hist.double() / self.gap_hist.sum(1, keepdim=True).double()).cpu().numpy(),
             "own_scales": dict(sorted(self.own_scales.items())),
-            "backend": "+".join(sorted(self.backends)),
+            "backends": set(self.backends),
         }
 
 
@@ -514,7 +514,7 @@ def _output(params, steps, names, results, dim_results, windows_used, backend) -
             f"H >= ln({n}) - {params.near_uniform_margin} = {math.log(n) - params.near_uniform_margin:.4f} nats "
             "(bidirectional rows)")
         summary["dimension_segments_used"] = min(windows_used[-1], params.dimension_segments)
-        summary["dimension_backend"] = "+".join(sorted({b for r in dim_results for b in r["backend"].split("+")}))
+        summary["dimension_backend"] = "+".join(sorted(set().union(*(r["backends"] for r in dim_results))))
         if d["own_scales"]:
             summary["dimension_scale_note"] = (
                 "the dimension-wise rows use 1/sqrt(head size), as defined; these layers scale their own scores "

@@ -65,6 +65,16 @@ class LocalContext:
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
+    def _source(self, name: str) -> tuple[str, str | None]:
+        """(source, path) of a model not given as an object: a registered checkpoint or a built-in."""
+        from lmscope.catalog import BUILTIN_MODELS
+
+        if name in self.registered:
+            return "checkpoint", str(self.registered[name][0])
+        if name in BUILTIN_MODELS:
+            return "builtin", None
+        raise KeyError(f"unknown model {name!r}")
+
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
         if name in self.models:
             loaded = self.models[name]
@@ -73,28 +83,16 @@ class LocalContext:
 
                 loaded.info = model_info(loaded.model)
             return loaded
-        if name in self.registered:
-            from lmscope.modeling.loading import load_model
-
-            return load_model(name, "checkpoint", str(self.registered[name][0]), dtype=dtype, device=self.device)
-        from lmscope.catalog import BUILTIN_MODELS
         from lmscope.modeling.loading import load_model
 
-        if name in BUILTIN_MODELS:
-            return load_model(name, "builtin", None, dtype=dtype, device=self.device)
-        raise KeyError(f"unknown model {name!r}")
+        return load_model(name, *self._source(name), dtype=dtype, device=self.device)
 
     def load_tokenizer(self, name: str):
         if name in self.models:
             return self.models[name].tokenizer
-        from lmscope.catalog import BUILTIN_MODELS
         from lmscope.modeling.loading import load_tokenizer
 
-        if name in self.registered:
-            return load_tokenizer("checkpoint", str(self.registered[name][0]))
-        if name in BUILTIN_MODELS:
-            return load_tokenizer("builtin", None)
-        raise KeyError(f"unknown model {name!r}")
+        return load_tokenizer(*self._source(name))
 
     def load_documents(self, dataset: str) -> list[str]:
         return self.datasets[dataset]

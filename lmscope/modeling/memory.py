@@ -45,7 +45,7 @@ def available_bytes(device: str | torch.device) -> int | None:
     except OSError:
         pass
     limit = _cgroup_room()  # a container's memory limit: the host may have far more than the job may use
-    return limit if free is None else free if limit is None else min(free, limit)
+    return min((b for b in (free, limit) if b is not None), default=None)
 
 
 def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:

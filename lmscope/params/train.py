@@ -9,7 +9,6 @@ from lmscope.params.base import JobParams, Seed
 
 DEFAULT_WARMUP_STEPS = 100  # the longest default warm-up; runs under 1000 steps warm up for a tenth
 DEFAULT_CHECKPOINT_EVERY = 250
-DEFAULT_VOCAB_SIZE = 2048
 # Each checkpoint is a full copy of the weights and a registered model: a run's count is bounded so that
 # one job cannot fill the shared disk and the model list (curves over training need tens, not thousands).
 MAX_CHECKPOINTS = 100
@@ -40,7 +39,7 @@ class TrainParams(JobParams):
     kv_heads: int | None = Field(None, ge=1, le=64, description="llama only: key/value heads (GQA); default = heads")
     context: int = Field(128, ge=8, le=8192, description="tokens per training window")
     tokenizer: str = Field("bpe", description='"bpe" (trained on the dataset), "bytes", or a registered model whose tokenizer to reuse')
-    vocab_size: int = Field(DEFAULT_VOCAB_SIZE, ge=260, le=65536, description="BPE vocabulary size (tokenizer=bpe; "
+    vocab_size: int = Field(2048, ge=260, le=65536, description="BPE vocabulary size (tokenizer=bpe; "
                             "ignored with the other tokenizers, which bring their own)")
     steps: int = Field(1000, ge=1, le=1_000_000, description="optimiser steps (one batch each)")
     batch_size: int = Field(16, ge=1, le=4096, description="windows of context + 1 tokens per step")

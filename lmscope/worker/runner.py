@@ -369,10 +369,9 @@ def _failure(e: BaseException, settings: Settings, kind: str | None = None) -> t
     name = type(e).__name__
     if name in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
         return "time-limit", f"the job ran past its time limit ({settings.time_limit_setting}); use smaller parameters"
-    if name == "OutOfMemoryError" or isinstance(e, MemoryError) or (
-            name == "RuntimeError" and _CPU_OOM.search(str(e))):  # torch's, named: the Celery parent never loads torch
-        host = isinstance(e, MemoryError) or _CPU_OOM.search(str(e))
-        return "out-of-memory", out_of_memory_message(str(e) or name, kind, host=bool(host))
+    host = isinstance(e, MemoryError) or (name == "RuntimeError" and bool(_CPU_OOM.search(str(e))))
+    if name == "OutOfMemoryError" or host:  # torch's, named: the Celery parent never loads torch
+        return "out-of-memory", out_of_memory_message(str(e) or name, kind, host=host)
     return name, str(e) or name
 
 
