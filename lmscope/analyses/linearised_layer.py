@@ -1,17 +1,23 @@
 """The linearised transformer layer of Wu & Varshney's Proposition 1 (eq. 10), for the `norms` job's
 Gram condition.
 
-A sequential block with a plain two-matrix FFN maps h_l to h_{l+1}. Dropping the softmax, the layer
-norms, the biases, the activation and the 1/√d scale leaves a linear map of the current token x = h_l[t]:
+A block with a plain two-matrix FFN maps h_l to h_{l+1}. Dropping the softmax, the layer norms, the
+biases, the activation and the 1/√d scale leaves a linear map of the current token x = h_l[t]:
 
     W_MHSA x = Σ_h W_O^h Σ_{i≤t} v_i^h (k_i^h · q^h),   q = W_Q x,  k_i = W_K z_i,  v_i = W_V z_i
     W x      = (I + W_FFN)(I + W_MHSA) x,                W_FFN = W2·W1 (applied as W2 (W1 y): no D × D product)
 
 over the sample's own layer-l context z_i = h_l[i] (the keys query t sees: i ≤ t, and t − i < window
-where the layer slides). With grouped- or multi-query attention head h reads key/value head
-h // (H / H_kv). With rotary positions (StarCoder2) the query and each key are rotated as the model
-rotates them, q = R_t W_Q x and k_i = R_i W_K z_i: still linear in x. Additive position terms
-(BLOOM's ALiBi) are left out like the biases: they do not depend on x.
+where the layer slides). That is Proposition 1's sequential block, x + MHSA then + FFN. A parallel-residual
+block (GPT-NeoX/Pythia, Phi: x + MHSA(x) + FFN(x)) linearises the same way to
+
+    W x      = (I + W_MHSA + W_FFN) x
+
+which is not the paper's product; the job says which form it used. With grouped- or multi-query attention
+head h reads key/value head h // (H / H_kv). With rotary positions (StarCoder2, GPT-NeoX, Phi) the query
+and each key are rotated as the model rotates them, q = R_t W_Q x and k_i = R_i W_K z_i: still linear in
+x (partial rotary, as GPT-NeoX's and Phi's, rotates the first dimensions of each head only). Additive
+position terms (BLOOM's ALiBi) are left out like the biases: they do not depend on x.
 
 Each architecture stores W_Q, W_K, W_V, W_O, W1, W2 its own way; ``block_matrices`` reads them into one
 layout (column-vector matrices, y = W x, float64).
@@ -39,6 +45,7 @@ class BlockMatrices:
     kv_heads: int
     rotary: bool = False  # q and k rotated by the model's RoPE before their dot product
     window: int | None = None  # the layer's sliding window (query t sees keys t − window < i ≤ t)
+    parallel: bool = False  # x + MHSA(x) + FFN(x): W = I + W_MHSA + W_FFN instead of the product
 
     def __post_init__(self):  # slices of transposed weights: contiguous, so that heads are views
         for name in ("W_Q", "W_K", "W_V", "W_O", "W1", "W2"):
@@ -46,14 +53,21 @@ class BlockMatrices:
 
 
 def linearisable(block) -> bool:
-    """Whether ``block_matrices`` reads this block: GPT-2 (Conv1D q/k/v), GPTBigCode (multi-query or not),
-    BLOOM and StarCoder2 — the sequential blocks, x + MHSA then + FFN, with a plain two-matrix FFN."""
+    """Whether ``block_matrices`` reads this block: the blocks with a plain two-matrix FFN of GPT-2 (Conv1D
+    q/k/v), GPTBigCode (multi-query or not), BLOOM and StarCoder2 (sequential), GPT-NeoX (either) and Phi
+    (parallel)."""
     name = type(block).__name__
     if name == "GPT2Block":
         return type(block.attn.c_attn).__name__ == "Conv1D"
     if name == "GPTBigCodeBlock":
         return not getattr(block.attn, "is_cross_attention", False)
-    return name in ("BloomBlock", "Starcoder2DecoderLayer")
+    return name in ("BloomBlock", "Starcoder2DecoderLayer", "GPTNeoXLayer", "PhiDecoderLayer")
+
+
+def parallel_residual(block) -> bool:
+    """Whether the block adds attention and FFN to the same input (x + MHSA(x) + FFN(x))."""
+    name = type(block).__name__
+    return name == "PhiDecoderLayer" or (name == "GPTNeoXLayer" and bool(block.use_parallel_residual))
 
 
 def _per_head_thirds(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,12 +114,29 @@ def block_matrices(block, device) -> BlockMatrices | None:
         return BlockMatrices(f64(attn.q_proj.weight), f64(attn.k_proj.weight), f64(attn.v_proj.weight),
                              f64(attn.o_proj.weight), f64(mlp.c_fc.weight), f64(mlp.c_proj.weight),
                              heads, kv_heads, rotary=True, window=window)
+    if name == "GPTNeoXLayer":  # fused q/k/v laid out per head as [H, 3, d], dense; partial RoPE
+        attn, mlp = block.attention, block.mlp
+        heads = attn.query_key_value.weight.shape[1] // attn.head_size
+        W_Q, W_K, W_V = _per_head_thirds(f64(attn.query_key_value.weight), heads)
+        return BlockMatrices(W_Q, W_K, W_V, f64(attn.dense.weight), f64(mlp.dense_h_to_4h.weight),
+                             f64(mlp.dense_4h_to_h.weight), heads, heads, rotary=True,
+                             parallel=parallel_residual(block))
+    if name == "PhiDecoderLayer":  # q/k/v_proj (grouped-query), dense, fc1/fc2; partial RoPE; parallel
+        attn, mlp = block.self_attn, block.mlp
+        return BlockMatrices(f64(attn.q_proj.weight), f64(attn.k_proj.weight), f64(attn.v_proj.weight),
+                             f64(attn.dense.weight), f64(mlp.fc1.weight), f64(mlp.fc2.weight),
+                             attn.q_proj.weight.shape[0] // attn.head_dim,
+                             attn.k_proj.weight.shape[0] // attn.head_dim, rotary=True, parallel=True)
     raise AssertionError(name)  # linearisable() said yes
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as LLaMA-family models apply it: x [N, T, H, d], cos/sin [N, T, d]; x·cos + (−x₂, x₁)·sin.
+    """RoPE as LLaMA-family models apply it: x [N, T, H, d], cos/sin [N, T, r]; x·cos + (−x₂, x₁)·sin on
+    the first r dimensions of each head (r < d: partial rotary, GPT-NeoX and Phi), the rest as they are.
     (The inner loss's LLaMA-family blocks use it too: lmscope.analyses.norms.)"""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, :, None] + torch.cat((-x2, x1), dim=-1) * sin[:, :, None]
 
@@ -139,6 +170,8 @@ def apply(m: BlockMatrices, context: torch.Tensor, visible: torch.Tensor, x: tor
     scores = scores * visible[..., None]
     pooled = torch.einsum("ptD,pth->phD", z, scores)  # Σ_i s_i^h z_i
     u = torch.einsum("hdD,phD->phd", m.W_V.view(G, d, D)[kv_of], pooled).reshape(P, H * d)
+    if m.parallel:
+        return x + u @ m.W_O.T + (x @ m.W1.T) @ m.W2.T
     y = x + u @ m.W_O.T
     return y + (y @ m.W1.T) @ m.W2.T
 

@@ -10,7 +10,7 @@ For every sample (one document, first max_tokens + 1 tokens; the model reads all
     PCA             principal axes of all trajectory points; 3-D polylines for a few trajectories
     Gram condition  W = (I + W2·W1)(I + Σ_h W_O^h (Σ_{i≤t} v_i^h k_i^hᵀ) W_Q^h),  v_i = W_V z_i, k_i = W_K z_i
                     (linear attention over the sample's own layer-l context z_i = h_l[i]; eq. 10;
-                    lmscope.analyses.linearised_layer)
+                    I + W_MHSA + W_FFN for parallel-residual blocks; lmscope.analyses.linearised_layer)
                     holds when Σ λ_j a_j b_j ≥ Σ a_j b_j,  WᵀW = U Λ U⁻¹, a = Uᵀx, b = U⁻¹x, x = h_l[t]
 
 Everything is batched: one forward pass per batch of right-padded samples gives all hidden states;
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
-from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable, rotate,
-                                               stretch_ratio)
+from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable,
+                                               parallel_residual, rotate, stretch_ratio)
 from lmscope.modeling.loading import max_positions
 from lmscope.modeling.memory import to_device
 from lmscope.modeling.windows import document_samples
@@ -719,11 +719,11 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
     gated = info.get("gated_ffn")
     if gated or not all(linearisable(b) for b in parts.blocks):
         why = ("a gated FFN (LLaMA family)" if gated else
-               f"{type(parts.blocks[0]).__name__} blocks (linearised here: GPT-2, GPTBigCode, BLOOM and StarCoder2 "
-               "blocks, x + MHSA then + FFN; a parallel-residual block, as GPT-NeoX's, GPT-J's, Phi's or Falcon's, "
-               "would be I + W_FFN + W_MHSA, not the product)")
-        return (f"not applicable: Proposition 1 is stated for sequential blocks with a plain "
-                f"two-matrix FFN (W2·W1); {params.model} has {why}")
+               f"{type(parts.blocks[0]).__name__} blocks (linearised here: the blocks of GPT-2, GPTBigCode, BLOOM, "
+               "StarCoder2, GPT-NeoX and Phi; GPT-J's and Falcon's compute their own attention and rotate keys "
+               "their own way)")
+        return (f"not applicable: Proposition 1's linearised layer needs blocks with a plain two-matrix FFN "
+                f"(W2·W1) whose weights lmscope reads; {params.model} has {why}")
     if params.gram_samples == 0:
         return "gram_samples=0"
     if any(p.is_meta for b in parts.blocks for p in b.parameters()):
@@ -813,4 +813,8 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     holds_np = torch.cat(holds).numpy()
     np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),
                         layers=torch.cat(pair_layer).numpy(), holds=holds_np, ratio=torch.cat(ratio).numpy())
-    return {"gram_condition_pct": 100.0 * float(holds_np.mean()), "gram_condition_pairs": int(holds_np.size)}
+    return {"gram_condition_pct": 100.0 * float(holds_np.mean()), "gram_condition_pairs": int(holds_np.size),
+            "gram_condition_form": GRAM_FORMS[parallel_residual(parts.blocks[0])]}  # one form per model (config)
+
+
+GRAM_FORMS = {False: "(I + W_FFN)(I + W_MHSA)", True: "I + W_MHSA + W_FFN (parallel residual)"}

@@ -1,5 +1,7 @@
 """The Gram condition's linearised layer on every architecture it reads (GPT-2, GPTBigCode with and
-without multi-query attention, BLOOM, StarCoder2 with grouped-query heads, RoPE and a sliding window).
+without multi-query attention, BLOOM, StarCoder2 with grouped-query heads, RoPE and a sliding window;
+GPT-NeoX with parallel and with sequential residuals and Phi with grouped-query heads, both with partial
+RoPE).
 
 The oracle is the model itself, made linear: a float64 copy with its layer norms and activations
 replaced by the identity, its biases zeroed, and attention without softmax, scale or ALiBi
@@ -39,7 +41,18 @@ CONFIGS = {
     "starcoder2": lambda: T.Starcoder2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                              num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
                                              sliding_window=WINDOW, **IDS),
+    # partial rotary: 4 of each head's 8 dimensions rotated
+    "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        intermediate_size=48, max_position_embeddings=64, rotary_pct=0.5, **IDS),
+    "gpt_neox_sequential": lambda: T.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3,
+                                                   num_attention_heads=4, intermediate_size=48,
+                                                   max_position_embeddings=64, rotary_pct=0.5,
+                                                   use_parallel_residual=False, **IDS),
+    "phi": lambda: T.PhiConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                               partial_rotary_factor=0.5, **IDS),
 }
+PARALLEL = {"gpt_neox", "phi"}
 ORACLE_ATTENTION = "lmscope_test_eq10"
 
 
@@ -80,7 +93,7 @@ def linear_copy(model):
     m = copy.deepcopy(model).double().eval()
     for name, module in list(m.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.LayerNorm) or child_name in ("act", "gelu_impl"):
+            if isinstance(child, torch.nn.LayerNorm) or child_name in ("act", "gelu_impl", "activation_fn"):
                 setattr(module, child_name, Linear())
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -175,6 +188,18 @@ def test_the_gram_condition_is_the_linearised_model_on_every_pair(loaded, docume
     clear = np.abs(expected - 1) > 1e-3  # away from the tie, where float32 states may round either way
     assert saved["holds"][clear].tolist() == (expected[clear] >= 1).tolist()
     assert out.summary["gram_condition_pct"] == pytest.approx(100 * saved["holds"].mean())
+    assert out.summary["gram_condition_form"] == norms.GRAM_FORMS[loaded.name in PARALLEL]
+
+
+def random_context(T_: int = 12, D: int = 32):
+    """One sample's random float64 context [1, T_, D], its last position as the query, and the keys that query
+    sees under a window (None: all)."""
+    context, t = torch.randn(1, T_, D, dtype=torch.float64), torch.tensor([T_ - 1])
+
+    def visible(window):
+        return norms.keys_visible_from(t[:, None], torch.ones(1, T_, dtype=torch.bool), window)[:, 0, 0]
+
+    return context, t, visible
 
 
 def test_the_window_and_grouped_heads_matter(documents):
@@ -184,13 +209,9 @@ def test_the_window_and_grouped_heads_matter(documents):
     model = T.AutoModelForCausalLM.from_config(CONFIGS["starcoder2"]()).eval()
     m = linearised_layer.block_matrices(model.model.layers[0], "cpu")
     assert (m.heads, m.kv_heads, m.window, m.rotary) == (4, 2, WINDOW, True)
-    T_, D = 12, 32
-    context, t = torch.randn(1, T_, D, dtype=torch.float64), torch.tensor([T_ - 1])
-    cos, sin = model.model.rotary_emb(context, torch.arange(T_)[None])
+    context, t, visible = random_context()
+    cos, sin = model.model.rotary_emb(context, torch.arange(context.shape[1])[None])
     rope = (cos.double(), sin.double())
-    def visible(window):
-        return norms.keys_visible_from(t[:, None], torch.ones(1, T_, dtype=torch.bool), window)[:, 0, 0]
-
     windowed = linearised_layer.apply(m, context, visible(WINDOW), context[:, -1], rope, t)
     full = linearised_layer.apply(m, context, visible(None), context[:, -1], rope, t)
     one_group = SimpleNamespace(**{**vars(m), "kv_heads": 1, "W_K": m.W_K[:8], "W_V": m.W_V[:8]})
@@ -198,9 +219,27 @@ def test_the_window_and_grouped_heads_matter(documents):
     assert not torch.allclose(windowed, full) and not torch.allclose(windowed, grouped)
 
 
-def test_parallel_residual_and_gated_blocks_are_not_linearised():
-    for config in (T.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=48),
+def test_partial_rotary_and_the_residual_form_matter():
+    """GPT-NeoX's partial rotary and its residual form are read from the model: rotating every dimension, or
+    the other residual form, changes W x (so the oracle test above would notice either mistake)."""
+    torch.manual_seed(1)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS["gpt_neox"]()).eval()
+    m = linearised_layer.block_matrices(model.gpt_neox.layers[0], "cpu")
+    assert (m.heads, m.kv_heads, m.rotary, m.parallel) == (4, 4, True, True)
+    context, t, visible = random_context()
+    cos, sin = model.gpt_neox.rotary_emb(context, torch.arange(context.shape[1])[None])
+    assert cos.shape[-1] == 4  # half of each head's 8 dimensions
+    rope = (cos.double(), sin.double())
+    partial = linearised_layer.apply(m, context, visible(None), context[:, -1], rope, t)
+    full_rope = tuple(torch.cat((e, e), -1) for e in rope)  # every dimension rotated
+    full = linearised_layer.apply(m, context, visible(None), context[:, -1], full_rope, t)
+    sequential = linearised_layer.apply(SimpleNamespace(**{**vars(m), "parallel": False}), context, visible(None),
+                                        context[:, -1], rope, t)
+    assert not torch.allclose(partial, full) and not torch.allclose(partial, sequential)
+
+
+def test_gated_and_unread_blocks_are_not_linearised():
+    for config in (T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
                    T.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  intermediate_size=48)):
         model = T.AutoModelForCausalLM.from_config(config)
