@@ -17,7 +17,7 @@ import torch
 
 from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
                                    require_positions)
-from lmscope.analyses.plotting import OrderedColours, pyplot, save
+from lmscope.analyses.plotting import OrderedColours, pyplot, readable_log_y, save
 from lmscope.params.sweep import DEFAULT_ATTENTION_SEQ_LEN, AttentionApproxParams
 from lmscope.seeds import derived_seed
 
@@ -375,6 +375,7 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
             slid = f"\n{len(windows)} layer{'s' if len(windows) > 1 else ''}{mark} slide over {sizes} keys in the model"
         ax.set(xlabel="k (random features / projected keys)", ylabel="relative L2 error of the attention output",
                title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else "") + slid)
+        readable_log_y(ax)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=1 if colours.many else 2)
     ax = axes[-1]
@@ -385,6 +386,7 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
     ax.set_yscale("log")
     ax.set(xlabel="k", ylabel="approximation time / exact kernel time",
            title="time ratio" + (f"\n({timing})" if timing else ""))
+    readable_log_y(ax)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -244,14 +244,24 @@ def dimension_entropy(path: Path, d: dict, params, title_source: str) -> None:
            title=f"dimension-wise attention entropy, {title_source}\n"
                  f"{d['near_uniform_pct_all']:.1f}% of rows near uniform "
                  f"({'causal' if params.dimension_causal else 'bidirectional'})")
-    lo = float(np.floor(share.min())) if share.size else 0.0
-    lo = min(lo, 99.0)  # every cell 100: still a scale
-    im = hm.imshow(share, cmap="magma", aspect="auto", vmin=lo, vmax=100)
+    lo, hi = near_uniform_scale(share)
+    im = hm.imshow(share, cmap="magma", aspect="auto", vmin=lo, vmax=hi)
     if layers * heads <= 400:
         for (layer, head), v in np.ndenumerate(share):
             hm.text(head, layer, f"{v:.1f}", ha="center", va="center", fontsize=7,
-                    color="black" if v > lo + 0.6 * (100 - lo) else "white")
+                    color="black" if v > lo + 0.6 * (hi - lo) else "white")
     hm.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers),
            title=f"% of (dimension, query) rows within {margin} nats of uniform")
-    fig.colorbar(im, ax=hm, label=f"% (scale from {lo:g})")
+    fig.colorbar(im, ax=hm, label=f"% (scale {lo:g} to {hi:g})")
     save(fig, path)
+
+
+def near_uniform_scale(share: np.ndarray) -> tuple[float, float]:
+    """The near-uniform map's colour range: the values present, widened to whole percent (at least 1 apart,
+    within 0–100), so 4.6–5.6 % spans the colours instead of sitting in the darkest twentieth of 4–100."""
+    if not share.size:
+        return 0.0, 100.0
+    lo, hi = float(np.floor(share.min())), float(np.ceil(share.max()))
+    if hi - lo < 1:
+        lo, hi = (99.0, 100.0) if hi >= 100 else (lo, lo + 1)
+    return max(lo, 0.0), min(hi, 100.0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import pyplot, save, sparse_ticks
+from lmscope.analyses.plotting import pyplot, readable_log_y, save, sparse_ticks
 
 
 def layer_names(points: int, include_last_layer: bool) -> list[str]:
@@ -45,6 +45,7 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
     log = positive.size > 0 and positive.max() / positive.min() > 20
     if log:
         ax.set_yscale("log")
+        readable_log_y(ax)
     _layer_axis(ax, points, include_last_layer)
     ax.set_xlabel("hidden state (h0 = embedding output, hl = output of block l)")
     ax.set_ylabel("L2 norm of the current token's hidden state" + (" (log scale)" if log else ""))
@@ -62,8 +63,6 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
 
     Per-token cross-entropy is skewed (std often above the mean): where mean − std falls below the 5th
     percentile the band stops there, rather than at a floor decades below every value."""
-    from matplotlib.ticker import LogFormatter
-
     S, L = losses.shape
     x = np.arange(L)
     use = kept if kept.any() else np.isfinite(losses).all(1)
@@ -83,9 +82,7 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
         ax.axhline(math.log(vocab_size), color="k", ls=":", lw=1,
                    label=f"ln(vocabulary) = {math.log(vocab_size):.2f}: a uniform guess")
     ax.set_yscale("log")
-    # decimal tick labels ("5.6", not "5.6×10⁰"); minor ticks labelled only when the range is narrow
-    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+    readable_log_y(ax)
     ax.set_xticks(sparse_ticks(L, 20))
     ax.set_xlabel("layer l whose hidden state h_l goes through the last block")
     ax.set_ylabel("cross-entropy at the current token (nats, log scale)")
@@ -96,7 +93,8 @@ def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filte
         sub = f"no sample meets {rule} (0/{S}); showing all {S}"
     ax.set_title(f"{title}: approximate inner loss (eq. 14)\n{sub}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    # under the axes: inside, it sat on the ln(vocabulary) line it names (a full-width line has no free corner)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     save(fig, path)
 
 

@@ -138,3 +138,20 @@ def at_least_span(ax, span: float) -> None:
     if hi - lo < span:
         middle = (lo + hi) / 2
         ax.set_ylim(middle - span / 2, middle + span / 2)
+
+
+def readable_log_y(ax) -> None:
+    """Label a log y axis in plain numbers (0.2, 0.5, 1, 2, 5, not 6e-01 or 10⁻¹ alone) with enough ticks to
+    read values off: evenly spaced round numbers within a decade (8, 10, 12, … 20), 1-2-5 within two and a
+    half (1-2-3-5 up to one and a half), powers of ten beyond. Call once the data are drawn (the limits decide)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    lo, hi = ax.get_ylim()
+    if not (lo > 0 and hi > lo):
+        return
+    decades = np.log10(hi / lo)
+    subs = (1, 2, 3, 5) if decades < 1.5 else (1, 2, 5) if decades < 2.5 else (1,)
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]) if decades < 1 else
+                               LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())

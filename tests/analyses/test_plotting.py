@@ -244,3 +244,34 @@ def test_near_uniform_entropies_are_not_zoomed_to_a_ten_thousandth_of_a_nat(draw
     lo, hi = drawn["entropy_by_layer.png"].axes[0].get_ylim()
     assert hi - lo >= 0.1  # nats: the heads differ by 3e-5 of ln(t+1) (mean 3.2 nats); the axis spans more
     assert lo <= by_position.mean((1, 2)).min() and hi >= bound.mean(1).max()  # the data and the bound in view
+
+
+@pytest.mark.parametrize("values, scale", [
+    ([4.6, 5.1, 5.6], (4, 6)),  # a trial's job: every cell was black on a 4–100 scale
+    ([97.2, 100.0], (97, 100)),
+    ([100.0, 100.0], (99, 100)),  # all at the top: still a range
+    ([0.0, 0.0], (0, 1)),
+    ([50.0], (50, 51)),
+])
+def test_the_near_uniform_map_spans_the_shares_there_are(values, scale):
+    assert entropy_plots.near_uniform_scale(np.array(values)) == scale
+
+
+@pytest.mark.parametrize("lo, hi", [(7.6, 21.0), (3.3, 42.0), (0.02, 1.2), (0.2, 11.0), (1e-4, 1.0)])
+def test_a_log_y_axis_is_labelled_in_plain_numbers_a_reader_can_use(lo, hi):
+    """An inner loss between 7.6 and 21 nats had labels at 8, 9, 10 only; a relative error from 0.02 to 1.2 had
+    10⁻¹ and 10⁰; a span of two decades read 6e-01. Now: at least three labels inside the axis, written as
+    numbers."""
+    from lmscope.analyses.plotting import readable_log_y
+
+    fig, ax = pyplot().subplots()
+    ax.plot([0, 1], [lo, hi])
+    ax.set_yscale("log")
+    readable_log_y(ax)
+    fig.canvas.draw()
+    bottom, top = ax.get_ylim()
+    inside = [t for t in ax.get_yticklabels() if t.get_text() and bottom <= t.get_position()[1] <= top]
+    texts = [t.get_text() for t in inside]
+    assert len(texts) >= 3, texts
+    assert all(float(t) == pytest.approx(label.get_position()[1]) for t, label in zip(texts, inside)), texts
+    pyplot().close(fig)
