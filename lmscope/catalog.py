@@ -302,15 +302,23 @@ def kv_heads(config: dict, heads: int | None, read=None) -> int | None:
 def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     """Check that `path` is a causal-LM Hugging Face directory under one of `roots`; return its facts.
 
-    Symlinks are resolved before the check, so a link inside a root that points outside is refused.
+    Symlinks are resolved before the check, so a link inside a root that points outside is refused. A relative
+    path is looked up under each root in turn (the server's working directory means nothing to its users).
     """
     if not roots:
         raise CatalogError("no model roots are configured on the server: start it (`lmscope up`, or the API and "
                            "workers) with LMSCOPE_MODEL_DIRS set to the directories models may live in")
     try:
-        resolved = Path(path).expanduser().resolve()
+        given = Path(path).expanduser()
+        under = [] if given.is_absolute() else [Path(r) / given for r in roots]
+        found = given if given.is_absolute() else next((p for p in under if p.exists()), None)
+        resolved = found.resolve() if found is not None else None
     except (RuntimeError, ValueError, OSError) as e:  # ~nosuchuser, a NUL byte, a symlink loop
         raise CatalogError(f"{path} is not a usable path ({e}); give the directory's absolute path") from None
+    if resolved is None:
+        raise CatalogError(f"{path} is a relative path and no model root holds it (looked for "
+                           f"{', '.join(map(str, under))}); give the directory's absolute path on the server, or "
+                           "its path under one of the roots")
     if not any(resolved == r.resolve() or resolved.is_relative_to(r.resolve()) for r in roots):
         raise CatalogError(f"{path} is outside the configured model roots ({', '.join(map(str, roots))}); "
                            "put the model under one of them or add its parent to LMSCOPE_MODEL_DIRS")
@@ -343,7 +351,8 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     source = tokenizer_source(resolved, facts.vocab_size)
     if source is None:
         raise CatalogError(f"{path} has no tokenizer vocabulary ({' / '.join(TOKENIZER_FILES)}; tokenizer_config.json "
-                           "alone holds none); save it into the model directory with tokenizer.save_pretrained(path)")
+                           "alone holds none); save it into the model directory with tokenizer.save_pretrained(path), "
+                           "or, for a model trained on bytes, write {\"tokenizer\": \"bytes\"} into lmscope.json there")
     what = "lmscope's byte tokenizer" if source == "bytes" else "its tokenizer.json"
     mismatch = vocabulary_mismatch(largest_token_id(resolved, source), facts.vocab_size, what)
     if mismatch:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import re
 import shlex
 import sys
@@ -363,12 +364,23 @@ def plural(n: int, noun: str) -> str:
 
 
 def summary_value(value: Any) -> str:
-    """A summary value as JSON (null, true), floats to 6 significant digits, strings bare."""
+    """A summary value as JSON (null, true), floats to 6 significant digits (in lists and objects too),
+    strings bare."""
     if isinstance(value, str):
         return value
     if isinstance(value, float):
         return f"{value:.6g}"
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(_six_digits(value), ensure_ascii=False)
+
+
+def _six_digits(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    if isinstance(value, list):
+        return [_six_digits(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _six_digits(v) for k, v in value.items()}
+    return value
 
 
 def report_final(c: Client, job: dict[str, Any]) -> None:
@@ -785,6 +797,35 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
 
 
+SUBJECT_WIDTH = 48  # characters of the jobs list's ON column
+
+
+def job_subject(job: dict[str, Any]) -> str:
+    """What a job looked at, from its params, as the dashboard's list says it: its model (several: first … last),
+    train job or sweep study, and its dataset (a sumformer study or grid point: its target)."""
+    p, kind, parts = job.get("params") or {}, job.get("kind"), []
+    if kind == "sweep":
+        parts.append(f"{p.get('study') or 'sumformer'} study")
+    if p.get("architecture") and p.get("target"):  # a sumformer grid point
+        parts.append(p["architecture"])
+    if p.get("method"):  # an attention grid point
+        parts.append(p["method"])
+    models = p.get("models") if isinstance(p.get("models"), list) else []
+    if p.get("model"):
+        parts.append(p["model"])
+    elif models:
+        parts.append(", ".join(map(str, models)) if len(models) <= 2 else
+                     f"{models[0]} … {models[-1]} ({len(models)} models)")
+    elif p.get("train_job") is not None:
+        parts.append(f"train job {p['train_job']}")
+    if p.get("dataset"):
+        parts.append(p["dataset"])
+    elif p.get("target") and (kind == "sweep" or p.get("architecture")):
+        target = p["target"]
+        parts.append(", ".join(map(str, target)) if isinstance(target, list) else target)
+    return " · ".join(map(str, parts))
+
+
 @main.command()
 @click.option("--kind")
 @click.option("--status", help="e.g. running or queued,running")
@@ -813,9 +854,12 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
         users = {j.get("user") for j in items}
         extra = [("PARENT", lambda j: j.get("parent_id") or "")] if parent != "none" else []
         extra += [("USER", lambda j: j.get("user") or "")] if len(users) > 1 else []  # an admin sees everyone's
-        print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), (j["created_at"] or "")[:19].replace("T", " "),
+        from lmscope.compare import clip
+
+        print_table([[j["id"], j["kind"], j["status"], _fmt_progress(j), clip(job_subject(j), SUBJECT_WIDTH),
+                      (j["created_at"] or "")[:19].replace("T", " "),
                       *(f(j) for _, f in extra), j.get("name") or "", ",".join(j.get("tags") or [])] for j in items],
-                    ["ID", "KIND", "STATUS", "PROGRESS", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
+                    ["ID", "KIND", "STATUS", "PROGRESS", "ON", "CREATED (UTC)", *(h for h, _ in extra), "NAME", "TAGS"])
     if more:  # cut off by --limit: say so, and how to see the rest
         again = [f"--{k} {shlex.quote(str(v))}" for k, vs in filters.items()
                  if vs is not None and not (k == "parent" and vs == "none") for v in (vs if isinstance(vs, list) else [vs])]
@@ -1000,7 +1044,7 @@ def check_plot_path(plot_path: str, series: tuple[str, ...]) -> None:
 
 def comparison_rows(c) -> list[tuple[str, list[Any]]]:
     """The side-by-side fields: kind, status, name (when a job has one), the params that differ
-    (`params.KEY`), the scalar summary values (`summary.KEY`); each with one value per job."""
+    (`params.KEY`), the summary values (`summary.KEY`); each with one value per job."""
     rows = [("kind", [j["kind"] for j in c.jobs]), ("status", [j["status"] for j in c.jobs])]
     if any(j.get("error") for j in c.jobs):  # why a job failed belongs beside its status
         rows.append(("error", [f"{j['error'].get('type')}: {j['error'].get('message')}" if j.get("error") else None
@@ -1236,15 +1280,20 @@ def models_list(run=None):
         if not items:
             click.echo(f"no checkpoints of a training run {run!r} (models named {run}@step<N>)", err=True)
     print_table([[m["name"], m["source"], m.get("architecture") or "", m.get("layers") or "", m.get("heads") or "",
-                  m.get("hidden") or "", m.get("context") or "", m.get("params") or ""] for m in items],
-                ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "HIDDEN", "CONTEXT", "PARAMS"])
+                  m.get("kv_heads") or "", m.get("hidden") or "", m.get("context") or "", m.get("params") or ""]
+                 for m in items],
+                ["NAME", "SOURCE", "ARCH", "LAYERS", "HEADS", "KV", "HIDDEN", "CONTEXT", "PARAMS"])
 
 
 @models.command("register")
 @click.argument("name")
 @click.argument("path")
 def models_register(name, path):
-    """Register a Hugging Face directory (on the server, under LMSCOPE_MODEL_DIRS) as NAME (admins)."""
+    """Register a Hugging Face directory (on the server, under LMSCOPE_MODEL_DIRS) as NAME (admins). PATH is
+    the server's: a relative one that exists here is made absolute here (the embedded service, a shared disk),
+    any other is looked up under the server's model roots."""
+    if not Path(path).expanduser().is_absolute() and Path(path).expanduser().is_dir():
+        path = str(Path(path).expanduser().absolute())
     m = client().register_model(name, path)
     click.echo(f"registered model {m['name']}: {m.get('architecture')}, {m.get('layers')} layers, {m.get('params')} params")
 
@@ -1340,6 +1389,19 @@ def datasets_add(name, path, fmt, description):
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"registered dataset {d.name}: {plural(d.num_documents, 'document')}, {d.num_bytes} bytes, sha256 {d.sha256[:12]}…")
+    hint_one_document(path, fmt, d.num_documents, f"`lmscope datasets delete {name}`, then add it again")
+
+
+def hint_one_document(path, fmt: str, documents: int, again: str) -> None:
+    """Say so when the text format (paragraphs split at blank lines) made one document of a file of many lines:
+    WikiText's raw files, one paragraph per line, with no blank line between, are read so."""
+    if fmt != "text" or documents != 1:
+        return
+    lines = Path(path).read_bytes().count(b"\n")
+    if lines >= 10:
+        click.echo(f"note: one document: --format text splits documents at blank lines, and {path} has none "
+                   f"between its {lines} lines. If each line is a document (WikiText), {again} with --format lines",
+                   err=True)
 
 
 @datasets.command("list")
@@ -1360,6 +1422,7 @@ def datasets_upload(name, file, fmt, description):
     """Upload FILE as dataset NAME."""
     d = client().upload_dataset(name, file, fmt, description=description)
     click.echo(f"uploaded dataset {d['name']}: {plural(d['documents'], 'document')}, {d['bytes']} bytes, sha256 {d['sha256'][:12]}")
+    hint_one_document(file, fmt, d["documents"], f"`lmscope datasets delete {name}`, then upload it again")
 
 
 @datasets.command("delete")

@@ -227,7 +227,7 @@ class Client:
 
     def compare(self, job_ids: list[int], series: str | list[str] | None = None) -> Comparison:
         """Jobs side by side (GET /v1/compare → lmscope.compare.Comparison): the parameters that differ,
-        their scalar summaries, the names of the curves all of them have, and the curves `series` picks
+        their summaries, the names of the curves all of them have, and the curves `series` picks
         (as in `results`), matched by series name and labels."""
         from lmscope.compare import Comparison
 

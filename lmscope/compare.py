@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 Scalar = (int, float, str, bool, type(None))
+# A summary's lists and objects (mean entropy per layer, the lowest-entropy head, PCA's explained variance) are
+# compared too, up to this many characters of JSON: a hundred checkpoint names fit, a per-position curve does not.
+SUMMARY_VALUE_CHARS = 4000
 # Labels naming the run rather than the quantity: two entropy jobs label their layer means with
 # their own model and step, two sweep children with their own seed.
 # Which run a curve came from, and what a run counted along the way (how many trajectories a norms
@@ -113,7 +116,7 @@ class Curve:
 class Comparison:
     jobs: list[dict[str, Any]]  # id, kind, name, status, error (type, message or null) of each job, in the order asked
     params: dict[str, dict[int, Any]]  # parameters whose values differ between the jobs
-    summary: dict[str, dict[int, Any]]  # every scalar summary value, by key then job
+    summary: dict[str, dict[int, Any]]  # every summary value but long lists and objects, by key then job
     curves: list[Curve]
     missing: list[str] = field(default_factory=list)  # --series names no job has
     shared_series: list[str] = field(default_factory=list)  # series names every job has
@@ -161,7 +164,7 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     summary: dict[str, dict[int, Any]] = {}
     for key in dict.fromkeys(k for j in jobs for k in (j.get("summary") or {})):
         values = {j["id"]: j["summary"][key] for j in jobs if key in (j.get("summary") or {})}
-        if all(isinstance(v, Scalar) for v in values.values()):
+        if all(isinstance(v, Scalar) or len(json.dumps(v)) <= SUMMARY_VALUE_CHARS for v in values.values()):
             summary[key] = values
     # A label that is a parameter in which the jobs differ names the job too: sweep grid points that
     # differ in latent_dim label their curves with it, and are compared on one curve. Not one that only
@@ -339,7 +342,7 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
     import matplotlib
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator, NullFormatter
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
     names = list(dict.fromkeys(curve.name for curve in c.curves))
     if not names:
@@ -409,6 +412,9 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
                 ax.xaxis.set_minor_formatter(NullFormatter())
         if logy:
             ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # absolute values: "+3.877" in a corner makes 1e-4 nats read large
+            if isinstance(axis.get_major_formatter(), ScalarFormatter):
+                axis.get_major_formatter().set_useOffset(False)
         ax.grid(alpha=0.3)
         if len(handles) > 6:  # beside the panel, not over its lines (savefig's tight box takes it in)
             ncol = 2 if len(handles) > 16 else 1

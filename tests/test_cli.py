@@ -577,7 +577,7 @@ def test_compare_csv_without_series_is_the_side_by_side_table(monkeypatch):
                     ["name", "", "llama run"], ["params.model", "tiny-gpt2", "tiny-llama"],
                     ["params.layers", "[0, 1]", "[0, 2]"],  # the same dataset is no row
                     ["summary.sequence_pct", "56.0", "54.5"], ["summary.note", LONG_NOTE, "short"],
-                    ["summary.ok", "true", "false"]]  # an object is no scalar summary value
+                    ["summary.ok", "true", "false"], ["summary.nested", '{"a": 1}', '{"a": 2}']]  # an object as JSON
     assert "norm.mean" in r.stderr  # the hint: which curves --series can name
     curves = CliRunner().invoke(main, ["compare", "3", "4", "--format", "csv", "--series", "norm.mean"])
     assert curves.stdout.splitlines()[0] == "series,labels,x,job 3,job 4"
@@ -1006,3 +1006,32 @@ def test_deleting_an_active_runs_checkpoints_names_its_train_job(live_app):
         assert (f"run 'blip' has not ended (train job {run} is {status}): `lmscope cancel {run}` first, or wait for "
                 "it to end; then `lmscope models delete --run blip` again") in r.stderr
         assert "once they are free" not in r.stderr
+
+
+def test_the_models_list_shows_grouped_query_heads(monkeypatch):
+    """Grouped-query attention showed only in /v1/models' JSON: the list has a KV column beside HEADS."""
+    api = _FakeApi(models=[{"name": "q", "source": "directory", "architecture": "Qwen2ForCausalLM", "layers": 4,
+                            "heads": 4, "kv_heads": 2, "hidden": 64, "context": 256, "params": 1000}])
+    monkeypatch.setattr("lmscope.cli.client", lambda: api)
+    header, row = CliRunner().invoke(main, ["models"]).stdout.splitlines()
+    assert header.split()[3:7] == ["LAYERS", "HEADS", "KV", "HIDDEN"] and row.split()[3:7] == ["4", "4", "2", "64"]
+
+
+@pytest.mark.parametrize("job, subject", [
+    ({"kind": "norms", "params": {"model": "gpt2", "dataset": "wikitext-2"}}, "gpt2 · wikitext-2"),
+    ({"kind": "entropy", "params": {"models": [f"r@step{s}" for s in (0, 100, 200)], "dataset": "w"}},
+     "r@step0 … r@step200 (3 models) · w"),
+    ({"kind": "entropy", "params": {"models": ["a", "b"], "dataset": "w"}}, "a, b · w"),
+    ({"kind": "entropy", "params": {"train_job": 2, "dataset": "w"}}, "train job 2 · w"),
+    ({"kind": "sweep", "params": {"target": ["fig2_poly", "max_dist"]}}, "sumformer study · fig2_poly, max_dist"),
+    ({"kind": "sweep", "params": {"study": "attention", "model": "m", "dataset": "w"}}, "attention study · m · w"),
+    ({"kind": "sumformer_fit", "params": {"architecture": "mlp_sumformer", "target": "sin_exp"}},
+     "mlp_sumformer · sin_exp"),
+    ({"kind": "attention_approx", "params": {"method": "performer", "model": "m", "dataset": "w"}}, "performer · m · w"),
+    ({"kind": "probe", "params": {}}, ""),
+])
+def test_the_jobs_list_says_what_each_job_ran_on(job, subject):
+    """The ON column, as the dashboard's list says it: with several models a list was hard to read."""
+    from lmscope.cli import job_subject
+
+    assert job_subject(job) == subject

@@ -311,3 +311,31 @@ def test_a_job_that_needs_a_parameter_label_does_not_split_the_curve_others_shar
                  [_series("val_error", {**labels, "latent_dim": 16}, [5], [16.0])]])
     assert [(cv.labels, sorted(cv.by_job)) for cv in c.curves] == [
         ({**labels, "latent_dim": 1}, [1]), ({**labels, "latent_dim": 4}, [1]), (labels, [2, 3])]
+
+
+def test_close_values_are_drawn_as_they_are_not_as_an_offset():
+    """Two layer means 1e-4 nats apart near 3.877: the y ticks read the values themselves, no '+3.877' offset
+    in a corner that would make the spread look like a large one."""
+    c = compare([_job(1, model="a"), _job(2, model="b")],
+                [[_series("entropy.layer_mean", {}, [0, 1], [3.8770, 3.8771])],
+                 [_series("entropy.layer_mean", {}, [0, 1], [3.8772, 3.8773])]])
+    fig = comparison_figure(c)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.yaxis.get_major_formatter().get_offset() == ""
+    labels = [t.get_text().replace("\u2212", "-") for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and all(3.876 < float(label) < 3.878 for label in labels)
+
+
+def test_summary_lists_and_objects_are_compared_up_to_a_size():
+    """Mean entropy per layer and the lowest head (a list, an object) are compared like numbers; a list too long
+    for a table row (a per-position curve put in a summary) is left out."""
+    long = [0.5] * 2000
+    jobs = [_job(1, summary={"mean_entropy_per_layer": [3.1, 2.2], "lowest_entropy_head": {"layer": 1, "head": 0},
+                             "curve": long, "tokens": 512}),
+            _job(2, summary={"mean_entropy_per_layer": [3.0, 2.4], "lowest_entropy_head": {"layer": 1, "head": 0},
+                             "curve": long, "tokens": 512})]
+    c = compare(jobs, [[], []])
+    assert c.summary["mean_entropy_per_layer"] == {1: [3.1, 2.2], 2: [3.0, 2.4]}
+    assert c.summary["lowest_entropy_head"] == {1: {"layer": 1, "head": 0}, 2: {"layer": 1, "head": 0}}
+    assert c.summary["tokens"] == {1: 512, 2: 512} and "curve" not in c.summary

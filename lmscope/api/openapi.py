@@ -268,7 +268,7 @@ STATIC_SCHEMAS: dict[str, Any] = {
     "Comparison": {"type": "object", "properties": {
         "jobs": {"type": "array", "items": {"type": "object", "description": "id, kind, name, status"}},
         "params": {"type": "object", "description": "parameter → {job id: value}, only those that differ"},
-        "summary": {"type": "object", "description": "scalar summary key → {job id: value}"},
+        "summary": {"type": "object", "description": "summary key → {job id: value}: every scalar, and lists and objects up to 4,000 characters of JSON"},
         "series": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "labels": {"type": "object"},
             "x_meaning": {"type": "string", "description": "what x is, as an axis label (\"x\" when unknown)"},

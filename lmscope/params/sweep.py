@@ -299,7 +299,9 @@ class SweepParams(JobParams):
                      "seq_len": "grid.seq_len"} if self.study == "sumformer" else {}
             hints = [f"{f} → {meant[f]}" for f in stray if f in meant]
             which = f"{stray[0]} belongs" if len(stray) == 1 else f"{', '.join(stray)} belong"
-            raise ValueError(f"{which} to the other study; study={self.study!r} uses: "
+            other_study = "attention" if self.study == "sumformer" else "sumformer"
+            chosen = "" if "study" in self.model_fields_set else f" (the default; set study={other_study!r} for these)"
+            raise ValueError(f"{which} to the other study; study={self.study!r}{chosen} uses: "
                              f"study, {', '.join(own)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
         if self.study == "sumformer":
             if not self.targets:

@@ -118,7 +118,7 @@ def test_clamped_poly_latent_dims_are_said_in_the_children_and_the_parent(tmp_pa
 @pytest.mark.parametrize("raw,words", [
     ({"architectures": ["mlp_sumformer", "bogus"]}, ["architectures", "bogus", "poly_sumformer"]),
     ({"target": "nope"}, ["unknown target 'nope'", "fig2_poly"]),
-    ({"model": "m"}, ["model belongs to the other study"]),
+    ({"model": "m"}, ["model belongs to the other study", "the default; set study='attention' for these"]),
     # even at the other study's default value: it would be silently ignored
     ({"seeds": 3, "batch_size": 4}, ["batch_size, seeds", "other study", "seeds → grid.seed", "batch_size → train.batch_size"]),
     ({"study": "attention", "model": "m"}, ["needs dataset"]),

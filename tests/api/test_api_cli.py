@@ -386,7 +386,7 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
     assert rows["params.model"] == ["m", "m2"]  # only the parameters that differ
     assert "params.prompt" not in rows and "params.dtype" not in rows
     assert rows["sequence_pct"] == ["40", "55.5"] and rows["samples"] == ["10", "10"]
-    assert "x" not in rows  # a list is not a headline number
+    assert rows["x"] == ["[1]", "-"]  # a short list is compared too; the second job has none
     assert "curves all of them have: entropy.mean, norm.mean" in table.stderr
 
     curves = cli("compare", str(a), str(b), "--series", "norm.mean", "--format", "csv").stdout.splitlines()
@@ -485,6 +485,22 @@ def test_datasets_delete_removes_an_upload(api, cli, tmp_path):
     assert r.exit_code == 0 and r.stdout.strip() == "removed dataset notes"
     gone = cli("datasets", "delete", "notes")
     assert gone.exit_code == 1 and "no dataset 'notes'" in gone.output
+
+
+def test_an_upload_read_as_one_document_says_how_to_read_it_by_lines(api, cli, tmp_path):
+    """WikiText's raw files (a paragraph per line, CRLF, no blank line between) are one document in the default
+    text format: the CLI says so and names --format lines, which reads a document per line."""
+    lines = tmp_path / "wiki.raw"
+    lines.write_bytes(b"".join(b" = Heading %d = \r\n A paragraph of words number %d .\r\n" % (i, i) for i in range(8)))
+    r = cli("datasets", "upload", "wiki", str(lines))
+    assert r.exit_code == 0 and "1 document," in r.stdout
+    assert "--format lines" in r.stderr and "between its 16 lines" in r.stderr
+    by_line = cli("datasets", "upload", "wiki-lines", str(lines), "--format", "lines")
+    assert by_line.exit_code == 0 and "8 documents" in by_line.stdout and not by_line.stderr  # headings are none
+    paragraphs = tmp_path / "notes.txt"
+    paragraphs.write_text("".join(f"paragraph {i} of words\n\n" for i in range(12)))
+    quiet = cli("datasets", "upload", "notes", str(paragraphs))
+    assert quiet.exit_code == 0 and "12 documents" in quiet.stdout and not quiet.stderr
 
 
 def test_cancel_says_what_happens_to_a_sweep(api, cli):

@@ -92,6 +92,27 @@ def test_model_paths_must_stay_under_the_roots(api, tmp_path):
     assert "sneaky" not in [m["name"] for m in api.client.get("/v1/models", headers=admin).get_json()["items"]]
 
 
+def test_a_relative_model_path_is_looked_up_under_the_roots(api, tmp_path, monkeypatch):
+    """The server's working directory means nothing to a user: a relative path names a directory under a
+    model root (it was resolved against the server's working directory, and refused as outside the roots)."""
+    admin = api.user("root", admin=True)
+    model_dir = write_hf_dir(tmp_path / "models" / "team" / "tiny")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # the server's working directory: no models there
+    r = api.client.post("/v1/models", headers=admin, json={"name": "tiny", "path": "team/tiny"})
+    assert r.status_code == 201, r.get_json()
+    assert r.get_json()["path"] == str(model_dir.resolve())
+    for path in ("tiny", "team/../../elsewhere/m"):
+        body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "x", "path": path}),
+                          422, "invalid-model")
+        assert ("no model root holds it" in body["detail"] or "outside the configured model roots" in body["detail"])
+    (tmp_path / "elsewhere").mkdir()
+    write_hf_dir(tmp_path / "elsewhere" / "m")
+    body = is_problem(api.client.post("/v1/models", headers=admin, json={"name": "x", "path": "../elsewhere/m"}),
+                      422, "invalid-model")
+    assert "outside the configured model roots" in body["detail"]  # a root's .. does not lead out of it
+
+
 
 def test_unusable_model_directories_are_422_naming_what_is_wrong(api, tmp_path):
     """Each of these was a 500 (an unreadable path, a config that is not an object, a truncated weights
@@ -675,3 +696,20 @@ def test_a_page_token_holds_a_model_name(api):
         token = base64.urlsafe_b64encode(json.dumps({"after": after}).encode()).decode().rstrip("=")
         body = is_problem(api.client.get(f"/v1/models?page_token={token}", headers=h), 422, "validation-error")
         assert body["errors"][0]["loc"] == ["query", "page_token"]
+
+
+def test_the_cli_makes_a_relative_path_that_exists_here_absolute(api, live, tmp_path, monkeypatch):
+    """`lmscope models register tiny tiny` in the model's parent directory (the embedded service, a shared
+    disk) registers that directory, not ROOT/tiny."""
+    from click.testing import CliRunner
+
+    from lmscope.cli import main
+
+    api.user("root", admin=True)
+    model_dir = write_hf_dir(tmp_path / "models" / "team" / "tiny")
+    monkeypatch.chdir(tmp_path / "models" / "team")
+    r = CliRunner(env={"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["root"]}).invoke(
+        main, ["models", "register", "tiny", "tiny"])
+    assert r.exit_code == 0, r.output
+    [m] = [m for m in api.client.get("/v1/models", headers=api.user("root")).get_json()["items"] if m["name"] == "tiny"]
+    assert m["path"] == str(model_dir.resolve())
