@@ -308,20 +308,31 @@ def inspect_model_dir(path: Path, roots: list[Path]) -> ModelFacts:
     if not roots:
         raise CatalogError("no model roots are configured on the server: start it (`lmscope up`, or the API and "
                            "workers) with LMSCOPE_MODEL_DIRS set to the directories models may live in")
+
+    def inside(p: Path) -> bool:
+        return any(p == r.resolve() or p.is_relative_to(r.resolve()) for r in roots)
+
+    outside = CatalogError(f"{path} is outside the configured model roots ({', '.join(map(str, roots))}); "
+                           "put the model under one of them or add its parent to LMSCOPE_MODEL_DIRS")
     try:
         given = Path(path).expanduser()
-        under = [] if given.is_absolute() else [Path(r) / given for r in roots]
-        found = given if given.is_absolute() else next((p for p in under if p.exists()), None)
-        resolved = found.resolve() if found is not None else None
+        if given.is_absolute():
+            resolved = given.resolve()
+        else:  # only what stays inside a root is looked at: whether a path outside exists is never said
+            kept = [c for c in ((Path(r) / given).resolve() for r in roots) if inside(c)]
+            if not kept:
+                raise outside
+            resolved = next((c for c in kept if c.exists()), None)
+            if resolved is None:
+                raise CatalogError(f"{path} is a relative path and no model root holds it (looked for "
+                                   f"{', '.join(map(str, kept))}); give the directory's absolute path on the "
+                                   "server, or its path under one of the roots")
+    except CatalogError:
+        raise
     except (RuntimeError, ValueError, OSError) as e:  # ~nosuchuser, a NUL byte, a symlink loop
         raise CatalogError(f"{path} is not a usable path ({e}); give the directory's absolute path") from None
-    if resolved is None:
-        raise CatalogError(f"{path} is a relative path and no model root holds it (looked for "
-                           f"{', '.join(map(str, under))}); give the directory's absolute path on the server, or "
-                           "its path under one of the roots")
-    if not any(resolved == r.resolve() or resolved.is_relative_to(r.resolve()) for r in roots):
-        raise CatalogError(f"{path} is outside the configured model roots ({', '.join(map(str, roots))}); "
-                           "put the model under one of them or add its parent to LMSCOPE_MODEL_DIRS")
+    if not inside(resolved):
+        raise outside
     if not resolved.is_dir():
         raise CatalogError(f"{path} is not a directory; give the Hugging Face model directory (with config.json)")
     cfg_path = resolved / "config.json"

@@ -1290,12 +1290,26 @@ def models_list(run=None):
 @click.argument("path")
 def models_register(name, path):
     """Register a Hugging Face directory (on the server, under LMSCOPE_MODEL_DIRS) as NAME (admins). PATH is
-    the server's: a relative one that exists here is made absolute here (the embedded service, a shared disk),
-    any other is looked up under the server's model roots."""
-    if not Path(path).expanduser().is_absolute() and Path(path).expanduser().is_dir():
-        path = str(Path(path).expanduser().absolute())
-    m = client().register_model(name, path)
+    the server's: a relative one is looked up under its model roots; if none holds it and it is a directory
+    here, it is tried again as this directory's absolute path (the embedded service, a shared disk)."""
+    c = client()
+    try:
+        m = c.register_model(name, path)
+    except LmscopeError as e:
+        here = local_directory(path)
+        if e.status != 422 or here is None or here == path:
+            raise
+        m = c.register_model(name, here)
     click.echo(f"registered model {m['name']}: {m.get('architecture')}, {m.get('layers')} layers, {m.get('params')} params")
+
+
+def local_directory(path: str) -> str | None:
+    """A relative PATH that is a directory where the CLI runs, made absolute; else None."""
+    try:
+        p = Path(path).expanduser()
+        return str(p.absolute()) if path and not p.is_absolute() and p.is_dir() else None
+    except (RuntimeError, ValueError, OSError):  # ~nosuchuser: the server says what is wrong with it
+        return None
 
 
 @models.command("delete")
@@ -1397,10 +1411,15 @@ def hint_one_document(path, fmt: str, documents: int, again: str) -> None:
     WikiText's raw files, one paragraph per line, with no blank line between, are read so."""
     if fmt != "text" or documents != 1:
         return
-    lines = Path(path).read_bytes().count(b"\n")
+    lines = 0
+    try:
+        with open(path, "rb") as f:  # the first MiB tells: a 500-MB corpus is not read a second time
+            lines = f.read(2**20).count(b"\n")
+    except OSError:  # moved since: the upload itself went through
+        return
     if lines >= 10:
         click.echo(f"note: one document: --format text splits documents at blank lines, and {path} has none "
-                   f"between its {lines} lines. If each line is a document (WikiText), {again} with --format lines",
+                   f"between its lines. If each line is a document (WikiText), {again} with --format lines",
                    err=True)
 
 

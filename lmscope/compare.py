@@ -112,6 +112,12 @@ class Curve:
         return [(xs[k], [lookup[j].get(k) for j in job_ids]) for k in keys]
 
 
+def _short(value: Any) -> bool:
+    """A list or object of at most SUMMARY_VALUE_CHARS characters of JSON (a longer list is not serialised to
+    find out: the dashboard asks for a comparison every few seconds while jobs run)."""
+    return len(value) <= SUMMARY_VALUE_CHARS and len(json.dumps(value)) <= SUMMARY_VALUE_CHARS
+
+
 @dataclass
 class Comparison:
     jobs: list[dict[str, Any]]  # id, kind, name, status, error (type, message or null) of each job, in the order asked
@@ -164,7 +170,7 @@ def compare(jobs: list[dict[str, Any]], series_of: list[list[dict[str, Any]]]) -
     summary: dict[str, dict[int, Any]] = {}
     for key in dict.fromkeys(k for j in jobs for k in (j.get("summary") or {})):
         values = {j["id"]: j["summary"][key] for j in jobs if key in (j.get("summary") or {})}
-        if all(isinstance(v, Scalar) or len(json.dumps(v)) <= SUMMARY_VALUE_CHARS for v in values.values()):
+        if all(isinstance(v, Scalar) or _short(v) for v in values.values()):
             summary[key] = values
     # A label that is a parameter in which the jobs differ names the job too: sweep grid points that
     # differ in latent_dim label their curves with it, and are compared on one curve. Not one that only

@@ -153,5 +153,5 @@ def readable_log_y(ax) -> None:
     subs = (1, 2, 3, 5) if decades < 1.5 else (1, 2, 5) if decades < 2.5 else (1,)
     ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]) if decades < 1 else
                                LogLocator(base=10, subs=subs))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: np.format_float_positional(float(f"{v:.6g}"), trim="-")))
     ax.yaxis.set_minor_formatter(NullFormatter())

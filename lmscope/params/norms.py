@@ -25,7 +25,7 @@ class NormsParams(JobParams):
     loss_filter: float | None = Field(
         1.0, ge=0, description="keep trajectories whose inner loss at the last layer is ≤ this; null keeps all")
     pca_samples: int = Field(50, ge=0, description="trajectories drawn in the 3-D PCA plot and saved in pca.npz")
-    gram_condition: bool = Field(True, description="check Proposition 1's condition (blocks with a plain FFN: GPT-2, GPTBigCode, BLOOM, StarCoder2; GPT-NeoX and Phi with their parallel residual's I + W_MHSA + W_FFN)")
+    gram_condition: bool = Field(True, description="check Proposition 1's condition (blocks with a plain FFN: GPT-2, GPTBigCode, BLOOM, StarCoder2; GPT-NeoX and Phi, whose parallel residual gives I + W_MHSA + W_FFN)")
     gram_samples: int = Field(200, ge=0, description="trajectories on which the Gram condition is checked")
     batch_size: int = Field(16, ge=1, le=1024)
     dtype: DType = "float32"

@@ -257,7 +257,7 @@ def test_the_near_uniform_map_spans_the_shares_there_are(values, scale):
     assert entropy_plots.near_uniform_scale(np.array(values)) == scale
 
 
-@pytest.mark.parametrize("lo, hi", [(7.6, 21.0), (3.3, 42.0), (0.02, 1.2), (0.2, 11.0), (1e-4, 1.0)])
+@pytest.mark.parametrize("lo, hi", [(7.6, 21.0), (3.3, 42.0), (0.02, 1.2), (0.2, 11.0), (1e-4, 1.0), (1e-7, 1e-3)])
 def test_a_log_y_axis_is_labelled_in_plain_numbers_a_reader_can_use(lo, hi):
     """An inner loss between 7.6 and 21 nats had labels at 8, 9, 10 only; a relative error from 0.02 to 1.2 had
     10⁻¹ and 10⁰; a span of two decades read 6e-01. Now: at least three labels inside the axis, written as
@@ -274,4 +274,5 @@ def test_a_log_y_axis_is_labelled_in_plain_numbers_a_reader_can_use(lo, hi):
     texts = [t.get_text() for t in inside]
     assert len(texts) >= 3, texts
     assert all(float(t) == pytest.approx(label.get_position()[1]) for t, label in zip(texts, inside)), texts
+    assert not any("e" in t for t in texts), texts  # 0.00001, not 1e-05 beside 0.0001
     pyplot().close(fig)
