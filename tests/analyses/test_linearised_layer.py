@@ -191,27 +191,26 @@ def test_the_gram_condition_is_the_linearised_model_on_every_pair(loaded, docume
     assert out.summary["gram_condition_form"] == norms.GRAM_FORMS[loaded.name in PARALLEL]
 
 
-def random_context(T_: int = 12, D: int = 32):
-    """One sample's random float64 context [1, T_, D], its last position as the query, and the keys that query
-    sees under a window (None: all)."""
+def first_block_on_a_random_context(name: str, T_: int = 12, D: int = 32):
+    """Block 0's matrices of a random-init CONFIGS[name] model; a random float64 context [1, T_, D] with its
+    last position as the query; the keys that query sees under a window (None: all); the model's rope there."""
+    torch.manual_seed(1)
+    base = T.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval().base_model
+    m = linearised_layer.block_matrices(base.layers[0], "cpu")
     context, t = torch.randn(1, T_, D, dtype=torch.float64), torch.tensor([T_ - 1])
 
     def visible(window):
         return norms.keys_visible_from(t[:, None], torch.ones(1, T_, dtype=torch.bool), window)[:, 0, 0]
 
-    return context, t, visible
+    cos, sin = base.rotary_emb(context, torch.arange(T_)[None])
+    return m, context, t, visible, (cos.double(), sin.double())
 
 
-def test_the_window_and_grouped_heads_matter(documents):
+def test_the_window_and_grouped_heads_matter():
     """StarCoder2's sliding window and key/value groups are read from the model: dropping either changes W x
     (so the test above would notice a linearisation that ignored them)."""
-    torch.manual_seed(1)
-    model = T.AutoModelForCausalLM.from_config(CONFIGS["starcoder2"]()).eval()
-    m = linearised_layer.block_matrices(model.model.layers[0], "cpu")
+    m, context, t, visible, rope = first_block_on_a_random_context("starcoder2")
     assert (m.heads, m.kv_heads, m.window, m.rotary) == (4, 2, WINDOW, True)
-    context, t, visible = random_context()
-    cos, sin = model.model.rotary_emb(context, torch.arange(context.shape[1])[None])
-    rope = (cos.double(), sin.double())
     windowed = linearised_layer.apply(m, context, visible(WINDOW), context[:, -1], rope, t)
     full = linearised_layer.apply(m, context, visible(None), context[:, -1], rope, t)
     one_group = SimpleNamespace(**{**vars(m), "kv_heads": 1, "W_K": m.W_K[:8], "W_V": m.W_V[:8]})
@@ -222,14 +221,9 @@ def test_the_window_and_grouped_heads_matter(documents):
 def test_partial_rotary_and_the_residual_form_matter():
     """GPT-NeoX's partial rotary and its residual form are read from the model: rotating every dimension, or
     the other residual form, changes W x (so the oracle test above would notice either mistake)."""
-    torch.manual_seed(1)
-    model = T.AutoModelForCausalLM.from_config(CONFIGS["gpt_neox"]()).eval()
-    m = linearised_layer.block_matrices(model.gpt_neox.layers[0], "cpu")
+    m, context, t, visible, rope = first_block_on_a_random_context("gpt_neox")
     assert (m.heads, m.kv_heads, m.rotary, m.parallel) == (4, 4, True, True)
-    context, t, visible = random_context()
-    cos, sin = model.gpt_neox.rotary_emb(context, torch.arange(context.shape[1])[None])
-    assert cos.shape[-1] == 4  # half of each head's 8 dimensions
-    rope = (cos.double(), sin.double())
+    assert rope[0].shape[-1] == 4  # half of each head's 8 dimensions
     partial = linearised_layer.apply(m, context, visible(None), context[:, -1], rope, t)
     full_rope = tuple(torch.cat((e, e), -1) for e in rope)  # every dimension rotated
     full = linearised_layer.apply(m, context, visible(None), context[:, -1], full_rope, t)
