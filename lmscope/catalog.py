@@ -53,7 +53,8 @@ SUPPORTED_ARCHITECTURES = {
     "phi": "PhiForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
-    # attention computed in their own modules: entropy reads their attention matrices (docs/kernels.md)
+    # attention computed in their own modules: entropy reads their attention matrices (docs/kernels.md);
+    # GPT-J too before transformers 5.24, which moved it onto the AttentionInterface
     "falcon": "FalconForCausalLM",
     "gptj": "GPTJForCausalLM",
     "bloom": "BloomForCausalLM",
@@ -62,8 +63,10 @@ SUPPORTED_ARCHITECTURES = {
 
 # Architectures whose q, k, v lmscope's attention function never sees (attention in their own modules),
 # and those whose attention is not a plain softmax of q·k (Gemma 2 soft-caps the scores): the attention
-# study cannot compare them with their own attention, and is refused at submit.
-OWN_ATTENTION_MODULES = ("falcon", "gptj", "bloom")
+# study cannot compare them with their own attention, and is refused at submit. GPT-J is not listed: since
+# transformers 5.24 (what a worker image installs) it goes through the AttentionInterface; a worker on an
+# older transformers (the GPU test image's 5.17) refuses it when the job starts, from the model itself.
+OWN_ATTENTION_MODULES = ("falcon", "bloom")
 SOFT_CAPPED_ATTENTION = ("gemma2",)
 
 

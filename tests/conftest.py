@@ -53,6 +53,15 @@ def need_module(name: str):
         need(False, f"{name} does not import ({e})")
 
 
+def computes_attention_itself(model) -> bool:
+    """Whether the model's modeling code computes attention without transformers' AttentionInterface (Falcon,
+    BLOOM, GPT-Neo; GPT-J before transformers 5.24): read from that code, not from the flag lmscope reads."""
+    import inspect
+    import sys
+
+    return "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(sys.modules[type(model).__module__])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

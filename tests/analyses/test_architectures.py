@@ -30,7 +30,7 @@ from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
 from tests.analyses.conftest import eager_entropies
-from tests.conftest import need_module
+from tests.conftest import computes_attention_itself, need_module
 
 V = BYTE_VOCAB_SIZE
 IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -138,7 +138,7 @@ def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
     got = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]  # [L, H, N]
     np.testing.assert_allclose(got, ref, atol=5e-5)
     assert ref[..., 1:].std() > 0.01, "heads should differ from one another and from uniform"
-    if loaded.name in {"falcon", "gptj", "bloom"}:  # attention computed in their own modules
+    if computes_attention_itself(loaded.model):  # Falcon, BLOOM; GPT-J before transformers 5.24
         assert ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
     else:
         assert ctx.environment["kernel_backend"] in ("reference", "triton")
@@ -251,10 +251,10 @@ def test_the_fused_kernel_runs_every_interface_architecture_like_eager(loaded, d
 
     model = loaded.model.to(device)
     if lmscope_attention_unsupported(model) is not None:
-        assert loaded.name in {"falcon", "gptj", "bloom"}  # and no other architecture
+        assert computes_attention_itself(model)  # and no other architecture
         pytest.skip(f"{loaded.name} computes attention in its own modules: no kernel route; its attention-matrix "
                     "route is checked by test_entropy_matches_eager_attention_matrices and the zero-query tests here "
-                    "(GPT-J's in test_entropy.py)")
+                    "(GPT-Neo's in test_entropy.py)")
     ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(3)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, GptOssConfig, GPTJConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, GptOssConfig, GPTNeoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from lmscope.analyses import entropy, entropy_plots
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -25,7 +25,7 @@ from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
 from tests.analyses.conftest import HostReads, eager_entropies
-from tests.conftest import need_module
+from tests.conftest import computes_attention_itself, need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 SEQ_LEN = 24
@@ -41,9 +41,10 @@ def tiny_model(arch: str, seed: int = 0):
     if arch == "gpt2":
         config = GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
                             bos_token_id=256, eos_token_id=257, initializer_range=0.25)
-    elif arch == "gptj":  # computes its attention itself, not through transformers' AttentionInterface
-        config = GPTJConfig(n_layer=2, n_head=4, n_embd=32, rotary_dim=4, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
-                            bos_token_id=256, eos_token_id=257, initializer_range=0.25)
+    elif arch == "gpt_neo":  # computes its attention itself, not through transformers' AttentionInterface
+        config = GPTNeoConfig(num_layers=2, attention_types=[[["global", "local"], 1]], num_heads=4, hidden_size=32,
+                              max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256, eos_token_id=257,
+                              initializer_range=0.25)
     else:  # LLaMA with grouped-query attention: 4 query heads read 2 key/value heads
         config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
                              intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE,
@@ -183,8 +184,9 @@ def test_uniform_attention_gives_the_causal_bound(tmp_path, documents, arch):
 
 
 def test_models_the_kernel_cannot_run_use_their_attention_matrices(tmp_path, documents):
-    """GPT-J: the job falls back to output_attentions; q = 0 must still give ln(visible keys) everywhere."""
-    loaded = _zero_queries(tiny_model("gptj"))
+    """GPT-Neo: the job falls back to output_attentions; q = 0 must still give ln(visible keys) everywhere."""
+    loaded = _zero_queries(tiny_model("gpt_neo"))
+    assert computes_attention_itself(loaded.model)
     out, ctx = run_job(tmp_path, {"m": loaded}, documents, num_segments=3)
     assert out.summary["kernel_backend"] == ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
     bound = np.log(np.arange(SEQ_LEN) + 1.0)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
 
 from lmscope.analyses import linearised_layer, norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
@@ -30,7 +30,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.norms import NormsParams
 from tests.analyses.conftest import HostReads
-from tests.conftest import need_module
+from tests.conftest import computes_attention_itself, need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)
 MAX_TOKENS = 96
@@ -461,16 +461,18 @@ def test_documents_too_short_for_a_current_token_are_counted():
 
 
 def test_a_model_the_kernel_cannot_run_keeps_its_own_attention(tmp_path, documents, monkeypatch):
-    """GPT-J computes its attention itself: where the kernel would run, the job keeps the model's own and says so."""
+    """GPT-Neo computes its attention itself: where the kernel would run, the job keeps the model's own and says so."""
     monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "triton")
-    config = GPTJConfig(n_layer=2, n_head=2, n_embd=32, rotary_dim=8, n_positions=128, vocab_size=BYTE_VOCAB_SIZE,
-                        bos_token_id=256, eos_token_id=257, initializer_range=0.05)
+    config = GPTNeoConfig(num_layers=2, attention_types=[[["global", "local"], 1]], num_heads=2, hidden_size=32,
+                          max_position_embeddings=128, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256, eos_token_id=257,
+                          initializer_range=0.05)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    lm = LoadedModel("tiny-gptj", model, byte_tokenizer(), model_info(model))
+    assert computes_attention_itself(model)
+    lm = LoadedModel("tiny-gpt-neo", model, byte_tokenizer(), model_info(model))
     out, ctx = run_job(tmp_path, lm, documents, max_samples=6, gram_condition=False, pca_samples=3)
     assert ctx.environment["kernel_backend"].startswith(
-        "transformers-eager (the lmscope kernel cannot run this model: GPTJForCausalLM computes its attention itself")
+        "transformers-eager (the lmscope kernel cannot run this model: GPTNeoForCausalLM computes its attention itself")
     expected = [[h[-1].norm().item() for h in unbatched_states(model, tokens)[0][:2]]
                 for _, tokens in reference_samples(lm.tokenizer, documents, 6)]
     np.testing.assert_allclose(np.load(tmp_path / "trajectories.npz")["norms"], expected, rtol=1e-5)

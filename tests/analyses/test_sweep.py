@@ -687,14 +687,15 @@ def test_attention_study_refuses_missing_layers(tmp_path):
 
 
 def test_attention_study_refuses_models_whose_attention_it_cannot_read(tmp_path):
-    """GPT-J computes attention itself (no q, k, v to capture); Gemma 2 soft-caps its scores (not softmax attention)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, GPTJConfig
+    """GPT-Neo computes attention itself (no q, k, v to capture); Gemma 2 soft-caps its scores (not softmax attention)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, GPTNeoConfig
 
     from lmscope.analyses.base import LoadedModel
     from lmscope.modeling.tokenization import byte_tokenizer
 
-    configs = {"GPTJForCausalLM computes its attention itself": GPTJConfig(n_layer=1, n_head=2, n_embd=16, rotary_dim=4,
-                                                                           vocab_size=259, n_positions=32),
+    configs = {"GPTNeoForCausalLM computes its attention itself": GPTNeoConfig(
+                   num_layers=1, attention_types=[[["global"], 1]], num_heads=2, hidden_size=16, vocab_size=259,
+                   max_position_embeddings=32),
                "soft-caps its attention scores": Gemma2Config(num_hidden_layers=1, num_attention_heads=2,
                                                              num_key_value_heads=1, head_dim=8, hidden_size=16,
                                                              intermediate_size=16, vocab_size=259, pad_token_id=258,

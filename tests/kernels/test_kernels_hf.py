@@ -16,6 +16,7 @@ from lmscope.kernels.hf import (  # noqa: E402
     lmscope_attention_unsupported,
     use_lmscope_attention,
 )
+from tests.conftest import computes_attention_itself
 
 VOCAB = 128
 
@@ -307,11 +308,13 @@ def test_soft_capped_scores_are_capped(backend, device):
 
 
 def test_models_that_compute_attention_themselves_are_refused_by_name(device):
-    """GPT-J computes its attention in its own module, not through transformers' AttentionInterface."""
-    cfg = transformers.GPTJConfig(n_layer=1, n_head=2, n_embd=32, rotary_dim=8, vocab_size=VOCAB, n_positions=64)
-    model = transformers.GPTJForCausalLM(cfg).eval().to(device)
+    """GPT-Neo computes its attention in its own module, not through transformers' AttentionInterface."""
+    cfg = transformers.GPTNeoConfig(num_layers=1, attention_types=[[["global"], 1]], num_heads=2, hidden_size=32,
+                                    vocab_size=VOCAB, max_position_embeddings=64)
+    model = transformers.GPTNeoForCausalLM(cfg).eval().to(device)
+    assert computes_attention_itself(model)
     before = model.config._attn_implementation
-    with pytest.raises(UnsupportedAttention, match="GPTJForCausalLM computes its attention itself"):
+    with pytest.raises(UnsupportedAttention, match="GPTNeoForCausalLM computes its attention itself"):
         with lmscope_attention(model):
             pass
     assert "AttentionInterface" in lmscope_attention_unsupported(model)
