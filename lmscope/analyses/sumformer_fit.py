@@ -11,7 +11,9 @@ every `eval_every` epochs (`val_error`, x = epoch) and the training MSE (`train_
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.host_reads import HostReads
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.sweep import SumformerFitParams, effective_latent_dim, theory_latent_dim
 from lmscope.seeds import derived_seed
@@ -88,8 +91,99 @@ def _single_threaded(ctx: JobContext):
             torch.set_num_threads(before)
 
 
-def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
-    """Train one grid point; report `val_error` and `train_loss` per epoch and write `training.png`."""
+class TrainingSteps:
+    """Adam steps on batches x[idx], y[idx] (MSE), with the loss × batch size summed on the device.
+
+    These networks are tiny: a step is ~100 kernels of microseconds each, so on a GPU the launches,
+    not the arithmetic, set the time (docs/analyses/sweep.md). With `cuda_graph`, the step of a full
+    batch is captured once in a CUDA graph and then replayed, one launch per step. The first steps run
+    eagerly on a side stream, as capture needs (they are ordinary steps of the first epoch, not extra
+    ones), and so does a last, shorter batch. Replayed and eager steps update the same tensors with the
+    same kernels, so the training is the one the eager route would do; `route` says which ran.
+    """
+
+    WARMUP_STEPS = 3
+    _capturing = threading.Lock()  # one capture at a time per process (an embedded worker runs jobs in threads)
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, batch_size: int,
+                 cuda_graph: bool = False):
+        self.model, self.x, self.y, self.batch_size = model, x, y, batch_size
+        self.cuda_graph = cuda_graph and x.is_cuda
+        # fused: one kernel per step for all parameters instead of several per tensor (the per-tensor
+        # overhead was a third of a step on a CPU); it keeps Adam's step count on the device, which a graph
+        # needs (capturable=True says so for the optimiser's own checks)
+        self.opt = torch.optim.Adam(model.parameters(), lr=lr, fused=x.device.type in ("cpu", "cuda"),
+                                    capturable=self.cuda_graph)
+        # read once per epoch: a read per step would make a GPU wait for every step before queueing the next
+        self.loss_sum = torch.zeros((), device=x.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_steps = 0
+        self.not_captured: str | None = None  # why the step stays eager
+        if self.cuda_graph:
+            self.idx = torch.zeros(batch_size, dtype=torch.long, device=x.device)  # the graph's input
+            self.side = torch.cuda.Stream(x.device)
+
+    def _step(self, idx: torch.Tensor) -> None:
+        loss = torch.nn.functional.mse_loss(self.model(self.x[idx]), self.y[idx])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.loss_sum += loss.detach() * len(idx)
+
+    def step(self, idx: torch.Tensor) -> None:
+        """One optimiser step on the batch `idx` (indices into x and y, on their device)."""
+        if self.graph is not None and len(idx) == self.batch_size:
+            self.idx.copy_(idx)
+            self.graph.replay()
+            return
+        if not self.cuda_graph or self.not_captured is not None or len(idx) != self.batch_size:
+            self._step(idx)
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        last = self.eager_steps + 1 == self.WARMUP_STEPS
+        with torch.cuda.stream(self.side), (HostReads() if last else contextlib.nullcontext()) as reads:
+            self._step(idx)
+        torch.cuda.current_stream().wait_stream(self.side)
+        self.eager_steps += 1
+        if last and reads.ops:  # look before capturing: a failed capture leaves the allocator half-way
+            self.not_captured = f"the step reads values back to the host ({', '.join(sorted(set(reads.ops)))})"
+        elif last:
+            self._capture()
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)  # the graph's backward then writes the gradients, not adds to them
+        stream = torch.cuda.current_stream()
+        try:
+            # on the warm-up's stream; thread_local: another job's thread may use CUDA meanwhile
+            with self._capturing, torch.cuda.graph(graph, stream=self.side, capture_error_mode="thread_local"):
+                self._step(self.idx)
+        except RuntimeError as e:  # an op that cannot be captured: keep training eagerly
+            torch.cuda.set_stream(stream)  # the failed capture's exit leaves its stream current
+            cause = e.__context__ or e  # capture_end's "invalidated" error hides the op's own
+            self.not_captured = f"CUDA graph capture failed: {type(cause).__name__}: {cause}"[:300]
+            return
+        self.graph = graph
+
+    @property
+    def route(self) -> str:
+        """cuda_graph, eager, or eager with the reason a GPU step was not captured."""
+        if self.graph is not None:
+            return "cuda_graph"
+        return f"eager ({self.not_captured})" if self.not_captured else "eager"
+
+    def take_loss_sum(self) -> float:
+        """The summed loss × batch size since the last call (reads the device once), and reset it."""
+        total = float(self.loss_sum)
+        self.loss_sum.zero_()
+        return total
+
+
+def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext, *, cuda_graph: bool | None = None) -> JobOutput:
+    """Train one grid point; report `val_error` and `train_loss` per epoch and write `training.png`.
+
+    `cuda_graph`: replay each full batch's step from a CUDA graph (`TrainingSteps`); None = on a GPU.
+    """
     from lmscope.modeling.sumformer import build_network, num_parameters
 
     t = params.train
@@ -110,9 +204,8 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
                           linformer_projections=t.linformer_projections).to(device)
     if params.architecture in ("transformer", "linformer", "performer"):
         ctx.record("kernel_backend", "reference")  # training needs autograd: the PyTorch reference kernels
-    # fused: one kernel per step for all parameters instead of several per tensor; these networks are
-    # so small that the optimiser's per-tensor overhead is a third of a step (1.4x faster on a CPU)
-    opt = torch.optim.Adam(model.parameters(), lr=t.lr, fused=device.type in ("cpu", "cuda"))
+    steps = TrainingSteps(model, x_train, y_train_std, lr=t.lr, batch_size=t.batch_size,
+                          cuda_graph=device.type == "cuda" if cuda_graph is None else cuda_graph)
     shuffle = torch.Generator().manual_seed(derived_seed(params.seed, "shuffle"))
 
     epochs_x: list[int] = []
@@ -124,17 +217,9 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
         for epoch in range(1, t.epochs + 1):
             model.train()
             perm = torch.randperm(len(x_train), generator=shuffle).to(device)
-            # summed on the device and read once per epoch: a read per step would make a GPU wait for
-            # every step to finish before queueing the next (these steps are launch-bound)
-            total = torch.zeros((), device=device)
             for i in range(0, len(perm), t.batch_size):
-                idx = perm[i:i + t.batch_size]
-                loss = torch.nn.functional.mse_loss(model(x_train[idx]), y_train_std[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += loss.detach() * len(idx)
-            train_mse = float(total) / len(perm) * float(sigma) ** 2  # back to the target's units
+                steps.step(perm[i:i + t.batch_size])
+            train_mse = steps.take_loss_sum() / len(perm) * float(sigma) ** 2  # back to the target's units
             if not math.isfinite(train_mse):
                 raise JobFailed(f"training diverged at epoch {epoch} (loss {train_mse}); lower train.lr "
                                 f"(now {t.lr})", error_type="diverged")
@@ -148,6 +233,7 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext) -> JobOutput:
             stage = f"epoch {epoch}/{t.epochs}" + (f", val error {val_errors[-1]:.3g}" if val_errors else "")
             ctx.progress(epoch, t.epochs, stage)
     seconds = time.perf_counter() - start
+    ctx.record("training_steps", steps.route)
     model.eval()
     # The validation data are exchangeable, so the error cannot show a network that is not equivariant
     # (a trained Linformer's E, F weight positions differently): measure it, on the final network.
@@ -206,4 +292,4 @@ def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_
     save(fig, Path(folder) / "training.png")
 
 
-__all__ = ["equivariance_error", "make_dataset", "random_permutations", "relative_l2_error", "run_sumformer_fit"]
+__all__ = ["TrainingSteps", "equivariance_error", "make_dataset", "random_permutations", "relative_l2_error", "run_sumformer_fit"]

@@ -10,30 +10,6 @@ import pytest
 import torch
 
 from lmscope.analyses.base import LoadedModel
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that, on a GPU, make the host wait for the device: reading a value back
-    (``.item()``, ``bool()``, ``int()``), and ops whose output size depends on the data (``nonzero``,
-    boolean-mask indexing, ``bincount``, ``unique``, ...). Counted on CPU tensors alike, so a CPU test
-    shows what a GPU run would wait for. (Blocking host→device copies are not seen on a CPU.)"""
-
-    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique", "unique_dim",
-               "unique_consecutive", "repeat_interleave", "_assert_async")
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
-        if bool_index or any(name == s or name.startswith(s + ".") for s in self.SYNCING):
-            self.ops.append(name)
-        return func(*args, **kwargs)
 
 
 def eager_entropies(loaded: LoadedModel, windows: torch.Tensor) -> np.ndarray:

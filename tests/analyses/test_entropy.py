@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GptOssConfig, GPTNeoC
 
 from lmscope.analyses import entropy, entropy_plots
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
+from lmscope.analyses.host_reads import HostReads
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
@@ -24,7 +25,7 @@ from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params import validate_params
 from lmscope.params.entropy import EntropyParams
-from tests.analyses.conftest import HostReads, eager_entropies
+from tests.analyses.conftest import eager_entropies
 from tests.conftest import computes_attention_itself, need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)

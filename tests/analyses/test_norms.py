@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoConfig, GPTNeoX
 
 from lmscope.analyses import linearised_layer, norms
 from lmscope.analyses.base import JobCancelled, JobFailed, LoadedModel
+from lmscope.analyses.host_reads import HostReads
 from lmscope.analyses.local import LocalContext
 from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
 from lmscope.config import Settings
@@ -29,7 +30,6 @@ from lmscope.modeling.loading import model_info
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.params import validate_params
 from lmscope.params.norms import NormsParams
-from tests.analyses.conftest import HostReads
 from tests.conftest import computes_attention_itself, need_module
 
 WIKITEXT = Settings.from_env().wikitext2_path  # the shared copy beside the checkout, else data/ (config.py)

@@ -277,6 +277,124 @@ def test_sumformer_fit_honours_cancel(tmp_path):
     assert len(ctx.progress_log) == 2
 
 
+
+def _plain_adam_training(model, opt, x, y, batches):
+    """The loop TrainingSteps replaces, written out: `opt` (a plain Adam) on each batch in turn; the summed
+    loss × batch size."""
+    total = 0.0
+    for idx in batches:
+        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += float(loss.detach()) * len(idx)
+    return total
+
+
+def _two_copies_of_a_network(device):
+    from lmscope.modeling.sumformer import build_network
+
+    net = build_network("mlp_sumformer", token_dim=2, seq_len=3, latent_dim=4, hidden=8, depth=2, seed=0)
+    twin = build_network("mlp_sumformer", token_dim=2, seq_len=3, latent_dim=4, hidden=8, depth=2, seed=0)
+    return net.to(device), twin.to(device)
+
+
+def _batches(count, size, seed):
+    """Index batches of one shuffled epoch: full ones and a shorter last one (count % size)."""
+    perm = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return [perm[i:i + size] for i in range(0, count, size)]
+
+
+def test_training_steps_are_plain_adam_steps(tmp_path):
+    """TrainingSteps (fused Adam, the loss summed on the device) against the plain loop: same weights, same
+    summed loss, over two epochs whose last batch is short."""
+    from lmscope.analyses.sumformer_fit import TrainingSteps
+
+    net, twin = _two_copies_of_a_network("cpu")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(70, 3, 2, generator=g), torch.rand(70, 3, 2, generator=g)
+    steps = TrainingSteps(net, x, y, lr=1e-2, batch_size=16, cuda_graph=True)  # no GPU tensors: eager
+    plain = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for epoch in range(2):
+        batches = _batches(70, 16, epoch)
+        for idx in batches:
+            steps.step(idx)
+        expected = _plain_adam_training(twin, plain, x, y, batches)
+        assert steps.take_loss_sum() == pytest.approx(expected, rel=1e-5)
+    assert steps.route == "eager"
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"])
+def test_a_training_step_reads_nothing_back_from_the_device(architecture):
+    """What keeps a GPU step capturable in a CUDA graph (and the host from waiting on every step): no op in
+    the forward pass, the backward pass or the Adam step reads a value back, counted here on the CPU."""
+    from lmscope.analyses.host_reads import HostReads
+    from lmscope.analyses.sumformer_fit import TrainingSteps
+    from lmscope.modeling.sumformer import build_network
+
+    net = build_network(architecture, token_dim=2, seq_len=3, latent_dim=4, hidden=8, depth=2,
+                        features=4 if architecture in ("linformer", "performer") else None, seed=0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(32, 3, 2, generator=g), torch.rand(32, 3, 2, generator=g)
+    steps = TrainingSteps(net, x, y, lr=1e-3, batch_size=16)
+    steps.step(torch.arange(16))  # Adam's state is made at its first step
+    with HostReads() as reads:
+        steps.step(torch.arange(16, 32))
+    assert reads.ops == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"])
+def test_cuda_graph_training_is_the_eager_training(tmp_path, architecture, device):
+    """On a GPU a full batch's step is replayed from a CUDA graph: the curves are the eager route's. 290
+    samples = 232 for training = three full batches of 64 (eager: the graph is captured after them) and one of
+    40 (eager), then replays from the second epoch on."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    params = SumformerFitParams(architecture=architecture, target="fig2_poly", token_dim=2, seq_len=3, latent_dim=4,
+                                features=4 if architecture in ("linformer", "performer") else None, seed=0,
+                                train=tiny_train(samples=290))
+    eager_ctx, graph_ctx = LocalContext(tmp_path / "eager", device="cuda"), LocalContext(tmp_path / "graph", device="cuda")
+    eager = run_sumformer_fit(params, eager_ctx, cuda_graph=False)
+    graphed = run_sumformer_fit(params, graph_ctx, cuda_graph=True)
+    assert (eager_ctx.environment["training_steps"], graph_ctx.environment["training_steps"]) == ("eager", "cuda_graph")
+    for a, b in zip(eager.series, graphed.series):
+        assert (a.name, list(a.x)) == (b.name, list(b.x))
+        assert b.y == pytest.approx(a.y, rel=1e-4), a.name
+
+
+@pytest.mark.gpu
+def test_a_step_that_cannot_be_captured_trains_eagerly(device):
+    """A network that reads a value back in its forward pass cannot be captured: TrainingSteps sees it in its
+    last warm-up step, does not try, says why, and goes on eagerly, with the plain loop's weights."""
+    from lmscope.analyses.sumformer_fit import TrainingSteps
+
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+
+    class ReadsBack(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * (1.0 if float(x.sum()) >= 0 else -1.0)
+
+    net, twin = _two_copies_of_a_network("cuda")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(100, 3, 2, generator=g).cuda(), torch.rand(100, 3, 2, generator=g).cuda()
+    steps = TrainingSteps(ReadsBack(net), x, y, lr=1e-2, batch_size=16, cuda_graph=True)
+    batches = [b.cuda() for b in _batches(100, 16, 0)]
+    for idx in batches:
+        steps.step(idx)
+    assert steps.route == "eager (the step reads values back to the host (_local_scalar_dense))", steps.route
+    expected = _plain_adam_training(twin, torch.optim.Adam(twin.parameters(), lr=1e-2), x, y, batches)
+    assert steps.take_loss_sum() == pytest.approx(expected, rel=1e-4)
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
 def test_error_decreases_with_latent_dim(tmp_path):
     """poly_moments = x1·p1 + p2 − 2·x1² (d = 1): d' = 1 has only p1, d' = 2 adds p2, d' = 3 = C(4,1) − 1 all."""
     errors = {}

@@ -79,7 +79,12 @@ def attention_with_entropy_reference(
         allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
     any_visible = allowed.any(dim=-1).expand(s.shape[:-1])  # [B, H, Nq]
     s = s.masked_fill(~allowed, float("-inf"))
-    empty = bool((~any_visible).any())
+    # A row has no visible key only under a mask, or where causal queries outnumber the keys; asking the
+    # device costs a host sync (per call, and it breaks a CUDA graph's capture of a training step), so only then.
+    nq, nk = q.shape[2], k.shape[2]
+    can_be_empty = (key_padding_mask is not None or attn_mask is not None or nk == 0 or (causal and nq > nk)
+                    or (window is not None and window < 1))
+    empty = can_be_empty and bool((~any_visible).any())
     if empty:  # rows with no visible key: score them 0 here (no -inf - -inf), zero them below
         s = s.masked_fill(~any_visible[..., None], 0.0)
     logp = torch.log_softmax(s, dim=-1)
