@@ -21,13 +21,14 @@ launches, not arithmetic. On a CPU each child trains on one thread, so use one p
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -48,13 +49,18 @@ def run_child(index: int, params: dict, device: str, folder: str) -> dict:
     # the cores, and on a GPU these small models are bound by Python's kernel launches anyway
     torch.set_num_threads(1)
     start = time.perf_counter()
+    ctx = LocalContext(Path(folder) / f"child{index}", device=device)
     try:
-        out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True),
-                                LocalContext(Path(folder) / f"child{index}", device=device))
+        out = run_sumformer_fit(validate_params("sumformer_fit", params, internal=True), ctx)
     except Exception as e:  # noqa: BLE001  (one grid point must not stop the others)
         return {"index": index, "wall_seconds": time.perf_counter() - start, "error": f"{type(e).__name__}: {e}"}
     return {"index": index, "wall_seconds": time.perf_counter() - start, "summary": out.summary,
+            "training_steps": ctx.environment.get("training_steps"),
             "series": [(s.name, list(s.x), list(s.y), dict(s.labels)) for s in out.series]}
+
+
+def run_child_args(args: tuple) -> dict:
+    return run_child(*args)
 
 
 def duration(seconds: float) -> str:
@@ -141,6 +147,8 @@ def main() -> None:
             "train_seconds_mean": round(statistics.mean(train), 2),
             "train_seconds_max": round(max(train), 2),
             "extrapolated_grid_wall_seconds": round(wall * len(children) / max(1, len(results)), 1),
+            # eager, cuda_graph, or eager with the reason the capture failed (TrainingSteps)
+            "training_steps": dict(collections.Counter(str(r.get("training_steps")) for r in ok)),
         }
 
     def save(report: dict) -> None:
@@ -148,11 +156,13 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(report, indent=2))
 
     start = time.perf_counter()
-    # spawn: a CUDA context does not survive fork
-    with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(run_child, i, children[i].params, device, str(out)) for i in todo]
-        for future in as_completed(futures):
-            r = future.result()
+    stopped = False
+    # spawn: a CUDA context does not survive fork. The workers ignore SIGINT: a stop (Ctrl-C, `timeout -s INT`)
+    # is this process's, which keeps what has finished, ends the workers at once and still reports.
+    pool = multiprocessing.get_context("spawn").Pool(args.processes, initializer=signal.signal,
+                                                     initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        for r in pool.imap_unordered(run_child_args, [(i, children[i].params, device, str(out)) for i in todo]):
             results.append(r)
             after = time.perf_counter() - start
             if log is not None:
@@ -164,10 +174,18 @@ def main() -> None:
                     f"{r['summary']['train_seconds']:.1f} s training, best val error {r['summary']['best_val_error']:.3g}")
             print(f"  [{len(results)}/{len(chosen)}] {children[r['index']].name}: {what}", flush=True)
             save(summarise(earlier_wall + after))
+    except KeyboardInterrupt:
+        stopped = True
+        print(f"stopped with {len(results)} of {len(chosen)} children done"
+              + (f"; run again with --results {log} to train the rest" if log else ""), flush=True)
+    finally:
+        pool.terminate()
+        pool.join()
     wall = earlier_wall + time.perf_counter() - start
 
     report = summarise(wall)
-    if len(chosen) == len(children):
+    report["stopped"] = stopped
+    if len(chosen) == len(children) and not stopped:
         child_results = [
             ChildResult(r["index"], "sumformer_fit", children[r["index"]].params, "failed", None, [], error=r["error"])
             if "error" in r else
@@ -181,9 +199,10 @@ def main() -> None:
     print("| sweep | device | processes | grid points run | wall | training per child (mean / max) | whole grid |")
     print("|---|---|---|---|---|---|---|")
     whole = report["extrapolated_grid_wall_seconds"]
-    print(f"| {report['params']} | {name} | {args.processes} | {len(chosen)}/{len(children)} | {duration(wall)} | "
+    print(f"| {report['params']} | {name} | {args.processes} | {len(results)}/{len(children)} | {duration(wall)} | "
           f"{report['train_seconds_mean']:.1f} s / {report['train_seconds_max']:.1f} s | "
           f"{duration(whole)}{'' if len(chosen) == len(children) else ' (extrapolated)'} |")
+    print(f"training steps: {report['training_steps']}")
     for failure in report["failed"]:
         print(f"failed: {failure}")
     for plot in report.get("plots", []):
