@@ -81,3 +81,42 @@ def test_a_step_past_its_limit_is_stopped_and_the_rest_still_run(tmp_path):
 def test_unknown_part_is_refused_with_the_parts_named(tmp_path):
     done, steps, _ = run_suite(tmp_path, "everything")
     assert done.returncode == 2 and "give session, tests" in done.stderr and not steps
+
+
+TINY_SWEEP = {"study": "sumformer", "target": "fig2_poly", "architectures": ["mlp_sumformer"],
+              "grid": {"latent_dim": [1, 2, 4, 8, 16, 32, 64, 128], "token_dim": [1, 2], "seq_len": [3], "seed": [0]},
+              "train": {"samples": 200, "epochs": 40, "batch_size": 32, "hidden": 8, "depth": 2, "eval_every": 10}}
+
+
+def test_the_sweep_benchmark_stops_at_sigint_and_a_second_run_trains_the_rest(tmp_path):
+    """The suite stops a step with SIGINT: benchmarks/sweep.py must then end at once (its pool's workers ran on
+    before), keep every finished child in --results, and a run given that file trains only the others."""
+    import json
+    import sys
+    import time
+
+    params, results, report = tmp_path / "sweep.json", tmp_path / "children.jsonl", tmp_path / "report.json"
+    params.write_text(json.dumps(TINY_SWEEP))
+    command = [sys.executable, str(ROOT / "benchmarks/sweep.py"), "--params", str(params), "--processes", "2",
+               "--device", "cpu", "--results", str(results), "--json", str(report), "--out", str(tmp_path / "plots")]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while (not results.exists() or not results.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the first child has finished
+    assert results.exists(), "no child finished in 2 minutes"
+    run.send_signal(2)  # SIGINT, as `timeout -s INT` sends it
+    stopped_at = time.monotonic()
+    output, _ = run.communicate(timeout=30)
+    assert time.monotonic() - stopped_at < 15, output
+    assert "stopped with" in output and json.loads(report.read_text())["stopped"] is True, output
+    first = [json.loads(line) for line in results.read_text().splitlines()]
+    assert 1 <= len(first) < 16, output
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resuming from {results}: {len(first)} children done" in again.stdout
+    done = [json.loads(line)["index"] for line in results.read_text().splitlines()]
+    assert sorted(done) == list(range(16))  # each child once: the first run's are not trained again
+    final = json.loads(report.read_text())
+    assert final["stopped"] is False and final["ran"] == 16 and final["resumed_children"] == len(first)
+    assert (tmp_path / "plots" / "fig2_latent_dim.png").exists()  # the whole grid: the parent's figure
