@@ -16,7 +16,7 @@ and reduce it on the fly to float64 sums:
     histogram       = counts of H in fixed bins on [0, ln(seq_len)]
 
 Architectures the fused kernel cannot run (attention computed outside transformers' AttentionInterface,
-as in Falcon, GPT-J and Bloom) fall back to the model's own attention matrices (``output_attentions``),
+as in Falcon, Bloom and GPT-Neo) fall back to the model's own attention matrices (``output_attentions``),
 with the same statistics: slower, and every layer's N x N matrix is held at once.
 
 Across checkpoints of a training run the same numbers become curves against the training step.

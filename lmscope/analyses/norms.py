@@ -512,7 +512,7 @@ def kernel_attention(model, ctx: JobContext):
     LMSCOPE_KERNEL_BACKEND asks for it; the model's own attention implementation is restored
     afterwards (models are cached and shared between jobs). On CPU PyTorch's SDPA is kept: the
     kernel's reference path is ~4× slower there and gives the same numbers. Norms need no entropies,
-    so a model the kernel cannot run (Falcon, GPT-J, Bloom, attention sinks) keeps its own attention."""
+    so a model the kernel cannot run (Falcon, Bloom, GPT-Neo, attention sinks) keeps its own attention."""
     from lmscope.kernels.attention_entropy import head_dim_refusal
     from lmscope.kernels.dispatch import forced_backend, kernel_backend
     from lmscope.kernels.hf import lmscope_attention, lmscope_attention_unsupported
@@ -720,8 +720,8 @@ def gram_not_applicable(params: NormsParams, parts: ModelParts, info: dict) -> s
     if gated or not all(linearisable(b) for b in parts.blocks):
         why = ("a gated FFN (LLaMA family)" if gated else
                f"{type(parts.blocks[0]).__name__} blocks (linearised here: the blocks of GPT-2, GPTBigCode, BLOOM, "
-               "StarCoder2, GPT-NeoX and Phi; GPT-J's and Falcon's compute their own attention and rotate keys "
-               "their own way)")
+               "StarCoder2, GPT-NeoX and Phi; GPT-J's rotates keys in interleaved pairs, Falcon's computes its own "
+               "attention)")
         return (f"not applicable: Proposition 1's linearised layer needs blocks with a plain two-matrix FFN "
                 f"(W2·W1) whose weights lmscope reads; {params.model} has {why}")
     if params.gram_samples == 0:

@@ -14,7 +14,7 @@ computes its attention with the fused kernel; the per-layer entropies go to an a
 Causal masks with key padding, sliding windows (Mistral, Gemma 2) and Gemma 2's logit soft-capping
 run in the fused kernel; masks it cannot express (packed sequences, …) run on the reference path;
 ``col.backends`` lists what was used. Architectures whose
-attention does not go through the interface (Falcon, GPT-J, Bloom, …) or that need what neither path
+attention does not go through the interface (Falcon, Bloom, GPT-Neo, …; GPT-J before transformers 5.24) or that need what neither path
 has (ALiBi and other additive biases, attention sinks) raise :class:`UnsupportedAttention`.
 """
 
@@ -58,7 +58,7 @@ class UnsupportedAttention(NotImplementedError):
 
 def uses_attention_interface(model: torch.nn.Module) -> bool:
     """Whether ``model`` computes its attention through transformers' AttentionInterface, so that its
-    attention implementation can be switched (False for Falcon, GPT-J, Bloom: docs/kernels.md). Models
+    attention implementation can be switched (False for Falcon, Bloom, GPT-Neo; GPT-J before transformers 5.24: docs/kernels.md). Models
     declare it; a bare module (one attention layer) reads its config, so it is taken to."""
     return getattr(model, "_supports_attention_backend", True) is not False
 

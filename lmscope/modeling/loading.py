@@ -6,7 +6,7 @@
 
 Nothing is downloaded: directories are read with ``local_files_only=True``. Models load in eval mode
 with transformers' default attention: ``"sdpa"`` where the architecture has it, else ``"eager"`` (Bloom,
-GPT-J, Gemma 2); analyses that need attention weights or the Triton kernels switch with
+Gemma 2; GPT-J before transformers 5.24); analyses that need attention weights or the Triton kernels switch with
 ``lm.model.set_attn_implementation("eager")`` (or the kernels' registered implementation).
 """
 
@@ -131,7 +131,7 @@ def _load_directory(path: str | None, dtype: str, device: str):
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json; it is not a Hugging Face model directory")
     # No attn_implementation: transformers picks sdpa where the architecture has it, else eager
-    # (forcing "sdpa" refuses to load Bloom, GPT-J, Gemma 2).
+    # (forcing "sdpa" refuses to load Bloom, Gemma 2, and GPT-J before transformers 5.24).
     kwargs: dict[str, Any] = dict(dtype=_torch_dtype(dtype), local_files_only=True)
     # Larger than the free GPU memory: let HF spread the layers over all visible GPUs (and CPU).
     # Needs the `accelerate` package; untested here (no GPU in CI).
