@@ -21,8 +21,9 @@
 # `session`, in order: the sweep children's CUDA-graph steps against eager ones (their tests, then
 # benchmarks/sumformer_steps.py), the whole Fig. 2 sweep (issue #7; resumable, see SWEEP_RESULTS), the
 # analyses' `gpu` tests, the kernel tests, then the attention kernel at N = 4096 and 16384 (#3), the norms
-# job (#5) and the entropy job on the 1B shape (#6). On the device tool, give it timeout_s = SUITE_SECONDS
-# + 60 (the wheels' install and the packing at the end); what it brings back: device.txt, session.log
+# job (#5) and the entropy job on the 1B shape (#6); the sweep and the kernel tests may leave the last ones no
+# time (they are then named as skipped). On the device tool, give it timeout_s = SUITE_SECONDS + 60 (the last
+# step's kill grace and the packing; the wheels' install counts inside SUITE_SECONDS); what it brings back: device.txt, session.log
 # (every step's output), results.tgz (every JSON and log), sweep_children.jsonl (give it back as
 # SWEEP_RESULTS to a second call, which then trains only the children still missing) and the sweep's
 # figure. A second call (if the session's time allows one) can run whatever the first skipped, by part.
@@ -131,9 +132,13 @@ workers="${PYTEST_WORKERS:-8}"
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$workers")
 pytest_gpu=(env LMSCOPE_AUTOTUNE=0 "$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider)  # a command, for timeout
 
-cuda_graph_steps() {  # the sweep children's CUDA-graph route against eager steps: their tests, then the timings
+GRAPH_TESTS="cuda_graph or captured or failed_capture"  # the sweep children's CUDA-graph tests (test_sweep.py)
+cuda_graph_tests() {
   step cuda-graph-tests "${ANALYSES_TIMEOUT:-240}" tests.log 8 "${pytest_gpu[@]}" -m gpu tests/analyses/test_sweep.py \
-    -k "cuda_graph or captured"
+    -k "$GRAPH_TESTS"
+}
+
+sumformer_steps() {  # the sweep children's CUDA-graph steps against eager ones, timed
   step sumformer-steps "${BENCH_TIMEOUT:-590}" sumformer_steps.md 9 "$PY" benchmarks/sumformer_steps.py \
     --epochs "${STEPS_EPOCHS:-200}" --json "$WORK/sumformer_steps.json"
 }
@@ -153,13 +158,13 @@ sweep() {
   # The whole Fig. 2 grid (SWEEP_LIMIT=40 extrapolates from 40 children instead). The children's own plots
   # stay in /tmp. Each finished child is appended to SWEEP_RESULTS: a run stopped by its time limit is finished
   # by another call given that file (carried back from the first call's $OUT, or left in /tmp on a warm machine).
-  local results="${SWEEP_RESULTS:-/tmp/lmscope-sweep/children.jsonl}"
-  rm -f /tmp/lmscope-sweep/*.png  # a warm machine keeps the last call's figures
+  local results="${SWEEP_RESULTS:-/tmp/lmscope-sweep/children.jsonl}" figures="${SWEEP_OUT:-/tmp/lmscope-sweep}"
+  rm -f "$figures"/*.png  # a warm machine keeps the last call's figures
   mkdir -p "$(dirname "$results")"
   step sweep "${SWEEP_TIMEOUT:-540}" sweep.log 8 "$PY" benchmarks/sweep.py --device "${SWEEP_DEVICE:-cuda}" \
     --processes "${SWEEP_PROCESSES:-16}" ${SWEEP_LIMIT:+--limit "$SWEEP_LIMIT"} --results "$results" \
-    --out /tmp/lmscope-sweep --json "$WORK/sweep.json"
-  cp /tmp/lmscope-sweep/fig*.png "$OUT/" 2>/dev/null
+    --out "$figures" --json "$WORK/sweep.json"
+  cp "$figures"/fig*.png "$OUT/" 2>/dev/null
   cp "$results" "$OUT/sweep_children.jsonl" 2>/dev/null
   return 0
 }
@@ -181,10 +186,10 @@ bench_entropy_1b() {  # a model the size of LLaMA-3.2-1B, where the GPU's time g
 
 case "$PART" in
   session)
-    STEPS_EPOCHS="${STEPS_EPOCHS:-60}" ANALYSES_TIMEOUT="${ANALYSES_TIMEOUT:-90}" BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}" \
-      cuda_graph_steps
-    SWEEP_TIMEOUT="${SWEEP_TIMEOUT:-240}" sweep
-    ANALYSES_TIMEOUT="${ANALYSES_TIMEOUT:-150}" analyses_tests -k "not (cuda_graph or captured)"
+    ANALYSES_TIMEOUT="${ANALYSES_TIMEOUT:-90}" cuda_graph_tests
+    STEPS_EPOCHS="${STEPS_EPOCHS:-60}" BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}" sumformer_steps
+    SWEEP_TIMEOUT="${SWEEP_TIMEOUT:-150}" sweep  # resumable: a second call trains what is left
+    ANALYSES_TIMEOUT="${ANALYSES_TIMEOUT:-150}" analyses_tests -k "not ($GRAPH_TESTS)"
     KERNELS_TIMEOUT="${KERNELS_TIMEOUT:-240}" kernel_tests
     BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}" bench_attention --ns 4096 16384 --no-options
     BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}" bench_norms
@@ -200,7 +205,7 @@ fi
 if [[ "$PART" == bench || "$PART" == bench-kernels || "$PART" == all ]]; then
   bench_attention
   step bench-approximations "${BENCH_TIMEOUT:-590}" approximations.md 12 "$PY" benchmarks/approximations.py
-  cuda_graph_steps
+  sumformer_steps
 fi
 
 if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then

@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 ARCHITECTURES = ["poly_sumformer", "mlp_sumformer", "transformer", "linformer", "performer"]
 
@@ -47,12 +48,12 @@ def main() -> None:
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="lmscope-steps-"))
 
+    fig2 = json.loads((ROOT / "lmscope/examples/fig2_full.json").read_text())["train"]  # the paper's training
+
     def child(arch: str, epochs: int) -> SumformerFitParams:
         return SumformerFitParams(
             architecture=arch, target="fig2_poly", token_dim=4, seq_len=3, latent_dim=64, seed=0,
-            features=16 if arch in ("linformer", "performer") else None,
-            train={"samples": 2000, "epochs": epochs, "batch_size": 64, "lr": 1e-3, "hidden": 50, "depth": 5,
-                   "eval_every": 5})
+            features=16 if arch in ("linformer", "performer") else None, train={**fig2, "epochs": epochs})
 
     for graph in (False, True):  # untimed: the first use of the device (context, cuBLAS) is no route's cost
         run_sumformer_fit(child(args.architectures[0], 5), LocalContext(folder / "warm-up", device=args.device),

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
-from lmscope.analyses.host_reads import HostReads
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.sweep import SumformerFitParams, effective_latent_dim, theory_latent_dim
 from lmscope.seeds import derived_seed
@@ -139,11 +138,14 @@ class TrainingSteps:
         if not self.cuda_graph or self.not_captured is not None or len(idx) != self.batch_size:
             self._step(idx)
             return
-        self.side.wait_stream(torch.cuda.current_stream())
+        from lmscope.analyses.host_reads import HostReads  # a private torch API: only where a GPU step may be captured
+
+        current = torch.cuda.current_stream(self.x.device)
+        self.side.wait_stream(current)
         last = self.eager_steps + 1 == self.WARMUP_STEPS
         with torch.cuda.stream(self.side), (HostReads() if last else contextlib.nullcontext()) as reads:
             self._step(idx)
-        torch.cuda.current_stream().wait_stream(self.side)
+        current.wait_stream(self.side)
         self.eager_steps += 1
         if last and reads.ops:  # look before capturing: a failed capture leaves the allocator half-way
             self.not_captured = f"the step reads values back to the host ({', '.join(sorted(set(reads.ops)))})"
@@ -153,7 +155,7 @@ class TrainingSteps:
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
         self.opt.zero_grad(set_to_none=True)  # the graph's backward then writes the gradients, not adds to them
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self.x.device)
         try:
             # on the warm-up's stream; thread_local: another job's thread may use CUDA meanwhile
             with self._capturing, torch.cuda.graph(graph, stream=self.side, capture_error_mode="thread_local"):

@@ -365,35 +365,61 @@ def test_cuda_graph_training_is_the_eager_training(tmp_path, architecture, devic
         assert b.y == pytest.approx(a.y, rel=1e-4), a.name
 
 
-@pytest.mark.gpu
-def test_a_step_that_cannot_be_captured_trains_eagerly(device):
-    """A network that reads a value back in its forward pass cannot be captured: TrainingSteps sees it in its
-    last warm-up step, does not try, says why, and goes on eagerly, with the plain loop's weights."""
+def _train_wrapped_network(wrapper):
+    """TrainingSteps on `wrapper(net)` on the GPU over one epoch of 100 samples in batches of 16, and the plain
+    loop on a twin of `net`: (steps, summed loss, plain loop's summed loss, net, twin)."""
     from lmscope.analyses.sumformer_fit import TrainingSteps
-
-    if device != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-
-    class ReadsBack(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x) * (1.0 if float(x.sum()) >= 0 else -1.0)
 
     net, twin = _two_copies_of_a_network("cuda")
     g = torch.Generator().manual_seed(1)
     x, y = torch.rand(100, 3, 2, generator=g).cuda(), torch.rand(100, 3, 2, generator=g).cuda()
-    steps = TrainingSteps(ReadsBack(net), x, y, lr=1e-2, batch_size=16, cuda_graph=True)
+    steps = TrainingSteps(wrapper(net), x, y, lr=1e-2, batch_size=16, cuda_graph=True)
     batches = [b.cuda() for b in _batches(100, 16, 0)]
     for idx in batches:
         steps.step(idx)
-    assert steps.route == "eager (the step reads values back to the host (_local_scalar_dense))", steps.route
     expected = _plain_adam_training(twin, torch.optim.Adam(twin.parameters(), lr=1e-2), x, y, batches)
-    assert steps.take_loss_sum() == pytest.approx(expected, rel=1e-4)
+    return steps, steps.take_loss_sum(), expected, net, twin
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, inner, extra):
+        super().__init__()
+        self.inner, self.extra = inner, extra
+
+    def forward(self, x):
+        return self.inner(x) * self.extra(x)
+
+
+@pytest.mark.gpu
+def test_a_step_that_cannot_be_captured_trains_eagerly(device):
+    """A network that reads a value back in its forward pass cannot be captured: TrainingSteps sees it in its
+    last warm-up step, does not try, says why, and goes on eagerly, with the plain loop's weights."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    steps, got, expected, net, twin = _train_wrapped_network(
+        lambda net: _Wrapped(net, lambda x: 1.0 if float(x.sum()) >= 0 else -1.0))
+    assert steps.route == "eager (the step reads values back to the host (_local_scalar_dense))", steps.route
+    assert got == pytest.approx(expected, rel=1e-4)
     for a, b in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_keeps_training_eagerly(device):
+    """A step whose capture fails without a value read back (a copy from pageable host memory, which a graph
+    cannot hold): TrainingSteps tries, says why it failed, restores the stream and trains on eagerly.
+    Last of the GPU tests: an older torch may leave its allocator in a bad state after a failed capture."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    stream = torch.cuda.current_stream()
+    steps, got, expected, net, twin = _train_wrapped_network(
+        lambda net: _Wrapped(net, lambda x: torch.ones(1).to(x.device)))
+    assert steps.route.startswith("eager (CUDA graph capture failed"), steps.route
+    assert torch.cuda.current_stream() == stream
+    assert got == pytest.approx(expected, rel=1e-4)
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
 
 def test_error_decreases_with_latent_dim(tmp_path):
     """poly_moments = x1·p1 + p2 − 2·x1² (d = 1): d' = 1 has only p1, d' = 2 adds p2, d' = 3 = C(4,1) − 1 all."""

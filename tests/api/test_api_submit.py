@@ -527,6 +527,10 @@ def test_an_attention_study_of_a_model_it_cannot_read_is_refused_at_submit(api):
                                                "seq_len": 16}).status_code == 202
     assert api.submit(h, kind="sweep", params={"study": "attention", "model": "m", "dataset": "d",
                                                "seq_len": 16}).status_code == 202
+    # GPT-J goes through the AttentionInterface since transformers 5.24: only an older worker refuses it
+    api.add_model("gpt-j", architecture="gptj")
+    assert api.submit(h, kind="sweep", params={"study": "attention", "model": "gpt-j", "dataset": "d",
+                                               "seq_len": 16}).status_code == 202
 
 
 def test_dimension_wise_entropy_of_a_model_computing_its_own_attention_is_refused_at_submit(api):
@@ -544,6 +548,8 @@ def test_dimension_wise_entropy_of_a_model_computing_its_own_attention_is_refuse
     # the per-head entropies of the same model, and the dimension-wise part of a model it can read, are accepted
     assert api.submit(h, kind="entropy", params={"model": "falcon-7b", "dataset": "d"}).status_code == 202
     assert api.submit(h, kind="entropy", params={"model": "m", "dataset": "d", "dimension_wise": True}).status_code == 202
+    api.add_model("gpt-j", architecture="gptj")  # transformers 5.24 moved it onto the AttentionInterface
+    assert api.submit(h, kind="entropy", params={"model": "gpt-j", "dataset": "d", "dimension_wise": True}).status_code == 202
 
 
 def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):

@@ -83,7 +83,7 @@ def attention_with_entropy_reference(
     # device costs a host sync (per call, and it breaks a CUDA graph's capture of a training step), so only then.
     nq, nk = q.shape[2], k.shape[2]
     can_be_empty = (key_padding_mask is not None or attn_mask is not None or nk == 0 or (causal and nq > nk)
-                    or (window is not None and window < 1))
+                    or (window is not None and not window >= 1))
     empty = can_be_empty and bool((~any_visible).any())
     if empty:  # rows with no visible key: score them 0 here (no -inf - -inf), zero them below
         s = s.masked_fill(~any_visible[..., None], 0.0)
