@@ -15,7 +15,6 @@ import contextlib
 import math
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,7 @@ def equivariance_error(model, x: torch.Tensor, perm: torch.Tensor) -> float:
     return relative_l2_error(_predict(model, permuted(x)), permuted(_predict(model, x)))
 
 
-@contextmanager
+@contextlib.contextmanager
 def _single_threaded(ctx: JobContext):
     """Train with one intra-op thread on a CPU, when this process runs one job at a time.
 
