@@ -66,6 +66,8 @@ SUPPORTED_ARCHITECTURES = {
 # study cannot compare them with their own attention, and is refused at submit. GPT-J is not listed: since
 # transformers 5.24 (what a worker image installs) it goes through the AttentionInterface; a worker on an
 # older transformers (the GPU test image's 5.17) refuses it when the job starts, from the model itself.
+# Falcon stays listed: its code calls the interface from transformers 5.25 on, but its class does not declare
+# so (`_supports_attention_backend`), and lmscope goes by the declaration (lmscope.kernels.hf).
 OWN_ATTENTION_MODULES = ("falcon", "bloom")
 SOFT_CAPPED_ATTENTION = ("gemma2",)
 

@@ -62,6 +62,14 @@ def computes_attention_itself(model) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(sys.modules[type(model).__module__])
 
 
+def runs_through_lmscope_attention(model) -> bool:
+    """Whether lmscope's attention function runs the model: its code calls transformers' AttentionInterface
+    and its class declares so (``_supports_attention_backend``). Falcon's code calls the interface from
+    transformers 5.25 on without declaring it: lmscope goes by the declaration and reads its attention
+    matrices instead."""
+    return not computes_attention_itself(model) and getattr(type(model), "_supports_attention_backend", False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

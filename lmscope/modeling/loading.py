@@ -132,7 +132,9 @@ def _load_directory(path: str | None, dtype: str, device: str):
         raise ModelLoadError(f"{p} has no config.json; it is not a Hugging Face model directory")
     # No attn_implementation: transformers picks sdpa where the architecture has it, else eager
     # (forcing "sdpa" refuses to load Bloom, Gemma 2, and GPT-J before transformers 5.24).
-    kwargs: dict[str, Any] = dict(dtype=_torch_dtype(dtype), local_files_only=True)
+    # use_kernels=False: transformers >= 5.25 otherwise swaps layers' forwards for kernels fetched from the
+    # Hub (network at load time; other numerics than the model's own code, which lmscope measures).
+    kwargs: dict[str, Any] = dict(dtype=_torch_dtype(dtype), local_files_only=True, use_kernels=False)
     # Larger than the free GPU memory: let HF spread the layers over all visible GPUs (and CPU).
     # Needs the `accelerate` package; untested here (no GPU in CI).
     sharded = not weights_fit("directory", path, dtype, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from lmscope.modeling.windows import token_windows
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
 from tests.analyses.conftest import eager_entropies
-from tests.conftest import computes_attention_itself, need_module
+from tests.conftest import need_module, runs_through_lmscope_attention
 
 V = BYTE_VOCAB_SIZE
 IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -138,10 +139,10 @@ def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
     got = np.load(tmp_path / "entropy_by_position.npz")["by_position"][0]  # [L, H, N]
     np.testing.assert_allclose(got, ref, atol=5e-5)
     assert ref[..., 1:].std() > 0.01, "heads should differ from one another and from uniform"
-    if computes_attention_itself(loaded.model):  # Falcon, BLOOM; GPT-J before transformers 5.24
-        assert ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
-    else:
+    if runs_through_lmscope_attention(loaded.model):
         assert ctx.environment["kernel_backend"] in ("reference", "triton")
+    else:  # Falcon, BLOOM; GPT-J before transformers 5.24
+        assert ctx.environment["kernel_backend"] == entropy.MATRIX_ROUTE
 
 
 # ------------------------------------------------- the attention-matrix route (Falcon, BLOOM) on worked examples
@@ -151,9 +152,9 @@ def test_entropy_matches_eager_attention_matrices(loaded, documents, tmp_path):
 
 def _zero_fused_queries(model) -> None:
     """q = 0 in every layer of a Falcon or BLOOM model: the query rows (weight and bias) of each fused
-    query_key_value, in the layout transformers splits it by (modeling_falcon's _split_heads, modeling_bloom's
-    _reshape): [head][q | k | v] (BLOOM, multi-head Falcon), [q heads | k | v] (multi-query Falcon) and
-    per KV group [its q heads | k | v] (Falcon's new_decoder_architecture)."""
+    query_key_value, in the layout transformers splits it by (Falcon's attention forward, its _split_heads
+    before transformers 5.25; BLOOM's _reshape): [head][q | k | v] (BLOOM, multi-head Falcon), [q heads | k | v]
+    (multi-query Falcon) and per KV group [its q heads | k | v] (Falcon's new_decoder_architecture)."""
     cfg = model.config
     heads = cfg.num_attention_heads
     hd = cfg.hidden_size // heads
@@ -173,10 +174,25 @@ def _zero_fused_queries(model) -> None:
 
 
 def _split_by_the_model(model, x):
-    """(q, k, v) of the first layer on x [1, T, D] as the model's attention module splits its fused projection."""
-    attn = model.base_model.h[0].self_attention
-    fused = attn.query_key_value(x)
-    return attn._reshape(fused) if model.config.model_type == "bloom" else attn._split_heads(fused)
+    """(q, k) of the first layer as the model splits its fused projection: BLOOM's ``_reshape`` of it on x
+    [1, T, D]; for (rotary) Falcon, whose split is inline from transformers 5.25 on, what its first layer
+    hands to ``apply_rotary_pos_emb`` in a forward pass on the embeddings x."""
+    if model.config.model_type == "bloom":
+        attn = model.base_model.h[0].self_attention
+        return attn._reshape(attn.query_key_value(x))[:2]
+    from transformers.models.falcon import modeling_falcon
+
+    seen = []
+    rotate = modeling_falcon.apply_rotary_pos_emb
+
+    def record(q, k, *args, **kwargs):
+        seen.append((q, k))
+        return rotate(q, k, *args, **kwargs)
+
+    with mock.patch.object(modeling_falcon, "apply_rotary_pos_emb", record):
+        model(inputs_embeds=x)
+    assert len(seen) == model.config.num_hidden_layers
+    return seen[0]
 
 
 def _entropy_by_position(model, documents, tmp_path):
@@ -197,8 +213,8 @@ def test_falcon_with_zero_queries_has_the_entropy_of_uniform_causal_rows(variant
     model = T.AutoModelForCausalLM.from_config(CONFIGS["falcon"](**variant)).eval()
     _zero_fused_queries(model)
     with torch.no_grad():  # the rows zeroed are the queries, and only they, as the model splits them
-        q, k, v = _split_by_the_model(model, torch.randn(1, 5, 32))
-    assert float(q.abs().max()) == 0.0 and float(k.abs().min(-1).values.min()) > 0 and float(v.abs().max()) > 0
+        q, k = _split_by_the_model(model, torch.randn(1, 5, 32))
+    assert float(q.abs().max()) == 0.0 and float(k.abs().min(-1).values.min()) > 0
     got = _entropy_by_position(model, documents, tmp_path)
     assert got.shape == (3, 4, SEQ_LEN)
     bound = np.log(np.arange(SEQ_LEN) + 1.0)
@@ -227,8 +243,8 @@ def test_bloom_with_zero_queries_has_the_entropy_of_its_alibi_rows(heads, hidden
     model = T.AutoModelForCausalLM.from_config(CONFIGS["bloom"](hidden_size=hidden, n_head=heads)).eval()
     _zero_fused_queries(model)
     with torch.no_grad():
-        q, k, v = _split_by_the_model(model, torch.randn(1, 5, hidden))
-    assert float(q.abs().max()) == 0.0 and float(k.abs().min(-1).values.min()) > 0 and float(v.abs().max()) > 0
+        q, k = _split_by_the_model(model, torch.randn(1, 5, hidden))
+    assert float(q.abs().max()) == 0.0 and float(k.abs().min(-1).values.min()) > 0
     got = _entropy_by_position(model, documents, tmp_path)
     want = np.zeros((heads, SEQ_LEN))
     for h, s in enumerate(_alibi_slopes(heads)):
@@ -251,8 +267,8 @@ def test_the_fused_kernel_runs_every_interface_architecture_like_eager(loaded, d
 
     model = loaded.model.to(device)
     if lmscope_attention_unsupported(model) is not None:
-        assert computes_attention_itself(model)  # and no other architecture
-        pytest.skip(f"{loaded.name} computes attention in its own modules: no kernel route; its attention-matrix "
+        assert not runs_through_lmscope_attention(model)  # and no other architecture
+        pytest.skip(f"{loaded.name} does not run through lmscope's attention: no kernel route; its attention-matrix "
                     "route is checked by test_entropy_matches_eager_attention_matrices and the zero-query tests here "
                     "(GPT-Neo's in test_entropy.py)")
     ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(3)).to(device)
