@@ -827,7 +827,7 @@ def job_subject(job: dict[str, Any]) -> str:
 
 
 @main.command()
-@click.option("--kind")
+@click.option("--kind", help="e.g. norms or norms,entropy")
 @click.option("--status", help="e.g. running or queued,running")
 @click.option("--tag", "tags", multiple=True, help="jobs with this tag (repeatable: with every one)")
 @click.option("--parent", help="a sweep's id: its children")
@@ -840,7 +840,7 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
     """List your jobs (an admin: everyone's), newest first (a sweep's children only with --children,
     --parent ID or a child --kind)."""
     c = client()
-    if parent is None and not with_children and (kind is None or kind not in _child_kinds(c)):
+    if parent is None and not with_children and (kind is None or not set(kind.split(",")) & _child_kinds(c)):
         parent = "none"  # one row per sweep, not one per grid point
     filters = {"kind": kind, "status": status, "tag": list(tags) or None, "parent": parent, "user": user}
     if all_:

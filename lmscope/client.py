@@ -7,18 +7,20 @@
     c.fetch(job["id"], "out/")        # plots, npz files
 
 Every error the server answers is raised as `LmscopeError(status, problem)`; its message is the
-problem's title and detail, which say what to change.
+problem's title and detail, which say what to change (then any field message the detail leaves out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import numbers
 import os
 import re
 import time
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import quote
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+MAX_JOB_PAGE = 500  # GET /v1/jobs answers at most this many jobs at once (lmscope.api.jobs.MAX_LIMIT)
 
 
 def default_url() -> str:
@@ -50,11 +53,16 @@ def field_line(error: dict[str, Any]) -> str:
 
 
 class LmscopeError(Exception):
-    """An error answered by the API (a problem document) or the failure to reach it (status 0)."""
+    """An error answered by the API (a problem document), or status 0: the API was not reached, or the
+    client refused to send the request (a value JSON cannot carry, a bad address or token).
 
-    def __init__(self, status: int, problem: dict[str, Any]):
+    ``str(e)`` is "title: detail" (``e.headline``), then a line per field error the detail does not say;
+    ``e.headers`` the answer's headers (``e.retry_after``: the seconds a 429 or 503 asks to wait)."""
+
+    def __init__(self, status: int, problem: dict[str, Any], headers: Mapping[str, str] | None = None):
         self.status = status
         self.problem = problem
+        self.headers = dict(headers or {})
         title, detail = problem.get("title") or f"HTTP {status}", problem.get("detail")
         self.headline = f"{title}: {detail}" if detail else title
         # and each field message the detail does not already hold (an unknown kind's list of the kinds)
@@ -68,6 +76,15 @@ class LmscopeError(Exception):
     @property
     def errors(self) -> list[dict[str, Any]]:
         return self.problem.get("errors") or []
+
+    @property
+    def retry_after(self) -> float | None:
+        """Retry-After in seconds, when the answer has one in seconds (429 quota-exceeded, 503)."""
+        value = next((v for k, v in self.headers.items() if k.lower() == "retry-after"), None)
+        try:
+            return float(value) if value is not None else None
+        except ValueError:  # an HTTP date: allowed, but lmscope never sends one
+            return None
 
 
 class Client:
@@ -94,6 +111,9 @@ class Client:
 
     def request(self, method: str, path: str, *, stream: bool = False, **kwargs) -> requests.Response:
         kwargs.setdefault("timeout", self.timeout)
+        if "json" in kwargs:  # encoded here: numpy / torch numbers pass, NaN is named (requests raises on both)
+            kwargs["data"] = json_body(kwargs.pop("json"))
+            kwargs["headers"] = {"Content-Type": "application/json", **(kwargs.get("headers") or {})}
         try:
             response = self.http.request(method, self.url + path, stream=stream, **kwargs)
         except requests.ConnectionError as e:
@@ -109,7 +129,7 @@ class Client:
                                    "detail": f"{self.url!r} is not an address like http://host:port; "
                                              f"set LMSCOPE_URL to the API's address, e.g. {DEFAULT_URL}"}) from None
         if response.status_code >= 400:
-            raise LmscopeError(response.status_code, _problem_of(response))
+            raise LmscopeError(response.status_code, _problem_of(response), response.headers)
         return response
 
     def _json(self, method: str, path: str, **kwargs) -> Any:
@@ -135,21 +155,24 @@ class Client:
         return self._json("GET", f"/v1/jobs/{int(job_id)}")
 
     def page(self, *, limit: int = 50, page_token: str | None = None, **filters) -> dict[str, Any]:
-        """One page of jobs: {"items": [...], "next_page_token": str | None} (filters as in `list`)."""
+        """One page of jobs (limit: 1 to 500): {"items": [...], "next_page_token": str | None} (filters as
+        in `list`)."""
         params = {k: v for k, v in filters.items() if v is not None}
-        if isinstance(params.get("status"), (list, tuple, set)):  # the API takes one "queued,running"
-            params["status"] = ",".join(params["status"])
+        for name in ("kind", "status"):  # the API takes one "queued,running"
+            if isinstance(params.get(name), (list, tuple, set)):
+                params[name] = ",".join(params[name])
         params["limit"] = limit
         if page_token:
             params["page_token"] = page_token
         return self._json("GET", "/v1/jobs", params=params)
 
     def list(self, *, page_size: int = 100, **filters) -> Iterator[dict[str, Any]]:
-        """Every job matching the filters, newest first, across pages: kind, status (one or a list: any of
-        them), tag (one or a list: all of them), parent, user."""
+        """Every job matching the filters, newest first, across pages: kind and status (one or a list: any
+        of them), tag (one or a list: all of them), parent (a sweep's id: its children; the string "none":
+        top-level jobs only), user (admins). A filter left at None filters nothing."""
         token = None
-        while True:
-            page = self.page(limit=page_size, page_token=token, **filters)
+        while True:  # page_size only sets how many jobs each request brings: the API's most is 500
+            page = self.page(limit=min(page_size, MAX_JOB_PAGE), page_token=token, **filters)
             yield from page["items"]
             token = page.get("next_page_token")
             if not token:
@@ -211,7 +234,8 @@ class Client:
             time.sleep(poll)
 
     def results(self, job_id: int, series: str | list[str] | None = None) -> dict[str, Any]:
-        """{job_id, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a prefix).
+        """{job_id, status, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a
+        prefix). A job that has not finished (`status`) has none yet: they land when it ends.
 
         A picked name that matches nothing is listed in `missing`, the job's series names in `available`.
         A large job's series come from the server in pages of whole series: all of them are fetched.
@@ -249,8 +273,12 @@ class Client:
         dest = Path(dest)
         if as_dir or dest.is_dir():
             dest = dest / Path(name).name
-        dest.parent.mkdir(parents=True, exist_ok=True)
         response = self.request("GET", f"/v1/jobs/{int(job_id)}/artifacts/{quote(name)}", stream=True)
+        try:  # only once the artifact is there: a wrong name leaves no empty folder behind
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            response.close()
+            raise
         tmp = dest.with_name(dest.name + ".part")
         try:
             with response, open(tmp, "wb") as f:
@@ -284,8 +312,10 @@ class Client:
         try:
             items = self._model_pages(params)
         except LmscopeError as e:
+            # a server older than these filters refuses the parameters themselves; a bad value (a source
+            # that does not exist) is the caller's to fix
             if not (e.status == 422 and any(err.get("loc") in (["query", "run"], ["query", "source"])
-                                             for err in e.errors)):
+                                             and err.get("type") == "extra_forbidden" for err in e.errors)):
                 raise
             items = self._model_pages({})  # a server older than these filters: every model, filtered below
         checkpoint = re.compile(re.escape(run) + r"@step\d+") if run is not None else None
@@ -332,6 +362,33 @@ class Client:
     def me(self) -> dict[str, Any]:
         """Who the token belongs to: name, admin flag, active jobs and limits."""
         return self._json("GET", "/v1/me")
+
+
+def json_body(value: Any) -> bytes:
+    """`value` as strict JSON: numpy and torch numbers and arrays as their Python values; NaN and
+    ±Infinity (which JSON has not) refused with the field that holds one, as an LmscopeError (status 0)."""
+
+    def plain(v: Any, loc: tuple) -> Any:
+        if isinstance(v, Mapping):
+            return {k: plain(item, (*loc, k)) for k, item in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(item, (*loc, i)) for i, item in enumerate(v)]
+        if isinstance(v, (str, bool, type(None))):
+            return v
+        if not isinstance(v, (int, float)) and callable(getattr(v, "tolist", None)):
+            return plain(v.tolist(), loc)  # numpy / torch scalars and arrays (tolist of a scalar: the number)
+        if isinstance(v, float) and not math.isfinite(v):
+            where = ".".join(map(str, loc)) or "(body)"
+            raise LmscopeError(0, {"title": "Invalid value", "detail": f"{where} is {v}, which JSON cannot carry; "
+                                   "give a finite number (or null where the field allows one)",
+                                   "errors": [{"loc": list(loc), "msg": f"{v} is not a JSON number"}]})
+        return v
+
+    try:
+        return json.dumps(plain(value, ()), allow_nan=False).encode()
+    except TypeError as e:  # a set, a Path, a datetime: say what it was
+        raise LmscopeError(0, {"title": "Invalid value", "detail": f"cannot send as JSON: {e}; give numbers, "
+                               "strings, booleans, null, lists and objects of them"}) from None
 
 
 def _unsendable(text: str) -> str | None:

@@ -167,8 +167,8 @@ def _use_one_of(word: str, names) -> str:
 @bp.get("/jobs")
 @query_params("kind", "status", "tag", "parent", "user", "limit", "page_token", repeatable=("tag",))
 def list_jobs():
-    """List your jobs, newest first; filters kind, status, tag (repeatable: jobs with every one), parent
-    (an id or `none`), user (admins)."""
+    """List your jobs, newest first; filters kind and status (comma-separated: any of them), tag
+    (repeatable: jobs with every one), parent (an id or `none`), user (admins)."""
     st, caller = state(), current_caller()
     limit = query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     q = select(Job, User.name).join(User, User.id == Job.user_id).order_by(Job.id.desc()).limit(limit + 1)
@@ -180,9 +180,9 @@ def list_jobs():
         q = q.where(Job.user_id == caller.id)
     elif user:
         q = q.where(User.name == user)
-    kind = request.args.get("kind")
-    if kind:
-        q = q.where(Job.kind == kind)
+    kinds = [k for k in (request.args.get("kind") or "").split(",") if k]
+    if kinds:
+        q = q.where(Job.kind.in_(kinds))
     if status := request.args.get("status"):
         wanted = status.split(",")
         if bad := [s for s in wanted if s not in JOB_STATES]:
@@ -213,12 +213,13 @@ def list_jobs():
                           f"there is no user {user!r}" + did_you_mean(user, names)
                           + " (`lmscope user list` on the server lists them)",
                           errors=[{"loc": ["query", "user"], "msg": "unknown user", "type": "unknown_user"}])
-        if kind and kind not in KINDS and session.scalar(select(Job.id).where(Job.kind == kind).limit(1)) is None:
-            # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
-            known = sorted(KINDS)
-            raise Problem(422, "validation-error", "Unknown kind filter",
-                          f"there is no job kind {kind!r}{_use_one_of(kind, known)}",
-                          errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
+        for kind in kinds:
+            if kind not in KINDS and session.scalar(select(Job.id).where(Job.kind == kind).limit(1)) is None:
+                # A typo (`nrms`) would otherwise list nothing, as if there were no such jobs.
+                known = sorted(KINDS)
+                raise Problem(422, "validation-error", "Unknown kind filter",
+                              f"there is no job kind {kind!r}{_use_one_of(kind, known)} (comma-separated)",
+                              errors=[{"loc": ["query", "kind"], "msg": "unknown kind", "type": "enum"}], kinds=known)
         for tag in filter(None, request.args.getlist("tag")):  # every one of them (an empty one: no filter)
             q = q.where(tag_filter(session, tag))
         rows = session.execute(q).all()

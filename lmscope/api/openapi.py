@@ -45,7 +45,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("get", "jobs.list_jobs"): {
         "parameters": [
-            _query("kind", {"type": "string"}, "only this kind"),
+            _query("kind", {"type": "string"}, "comma-separated kinds, e.g. norms,entropy"),
             _query("status", {"type": "string"}, "comma-separated statuses: queued,running,succeeded,failed,cancelled"),
             {**_query("tag", {"type": "array", "items": {"type": "string"}},
                       "only jobs with this tag (repeat: jobs with every one)"), "explode": True},
@@ -275,7 +275,9 @@ STATIC_SCHEMAS: dict[str, Any] = {
             "jobs": {"type": "object", "description": "job id → {x, y}"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names no job has"},
         "shared_series": {"type": "array", "items": {"type": "string"}, "description": "names every job has"}}},
-    "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "series": {"type": "array", "items": {
+    "Results": {"type": "object", "properties": {"job_id": {"type": "integer"}, "status": {
+        "type": "string", "description": "the job's status: series land when it ends (none before)"},
+        "series": {"type": "array", "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names that matched nothing"},

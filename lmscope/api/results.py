@@ -89,12 +89,12 @@ def get_results(job_id: int):
         after = decode_page_token(token, "after", lambda v: type(v) is int and 0 <= v <= INT32_MAX,
                                   f"/v1/jobs/{job_id}/results")
     with state().sessions() as session:
-        load_visible_job(session, current_caller(), job_id)
+        status = load_visible_job(session, current_caller(), job_id).status
         rows, missing, more_after = pick_series(session, job_id, wanted, after=after, budget=RESULT_PAGE_POINTS)
         # A requested name (or prefix*) that matched nothing: say so, and which names exist.
         available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
                      if missing else None)
-    body = {"job_id": job_id, "series": series_json(rows),
+    body = {"job_id": job_id, "status": status, "series": series_json(rows),
             "next_page_token": encode_page_token(after=more_after) if more_after is not None else None}
     if missing:
         body.update(missing=missing, available=available)

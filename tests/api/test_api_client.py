@@ -106,6 +106,58 @@ def test_one_tag_a_list_of_statuses_and_bad_job_ids_mean_what_a_researcher_meant
             ann.compare(wrong)
 
 
+def test_numpy_and_torch_values_are_sent_as_numbers_and_nan_names_its_field(api, ann):
+    """A notebook's params hold numpy and torch numbers; the server gets their Python values. NaN and
+    Infinity, which JSON cannot carry, are refused before anything is sent, naming the field."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from lmscope.client import json_body
+
+    values = {"a": np.int64(7), "b": np.float32(0.5), "c": np.arange(3), "d": torch.tensor(2.5), "e": np.bool_(True),
+              "f": (1, "x", None), "g": {"h": [np.float64(1.25), torch.tensor([1, 2])]}}
+    assert json.loads(json_body(values)) == {"a": 7, "b": 0.5, "c": [0, 1, 2], "d": 2.5, "e": True,
+                                             "f": [1, "x", None], "g": {"h": [1.25, [1, 2]]}}
+    job = ann.submit("norms", {"model": "m", "dataset": "d", "max_samples": np.int64(10),
+                               "loss_filter": np.float32(0.5), "seed": torch.tensor(3)})
+    assert (job["params"]["max_samples"], job["params"]["loss_filter"], job["params"]["seed"]) == (10, 0.5, 3)
+    before = len(api.jobs())
+    for bad, shown in ((float("nan"), "nan"), (np.float32("inf"), "inf"), (torch.tensor(-float("inf")), "-inf")):
+        with pytest.raises(LmscopeError) as e:
+            ann.submit("norms", {"model": "m", "dataset": "d", "loss_filter": bad})
+        assert e.value.status == 0 and e.value.errors[0]["loc"] == ["params", "loss_filter"]
+        assert str(e.value).startswith(f"Invalid value: params.loss_filter is {shown}, which JSON cannot carry")
+    with pytest.raises(LmscopeError, match="cannot send as JSON: Object of type set"):
+        ann.submit("norms", {"model": "m", "dataset": "d", "layers": {1, 2}})
+    assert len(api.jobs()) == before  # nothing was sent
+
+
+def test_a_quota_answer_says_when_to_retry(api, ann):
+    for _ in range(api.settings.max_active_jobs):
+        ann.submit("probe", {"model": "m"})
+    with pytest.raises(LmscopeError) as e:
+        ann.submit("probe", {"model": "m"})
+    assert e.value.status == 429 and e.value.type.endswith("/quota-exceeded")
+    assert e.value.retry_after is not None and e.value.retry_after > 0
+    assert e.value.retry_after == float(e.value.headers["Retry-After"])
+
+
+def test_several_kinds_a_large_page_size_and_top_level_jobs(api, ann):
+    probe = ann.submit("probe", {"model": "m"})["id"]
+    norms = ann.submit("norms", {"model": "m", "dataset": "d"})["id"]
+    entropy = ann.submit("entropy", {"model": "m", "dataset": "d"})["id"]
+    assert [j["id"] for j in ann.list(kind=["probe", "entropy"])] == [entropy, probe]
+    assert [j["id"] for j in ann.list(kind="norms,probe")] == [norms, probe]
+    with pytest.raises(LmscopeError) as e:  # every kind is checked: a typo would list nothing
+        list(ann.list(kind=["probe", "nrms"]))
+    assert e.value.status == 422 and "there is no job kind 'nrms'; did you mean 'norms'?" in str(e.value)
+    # the page size is how many each request brings; more than the API's 500 is no error
+    assert [j["id"] for j in ann.list(page_size=10_000)] == [entropy, norms, probe]
+    assert [j["id"] for j in ann.list(parent="none")] == [entropy, norms, probe]
+
+
 def test_wait_reports_progress_and_times_out(api, ann):
     job_id = ann.submit("probe", {"model": "m"})["id"]
     with pytest.raises(TimeoutError):
@@ -175,7 +227,7 @@ def test_results_download_and_fetch(api, ann, tmp_path):
 
     results.RESULT_PAGE_POINTS, before = 1, results.RESULT_PAGE_POINTS  # the live server's thread reads it
     try:  # one series per page: the client joins the pages into the one answer
-        assert ann.results(job_id) == {"job_id": job_id, "series": [
+        assert ann.results(job_id) == {"job_id": job_id, "status": "queued", "series": [
             {"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]},
             {"name": "s2", "labels": {}, "x": [], "y": []}]}
     finally:
@@ -190,6 +242,13 @@ def test_results_download_and_fetch(api, ann, tmp_path):
     assert (tmp_path / "new-folder" / "a.png").read_bytes() == files["plots/a.png"]
 
 
+def test_a_missing_artifact_leaves_no_folder_behind(api, ann, tmp_path):
+    job_id = ann.submit("probe", {"model": "m"})["id"]
+    with pytest.raises(LmscopeError) as e:
+        ann.download(job_id, "nope.png", f"{tmp_path / 'new-folder'}/")
+    assert e.value.status == 404 and not (tmp_path / "new-folder").exists()
+
+
 def test_datasets_and_models(api, ann, tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "one"}\n{"text": "two"}\n')
@@ -200,6 +259,9 @@ def test_datasets_and_models(api, ann, tmp_path):
     with pytest.raises(LmscopeError) as e:
         ann.register_model("x", tmp_path)
     assert e.value.status == 403
+    with pytest.raises(LmscopeError) as e:  # a misspelt source is the server's 422, not an empty list
+        ann.models(source="checkpoints")
+    assert e.value.status == 422 and "source 'checkpoints' is none of builtin, directory, checkpoint" in str(e.value)
 
 
 def test_wait_rides_out_an_api_restart(api, live, monkeypatch):
