@@ -62,7 +62,7 @@ class LmscopeError(Exception):
     def __init__(self, status: int, problem: dict[str, Any], headers: Mapping[str, str] | None = None):
         self.status = status
         self.problem = problem
-        self.headers = dict(headers or {})
+        self.headers = requests.structures.CaseInsensitiveDict(headers or {})
         title, detail = problem.get("title") or f"HTTP {status}", problem.get("detail")
         self.headline = f"{title}: {detail}" if detail else title
         # and each field message the detail does not already hold (an unknown kind's list of the kinds)
@@ -77,14 +77,14 @@ class LmscopeError(Exception):
     def errors(self) -> list[dict[str, Any]]:
         return self.problem.get("errors") or []
 
+    def __reduce__(self):  # pickled with its problem (a process pool hands errors back so)
+        return type(self), (self.status, self.problem, dict(self.headers))
+
     @property
-    def retry_after(self) -> float | None:
-        """Retry-After in seconds, when the answer has one in seconds (429 quota-exceeded, 503)."""
-        value = next((v for k, v in self.headers.items() if k.lower() == "retry-after"), None)
-        try:
-            return float(value) if value is not None else None
-        except ValueError:  # an HTTP date: allowed, but lmscope never sends one
-            return None
+    def retry_after(self) -> int | None:
+        """Retry-After in seconds (429 quota-exceeded, 503), or None: none given, or an HTTP date."""
+        value = self.headers.get("Retry-After", "").strip()
+        return int(value) if value.isascii() and value.isdigit() else None
 
 
 class Client:
@@ -111,8 +111,10 @@ class Client:
 
     def request(self, method: str, path: str, *, stream: bool = False, **kwargs) -> requests.Response:
         kwargs.setdefault("timeout", self.timeout)
-        if "json" in kwargs:  # encoded here: numpy / torch numbers pass, NaN is named (requests raises on both)
-            kwargs["data"] = json_body(kwargs.pop("json"))
+        if (body := kwargs.pop("json", None)) is not None:  # encoded here: numpy / torch numbers pass, NaN is
+            if kwargs.get("data") is not None:                # named (requests raises its own errors on both)
+                raise TypeError("request() takes json= or data=, not both")
+            kwargs["data"] = json_body(body)
             kwargs["headers"] = {"Content-Type": "application/json", **(kwargs.get("headers") or {})}
         try:
             response = self.http.request(method, self.url + path, stream=stream, **kwargs)
@@ -159,8 +161,8 @@ class Client:
         in `list`)."""
         params = {k: v for k, v in filters.items() if v is not None}
         for name in ("kind", "status"):  # the API takes one "queued,running"
-            if isinstance(params.get(name), (list, tuple, set)):
-                params[name] = ",".join(params[name])
+            if isinstance(params.get(name), Iterable) and not isinstance(params[name], str):
+                params[name] = ",".join(map(str, params[name]))
         params["limit"] = limit
         if page_token:
             params["page_token"] = page_token
@@ -219,7 +221,8 @@ class Client:
                 if now - down_since >= outage:
                     raise LmscopeError(e.status, {**e.problem, "detail": f"{e.problem.get('detail') or e} (for "
                                                   f"{now - down_since:.0f} s); job {job_id} keeps running on the "
-                                                  f"server: `lmscope wait {job_id}` once it answers"}) from None
+                                                  f"server: `lmscope wait {job_id}` once it answers"},
+                                       e.headers) from None
                 time.sleep(min(5.0, max(poll, 1.0)))
                 continue
             down_since = None
@@ -368,27 +371,32 @@ def json_body(value: Any) -> bytes:
     """`value` as strict JSON: numpy and torch numbers and arrays as their Python values; NaN and
     ±Infinity (which JSON has not) refused with the field that holds one, as an LmscopeError (status 0)."""
 
-    def plain(v: Any, loc: tuple) -> Any:
-        if isinstance(v, Mapping):
-            return {k: plain(item, (*loc, k)) for k, item in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(item, (*loc, i)) for i, item in enumerate(v)]
-        if isinstance(v, (str, bool, type(None))):
-            return v
-        if not isinstance(v, (int, float)) and callable(getattr(v, "tolist", None)):
-            return plain(v.tolist(), loc)  # numpy / torch scalars and arrays (tolist of a scalar: the number)
-        if isinstance(v, float) and not math.isfinite(v):
-            where = ".".join(map(str, loc)) or "(body)"
-            raise LmscopeError(0, {"title": "Invalid value", "detail": f"{where} is {v}, which JSON cannot carry; "
-                                   "give a finite number (or null where the field allows one)",
-                                   "errors": [{"loc": list(loc), "msg": f"{v} is not a JSON number"}]})
-        return v
+    def refuse(loc: tuple, what: str, instead: str = "numbers, strings, booleans, null, and lists and objects "
+                                                         "of them") -> LmscopeError:
+        where = ".".join(map(str, loc)) or "(body)"
+        return LmscopeError(0, {"title": "Invalid value", "detail": f"{where} is {what}; give {instead}",
+                                "errors": [{"loc": list(loc), "msg": what}]})
 
-    try:
-        return json.dumps(plain(value, ()), allow_nan=False).encode()
-    except TypeError as e:  # a set, a Path, a datetime: say what it was
-        raise LmscopeError(0, {"title": "Invalid value", "detail": f"cannot send as JSON: {e}; give numbers, "
-                               "strings, booleans, null, lists and objects of them"}) from None
+    def plain(v: Any, loc: tuple, inside: frozenset = frozenset()) -> Any:
+        if isinstance(v, (str, bool, int, type(None))):
+            return v
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise refuse(loc, f"{v}, which JSON cannot carry", "a finite number (or null where the field allows one)")
+            return v
+        if id(v) in inside:
+            raise refuse(loc, "a list or object that holds itself")
+        if isinstance(v, Mapping):
+            return {plain(k, (*loc, k)) if not isinstance(k, str) else k: plain(item, (*loc, k), inside | {id(v)})
+                    for k, item in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(item, (*loc, i), inside | {id(v)}) for i, item in enumerate(v)]
+        listed = v.tolist() if callable(getattr(v, "tolist", None)) else v  # numpy / torch scalars and arrays
+        if type(listed) is type(v):  # a set, a Path, numpy's longdouble (whose tolist is itself)
+            raise refuse(loc, f"a {type(v).__module__}.{type(v).__qualname__}, which JSON cannot carry")
+        return plain(listed, loc, inside | {id(v)})
+
+    return json.dumps(plain(value, ()), allow_nan=False).encode()
 
 
 def _unsendable(text: str) -> str | None:

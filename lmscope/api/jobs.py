@@ -158,6 +158,11 @@ def submit_job():
         return render_job(session, session.get(Job, job_id)), 202, {"Location": f"/v1/jobs/{job_id}"}
 
 
+def comma_list(name: str) -> list[str]:
+    """A comma-separated query parameter's values: `queued, running,` is queued and running."""
+    return [part.strip() for part in (request.args.get(name) or "").split(",") if part.strip()]
+
+
 def _use_one_of(word: str, names) -> str:
     """"; did you mean 'cancelled'? Use one of: queued, …" (or "; use one of: …" when nothing is close)."""
     close = did_you_mean(word, names)
@@ -180,11 +185,9 @@ def list_jobs():
         q = q.where(Job.user_id == caller.id)
     elif user:
         q = q.where(User.name == user)
-    kinds = [k for k in (request.args.get("kind") or "").split(",") if k]
-    if kinds:
+    if kinds := comma_list("kind"):
         q = q.where(Job.kind.in_(kinds))
-    if status := request.args.get("status"):
-        wanted = status.split(",")
+    if wanted := comma_list("status"):
         if bad := [s for s in wanted if s not in JOB_STATES]:
             raise Problem(422, "validation-error", "Invalid status filter",
                           f"unknown status {bad[0]!r}{_use_one_of(bad[0], JOB_STATES)} (comma-separated)",

@@ -13,6 +13,7 @@ import pytest
 from lmscope.client import Client, LmscopeError
 from lmscope.db.models import Artifact, Series, utcnow
 
+from tests.api.conftest import small_sweep
 from tests.conftest import free_port
 from tests.worker.helpers import wait_until
 
@@ -129,8 +130,15 @@ def test_numpy_and_torch_values_are_sent_as_numbers_and_nan_names_its_field(api,
             ann.submit("norms", {"model": "m", "dataset": "d", "loss_filter": bad})
         assert e.value.status == 0 and e.value.errors[0]["loc"] == ["params", "loss_filter"]
         assert str(e.value).startswith(f"Invalid value: params.loss_filter is {shown}, which JSON cannot carry")
-    with pytest.raises(LmscopeError, match="cannot send as JSON: Object of type set"):
+    assert "\n" not in str(e.value)  # the field's message is the detail's: said once
+    with pytest.raises(LmscopeError, match=r"^Invalid value: params.layers is a builtins.set, which JSON cannot carry"):
         ann.submit("norms", {"model": "m", "dataset": "d", "layers": {1, 2}})
+    with pytest.raises(LmscopeError, match=r"^Invalid value: params.x is a numpy.longdouble"):  # its tolist is itself
+        ann.submit("norms", {"model": "m", "dataset": "d", "x": np.longdouble(0.5)})
+    looped = []
+    looped.append(looped)
+    with pytest.raises(LmscopeError, match=r"^Invalid value: params.x.0 is a list or object that holds itself"):
+        ann.submit("norms", {"model": "m", "dataset": "d", "x": looped})
     assert len(api.jobs()) == before  # nothing was sent
 
 
@@ -141,7 +149,12 @@ def test_a_quota_answer_says_when_to_retry(api, ann):
         ann.submit("probe", {"model": "m"})
     assert e.value.status == 429 and e.value.type.endswith("/quota-exceeded")
     assert e.value.retry_after is not None and e.value.retry_after > 0
-    assert e.value.retry_after == float(e.value.headers["Retry-After"])
+    assert e.value.retry_after == int(e.value.headers["retry-after"])  # the headers' names in any case
+    import pickle
+
+    again = pickle.loads(pickle.dumps(e.value))  # as a process pool hands it back
+    assert (again.status, again.problem, again.retry_after, str(again)) == (429, e.value.problem, e.value.retry_after,
+                                                                           str(e.value))
 
 
 def test_several_kinds_a_large_page_size_and_top_level_jobs(api, ann):
@@ -155,7 +168,13 @@ def test_several_kinds_a_large_page_size_and_top_level_jobs(api, ann):
     assert e.value.status == 422 and "there is no job kind 'nrms'; did you mean 'norms'?" in str(e.value)
     # the page size is how many each request brings; more than the API's 500 is no error
     assert [j["id"] for j in ann.list(page_size=10_000)] == [entropy, norms, probe]
-    assert [j["id"] for j in ann.list(parent="none")] == [entropy, norms, probe]
+    ann.cancel(probe)
+    ann.cancel(norms)
+    sweep = ann.submit("sweep", small_sweep(2))["id"]
+    assert [j["id"] for j in ann.list(parent="none")] == [sweep, entropy, norms, probe]  # not the sweep's children
+    assert len(list(ann.list())) == 6
+    # spaces and empty parts in a comma-separated filter are as if left out
+    assert [j["id"] for j in ann.list(kind=" probe, norms,", status="cancelled,")] == [norms, probe]
 
 
 def test_wait_reports_progress_and_times_out(api, ann):
