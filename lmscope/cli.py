@@ -840,7 +840,7 @@ def jobs(kind, status, tags, parent, with_children, limit, all_, user, as_json):
     """List your jobs (an admin: everyone's), newest first (a sweep's children only with --children,
     --parent ID or a child --kind)."""
     c = client()
-    if parent is None and not with_children and (kind is None or not set(kind.split(",")) & _child_kinds(c)):
+    if parent is None and not with_children and (kind is None or not {k.strip() for k in kind.split(",")} & _child_kinds(c)):
         parent = "none"  # one row per sweep, not one per grid point
     filters = {"kind": kind, "status": status, "tag": list(tags) or None, "parent": parent, "user": user}
     if all_:

@@ -111,7 +111,7 @@ def test_jobs_lists_a_sweep_once_and_its_children_on_request(api, cli):
     header, listed = ids("--children")
     assert sorted(listed) == sorted([probe, sweep, *kids]) and "PARENT" in header
     assert sorted(ids("--kind", "sumformer_fit")[1]) == sorted(kids)  # a child kind lists children
-    assert sorted(ids("--kind", "probe,sumformer_fit")[1]) == sorted([probe, *kids])  # so does one among kinds
+    assert sorted(ids("--kind", "probe, sumformer_fit")[1]) == sorted([probe, *kids])  # so does one among kinds
     assert ids("--kind", "probe,sweep")[1] == [sweep, probe]
     assert sorted(ids("--parent", str(sweep))[1]) == sorted(kids)
 

@@ -167,6 +167,10 @@ def test_several_kinds_a_large_page_size_and_top_level_jobs(api, ann):
         list(ann.list(kind=["probe", "nrms"]))
     assert e.value.status == 422 and "there is no job kind 'nrms'; did you mean 'norms'?" in str(e.value)
     # the page size is how many each request brings; more than the API's 500 is no error
+    from lmscope.api.jobs import MAX_LIMIT
+    from lmscope.client import MAX_JOB_PAGE
+
+    assert MAX_JOB_PAGE == MAX_LIMIT  # the client's copy (it imports nothing of the server)
     assert [j["id"] for j in ann.list(page_size=10_000)] == [entropy, norms, probe]
     ann.cancel(probe)
     ann.cancel(norms)
