@@ -160,6 +160,12 @@ def parse_id(text: str) -> int | None:
     return int(text) if _DIGITS.fullmatch(text) else None
 
 
+def query_list(name: str) -> list[str]:
+    """A comma-separated query parameter's values, over its repeats where it may repeat: `queued, running,`
+    is queued and running."""
+    return [part.strip() for arg in request.args.getlist(name) for part in arg.split(",") if part.strip()]
+
+
 def query_int(name: str, default: int | None, lo: int, hi: int) -> int | None:
     """The query parameter `name` as an integer in [lo, hi] written in ASCII digits; 422 otherwise."""
     raw = request.args.get(name)

@@ -12,7 +12,8 @@ from sqlalchemy.exc import IntegrityError
 
 from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.inputs import decode_page_token, encode_page_token, json_body, parse_id, query_int, query_params
+from lmscope.api.inputs import (decode_page_token, encode_page_token, json_body, parse_id, query_int, query_list,
+                                 query_params)
 from lmscope.api.registry import uploaded_bytes
 from lmscope.api.render import job_json
 from lmscope.api.state import state
@@ -158,11 +159,6 @@ def submit_job():
         return render_job(session, session.get(Job, job_id)), 202, {"Location": f"/v1/jobs/{job_id}"}
 
 
-def comma_list(name: str) -> list[str]:
-    """A comma-separated query parameter's values: `queued, running,` is queued and running."""
-    return [part.strip() for part in (request.args.get(name) or "").split(",") if part.strip()]
-
-
 def _use_one_of(word: str, names) -> str:
     """"; did you mean 'cancelled'? Use one of: queued, …" (or "; use one of: …" when nothing is close)."""
     close = did_you_mean(word, names)
@@ -185,9 +181,9 @@ def list_jobs():
         q = q.where(Job.user_id == caller.id)
     elif user:
         q = q.where(User.name == user)
-    if kinds := comma_list("kind"):
+    if kinds := query_list("kind"):
         q = q.where(Job.kind.in_(kinds))
-    if wanted := comma_list("status"):
+    if wanted := query_list("status"):
         if bad := [s for s in wanted if s not in JOB_STATES]:
             raise Problem(422, "validation-error", "Invalid status filter",
                           f"unknown status {bad[0]!r}{_use_one_of(bad[0], JOB_STATES)} (comma-separated)",

@@ -10,7 +10,7 @@ from werkzeug.security import safe_join
 
 from lmscope.api.auth import current_caller
 from lmscope.api.errors import Problem
-from lmscope.api.inputs import decode_page_token, encode_page_token, parse_id, query_params
+from lmscope.api.inputs import decode_page_token, encode_page_token, parse_id, query_list, query_params
 from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, error_json, iso
 from lmscope.api.state import state
@@ -111,7 +111,7 @@ MAX_COMPARED_POINTS = 1_000_000  # and their x values (about 40 MB of JSON)
 def compare_jobs():
     """Jobs side by side: the parameters that differ, scalar summaries, and (`series=`) their curves
     matched by name and labels; `shared_series` names the curves every one of them has."""
-    raw = [part.strip() for arg in request.args.getlist("jobs") for part in arg.split(",") if part.strip()]
+    raw = query_list("jobs")
     parsed = [parse_id(part) for part in raw]
     if None in parsed or not 2 <= len(ids := list(dict.fromkeys(parsed))) <= MAX_COMPARED:
         msg = f"give 2 to {MAX_COMPARED} different job ids separated by commas, e.g. jobs=3,5"
