@@ -12,7 +12,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PIP) install -q -c constraints-cpu.txt -e '.[worker,triton,test]'
 	@mkdir -p .make && touch $(STAMP)
 
-install: $(STAMP)
+# The stamp alone would miss an install that points at another checkout (a moved or copied
+# tree): then lmscope is installed again from this one.
+install:
+	@$(PYTHON) -I -c "import lmscope, os, sys; sys.exit(os.path.realpath(os.path.dirname(lmscope.__file__)) != os.path.realpath('lmscope'))" 2>/dev/null || rm -f $(STAMP)
+	@$(MAKE) --no-print-directory $(STAMP)
 
 # redis-server, PostgreSQL and Chromium for the tests that use the real things (Debian packages; as root).
 system-deps:
