@@ -299,7 +299,9 @@ def labels_text(labels: dict[str, Any], keys) -> str:
 
 
 def _what_differs(c: Comparison, job: dict[str, Any]) -> str:
-    diff = ", ".join(f"{k}={_value_text(v[job['id']]) if job['id'] in v else '-'}" for k, v in c.params.items())
+    # a parameter the job does not have (another kind's) is left out: a norms job beside an entropy job would
+    # otherwise list every parameter of both, most of them "-"
+    diff = ", ".join(f"{k}={_value_text(v[job['id']])}" for k, v in c.params.items() if job["id"] in v)
     return diff or job.get("name") or ""
 
 

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from lmscope.client import Client
-from lmscope.compare import labels_text
+from lmscope.compare import Y_MEANINGS, labels_text
 
 # By package path: a bare `conftest` is whichever conftest.py pytest imported last (tests/worker, tests/kernels, ...).
 from tests.conftest import need, running_lmscope_up
@@ -489,7 +489,11 @@ def test_finished_jobs_say_how_they_ended_and_show_files_as_downloads(page, url,
     files = [a for a in api(url, f"/v1/jobs/{jobs['train']}/artifacts")["items"] if not a["name"].endswith(".png")]
     open_job(page, url, jobs["train"])
     page.wait("document.querySelectorAll('#files a.file').length > 0")
-    assert page.js("[...document.querySelectorAll('#files a.file')].map(a => a.textContent)") == [f["name"] for f in files]
+    # in the API's order, but the numbers in names by value: checkpoints/step-2 before step-10
+    natural = sorted((f["name"] for f in files), key=lambda n: [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", n))])
+    assert page.js("[...document.querySelectorAll('#files a.file')].map(a => a.textContent)") == natural
+    assert page.js("['step-100/a', 'step-50/b', 'step-50/a', 'step-7', 'c'].sort(naturalOrder)") == \
+        ["c", "step-7", "step-50/a", "step-50/b", "step-100/a"]
     wanted = {f["name"].split("/")[-1]: f["size"] for f in files if f["name"].endswith(("config.json", "tokenizer.json"))}
     for name, token in (("config.json", ""), ("tokenizer.json", "any-token")):
         folder = tmp_path / (token or "no-token")
@@ -510,6 +514,15 @@ def test_sweep_points_open_link_back_and_compare(page, url, jobs):
     page.wait("document.querySelectorAll('#children tbody tr').length === 2")
     assert page.js("[...document.querySelectorAll('#children thead th')].map(t => t.textContent)")[1:] == \
         ["id", "status", "name", "best val error"]
+    # in grid order (the API lists newest first)
+    assert page.js("[...document.querySelectorAll('#children tbody tr')].map(r => Number(r.dataset.id))") == [c1, c2]
+    # Its compare button counts the ticked grid points only (what it compares), not a job ticked in the list.
+    page.click(f'#jobs tr.job[data-id="{jobs["a"]}"] input.tick')
+    page.click(f'#children tr[data-id="{c1}"] input.tick')
+    assert page.text("#detail button.compare-ticked") == "Compare ticked grid points (1)"
+    assert page.text("#compare") == "Compare ticked jobs (2)"
+    page.click(f'#jobs tr.job[data-id="{jobs["a"]}"] input.tick')
+    page.click(f'#children tr[data-id="{c1}"] input.tick')
     # Each finished grid point's result, as its summary has it.
     for child in (c1, c2):
         best = api(url, f"/v1/jobs/{child}")["summary"]["best_val_error"]
@@ -560,8 +573,9 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     assert page.js("ticks(0, 1)") == [0, 0.2, 0.4, 0.6, 0.8, 1]
     # x says what it is, as the compare API names it for this series: the epoch
     assert {s["x_meaning"] for s in expected["series"]} == {"epoch"}
+    # y says what it is, as `lmscope compare --plot` does (the chart's title names the series)
     assert page.js("[...document.querySelectorAll('svg.chart text.axis-title')].map(t => t.textContent)") == \
-        ["epoch", "val_error"]
+        ["epoch", Y_MEANINGS["val_error"]]
 
     # The rows where the jobs differ stand out; the others do not.
     differs = page.js("""Object.fromEntries([...document.querySelectorAll('#compare-table tbody tr')]
@@ -666,12 +680,18 @@ CHART_TICKS = """(() => {
     x: [...svg.querySelectorAll("text.tick.x")].map(t => t.textContent),
     y: [...svg.querySelectorAll("text.tick.y")].map(t => t.textContent),
     yLeft: Math.min(...[...svg.querySelectorAll("text.tick.y")].map(t => t.getBoundingClientRect().left)),
-    titleRight: [...svg.querySelectorAll("text.axis-title")][1].getBoundingClientRect().right };
+    titleRight: Math.max(...[...svg.querySelectorAll("text.axis-title")].slice(1).map(t => t.getBoundingClientRect().right)),
+    yTitle: [...svg.querySelectorAll("text.axis-title")].slice(1).map(t => t.textContent) };
     svg.remove(); return r; };
   return { one: drawn(chart("s", curve([0], [2.5], ), jobs)),
            narrow: drawn(chart("s", curve([0, 1, 2], [2.548665, 2.548668, 2.548672]), jobs)),
            logNarrow: drawn(chart("s", curve([1, 2, 3], [5.31, 5.45, 5.58]), jobs, { logy: true })),
+           longTitle: drawn(chart("inner_loss.mean", [{ ...curve([0, 1, 2], [2.548665, 2.548668, 2.548672])[0], name: "inner_loss.mean" }], jobs)),
            legend: (() => { const svg = chart("s", curve([0, 1], [1, 2]), jobs, { params: { loss_filter: { "1": null } } });
+                            return [...svg.querySelectorAll("text.legend")].map(t => t.firstChild.nodeValue); })(),
+           absent: (() => { const two = [{ id: 1, name: "a" }, { id: 2, name: null }];
+                            const both = [{ name: "s", labels: {}, x_meaning: "step", jobs: { "1": { x: [0, 1], y: [1, 2] }, "2": { x: [0, 1], y: [2, 3] } } }];
+                            const svg = chart("s", both, two, { params: { loss_filter: { "1": 1 }, train_job: { "2": 7 } } });
                             return [...svg.querySelectorAll("text.legend")].map(t => t.firstChild.nodeValue); })(),
            styles: (() => { const svg = chart("s", [{ ...curve([0, 1], [1, 2])[0] },
                                                     { ...curve([0, 1], [2, 3])[0], labels: { step: 10 } }], jobs);
@@ -687,14 +707,18 @@ def test_chart_ticks_are_distinct_round_and_clear_of_the_axis_title(page, url):
     page.wait("typeof chart === 'function' && document.getElementById('detail')")
     got = page.js(CHART_TICKS)
     assert got["one"]["x"] == ["0"]
-    for case in ("narrow", "logNarrow"):
+    # y says what it is (lmscope knows inner_loss): in two lines where one does not fit the plot's height
+    assert " ".join(got["longTitle"]["yTitle"]) == Y_MEANINGS["inner_loss"] and len(got["longTitle"]["yTitle"]) == 2
+    assert got["narrow"]["yTitle"] == ["s"]  # a series lmscope does not know: its name
+    for case in ("narrow", "logNarrow", "longTitle"):
         assert len(set(got[case]["y"])) == len(got[case]["y"]) >= 3, got[case]
         assert got[case]["yLeft"] > got[case]["titleRight"], got[case]  # the labels stay right of the title
     assert {float(v) for v in got["logNarrow"]["y"]} <= {5.3, 5.35, 5.4, 5.45, 5.5, 5.55, 5.6}
     assert page.js("tickLabels([2.548665, 2.54867, 2.548675], 6)") == ["2.548665", "2.54867", "2.548675"]
-    # a parameter that differs by being null is named null, as `lmscope compare --plot` names it (a dash:
-    # the job has no such parameter)
+    # a parameter that differs by being null is named null, as `lmscope compare --plot` names it; one the job
+    # does not have (another kind's) is left out of its line
     assert got["legend"] == ["job 1 · a (loss_filter=null)"]
+    assert got["absent"] == ["job 1 · a (loss_filter=1)", "job 2 (train_job=7)"]
     assert got["styles"] == ["(no step)", "step=10"]  # a curve without the varying label is named, not blank
 
 
@@ -734,12 +758,15 @@ def test_one_jobs_many_curves_each_have_a_style_of_their_own(page, url):
         return { lines: [...svg.querySelectorAll('polyline')].map(p => [Number(p.dataset.curve), ...look(p)]),
                  legend: [...svg.querySelectorAll('text.legend-style')].map(t => [Number(t.dataset.curve), t.textContent,
                                                                                    ...look(t.previousElementSibling)]),
-                 subtitle: svg.querySelector('text.subtitle').textContent }; })()""")
+                 subtitle: svg.querySelector('text.subtitle').textContent,
+                 jobSwatch: svg.querySelector('text.legend').previousElementSibling?.tagName ?? null }; })()""")
     styles = {i: (stroke, dash) for i, stroke, dash in drawn["lines"]}
     assert sorted(styles) == list(range(11)) and len(set(styles.values())) == 11, drawn["lines"]
     legend = {i: (text, (stroke, dash)) for i, text, stroke, dash in drawn["legend"]}
     assert legend == {i: (f"method={'performer' if i < 6 else 'linformer'}, layer={i % 6}", styles[i]) for i in range(11)}
     assert drawn["subtitle"] == "seed_count=1"  # what all of them share, once
+    # the job's legend line has no swatch: no curve is drawn in a job colour here
+    assert drawn["jobSwatch"] != "line"
     # Two jobs keep a colour each (their curves a dash each): colour says which job.
     two = page.js("""(() => {
         const curves = [0, 1].map(i => ({ name: "e", labels: { layer: i }, x_meaning: "x",
@@ -805,7 +832,7 @@ def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
     page.click("#logy")
     page.wait(f"location.hash === '#compare={sweep},{c1}&series=val_error&logx=1&logy=1'")
     page.wait("[...document.querySelectorAll('svg.chart text.axis-title')].map(t => t.textContent).join()"
-              " === 'epoch (log),val_error (log)'")
+              f" === 'epoch (log),{Y_MEANINGS['val_error']} (log)'")
     assert page.js("$('logx').checked && $('logy').checked")
 
 
@@ -1034,6 +1061,11 @@ def test_changing_a_filter_rewrites_the_address_in_place(page, url, jobs):
     page.wait("location.hash === '#kind=probe'")
     set_filter(page, "f-status", "succeeded")
     page.wait("location.hash === '#kind=probe&status=succeeded'")
+    # A tag being typed filters nothing until it is entered: "da" on the way to "dash" would empty the list.
+    page.js("$('f-tag').value = 'da'; $('f-tag').dispatchEvent(new Event('input')); true")
+    wait_refreshes(page)
+    assert page.js("location.hash") == "#kind=probe&status=succeeded"
+    wait_rows(page, [j["id"] for j in api(url, "/v1/jobs?kind=probe&status=succeeded&parent=none")["items"]])
     set_filter(page, "f-tag", "  dash ")
     page.wait("location.hash === '#kind=probe&status=succeeded&tag=dash'")
     wait_rows(page, [jobs["b"], a])
@@ -1218,12 +1250,28 @@ def test_docs_page_links_back_and_renders_code(page, url):
     page.wait("location.pathname === '/' && document.getElementById('jobs')")
 
 
+def test_a_jobs_page_links_its_train_job(page, url):
+    """An entropy job over a train job's checkpoints: its Parameters link that job, as the list's "on" column does."""
+    page.goto(f"{url}/")
+    page.wait("typeof buildJobPage === 'function'")
+    link = page.js("""(async () => {
+        const job = { id: 99999, kind: "entropy", status: "queued", created_at: new Date().toISOString(),
+                      params: { train_job: 7, dataset: "wikitext-2", num_segments: 4 } };
+        const { parts } = await buildJobPage(job, () => false);
+        const table = parts.find(p => p && p.querySelector && p.querySelector('#params-table'));
+        const a = table.querySelector('a');
+        return [a.getAttribute('href'), a.textContent, table.querySelectorAll('a').length]; })()""")
+    assert link == ["#job=7", "7", 1]
+
+
 def test_long_values_wrap_inside_their_panels(page, url, jobs):
     """Two sweeps compared: their grids (lists and objects) wrap in the compare table, which fits the panel (as
     compact JSON the second job sat 1700 px to the right). A checkpoint name (no space to wrap at) in the job
     list's "on" column keeps "created" inside the panel at laptop widths."""
     load(page, f"{url}/")
     assert page.js('fmt({ latent_dim: [1, 2], seq_len: [3] })') == '{"latent_dim": [1, 2], "seq_len": [3]}'
+    # floats to 6 significant digits in lists too, as `lmscope compare` writes them
+    assert page.js('fmt([0.44765678567140726, 2, { v: 1e-7 / 3 }])') == '[0.447657, 2, {"v": 3.33333e-8}]'
     grid = lambda d: {"latent_dim": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "token_dim": list(range(1, 11)),
                       "seq_len": [3], "seed": [0, d]}
     doc = {"jobs": [{"id": 1, "kind": "sweep", "name": None, "status": "succeeded"},

@@ -344,7 +344,8 @@ class TrainingRun:
     def train(self) -> None:
         """Steps from where the run stands to ``steps``: evaluate, checkpoint and report on their schedules."""
         p, ctx, history = self.p, self.ctx, self.history
-        report_every = max(1, min(10, p.steps // 100))
+        report_every = max(1, min(10, p.steps // 100))  # steps the loss in the progress text averages
+        report = "training"
         with ctx.stage("train"):
             # the whole run's checkpoints, before hours of training rather than at the one that does not fit
             self.check_disk_space(checkpoints=len(self.checkpoint_steps_ahead()))
@@ -379,11 +380,11 @@ class TrainingRun:
                 if step % report_every == 0 or step == p.steps:
                     recent = [l for _, l in history["train"][-report_every:]]
                     per_step = (time.perf_counter() - self.loop_start) / (step - self.start_step)
-                    ctx.progress(step, p.steps, f"train loss {sum(recent) / len(recent):.3f} · "
-                                                f"val {history['val'][-1][1]:.3f} · "
-                                                f"ETA {_eta(per_step * (p.steps - step))}")
-                else:  # a cancel or the time limit between reports: stop after this step, not up to 9 later
-                    ctx.check_cancelled()
+                    report = (f"train loss {sum(recent) / len(recent):.3f} · val {history['val'][-1][1]:.3f} · "
+                              f"ETA {_eta(per_step * (p.steps - step))}")
+                # every step (the worker writes a few a second at most): a cancel or the time limit stops after
+                # this step, not up to 9 later, and the job's progress then says the step its summary does
+                ctx.progress(step, p.steps, report)
 
     def train_seconds(self) -> float:
         return self.wall_before + time.perf_counter() - self.loop_start

@@ -7,18 +7,19 @@ from importlib import resources
 
 from flask import Blueprint, Response
 
-from lmscope.compare import X_MEANINGS
+from lmscope.compare import X_MEANINGS, Y_MEANINGS
 
 bp = Blueprint("dashboard", __name__)
 
-# The page's charts name their x axis as `lmscope compare` does: the page gets X_MEANINGS in this data block.
-X_MEANINGS_BLOCK = '<script id="x-meanings" type="application/json">{}</script>'
+# The page's charts name their axes as `lmscope compare --plot` does: the page gets X_MEANINGS and Y_MEANINGS in
+# this data block.
+MEANINGS_BLOCK = '<script id="meanings" type="application/json">{}</script>'
 
 
 @bp.get("/")
 def dashboard() -> Response:
     """The dashboard page (jobs, progress, plots); it calls /v1 from the browser."""
     html = resources.files("lmscope.api").joinpath("static/dashboard.html").read_text(encoding="utf-8")
-    meanings = json.dumps(X_MEANINGS).replace("</", "<\\/")  # JSON inside <script>: no "</" may end it early
-    html = html.replace(X_MEANINGS_BLOCK, X_MEANINGS_BLOCK.replace("{}", meanings), 1)
+    meanings = json.dumps({"x": X_MEANINGS, "y": Y_MEANINGS}).replace("</", "<\\/")  # no "</" may end the <script>
+    html = html.replace(MEANINGS_BLOCK, MEANINGS_BLOCK.replace("{}", meanings), 1)
     return Response(html, mimetype="text/html")

@@ -7,6 +7,7 @@ url_map cannot know are added from `EXTRA` below.
 
 from __future__ import annotations
 
+import inspect
 import re
 from importlib import resources
 from typing import Any
@@ -167,7 +168,9 @@ def build_spec(app: Flask) -> dict[str, Any]:
                    "schema": {"type": "integer"} if f"<int:{arg}>" in rule.rule else {"type": "string"}}
                   for arg in sorted(rule.arguments)]
         view = app.view_functions[rule.endpoint]
-        doc = (view.__doc__ or rule.endpoint).strip().splitlines()
+        # the docstring's first paragraph is the summary (a sentence may wrap onto several lines), the rest
+        # the description
+        summary, _, description = inspect.cleandoc(view.__doc__ or rule.endpoint).partition("\n\n")
         for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
             m = method.lower()
             extra = EXTRA.get((m, rule.endpoint), {})
@@ -177,15 +180,15 @@ def build_spec(app: Flask) -> dict[str, Any]:
             used_ids.add(operation_id)
             op: dict[str, Any] = {
                 "operationId": operation_id,
-                "summary": doc[0],
+                "summary": " ".join(summary.split()),
                 "tags": [rule.endpoint.split(".")[0]],
                 "parameters": params + extra.get("parameters", []),
                 "responses": dict(extra.get("responses", {})),
             }
             if not any(code.startswith("2") for code in op["responses"]):
                 op["responses"]["200"] = {"description": "OK"}
-            if len(doc) > 1:
-                op["description"] = "\n".join(doc[1:]).strip()
+            if description.strip():
+                op["description"] = description.strip()
             if "requestBody" in extra:
                 op["requestBody"] = extra["requestBody"]
             # without tokens (LMSCOPE_AUTH=0): host-not-allowed on any route, cross-origin-request on a change

@@ -32,6 +32,18 @@ def test_openapi_is_valid_and_lists_every_endpoint(api):
                  ("/v1/datasets", "GET"), ("/v1/datasets", "POST"), ("/healthz", "GET"), ("/readyz", "GET"),
                  ("/metrics", "GET"), ("/openapi.json", "GET"), ("/docs", "GET")]:
         assert must in documented, must
+    # Each operation's summary is its view's whole first paragraph, a sentence that wraps included (the /docs
+    # page showed "…the broker (when jobs go through" when it took the first line).
+    import inspect
+
+    for rule in api.app.url_map.iter_rules():
+        first = inspect.cleandoc(api.app.view_functions[rule.endpoint].__doc__ or "").split("\n\n")[0]
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            summary = spec["paths"][path][method.lower()]["summary"]
+            assert summary == " ".join(first.split()) and "\n" not in summary, (path, summary)
+    summary = spec["paths"]["/readyz"]["get"]["summary"]
+    assert summary.count("(") == summary.count(")") and summary.endswith((".", ")")), summary
     # The submit body is one of the kinds, each with its pydantic params schema.
     from lmscope.params import KINDS
 

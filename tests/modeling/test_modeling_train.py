@@ -242,6 +242,32 @@ def test_cancel_keeps_the_checkpoints_and_the_curves_so_far(reference, docs, tmp
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+class CancelledFromOutside(LocalContext):
+    """A cancel that arrives from outside (the API) and is seen at the `at`-th check, whether that check is
+    a progress report or not."""
+
+    def __init__(self, *args, at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at, self.checks = at, 0
+
+    def check_cancelled(self):
+        self.checks += 1
+        if self.checks >= self.at:
+            raise JobCancelled()
+
+
+def test_a_cancelled_runs_progress_says_the_step_its_summary_does(docs, tmp_path):
+    # 200 steps: the progress text averages the loss over 2 steps; a cancel seen at an odd step (71: the
+    # first check is the report before training) is no step of such a text. The job's page used to say
+    # "70/200" beside a summary of 71 steps.
+    ctx = CancelledFromOutside(tmp_path, datasets={"wiki": docs}, job_id=4, at=72)
+    with pytest.raises(JobCancelled) as cancelled:
+        run(TrainParams(**{**SMALL, "steps": 200, "checkpoint_every": 100, "run_name": None}), ctx)
+    steps = cancelled.value.partial.summary["steps"]
+    assert steps == 71 and ctx.progress_log[-1][:2] == (steps, 200)
+    assert ctx.progress_log[-1][2].startswith("train loss")  # the last report's text, not a bare number
+
+
 def test_a_run_stopped_by_the_time_limit_fails_but_keeps_its_curves(reference, docs, tmp_path):
     def time_limit():
         return JobFailed("the job ran past its time limit", error_type="time-limit")
