@@ -1256,12 +1256,14 @@ def test_a_jobs_page_links_its_train_job(page, url):
     page.wait("typeof buildJobPage === 'function'")
     link = page.js("""(async () => {
         const job = { id: 99999, kind: "entropy", status: "queued", created_at: new Date().toISOString(),
-                      params: { train_job: 7, dataset: "wikitext-2", num_segments: 4 } };
+                      params: { train_job: 7, dataset: "wikitext-2", num_segments: 4, models: null } };
         const { parts } = await buildJobPage(job, () => false);
         const table = parts.find(p => p && p.querySelector && p.querySelector('#params-table'));
         const a = table.querySelector('a');
-        return [a.getAttribute('href'), a.textContent, table.querySelectorAll('a').length]; })()""")
-    assert link == ["#job=7", "7", 1]
+        const models = [...table.querySelectorAll('tr')].find(r => r.cells[0].textContent === 'models').cells[1].textContent;
+        return [a.getAttribute('href'), a.textContent, table.querySelectorAll('a').length, models]; })()""")
+    # a null parameter reads "null", as in the compare view (it is a value: all checkpoints of the train job)
+    assert link == ["#job=7", "7", 1, "null"]
 
 
 def test_long_values_wrap_inside_their_panels(page, url, jobs):
