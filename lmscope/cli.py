@@ -316,7 +316,9 @@ class ProgressLine:
         if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
                      else f" (no worker takes jobs from the queue: {NO_WORKER_ADVICE})" if queue.get("workers") == 0
-                     else f" ({queue['ahead']} ahead, {queue['running']} running)")
+                     else f" ({queue['ahead']} ahead, {queue['running']} running"
+                          + ("; not handed to the broker yet: it is sent when the broker answers)" if queue.get("unsent")
+                             else ")"))
         if job["status"] == "queued" and job.get("attempts") and fraction is not None:  # re-queued: the last attempt's
             done = f" ({p.get('done') or 0}/{p['total']})" if p.get("total") is not None else ""
             return "; ".join(filter(None, [text, f"its last attempt got to {fraction * 100:.1f}%{done}"]))
@@ -503,11 +505,16 @@ def db():
 @db.command("upgrade")
 def db_upgrade():
     """Create or migrate the schema to the latest version."""
+    from sqlalchemy.engine import make_url
+
     from lmscope.config import Settings
-    from lmscope.db.engine import upgrade
+    from lmscope.db.engine import SchemaUnavailable, upgrade
 
     settings = Settings.from_env()
-    before, after = upgrade(settings.database_url)
+    try:
+        before, after = upgrade(settings.database_url)
+    except SchemaUnavailable as e:  # one line, the password hidden (as the `user` commands say it)
+        raise click.ClickException(f"{make_url(settings.database_url).render_as_string(hide_password=True)}: {e}")
     if before == after:
         click.echo(f"database is up to date (revision {after})")
     else:
@@ -758,7 +765,10 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
         click.echo(f"already submitted with this idempotency key: job {job['id']} ({job['kind']}, {job['status']})",
                    err=True)
     else:
-        click.echo(f"submitted job {job['id']} ({job['kind']}){children}", err=True)
+        unsent = ("; the broker has not taken it yet (it did not answer): the reaper hands it over when it does "
+                  "(GET /readyz says whether it answers)"
+                  if (job.get("queue") or {}).get("unsent") else "")
+        click.echo(f"submitted job {job['id']} ({job['kind']}){children}{unsent}", err=True)
     if not wait_:
         click.echo(job["id"])
         return

@@ -46,6 +46,10 @@ ENV_VARS = {
 }
 
 
+# A job is stale (its worker lost) once its heartbeat is this many heartbeats old, at the least.
+STALE_HEARTBEATS = 4
+
+
 class ConfigError(ValueError):
     """An environment variable holds a value lmscope cannot use; the message names it and what to write."""
 
@@ -171,4 +175,13 @@ class Settings:
             allowed_hosts=tuple(h.strip().lower() for h in env.get("LMSCOPE_ALLOWED_HOSTS", "").split(",") if h.strip()),
         )
         values.update(overrides)
+        heartbeat, stale = values["heartbeat_seconds"], values["stale_after_seconds"]
+        if stale < STALE_HEARTBEATS * heartbeat:
+            # else the reaper takes a healthy job for lost between two of its heartbeats, re-queues it, and after
+            # LMSCOPE_MAX_ATTEMPTS fails it as worker-lost
+            raise ConfigError(
+                f"LMSCOPE_STALE_AFTER_SECONDS={stale:g} is less than {STALE_HEARTBEATS} heartbeats "
+                f"(LMSCOPE_HEARTBEAT_SECONDS={heartbeat:g}): a running job would be taken for lost between its "
+                f"heartbeats; write e.g. LMSCOPE_STALE_AFTER_SECONDS={STALE_HEARTBEATS * heartbeat:g}, or a shorter "
+                "LMSCOPE_HEARTBEAT_SECONDS")
         return cls(**values)

@@ -84,10 +84,15 @@ def _serve_holding_the_data_dir(settings: Settings) -> None:
 
     from lmscope.api import create_app
     from lmscope.db.builtins import ensure_builtins
-    from lmscope.db.engine import make_engine, make_sessionmaker, upgrade
+    from sqlalchemy.engine import make_url
+
+    from lmscope.db.engine import SchemaUnavailable, make_engine, make_sessionmaker, upgrade
     from lmscope.worker.startup import load_extra_kinds
 
-    upgrade(settings.database_url)
+    try:
+        upgrade(settings.database_url)
+    except SchemaUnavailable as e:
+        raise SystemExit(f"{make_url(settings.database_url).render_as_string(hide_password=True)}: {e}") from None
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     ensure_builtins(settings, sessions)

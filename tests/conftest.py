@@ -36,6 +36,18 @@ except ImportError:  # the API-only install has no torch
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(autouse=True)
+def _no_outage_carried_over():
+    """What this process logged of a broker or database outage is per process: one test's outage is not
+    the next test's."""
+    yield
+    from lmscope import queue
+
+    queue.broker_outage.reset()
+    if "lmscope.api.health" in sys.modules:
+        sys.modules["lmscope.api.health"]._logged.clear()
+
+
 def need(binary_ok: bool, reason: str):
     if not binary_ok:
         if IN_CI:

@@ -391,7 +391,7 @@ def test_user_limits_are_set_shown_and_reset(sqlite_url, monkeypatch):
 def test_server_commands_name_the_database_they_cannot_use(tmp_path, monkeypatch):
     """`lmscope user create` in a shell without the service's LMSCOPE_DATA_DIR used to print a
     60-line traceback ("no such table: users") and leave an empty lmscope.db behind."""
-    from lmscope.db.engine import upgrade
+    from lmscope.db.engine import head_revision, upgrade
 
     runner = CliRunner()
     missing = tmp_path / "nowhere" / "lmscope.db"
@@ -412,6 +412,25 @@ def test_server_commands_name_the_database_they_cannot_use(tmp_path, monkeypatch
     r = runner.invoke(main, ["user", "list"])
     assert r.exit_code == 1 and "9999_from_the_future" in r.output and "run the newer lmscope" in r.output
     assert "db upgrade" not in r.output
+    # nor can `lmscope db upgrade` itself: it says so in one line (it printed alembic's traceback)
+    r = runner.invoke(main, ["db", "upgrade"])
+    assert r.exit_code == 1 and r.exception.__class__ is SystemExit, r.output
+    assert r.output.strip() == (f"Error: sqlite:///{old}: the database has schema revision 9999_from_the_future, which this "
+                                "lmscope does not know (a newer lmscope migrated it, this one needs "
+                                f"{head_revision()}); "
+                                "run the newer lmscope")
+    with sqlite3.connect(old) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("9999_from_the_future",)]
+
+
+def test_db_upgrade_of_a_database_that_does_not_answer_is_one_line_without_the_password(tmp_path, monkeypatch):
+    # a PostgreSQL URL whose server is not there (a socket folder with no server in it): the driver's error,
+    # one line, and the password hidden
+    monkeypatch.setenv("LMSCOPE_DATABASE_URL", f"postgresql+psycopg://lmscope:s3cret@/lmscope?host={tmp_path}&port=5999")
+    r = CliRunner().invoke(main, ["db", "upgrade"])
+    assert r.exit_code == 1 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert r.output.startswith("Error: postgresql+psycopg://lmscope:***@/lmscope") and "does not answer" in r.output
+    assert "s3cret" not in r.output
 
 
 def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkeypatch):
@@ -795,6 +814,10 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     assert line.render(idle) == ("job 7 queued (no worker takes jobs from the queue: it waits until one starts "
                                  "(`lmscope worker`, docs/operations.md))")
     assert line.render({**queued, "queue": {"ahead": 2, "running": 1, "workers": 1}}) == "job 7 queued (2 ahead, 1 running)"
+    # submitted while the broker was down: `--wait` says why it does not move (only `show` said it)
+    unsent = {**queued, "queue": {"ahead": 0, "running": 0, "unsent": True}}
+    assert line.render(unsent) == ("job 7 queued (0 ahead, 0 running; not handed to the broker yet: it is sent when "
+                                   "the broker answers)")
     # re-queued after a lost worker: the progress is its last attempt's, said as such and without a bar
     requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}
     assert line.render(requeued) == "job 7 queued (2 ahead, 1 running); its last attempt got to 70.0% (84/120)"

@@ -60,6 +60,17 @@ def test_a_malformed_number_names_its_variable_and_the_default():
             Settings.from_env({name: raw})
 
 
+def test_a_stale_limit_shorter_than_four_heartbeats_is_refused():
+    """A heartbeat every 30 s against a stale limit of 10 s: the reaper took every running job for lost and failed
+    it as worker-lost after three attempts, while its worker was alive."""
+    with pytest.raises(ConfigError, match=r"LMSCOPE_STALE_AFTER_SECONDS=10 is less than 4 heartbeats "
+                                          r"\(LMSCOPE_HEARTBEAT_SECONDS=30\).*write e.g. LMSCOPE_STALE_AFTER_SECONDS=120"):
+        Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "30", "LMSCOPE_STALE_AFTER_SECONDS": "10"})
+    with pytest.raises(ConfigError, match="LMSCOPE_STALE_AFTER_SECONDS=60 is less than 4 heartbeats"):
+        Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "20"})  # against the default limit
+    assert Settings.from_env({"LMSCOPE_HEARTBEAT_SECONDS": "15"}).stale_after_seconds == 60  # exactly 4: fine
+
+
 def test_autotune_is_on_or_off_and_anything_else_is_refused(monkeypatch):
     from lmscope.kernels.dispatch import autotuning  # needs no triton
 
@@ -97,8 +108,9 @@ def test_each_documented_numeric_default_is_the_default():
         stated = re.search(r"\(default (\d+)( MiB)?[;)]", meaning)
         if not stated:
             continue
+        other = "70" if name == "LMSCOPE_STALE_AFTER_SECONDS" else "7"  # 7 s is less than 4 default heartbeats
         changed = [f.name for f in dataclasses.fields(Settings)
-                   if getattr(Settings.from_env({name: "7"}), f.name) != getattr(unset, f.name)]
+                   if getattr(Settings.from_env({name: other}), f.name) != getattr(unset, f.name)]
         assert len(changed) == 1, (name, changed)
         default = int(stated.group(1)) * (1024 * 1024 if stated.group(2) else 1)
         checked[name] = getattr(unset, changed[0])

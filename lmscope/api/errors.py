@@ -302,7 +302,7 @@ def register_error_handlers(app: Flask) -> None:
     def _database(e: Exception):
         # Not a bug of this request when the database is down, or not (yet) migrated to this lmscope's schema.
         if time.monotonic() - last_check[0] > 5.0:
-            last_check[:] = [time.monotonic(), schema_problem(app.extensions["lmscope"].engine)]
+            last_check[:] = [time.monotonic(), schema_problem(app.extensions["lmscope"].engine, cause=False)]
         problem = last_check[1]
         if problem is None and not getattr(e, "connection_invalidated", False):
             return _unexpected(e)  # the database answers with the right schema: a bad query, a bug

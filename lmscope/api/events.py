@@ -124,14 +124,16 @@ def job_events(job_id: int):
                 time.sleep(max(poll, OUTAGE_POLL_SECONDS))
                 continue
             outage = False
-            status_key = (snap["status"], snap["cancel_requested"], snap["attempts"])
-            if status_key != last_status:
-                yield sse("status", snap)
-                last_status, last_sent = status_key, time.monotonic()
+            # progress first: a job's last progress comes with its terminal status (one write), and a client
+            # that stops at that status must have seen it
             progress = snap["progress"]
             if progress is not None and progress != last_progress:
                 yield sse("progress", {"id": job_id, **progress})
                 last_progress, last_sent = progress, time.monotonic()
+            status_key = (snap["status"], snap["cancel_requested"], snap["attempts"])
+            if status_key != last_status:
+                yield sse("status", snap)
+                last_status, last_sent = status_key, time.monotonic()
             if snap["status"] in TERMINAL_STATES:
                 yield sse("end", snap)
                 return

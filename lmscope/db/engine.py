@@ -92,33 +92,60 @@ def schema_revisions(engine: Engine) -> tuple[str | None, str]:
     return current, head_revision()
 
 
-def schema_problem(engine: Engine) -> str | None:
+def schema_problem(engine: Engine, *, cause: bool = True) -> str | None:
     """Why the database cannot serve this lmscope (it does not answer, has no tables, has an older
-    schema), in words that say what to do; None when it can."""
+    schema), in words that say what to do; None when it can. Without `cause`, a database that does not
+    answer is named with the error's type only: the driver's message names hosts, ports and users, which
+    the API does not tell its callers (it logs it)."""
+    problem, driver_message = schema_problem_and_cause(engine)
+    if driver_message is not None and cause:
+        return f"the database does not answer ({driver_message})"
+    return problem
+
+
+def schema_problem_and_cause(engine: Engine) -> tuple[str | None, str | None]:
+    """`schema_problem` without the cause, and the driver's message when the database does not answer
+    (else None): one try to connect for both."""
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
         current, head = schema_revisions(engine)
     except SQLAlchemyError as e:
-        return f"the database does not answer ({error_line(e)})"
+        return (f"the database does not answer ({type(e).__name__}; the API's log has the driver's message)",
+                error_line(e))
     if current is None:
-        return "the database has no lmscope tables; create them with `lmscope db upgrade`"
+        return "the database has no lmscope tables; create them with `lmscope db upgrade`", None
     if current not in known_revisions():
-        return (f"the database has schema revision {current}, which this lmscope does not know (a newer "
-                f"lmscope migrated it, this one needs {head}); run the newer lmscope")
+        return _unknown_revision(current, head), None
     if current != head:
-        return f"the database has schema revision {current}, this lmscope needs {head}; run `lmscope db upgrade`"
-    return None
+        return f"the database has schema revision {current}, this lmscope needs {head}; run `lmscope db upgrade`", None
+    return None, None
+
+
+def _unknown_revision(current: str, head: str) -> str:
+    return (f"the database has schema revision {current}, which this lmscope does not know (a newer "
+            f"lmscope migrated it, this one needs {head}); run the newer lmscope")
+
+
+class SchemaUnavailable(Exception):
+    """The database cannot be migrated by this lmscope: it does not answer, or a newer lmscope migrated it.
+    The message says which, in one line."""
 
 
 def upgrade(url: str, revision: str = "head") -> tuple[str | None, str | None]:
     """Bring the schema up to date (`lmscope db upgrade`; also run by `lmscope up`).
-    Returns the revisions before and after."""
+    Returns the revisions before and after; raises SchemaUnavailable where it cannot."""
     from alembic import command
+    from sqlalchemy.exc import SQLAlchemyError
 
     engine = make_engine(url)
     try:
-        before = schema_revisions(engine)[0]
+        try:
+            before, head = schema_revisions(engine)
+        except SQLAlchemyError as e:
+            raise SchemaUnavailable(f"the database does not answer ({error_line(e)})") from None
+        if before is not None and before not in known_revisions():
+            raise SchemaUnavailable(_unknown_revision(before, head))
         command.upgrade(alembic_config(url), revision)
         return before, schema_revisions(engine)[0]
     finally:

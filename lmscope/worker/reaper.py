@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, exists, func, or_, select, update
@@ -35,6 +36,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.params import is_parent_kind
+from lmscope import queue as job_queue
 from lmscope.queue import Publisher, send_each
 from lmscope.worker.runner import (after_terminal, end_keeping_files, give_back_values, ran_into_time_limit,
                                    time_limit_values, worker_lost_values)
@@ -172,9 +174,15 @@ def _claim_and_publish(session_factory: sessionmaker[Session], publisher: Publis
             claimed += session.execute(update(Job).where(Job.id.in_(ids[start:start + CLAIM_CHUNK]) & condition)
                                        .values(published_at=now).returning(Job.id)).scalars().all()
     claimed.sort()
-    if claimed:
-        log.info("publishing jobs %s again (message lost or never sent)", claimed)
-    return _publish_claimed(publisher, session_factory, claimed, aggregation=aggregation)
+    # during an outage the same jobs come back at every pass, and send_each sums its failures up; the pass
+    # after it names what it sent
+    in_outage = job_queue.broker_outage.failing
+    if claimed and not in_outage:
+        log.info("publishing jobs %s (never sent, or their message was lost)", claimed)
+    sent = _publish_claimed(publisher, session_factory, claimed, aggregation=aggregation)
+    if sent and in_outage:
+        log.info("published jobs %s, which waited for the broker", sent)
+    return sent
 
 
 def recover_interrupted(settings: Settings, session_factory: sessionmaker[Session]) -> dict[str, list[int]]:
@@ -208,14 +216,19 @@ class ReaperPasses:
     longer than ``stale_after_seconds``: the reaper was stopped or starved), the moment the database
     answered again stands in for every heartbeat older than it: no worker is called lost until
     ``stale_after_seconds`` after that moment, time enough for live attempts to beat again.
-    A failure is logged with its traceback once per outage, then one line per pass.
+    A failure is logged with its traceback once per outage, then one line a minute while it lasts.
     """
 
-    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher):
+    REMIND_SECONDS = 60.0
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
+                 clock=time.monotonic):
+        self.clock = clock
         self.settings = settings
         self.session_factory = session_factory
         self.publisher = publisher
         self.failing = False
+        self.failed_passes, self.reminded = 0, 0.0  # in this outage; when it was last said
         self.last_pass: datetime | None = None  # when the last pass that worked started
         self.database_back_at: datetime | None = None  # when the database answered again after an outage
 
@@ -229,15 +242,21 @@ class ReaperPasses:
             report = reap(self.settings, self.session_factory, self.publisher, now=now,
                           database_back_at=self.database_back_at)
         except Exception as e:  # the database may be briefly unreachable; try again next pass
+            self.failed_passes = self.failed_passes + 1 if self.failing else 1
             if not self.failing:
-                log.exception("reaper pass failed; retrying every %.1f s", reap_interval(self.settings))
-            else:  # the traceback once per outage, not every few seconds
-                log.warning("reaper pass failed again: %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0])
+                self.reminded = self.clock()
+                log.exception("reaper pass failed; retrying every %.1f s (logged again each minute until a pass "
+                              "works)", reap_interval(self.settings))
+            elif self.clock() - self.reminded >= self.REMIND_SECONDS:  # not every few seconds
+                self.reminded = self.clock()
+                log.warning("reaper passes still fail (%d in a row): %s: %s", self.failed_passes, type(e).__name__,
+                            (str(e).splitlines() or [""])[0])
             self.failing = True
             return None
         if self.failing or gap:
             log.info("reaper passes work again%s; no worker is called lost before %s (heartbeats could not be "
-                     "written meanwhile)", "" if self.failing else f" after a gap since {self.last_pass}",
+                     "written meanwhile)", f" after {self.failed_passes} failed passes" if self.failing
+                     else f" after a gap since {self.last_pass}",
                      now + timedelta(seconds=self.settings.stale_after_seconds))
         self.failing = False
         self.last_pass = now

@@ -297,6 +297,18 @@ def test_resubmitting_with_an_idempotency_key_says_nothing_new_was_queued(api, c
     assert spaced.exit_code == 0 and int(spaced.stdout) == job_id, spaced.output
 
 
+def test_a_job_submitted_while_the_broker_is_down_says_so(api, cli):
+    """The trial's operator saw only "submitted job 8 (probe)" and a `--wait` line that never moved."""
+    api.publisher.fail = True
+    r = cli("submit", "probe", "-p", "model=m")
+    assert r.exit_code == 0, r.output
+    job_id = int(r.stdout)
+    assert r.stderr.strip() == (f"submitted job {job_id} (probe); the broker has not taken it yet (it did not "
+                                "answer): the reaper hands it over when it does (GET /readyz says whether it answers)")
+    api.publisher.fail = False
+    assert "broker" not in cli("submit", "probe", "-p", "model=m").stderr
+
+
 def test_results_of_a_job_without_series_say_why(api, cli):
     job_id = api.submit(api.user("ann")).get_json()["id"]
     api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="out-of-memory", error_message="CUDA OOM")

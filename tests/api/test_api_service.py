@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -32,15 +33,21 @@ def test_readiness_pings_only_a_broker_the_jobs_go_through(make_api, settings_fa
 
 
 @pytest.mark.redis
-def test_readiness_pings_the_broker(make_api, redis_server):
+def test_readiness_pings_the_broker(make_api, redis_server, caplog):
     api = make_api(broker_url=redis_server.url)
     r = api.client.get("/readyz")
     assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok"}
     redis_server.stop()
-    r = api.client.get("/readyz")
+    with caplog.at_level(logging.WARNING, logger="lmscope.api"):
+        r = api.client.get("/readyz")
+        is_problem(api.client.get("/readyz"), 503, "not-ready")
+    said = [m for r_ in caplog.records if (m := r_.getMessage()).startswith("/readyz: ")]
+    assert len(said) == 1 and said[0].startswith("/readyz: the broker does not answer: ") and \
+        str(redis_server.port) in said[0], said  # where it is, for the operator: once, not at every probe
     body = is_problem(r, 503, "not-ready")
     assert body["checks"]["database"] == "ok" and body["checks"]["broker"].startswith("error")
     assert "the broker is up and LMSCOPE_BROKER_URL points at it" in body["detail"] and r.headers["Retry-After"]
+    assert str(redis_server.port) not in json.dumps(body)  # where the broker is: in the log only
     assert "DATABASE_URL" not in body["detail"]
 
 
@@ -73,10 +80,21 @@ def test_an_unmigrated_or_unreachable_database_is_a_503_that_says_what_to_do(mak
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     down = make_api(database_url=f"postgresql+psycopg://lmscope@127.0.0.1:{port}/lmscope")
+    caplog.clear()
     body = is_problem(down.client.get("/v1/jobs", headers={"Authorization": "Bearer x"}), 503, "database-unavailable")
     assert body["detail"].startswith("the database does not answer (OperationalError")
     body = is_problem(down.client.get("/readyz"), 503, "not-ready")
     assert body["checks"]["database"].startswith("error") and "LMSCOPE_DATABASE_URL points at it" in body["detail"]
+    # Anyone may ask (a bogus token, /readyz): the driver's message, which names the host, port and user, is
+    # in the log, not in the answers
+    for answer in (body, is_problem(down.client.get("/v1/jobs", headers={"Authorization": "Bearer x"}), 503,
+                                         "database-unavailable")):
+        assert f"{port}" not in json.dumps(answer) and "lmscope@" not in json.dumps(answer), answer
+    assert f"{port}" in caplog.text
+    # /readyz, which a load balancer asks every few seconds, logs the message once, not at every probe
+    is_problem(down.client.get("/readyz"), 503, "not-ready")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("/readyz: ")]
+    assert len(said) == 1 and said[0].startswith("/readyz: the database does not answer (") and f"{port}" in said[0]
 
 
 def test_a_bad_query_on_a_healthy_database_is_a_bug_not_an_outage(make_api, caplog):
@@ -148,3 +166,21 @@ def test_job_durations_histogram(api):
     assert 'lmscope_job_duration_seconds_count{kind="probe",status="succeeded"} 5' in text
     total = re.search(r'lmscope_job_duration_seconds_sum\{kind="probe",status="succeeded"\} ([0-9.]+)', text)
     assert float(total.group(1)) == pytest.approx(sum(durations), abs=1e-3)
+
+
+def test_gunicorns_app_without_tokens_warns_that_every_caller_is_the_admin(db_url, tmp_path):
+    """`lmscope up` refuses a non-loopback address without tokens; gunicorn's bind is not the app's to see, so
+    its entry point says so at start (a trial's LMSCOPE_AUTH=0 gunicorn on 0.0.0.0 made every caller an admin
+    without a word)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LMSCOPE_DATABASE_URL=db_url, LMSCOPE_DATA_DIR=str(tmp_path),
+               LMSCOPE_BROKER_URL="redis://127.0.0.1:1/0")
+    for auth, warned in (("0", True), ("1", False)):
+        r = subprocess.run([sys.executable, "-c", "import lmscope.api.wsgi"], env=dict(env, LMSCOPE_AUTH=auth),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert ("LMSCOPE_AUTH=0: tokens are off, and every caller that reaches this API acts as the admin"
+                in r.stderr) is warned, r.stderr

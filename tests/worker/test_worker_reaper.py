@@ -3,6 +3,7 @@ jobs killed by the hard time limit, a database outage."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from dataclasses import replace
@@ -240,24 +241,35 @@ def _database_down(db_url):
     return up
 
 
-def test_a_database_outage_does_not_restart_healthy_jobs(settings, sessions, make_job, job_row, publisher, db_url):
+def test_a_database_outage_does_not_restart_healthy_jobs(settings, sessions, make_job, job_row, publisher, db_url,
+                                                         caplog):
     """Nobody can write a heartbeat while the database is down: right after it, every heartbeat looks stale.
     Lost workers are looked for again only stale_after after the database answered again."""
     stale_after = timedelta(seconds=settings.stale_after_seconds)
     t0 = utcnow()
     healthy = make_job(status="running", attempts=1, worker="gpu-1:7", started_at=t0, heartbeat_at=t0)
     dead = make_job(status="running", attempts=1, worker="gpu-2:7", started_at=t0, heartbeat_at=t0)
-    passes = reaper.ReaperPasses(settings, sessions, publisher)
+    clock = [0.0]
+    passes = reaper.ReaperPasses(settings, sessions, publisher, clock=lambda: clock[0])
     assert passes.run_pass(now=t0) is not None
 
     up = _database_down(db_url)
     try:
-        assert passes.run_pass(now=t0 + timedelta(seconds=1)) is None  # failed; tried again next pass
-        assert passes.run_pass(now=t0 + timedelta(seconds=20)) is None
+        with caplog.at_level(logging.INFO, logger="lmscope.reaper"):
+            assert passes.run_pass(now=t0 + timedelta(seconds=1)) is None  # failed; tried again next pass
+            for seconds in (20, 25):
+                clock[0] += 30
+                assert passes.run_pass(now=t0 + timedelta(seconds=seconds)) is None
     finally:
         up()
     back = t0 + timedelta(seconds=30)  # both heartbeats are now 30 s old, 15 × stale_after
-    assert passes.run_pass(now=back)["requeued"] == []
+    with caplog.at_level(logging.INFO, logger="lmscope.reaper"):
+        assert passes.run_pass(now=back)["requeued"] == []
+    # said when the outage starts, a minute later (the second failure, 30 s in, is not said) and when it ends
+    said = [r.getMessage() for r in caplog.records if "reaper pass" in r.getMessage()]
+    assert len(said) == 3 and said[0].startswith("reaper pass failed; retrying every"), said
+    assert said[1].startswith("reaper passes still fail (3 in a row): "), said
+    assert said[2].startswith("reaper passes work again after 3 failed passes;"), said
     assert passes.run_pass(now=back + stale_after / 2)["requeued"] == []
     # The healthy job's heartbeat thread writes again; the dead one's never does.
     with sessions() as s, s.begin():
@@ -278,3 +290,50 @@ def test_a_gap_between_reaper_passes_counts_as_an_outage(settings, sessions, mak
     assert job_row(job_id).status == "running"
     assert passes.run_pass(now=later + timedelta(seconds=settings.stale_after_seconds / 2))["requeued"] == []
     assert passes.run_pass(now=later + timedelta(seconds=settings.stale_after_seconds + 0.1))["requeued"] == [job_id]
+
+
+def test_publishing_failures_are_said_when_they_start_each_minute_and_when_they_end(monkeypatch, caplog, settings,
+                                                                                    sessions, make_job, job_row):
+    """A reaper re-publishes unsent jobs every few seconds: while the broker is down that was two lines a pass
+    per worker (2000 lines for 10 minutes on 8 workers)."""
+    from lmscope import queue
+
+    clock = [1000.0]
+    monkeypatch.setattr(queue, "broker_outage", queue.BrokerOutageLog(clock=lambda: clock[0]))
+
+    class Broker:
+        down = True
+
+        def publish(self, job_id, *, aggregation=False):
+            if self.down:
+                raise ConnectionError("Error 111 connecting to 127.0.0.1:6391. Connection refused.")
+
+    broker = Broker()
+    unsent = [make_job(status="queued", published_at=None) for _ in range(2)]
+    passes = reaper.ReaperPasses(replace(settings, unpublished_after_seconds=0.0), sessions, broker)
+    with caplog.at_level(logging.INFO, logger="lmscope"):
+        for _ in range(12):  # a pass every 5 s for a minute
+            assert queue.send_each(broker, [8, 9]) == ([], [8, 9])  # nothing lost: both still to send
+            clock[0] += 5
+        assert passes.run_pass()["republished"] == []  # the reaper's pass: the same outage
+        assert [job_row(j).published_at for j in unsent] == [None, None]
+        broker.down = False
+        assert passes.run_pass()["republished"] == unsent
+        queue.send_each(broker, [10])  # after the outage: nothing to say
+    said = [r.getMessage() for r in caplog.records if r.name in ("lmscope.queue", "lmscope.reaper")]
+    assert len(said) == 4, said
+    assert said[0].startswith("could not publish job 8 (ConnectionError: Error 111") and "1 more left" in said[0]
+    assert said[1].startswith("publishing still fails after 13 tries in 60 s")
+    assert said[2] == "publishing works again after 13 failed tries"
+    assert said[3] == f"published jobs {unsent}, which waited for the broker"
+
+    # An outage long over (no publish in this process since) does not run into the next one: that one is said
+    # as new, with its job, and the reaper names what it publishes meanwhile.
+    broker.down = True
+    queue.send_each(broker, [11])
+    clock[0] += 3600
+    assert not queue.broker_outage.failing
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmscope.queue"):
+        queue.send_each(broker, [12])
+    assert [r.getMessage()[:26] for r in caplog.records] == ["could not publish job 12 ("]
