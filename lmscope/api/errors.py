@@ -271,6 +271,10 @@ def json_too_large(limit: int | None) -> str:
             "params, a registration): check what is being sent; datasets are uploaded to POST /v1/datasets")
 
 
+# /v1/jobs/<segment>... whose segment is not a job id (the routes take <int:job_id>): -1, 1.5, abc
+_NOT_A_JOB_ID = re.compile(r"/v1/jobs/(?![0-9]+(?:/|$))([^/]+)")
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Problem)
     def _problem(p: Problem):
@@ -281,7 +285,10 @@ def register_error_handlers(app: Flask) -> None:
         status = e.code or 500
         allowed = sorted(getattr(e, "valid_methods", None) or [])
         headers = {"Allow": ", ".join(allowed)} if status == 405 and allowed else {}
-        if status == 404:
+        if status == 404 and (bad_id := _NOT_A_JOB_ID.match(request.path)):
+            detail = (f"there is nothing at {request.path}: job ids are whole numbers from 1 ({bad_id[1]!r} is not "
+                      "one); list your jobs with GET /v1/jobs or `lmscope jobs`")
+        elif status == 404:
             detail = f"there is nothing at {request.path}; see /openapi.json or /docs for the endpoints"
         elif status == 405 and allowed:
             detail = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}"

@@ -48,8 +48,11 @@ def error_json(job: Job) -> dict[str, str | None] | None:
 
 def timings_json(job: Job) -> dict[str, Any]:
     """Queue wait and run time in seconds; per-stage wall times come from the environment record."""
-    end = job.finished_at or (utcnow() if job.started_at else None)
     env = job.environment or {}
+    if job.status == "queued":  # waiting, for its first attempt or (re-queued) for another: none runs
+        return {"queued_seconds": _seconds(job.created_at, utcnow()), "run_seconds": None,
+                "stages": env.get("stages") or env.get("timings")}
+    end = job.finished_at or (utcnow() if job.started_at else None)
     return {
         "queued_seconds": _seconds(job.created_at, job.started_at),
         "run_seconds": _seconds(job.started_at, end),

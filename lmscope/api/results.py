@@ -115,6 +115,9 @@ def compare_jobs():
     parsed = [parse_id(part) for part in raw]
     if None in parsed or not 2 <= len(ids := list(dict.fromkeys(parsed))) <= MAX_COMPARED:
         msg = f"give 2 to {MAX_COMPARED} different job ids separated by commas, e.g. jobs=3,5"
+        if bad := [part for part, i in zip(raw, parsed) if i is None]:
+            shown = ", ".join(repr(part if len(part) <= 24 else part[:24] + "…") for part in bad[:3])
+            msg += f"; {shown}{' …' if len(bad) > 3 else ''} {'is' if len(bad) == 1 else 'are'} not a job id"
         raise Problem(422, "validation-error", "Invalid query", f"jobs: {msg}",
                       errors=[{"loc": ["query", "jobs"], "msg": msg, "type": "value_error"}])
     wanted = request.args.getlist("series")

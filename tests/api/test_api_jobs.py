@@ -15,6 +15,9 @@ from .conftest import Api, is_problem, small_sweep
 def test_job_document(api):
     h = api.user("ann")
     job_id = api.submit(h, name="n1").get_json()["id"]
+    api.set_job(job_id, created_at=utcnow() - timedelta(seconds=30))
+    timings = api.client.get(f"/v1/jobs/{job_id}", headers=h).get_json()["timings"]
+    assert 29 < timings["queued_seconds"] < 600 and timings["run_seconds"] is None  # waiting so far
     started = utcnow() - timedelta(seconds=10)
     api.set_job(job_id, status="running", attempts=1, started_at=started, heartbeat_at=utcnow(),
                 progress_done=30, progress_total=120, progress_stage="forward")
@@ -22,7 +25,11 @@ def test_job_document(api):
     assert job["status"] == "running" and job["attempts"] == 1 and job["user"] == "ann" and job["name"] == "n1"
     assert job["progress"]["done"] == 30 and job["progress"]["total"] == 120 and job["progress"]["stage"] == "forward"
     assert job["progress"]["fraction"] == 30 / 120
-    assert 9 < job["timings"]["run_seconds"] < 600
+    assert 9 < job["timings"]["run_seconds"] < 600 and 19 < job["timings"]["queued_seconds"] < 21
+    # given back to the queue by the reaper (started_at stays the last attempt's): it runs no more
+    api.set_job(job_id, status="queued", worker=None)
+    assert api.client.get(f"/v1/jobs/{job_id}", headers=h).get_json()["timings"]["run_seconds"] is None
+    api.set_job(job_id, status="running", attempts=1)
     assert job["links"] == {"self": f"/v1/jobs/{job_id}", "results": f"/v1/jobs/{job_id}/results",
                             "artifacts": f"/v1/jobs/{job_id}/artifacts", "events": f"/v1/jobs/{job_id}/events",
                             "cancel": f"/v1/jobs/{job_id}/cancel"}
@@ -390,3 +397,16 @@ def test_a_doubled_slash_in_an_artifact_name_is_a_404_problem(api):
     r = api.client.get(f"/v1/jobs/{job_id}/artifacts/%2Fetc%2Fpasswd", headers=h)
     assert is_problem(r, 404, "not-found") and "Location" not in r.headers
     is_problem(api.client.get("//v1/jobs", headers=h), 404, "not-found")
+
+
+def test_a_path_with_something_that_is_not_a_job_id_says_what_a_job_id_is(api):
+    h = api.user("ann")
+    for path, segment in (("/v1/jobs/-1", "-1"), ("/v1/jobs/abc", "abc"), ("/v1/jobs/1.5/results", "1.5"),
+                          ("/v1/jobs/+3/cancel", "+3")):
+        response = api.client.post(path, headers=h) if path.endswith("cancel") else api.client.get(path, headers=h)
+        detail = is_problem(response, 404, "not-found")["detail"]
+        assert f"job ids are whole numbers from 1 ({segment!r} is not one)" in detail, (path, detail)
+    # a job id with a path under it that does not exist is not told its id is wrong
+    job_id = api.submit(h).get_json()["id"]
+    detail = is_problem(api.client.get(f"/v1/jobs/{job_id}/nope", headers=h), 404, "not-found")["detail"]
+    assert "job ids" not in detail and "/openapi.json" in detail

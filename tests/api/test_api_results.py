@@ -190,6 +190,19 @@ def test_events_stream_until_terminal(api):
     assert waited_in_vain == []
 
 
+def test_a_jobs_last_progress_comes_before_its_terminal_status(api):
+    """The worker writes the last progress with the terminal status; a client that stops at that status (as
+    the trial's did) missed the progress when the stream sent the status first."""
+    h = api.user("ann")
+    job_id = api.submit(h).get_json()["id"]
+    api.set_job(job_id, status="succeeded", attempts=1, started_at=utcnow(), finished_at=utcnow(),
+                progress_done=5, progress_total=5, progress_stage="plots")
+    r = api.client.get(f"/v1/jobs/{job_id}/events?timeout=5", headers=h)
+    events = parse_events(r.get_data(as_text=True))
+    assert [k for k, _ in events] == ["progress", "status", "end"]
+    assert (events[0][1]["done"], events[0][1]["total"]) == (5, 5) and events[1][1]["status"] == "succeeded"
+
+
 def test_events_stream_is_bounded(api):
     h = api.user("ann")
     job_id = api.submit(h).get_json()["id"]
@@ -267,6 +280,9 @@ def test_compare_refuses_bad_job_lists_and_other_users_jobs(api):
                   f"jobs=²,{a}", f"jobs={a},{'9' * 25}"):
         body = is_problem(api.client.get(f"/v1/compare?{query}", headers=h), 422, "validation-error")
         assert body["errors"][0]["loc"] == ["query", "jobs"] and "jobs=3,5" in body["detail"]
+    body = is_problem(api.client.get(f"/v1/compare?jobs={a},x", headers=h), 422, "validation-error")
+    assert body["detail"].endswith("; 'x' is not a job id")  # the value to change, named
+    assert "'x', 'y' are not" in is_problem(api.client.get("/v1/compare?jobs=x,y", headers=h), 422, "validation-error")["detail"]
     theirs = api.submit(api.user("bob")).get_json()["id"]
     is_problem(api.client.get(f"/v1/compare?jobs={a},{theirs}", headers=h), 404, "not-found")
     assert api.client.get(f"/v1/compare?jobs={a},{b}", headers=h).status_code == 200
