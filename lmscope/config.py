@@ -30,7 +30,7 @@ ENV_VARS = {
     "LMSCOPE_MAX_EVENT_STREAMS_PER_USER": "event streams one user may keep open at once in one API process (default 4)",
     "LMSCOPE_MAX_ATTEMPTS": "attempts before a job is failed for good (default 3)",
     "LMSCOPE_HEARTBEAT_SECONDS": "how often a running job refreshes its heartbeat (default 5)",
-    "LMSCOPE_STALE_AFTER_SECONDS": "heartbeat age after which the reaper re-enqueues a job (default 60)",
+    "LMSCOPE_STALE_AFTER_SECONDS": "heartbeat age after which the reaper re-enqueues a job (default 60; at least 4 heartbeats, else lmscope refuses to start)",
     "LMSCOPE_UNPUBLISHED_AFTER_SECONDS": "age of a never-published queued job before the reaper publishes it (default 30)",
     "LMSCOPE_TASK_TIME_LIMIT": "hard time limit of one job attempt in seconds (default 21600)",
     "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/..., else data/...)",
