@@ -22,6 +22,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 from lmscope.config import time_limits
+from lmscope.repeated_failures import RepeatedFailures
 
 if TYPE_CHECKING:  # pragma: no cover
     from celery import Celery
@@ -188,51 +189,28 @@ def make_publisher(settings: "Settings") -> Publisher:
 
 # ---------------------------------------------------------------- publish + record
 
-class BrokerOutageLog:
+class BrokerOutageLog(RepeatedFailures):
     """Publishing failures of this process, logged when they start, once a minute while they go on and
-    when publishing works again: a reaper tries every few seconds, and a 10-minute outage on 8 workers
-    was 2000 lines. A failure more than a minute after the last one starts a new outage (a process that
-    publishes now and then, as the API does, may never see the broker answer again in between)."""
-
-    REMIND_SECONDS = 60.0
+    when publishing works again. A failure more than a minute after the last one starts a new outage (a
+    process that publishes now and then, as the API does, may never see the broker answer in between)."""
 
     def __init__(self, clock=time.monotonic):
-        self._clock = clock
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        self.failures = 0
-        self._started = self._reminded = self._last_failed = 0.0
-
-    @property
-    def failing(self) -> bool:
-        """The last publish of this process failed, less than a minute ago."""
-        return self.failures > 0 and self._clock() - self._last_failed < self.REMIND_SECONDS
+        super().__init__(clock, forget_seconds=self.REMIND_SECONDS)
 
     def failed(self, job_id: int, e: BaseException, rest: int) -> None:
         reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        with self._lock:
-            now = self._clock()
-            if self.failures and now - self._last_failed >= self.REMIND_SECONDS:
-                self.failures = 0
-            self.failures += 1
-            self._last_failed = now
-            if self.failures == 1:
-                self._started = self._reminded = now
-                log.warning("could not publish job %s (%s)%s; it waits in the database, and the reaper publishes "
-                            "it when the broker answers (failures that follow are summed up once a minute)",
-                            job_id, reason, f"; {rest} more left unpublished without trying" if rest else "")
-            elif now - self._reminded >= self.REMIND_SECONDS:
-                self._reminded = now
-                log.warning("publishing still fails after %d tries in %.0f s (%s); the jobs wait, none is lost",
-                            self.failures, now - self._started, reason)
+        when = self.note_failure()
+        if when == "first":
+            log.warning("could not publish job %s (%s)%s; it waits in the database, and the reaper publishes "
+                        "it when the broker answers (failures that follow are summed up once a minute)",
+                        job_id, reason, f"; {rest} more left unpublished without trying" if rest else "")
+        elif when == "again":
+            log.warning("publishing still fails after %d tries in %.0f s (%s); the jobs wait, none is lost",
+                        self.failures, self.seconds, reason)
 
     def worked(self) -> None:
-        with self._lock:
-            if self.failures:
-                log.warning("publishing works again after %d failed tries", self.failures)
-                self.failures = 0
+        if ended := self.note_success():
+            log.warning("publishing works again after %d failed tries", ended)
 
 
 broker_outage = BrokerOutageLog()

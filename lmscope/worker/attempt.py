@@ -19,6 +19,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lmscope.db.models import Job, utcnow
+from lmscope.repeated_failures import RepeatedFailures
 
 log = logging.getLogger("lmscope.worker")
 
@@ -54,37 +55,29 @@ def is_outage(e: BaseException) -> bool:
     return any(sign in text for sign in ("connect", "server closed", "database is locked", "timeout", "timed out"))
 
 
-class OutageLog:
+class OutageLog(RepeatedFailures):
     """Logs a retried write's failures during a database outage when it starts, once a minute while it
     lasts and when the write works again, not at every try (a heartbeat and progress reports try several
     times a second). Other database errors (a value out of range, a wrong schema) are logged every time."""
 
-    REMIND_SECONDS = 60.0
-
     def __init__(self, what: str):
+        super().__init__()
         self.what = what
-        self.failures = 0
-        self._started = self._reminded = 0.0
 
     def failed(self, e: BaseException) -> None:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         if not is_outage(e):
             log.warning("%s failed: %s", self.what, reason)  # not an outage: said every time, not counted
             return
-        self.failures += 1  # tries failed in this outage
-        now = time.monotonic()
-        if self.failures == 1:
-            self._started = self._reminded = now
+        when = self.note_failure()
+        if when == "first":
             log.warning("%s failed: %s; retrying (logged again each minute until it works)", self.what, reason)
-        elif now - self._reminded >= self.REMIND_SECONDS:
-            self._reminded = now
-            log.warning("%s still fails after %d tries in %.0f s: %s", self.what, self.failures,
-                        now - self._started, reason)
+        elif when == "again":
+            log.warning("%s still fails after %d tries in %.0f s: %s", self.what, self.failures, self.seconds, reason)
 
     def worked(self) -> None:
-        if self.failures:
-            log.warning("%s works again after %d failed tries", self.what, self.failures)
-            self.failures = 0
+        if ended := self.note_success():
+            log.warning("%s works again after %d failed tries", self.what, ended)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from lmscope.db.models import ACTIVE_STATES, Job, utcnow
 from lmscope.params import is_parent_kind
 from lmscope import queue as job_queue
 from lmscope.queue import Publisher, send_each
+from lmscope.repeated_failures import RepeatedFailures
 from lmscope.worker.runner import (after_terminal, end_keeping_files, give_back_values, ran_into_time_limit,
                                    time_limit_values, worker_lost_values)
 
@@ -219,18 +220,18 @@ class ReaperPasses:
     A failure is logged with its traceback once per outage, then one line a minute while it lasts.
     """
 
-    REMIND_SECONDS = 60.0
-
     def __init__(self, settings: Settings, session_factory: sessionmaker[Session], publisher: Publisher,
                  clock=time.monotonic):
-        self.clock = clock
         self.settings = settings
         self.session_factory = session_factory
         self.publisher = publisher
-        self.failing = False
-        self.failed_passes, self.reminded = 0, 0.0  # in this outage; when it was last said
+        self.failed_passes = RepeatedFailures(clock)  # in this outage
         self.last_pass: datetime | None = None  # when the last pass that worked started
         self.database_back_at: datetime | None = None  # when the database answered again after an outage
+
+    @property
+    def failing(self) -> bool:
+        return self.failed_passes.failing
 
     def run_pass(self, now: datetime | None = None) -> dict[str, list[int]] | None:
         """One pass; its report, or None if it failed (it is tried again at the next)."""
@@ -242,23 +243,19 @@ class ReaperPasses:
             report = reap(self.settings, self.session_factory, self.publisher, now=now,
                           database_back_at=self.database_back_at)
         except Exception as e:  # the database may be briefly unreachable; try again next pass
-            self.failed_passes = self.failed_passes + 1 if self.failing else 1
-            if not self.failing:
-                self.reminded = self.clock()
+            when = self.failed_passes.note_failure()
+            if when == "first":  # the traceback once per outage, then a line a minute, not every few seconds
                 log.exception("reaper pass failed; retrying every %.1f s (logged again each minute until a pass "
                               "works)", reap_interval(self.settings))
-            elif self.clock() - self.reminded >= self.REMIND_SECONDS:  # not every few seconds
-                self.reminded = self.clock()
-                log.warning("reaper passes still fail (%d in a row): %s: %s", self.failed_passes, type(e).__name__,
-                            (str(e).splitlines() or [""])[0])
-            self.failing = True
+            elif when == "again":
+                log.warning("reaper passes still fail (%d in a row): %s: %s", self.failed_passes.failures,
+                            type(e).__name__, (str(e).splitlines() or [""])[0])
             return None
-        if self.failing or gap:
+        if (failed := self.failed_passes.note_success()) or gap:
             log.info("reaper passes work again%s; no worker is called lost before %s (heartbeats could not be "
-                     "written meanwhile)", f" after {self.failed_passes} failed passes" if self.failing
+                     "written meanwhile)", f" after {failed} failed passes" if failed
                      else f" after a gap since {self.last_pass}",
                      now + timedelta(seconds=self.settings.stale_after_seconds))
-        self.failing = False
         self.last_pass = now
         return report
 
