@@ -287,6 +287,13 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
 
 # ---------------------------------------------------------------- progress
 
+def unsent_children_text(n: int) -> str:
+    """A sweep submitted while the broker was down: the sweep runs, its children wait for the broker."""
+    which = "1 child" if n == 1 else f"{n} children"
+    return (f"the broker has not taken {which} yet (it did not answer): the reaper hands "
+            f"{'it' if n == 1 else 'them'} over when the broker answers")
+
+
 class ProgressLine:
     """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
 
@@ -329,6 +336,8 @@ class ProgressLine:
             text += f" {p.get('done') or 0}/{p['total']}"
         if p.get("stage") and job["status"] not in TERMINAL_STATES:  # a finished job's stage (and ETA) is stale
             text += f" {p['stage']}"
+        if job.get("children_unsent") and head:
+            text += f"; {unsent_children_text(job['children_unsent'])}"
         return text.strip()
 
     def __call__(self, job: dict[str, Any]) -> None:
@@ -342,7 +351,7 @@ class ProgressLine:
             now = self.clock()
             queue = job.get("queue") or {}
             state = (job["status"], bool(job.get("cancel_requested")), bool(queue.get("worker_stopped")),
-                     queue.get("workers") == 0)
+                     queue.get("workers") == 0, bool(queue.get("unsent") or job.get("children_unsent")))
             if state == self.last_status and now - self.last_logged < self.LOG_EVERY:
                 return
             self.stream.write(text + "\n")
@@ -668,18 +677,23 @@ def user_tokens(name):
 
 @user.command("revoke")
 @click.argument("name")
-@click.option("--token", "prefix", metavar="PREFIX", help="the token to revoke: its first characters, as "
+@click.option("--token", "prefix", metavar="PREFIX", help="the token to revoke: its first 12 characters, as "
               "`lmscope user tokens NAME` shows them (or the whole token)")
 @click.option("--all", "revoke_all", is_flag=True, help="revoke every token of the user")
 def user_revoke(name, prefix, revoke_all):
     """Revoke a user's token (or all of them): requests with it are refused from then on (401)."""
     from sqlalchemy import delete, select
 
-    from lmscope.api.auth import hash_token
+    from lmscope.api.auth import SHOWN_PREFIX_CHARS, hash_token
     from lmscope.db.models import ApiToken
 
     if bool(prefix) == revoke_all:
         raise click.UsageError("give exactly one of --token PREFIX or --all")
+    if prefix and len(prefix.rstrip("…")) < SHOWN_PREFIX_CHARS:
+        # 'lms_' starts every token: a short prefix that happens to match one token revoked it
+        raise click.UsageError(f"--token takes a token's first {SHOWN_PREFIX_CHARS} characters, as "
+                               f"`lmscope user tokens {name}` shows them, or the whole token; "
+                               f"{prefix!r} is too short to name one")
     with _sessions().begin() as session:
         u = _user_named(session, name)
         tokens = session.scalars(select(ApiToken).where(ApiToken.user_id == u.id)).all()
@@ -766,8 +780,9 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
                    err=True)
     else:
         unsent = ("; the broker has not taken it yet (it did not answer): the reaper hands it over when it does "
-                  "(GET /readyz says whether it answers)"
-                  if (job.get("queue") or {}).get("unsent") else "")
+                  "(GET /readyz says whether it answers)" if (job.get("queue") or {}).get("unsent")
+                  else f"; {unsent_children_text(job['children_unsent'])} (GET /readyz says whether it answers)"
+                  if job.get("children_unsent") else "")
         click.echo(f"submitted job {job['id']} ({job['kind']}){children}{unsent}", err=True)
     if not wait_:
         click.echo(job["id"])
@@ -916,6 +931,8 @@ def show(job_id, as_json):
             click.echo(f"{'':12} no worker takes jobs from the queue: {NO_WORKER_ADVICE}")
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
+        if job.get("children_unsent"):
+            click.echo(f"{'':12} {unsent_children_text(job['children_unsent'])} (GET /readyz says whether it answers)")
     for key in ("params", "summary", "error", "environment"):
         if job.get(key):
             text = json.dumps(job[key], indent=2, ensure_ascii=False)

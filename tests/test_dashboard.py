@@ -428,6 +428,14 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     assert (page.js(text % "{ahead: 2, running: 0, workers: 0}")
             == "queued; no worker takes jobs from the queue: it waits until one starts")
     assert page.js(text % "{ahead: 2, running: 1, workers: 1}") == "queued behind 2 jobs · 1 running"
+    # submitted while the broker was down: the job (or a sweep's grid points) waits for the broker to answer
+    assert (page.js(text % "{ahead: 2, running: 1, unsent: true}")
+            == "queued; not handed to the broker yet: it is sent when the broker answers")
+    sweep = ("progressText({status: 'running', progress: {done: 1, total: 3, stage: 'children'}, timings: {}, "
+             "children_unsent: %d})")
+    assert page.js(sweep % 2) == "1/3 grid points done · the broker has not taken 2 grid points yet"
+    assert page.js(sweep % 1) == "1/3 grid points done · the broker has not taken 1 grid point yet"
+    assert page.js(sweep % 0) == "1/3 grid points done"
 
 
 def test_a_sweep_point_requeued_as_another_starts_is_refetched(page, url, jobs):
@@ -964,6 +972,12 @@ def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     assert jobs["a"] in probes and jobs["sweep"] not in probes
     check("f-kind", "", "parent=none")
     assert check("f-status", "failed", "status=failed&parent=none") == [jobs["failed"]]
+    # several states at once, as the API takes them: everything not ended, everything ended
+    ended = check("f-status", "succeeded,failed,cancelled", "status=succeeded,failed,cancelled&parent=none")
+    active = check("f-status", "queued,running", "status=queued,running&parent=none")
+    every = [j["id"] for j in api(url, "/v1/jobs?parent=none")["items"]]
+    assert jobs["failed"] in ended and sorted(ended + active, reverse=True) == every
+    assert "status=queued%2Crunning" in page.js("location.hash")  # the address keeps it: a reload shows the same
     check("f-status", "", "parent=none")
     tagged = check("f-tag", "alpha", "tag=alpha&parent=none")
     assert tagged == [jobs["a"]]

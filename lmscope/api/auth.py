@@ -25,6 +25,7 @@ from lmscope.config import Settings
 from lmscope.db.models import ApiToken, User, utcnow
 
 TOKEN_PREFIX = "lms_"
+SHOWN_PREFIX_CHARS = 12  # what `lmscope user tokens` shows of a token, and the least `user revoke --token` takes
 LOCAL_USER = "local"
 USER_NAME_MAX_LENGTH = 64  # users.name is VARCHAR(64)
 # Refreshing last_used_at on every request would make every read a write; once a minute is enough.
@@ -66,7 +67,7 @@ def hash_token(token: str) -> str:
 def issue_token(session: Session, user: User) -> str:
     """Make another token for `user`; returns the plain token (never stored)."""
     token = new_token()
-    session.add(ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:12]))
+    session.add(ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:SHOWN_PREFIX_CHARS]))
     session.flush()
     return token
 

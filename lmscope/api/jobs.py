@@ -91,12 +91,24 @@ def queue_position(session, job: Job) -> dict[str, int | str]:
     return queue
 
 
+def unsent_children(session, job: Job) -> int:
+    """How many of a sweep's queued children the broker has not taken yet (0 under `lmscope up`, which
+    reads its queue from SQL)."""
+    if state().worker_stopped is not None:
+        return 0
+    return session.scalar(select(func.count()).where(Job.parent_id == job.id, Job.status == "queued",
+                                                     Job.published_at.is_(None)))
+
+
 def render_job(session, job: Job) -> dict:
     children, last_end = children_of(session, job)
     body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children,
                     last_child_end=last_end)
     if job.status == "queued":
         body["queue"] = queue_position(session, job)
+    if children and children["queued"] and (unsent := unsent_children(session, job)):
+        # A sweep submitted while the broker was down is itself running; only its children wait for it.
+        body["children_unsent"] = unsent
     return body
 
 

@@ -239,6 +239,9 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "error": {"type": ["object", "null"], "properties": {"type": _NULLABLE_STR, "message": _NULLABLE_STR}},
         "summary": {"type": ["object", "null"]}, "environment": {"type": ["object", "null"]},
         "timings": {"type": "object"}, "children": {"type": ["object", "null"], "description": "counts by status (sweeps)"},
+        "children_unsent": {"type": "integer", "description": "only on one sweep (not in lists), with a broker: "
+                            "how many of its queued children the broker has not taken yet (it was down at submit; "
+                            "the reaper sends them when it answers); absent when none"},
         "queue": {"type": "object", "description": "only on one queued job (not in lists): queued jobs submitted "
                   "before it, anyone's, and jobs running now; under `lmscope up`, worker_stopped says why its worker "
                   "takes no more jobs (e.g. an unusable GPU) when it does not; unsent: true while the broker has "

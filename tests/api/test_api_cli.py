@@ -309,6 +309,36 @@ def test_a_job_submitted_while_the_broker_is_down_says_so(api, cli):
     assert "broker" not in cli("submit", "probe", "-p", "model=m").stderr
 
 
+def test_a_sweep_submitted_while_the_broker_is_down_says_its_children_wait(api, cli, tmp_path):
+    """A sweep is running at once (it holds no worker): only its children wait for the broker, and the
+    submit line said nothing about them."""
+    from .conftest import small_sweep
+    params = tmp_path / "sweep.json"
+    params.write_text(json.dumps(small_sweep(3)))
+    api.publisher.fail = True
+    r = cli("submit", "sweep", "--params", str(params))
+    assert r.exit_code == 0, r.output
+    sweep = int(r.stdout)
+    assert r.stderr.strip() == (f"submitted job {sweep} (sweep) with 3 children; the broker has not taken 3 children "
+                                "yet (it did not answer): the reaper hands them over when the broker answers "
+                                "(GET /readyz says whether it answers)")
+    headers = api.user("ann")
+    body = api.client.get(f"/v1/jobs/{sweep}", headers=headers).get_json()
+    assert body["children_unsent"] == 3 and body["children"]["queued"] == 3
+    assert "children_unsent" not in api.client.get("/v1/jobs", headers=headers).get_json()["items"][0]
+    shown = cli("show", str(sweep)).stdout
+    assert "the broker has not taken 3 children yet" in shown
+
+    # The reaper sends one (here: the row marked as published); the count follows the database.
+    kid = min(j.id for j in api.jobs(parent_id=sweep))
+    api.set_job(kid, published_at=utcnow())
+    assert api.client.get(f"/v1/jobs/{sweep}", headers=headers).get_json()["children_unsent"] == 2
+    api.publisher.fail = False
+    r = cli("submit", "sweep", "--params", str(params))
+    assert r.exit_code == 0 and "broker" not in r.stderr, r.output
+    assert "children_unsent" not in api.client.get(f"/v1/jobs/{int(r.stdout)}", headers=headers).get_json()
+
+
 def test_results_of_a_job_without_series_say_why(api, cli):
     job_id = api.submit(api.user("ann")).get_json()["id"]
     api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="out-of-memory", error_message="CUDA OOM")
