@@ -187,7 +187,8 @@ class Client:
              timeout: float | None = None, poll: float = 0.5, outage: float = 120.0,
              on_outage: Callable[[LmscopeError], None] | None = None) -> dict[str, Any]:
         """Poll until the job is terminal; `on_progress(job)` is called whenever status or progress changes
-        (or, while queued, what the job waits behind: its `queue` field).
+        (or, while queued, what the job waits behind: its `queue` field; for a sweep, how many of its
+        children the broker has not taken yet: `children_unsent`).
 
         Raises TimeoutError after `timeout` seconds (the job keeps running). Once the job has been
         seen, an API that stops answering (a restart, a rollout: no answer, 502, 503, 504) is polled
@@ -226,7 +227,8 @@ class Client:
                 time.sleep(min(5.0, max(poll, 1.0)))
                 continue
             down_since = None
-            seen = (job["status"], job.get("progress"), job.get("cancel_requested"), job.get("queue"))
+            seen = (job["status"], job.get("progress"), job.get("cancel_requested"), job.get("queue"),
+                    job.get("children_unsent"))
             if on_progress and seen != last:
                 on_progress(job)
             last = seen

@@ -232,6 +232,34 @@ def test_wait_reports_a_queued_jobs_place_as_it_moves_up(api, ann):
                     ("succeeded", None)]
 
 
+def test_wait_reports_a_sweeps_children_as_the_broker_takes_them(api, ann):
+    """A sweep submitted while the broker was down: its progress does not move when the reaper hands its
+    children over, but what `wait` reports (the CLI's line) must."""
+    from .conftest import small_sweep
+    api.publisher.fail = True
+    sweep = ann.submit("sweep", small_sweep(2))["id"]
+    api.publisher.fail = False
+    seen, reported = [], threading.Event()
+
+    def on_progress(j):
+        seen.append((j["status"], j.get("children_unsent")))
+        reported.set()
+
+    def reaper():
+        reported.wait(10)
+        reported.clear()
+        for kid in api.jobs(parent_id=sweep):  # published, as the reaper marks them
+            api.set_job(kid.id, published_at=utcnow())
+        reported.wait(10)
+        api.set_job(sweep, status="succeeded", finished_at=utcnow())
+
+    thread = threading.Thread(target=reaper)
+    thread.start()
+    ann.wait(sweep, on_progress=on_progress, timeout=20, poll=0.05)
+    thread.join()
+    assert seen == [("running", 2), ("running", None), ("succeeded", None)]
+
+
 def test_results_download_and_fetch(api, ann, tmp_path):
     job_id = ann.submit("probe", {"model": "m"})["id"]
     files = {"plots/a.png": b"\x89PNG" + bytes(1000), "b.npz": b"PK" + bytes(range(200))}
