@@ -289,17 +289,18 @@ def build_params(pairs: tuple[str, ...], params_file: str | None,
 
 def unsent_children_text(n: int) -> str:
     """A sweep submitted while the broker was down: the sweep runs, its children wait for the broker."""
-    which = "1 child" if n == 1 else f"{n} children"
-    return (f"the broker has not taken {which} yet (it did not answer): the reaper hands "
-            f"{'it' if n == 1 else 'them'} over when the broker answers")
+    return f"{'1 child' if n == 1 else f'{n} children'} not handed to the broker yet"
+
+
+UNSENT_CHILDREN_ADVICE = "the reaper sends them when the broker answers (GET /readyz says whether it does)"
 
 
 class ProgressLine:
     """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
 
     Off a terminal (a log file, CI) each update is a new line, so only a change of status (or a cancel
-    request, or a stopped worker) or, while it stays, one every ``LOG_EVERY`` seconds: a train job's ETA
-    changes at every poll.
+    request, a stopped worker or none, a job or children handed to the broker) or, while it stays, one
+    every ``LOG_EVERY`` seconds: a train job's ETA changes at every poll.
     """
 
     WIDTH = 30
@@ -689,18 +690,19 @@ def user_revoke(name, prefix, revoke_all):
 
     if bool(prefix) == revoke_all:
         raise click.UsageError("give exactly one of --token PREFIX or --all")
-    if prefix and len(prefix.rstrip("…")) < SHOWN_PREFIX_CHARS:
-        # 'lms_' starts every token: a short prefix that happens to match one token revoked it
-        raise click.UsageError(f"--token takes a token's first {SHOWN_PREFIX_CHARS} characters, as "
-                               f"`lmscope user tokens {name}` shows them, or the whole token; "
-                               f"{prefix!r} is too short to name one")
     with _sessions().begin() as session:
         u = _user_named(session, name)
         tokens = session.scalars(select(ApiToken).where(ApiToken.user_id == u.id)).all()
         if prefix:
             prefix = prefix.rstrip("…")
             whole = hash_token(prefix)  # a whole token pasted in is matched exactly
-            tokens = [t for t in tokens if t.token_hash == whole or t.prefix.startswith(prefix)]
+            tokens = [t for t in tokens if t.token_hash == whole
+                      or (len(prefix) == SHOWN_PREFIX_CHARS and t.prefix == prefix)]
+            if not tokens and len(prefix) != SHOWN_PREFIX_CHARS:
+                # 'lms_' starts every token: a shorter prefix that happened to match one token revoked it
+                raise click.UsageError(f"--token takes a token's first {SHOWN_PREFIX_CHARS} characters, as "
+                                       f"`lmscope user tokens {name}` shows them, or the whole token; "
+                                       f"{prefix!r} is {len(prefix)} characters and no whole token of {name}'s")
             if not tokens:
                 raise click.ClickException(f"{name} has no token starting {prefix!r}; "
                                            f"`lmscope user tokens {name}` lists them")
@@ -781,7 +783,8 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
     else:
         unsent = ("; the broker has not taken it yet (it did not answer): the reaper hands it over when it does "
                   "(GET /readyz says whether it answers)" if (job.get("queue") or {}).get("unsent")
-                  else f"; {unsent_children_text(job['children_unsent'])} (GET /readyz says whether it answers)"
+                  else f"; {unsent_children_text(job['children_unsent'])} (the broker did not answer): "
+                       f"{UNSENT_CHILDREN_ADVICE}"
                   if job.get("children_unsent") else "")
         click.echo(f"submitted job {job['id']} ({job['kind']}){children}{unsent}", err=True)
     if not wait_:
@@ -932,7 +935,7 @@ def show(job_id, as_json):
     if job.get("children"):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
         if job.get("children_unsent"):
-            click.echo(f"{'':12} {unsent_children_text(job['children_unsent'])} (GET /readyz says whether it answers)")
+            click.echo(f"{'':12} {unsent_children_text(job['children_unsent'])}: {UNSENT_CHILDREN_ADVICE}")
     for key in ("params", "summary", "error", "environment"):
         if job.get(key):
             text = json.dumps(job[key], indent=2, ensure_ascii=False)

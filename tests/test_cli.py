@@ -463,10 +463,11 @@ def test_user_create_prints_a_working_token(sqlite_url, settings_factory, monkey
     listed = runner.invoke(main, ["user", "tokens", "ann"]).stdout.splitlines()
     assert [line.split("…")[0] for line in listed] == [token[:12], another[:12]]
     assert "never" not in listed[0] and all("last used" in line for line in listed)
-    # A prefix shorter than the 12 characters shown is refused, even where it matches one token only.
-    for short in ("lms_", token[:11]):
-        r = runner.invoke(main, ["user", "revoke", "ann", "--token", short])
-        assert r.exit_code == 2 and "too short to name one" in r.output, r.output
+    # Only the 12 characters shown (or the whole token) name a token: shorter ones matched one token only
+    # (and revoked it), longer ones could match none; both are refused, saying what to give.
+    for wrong in ("lms_", token[:11], token[:13], token[:-1]):
+        r = runner.invoke(main, ["user", "revoke", "ann", "--token", wrong])
+        assert r.exit_code == 2 and "first 12 characters" in r.output, r.output
     assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert runner.invoke(main, ["user", "revoke", "ann"]).exit_code != 0  # says which token
     assert runner.invoke(main, ["user", "revoke", "ann", "--token", token[:12]]).exit_code == 0
@@ -825,8 +826,7 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     # a sweep submitted then: the sweep runs, its children wait for the broker
     sweep = {"status": "running", "progress": {"done": 0, "total": 3, "fraction": 0.0, "stage": "children"},
              "children_unsent": 1}
-    assert line.render(sweep).endswith("0/3 children; the broker has not taken 1 child yet (it did not answer): the "
-                                       "reaper hands it over when the broker answers")
+    assert line.render(sweep).endswith("0/3 children; 1 child not handed to the broker yet")
     assert "broker" not in line.render(sweep, head=False)
     # re-queued after a lost worker: the progress is its last attempt's, said as such and without a bar
     requeued = {**queued, "attempts": 1, "progress": {"done": 84, "total": 120, "fraction": 0.7, "stage": "train"}}

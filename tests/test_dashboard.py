@@ -433,8 +433,10 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
             == "queued; not handed to the broker yet: it is sent when the broker answers")
     sweep = ("progressText({status: 'running', progress: {done: 1, total: 3, stage: 'children'}, timings: {}, "
              "children_unsent: %d})")
-    assert page.js(sweep % 2) == "1/3 grid points done · the broker has not taken 2 grid points yet"
-    assert page.js(sweep % 1) == "1/3 grid points done · the broker has not taken 1 grid point yet"
+    assert page.js(sweep % 2) == ("1/3 grid points done · 2 grid points not handed to the broker yet: they are sent "
+                                  "when the broker answers")
+    assert page.js(sweep % 1) == ("1/3 grid points done · 1 grid point not handed to the broker yet: it is sent when "
+                                  "the broker answers")
     assert page.js(sweep % 0) == "1/3 grid points done"
 
 
@@ -977,7 +979,7 @@ def test_filters_show_exactly_what_the_api_lists(page, url, jobs):
     active = check("f-status", "queued,running", "status=queued,running&parent=none")
     every = [j["id"] for j in api(url, "/v1/jobs?parent=none")["items"]]
     assert jobs["failed"] in ended and sorted(ended + active, reverse=True) == every
-    assert "status=queued%2Crunning" in page.js("location.hash")  # the address keeps it: a reload shows the same
+    assert "status=queued%2Crunning" in page.js("location.hash")  # the address keeps it (a load of it: above)
     check("f-status", "", "parent=none")
     tagged = check("f-tag", "alpha", "tag=alpha&parent=none")
     assert tagged == [jobs["a"]]
@@ -1050,6 +1052,24 @@ def test_filters_in_the_address_set_the_controls_and_the_list(page, url, jobs):
     assert filters(page) == {"kind": "", "status": "", "tag": "alpha"}
     page.wait("location.hash === '#tag=alpha'")
     assert page.js("document.querySelector('#detail p')?.textContent").startswith("Select a job")
+
+    # Several states, as the API takes them: a group in any order is that group's choice, another list of
+    # states a choice of its own; a list with a state that is none, or a name objects have, is no filter.
+    load(page, f"{url}/#status=running%2Cqueued")
+    wait_rows(page, [j["id"] for j in api(url, "/v1/jobs?status=queued,running&parent=none")["items"]])
+    assert filters(page)["status"] == "queued,running"
+    assert page.js("$('f-status').selectedOptions[0].textContent") == "not ended (queued, running)"
+    page.wait("location.hash === '#status=queued%2Crunning'")
+    load(page, f"{url}/#status=cancelled,failed")
+    want = [j["id"] for j in api(url, "/v1/jobs?status=failed,cancelled&parent=none")["items"]]
+    assert jobs["failed"] in want
+    wait_rows(page, want)
+    assert page.js("$('f-status').selectedOptions[0].textContent") == "failed, cancelled"
+    for wrong in ("failed,exploded", "toString", "constructor"):
+        load(page, f"{url}/#status={wrong}&tag=alpha")
+        wait_rows(page, [jobs["a"]])
+        assert filters(page)["status"] == "" and page.js("$('f-status').selectedIndex") == 0
+        page.wait("location.hash === '#tag=alpha'")
 
     # A kind of a sweep's points: the list waits for the kinds, so it never asks for top-level jobs only.
     load(page, f"{url}/#kind=sumformer_fit")

@@ -292,6 +292,43 @@ def test_a_gap_between_reaper_passes_counts_as_an_outage(settings, sessions, mak
     assert passes.run_pass(now=later + timedelta(seconds=settings.stale_after_seconds + 0.1))["requeued"] == [job_id]
 
 
+def test_jobs_waiting_for_a_broker_that_refuses_are_never_shown_as_sent(monkeypatch, settings, sessions, make_job,
+                                                                      job_row):
+    """A pass claimed every unsent job (published_at = now) before trying the broker, and gave them back after
+    the refused try: for that second, at every pass, their pages said the broker had them (a sweep's
+    children_unsent blinked off). While this process's publishing fails, one job tries the broker first."""
+    from lmscope import queue
+
+    monkeypatch.setattr(queue, "broker_outage", queue.BrokerOutageLog())
+    unsent = [make_job(status="queued", published_at=None) for _ in range(3)]
+    marked_during_tries = []
+
+    class Broker:
+        down = True
+        sent: list[int] = []
+
+        def publish(self, job_id, *, aggregation=False):
+            marked_during_tries.append([job_row(j).published_at is not None for j in unsent])
+            if self.down:
+                raise ConnectionError("Connection refused")
+            self.sent.append(job_id)
+
+    broker = Broker()
+    passes = reaper.ReaperPasses(replace(settings, unpublished_after_seconds=0.0), sessions, broker)
+    assert passes.run_pass()["republished"] == []  # the first refusal: this process did not know yet
+    assert queue.broker_outage.failing
+    marked_during_tries.clear()
+    for _ in range(3):
+        assert passes.run_pass()["republished"] == []
+    assert marked_during_tries == [[False, False, False]] * 3  # one try a pass, nothing marked as sent meanwhile
+    assert [job_row(j).published_at for j in unsent] == [None, None, None]
+
+    broker.down = False  # it answers: the first goes unclaimed, the others claimed, each once
+    assert passes.run_pass()["republished"] == unsent
+    assert broker.sent == unsent and all(job_row(j).published_at is not None for j in unsent)
+    assert not queue.broker_outage.failing
+
+
 def test_publishing_failures_are_said_when_they_start_each_minute_and_when_they_end(monkeypatch, caplog, settings,
                                                                                     sessions, make_job, job_row):
     """A reaper re-publishes unsent jobs every few seconds: while the broker is down that was two lines a pass
