@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +35,9 @@ ENV_VARS = {
     "LMSCOPE_UNPUBLISHED_AFTER_SECONDS": "age of a never-published queued job before the reaper publishes it (default 30)",
     "LMSCOPE_TASK_TIME_LIMIT": "hard time limit of one job attempt in seconds (default 21600)",
     "LMSCOPE_WIKITEXT2_PATH": "WikiText-2 raw test file registered as dataset 'wikitext-2' (default ../shared/data/..., else data/...)",
-    "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton | reference",
+    "LMSCOPE_KERNEL_BACKEND": "force the attention kernel backend: triton or reference (default: Triton on CUDA, the reference elsewhere)",
     "LMSCOPE_AUTOTUNE": "0 = Triton kernels launch their first candidate tile instead of autotuning (one compile per shape: GPU test runs); default 1 (on; also true/false, yes/no, on/off); anything else fails the job that launches a kernel",
-    "LMSCOPE_DEVICE": "torch device for workers (default cuda if available else cpu)",
+    "LMSCOPE_DEVICE": "torch device for workers: cpu, cuda or cuda:N (default cuda if available else cpu)",
     "LMSCOPE_ALLOWED_HOSTS": "comma-separated host names a server without authentication answers to besides IP addresses and localhost (e.g. gpubox); other names are refused, so a web page cannot reach it through DNS rebinding",
     "LMSCOPE_HOST": "address `lmscope up` binds (default 127.0.0.1; gunicorn takes its own --bind)",
     "LMSCOPE_PORT": "port `lmscope up` listens on (default 8765)",
@@ -88,6 +89,35 @@ def time_limits(hard: int) -> tuple[int, float]:
 
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+KERNEL_BACKENDS = ("triton", "reference")
+
+
+def forced_kernel_backend(env) -> str | None:
+    """``LMSCOPE_KERNEL_BACKEND`` (triton or reference, any case), None when unset or empty."""
+    raw = env.get("LMSCOPE_KERNEL_BACKEND")
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if value not in KERNEL_BACKENDS:
+        raise ConfigError(f"LMSCOPE_KERNEL_BACKEND={raw!r} is not a kernel backend; write "
+                          f"LMSCOPE_KERNEL_BACKEND={' or '.join(KERNEL_BACKENDS)}, or leave it unset (Triton on "
+                          "CUDA, the reference elsewhere)")
+    return value
+
+
+def forced_device(env) -> str | None:
+    """``LMSCOPE_DEVICE`` (cpu, cuda or cuda:N), None when unset or empty. Checked here rather than left to
+    torch, which would fail every job with its own message and not name the variable."""
+    raw = env.get("LMSCOPE_DEVICE")
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"LMSCOPE_DEVICE={raw!r} is not a device lmscope runs on; write LMSCOPE_DEVICE=cpu, "
+                          "LMSCOPE_DEVICE=cuda or LMSCOPE_DEVICE=cuda:N (the Nth GPU), or leave it unset (cuda when "
+                          "available, else cpu)")
+    return value
 
 
 def on_off(env, name, default: bool) -> bool:
@@ -175,6 +205,8 @@ class Settings:
             allowed_hosts=tuple(h.strip().lower() for h in env.get("LMSCOPE_ALLOWED_HOSTS", "").split(",") if h.strip()),
         )
         values.update(overrides)
+        forced_kernel_backend(env)  # not kept: the worker reads them where it runs a job; checked so that a
+        forced_device(env)          # misspelt value stops the command rather than failing every job
         heartbeat, stale = values["heartbeat_seconds"], values["stale_after_seconds"]
         if stale < STALE_HEARTBEATS * heartbeat:
             # else the reaper takes a healthy job for lost between two of its heartbeats, re-queues it, and after

@@ -82,6 +82,34 @@ def test_autotune_is_on_or_off_and_anything_else_is_refused(monkeypatch):
         autotuning()
 
 
+def test_a_worker_device_or_kernel_backend_it_cannot_use_stops_the_command_by_name(monkeypatch):
+    """LMSCOPE_DEVICE=gpu and LMSCOPE_KERNEL_BACKEND=trtion once let `lmscope up` start, then failed every job
+    with torch's message or a ValueError that the job page files under bugs."""
+    from lmscope.kernels.dispatch import forced_backend
+    from lmscope.worker.environment import _device_for_pid
+
+    for raw in ("cpu", "CUDA", "cuda:1", " cuda:0 "):
+        assert Settings.from_env({"LMSCOPE_DEVICE": raw})
+    for raw in ("gpu", "cuda:", "cuda:x", "cuda0", "mps"):
+        with pytest.raises(ConfigError, match=rf"LMSCOPE_DEVICE='{raw}' is not a device lmscope runs on; write "
+                                              r"LMSCOPE_DEVICE=cpu, LMSCOPE_DEVICE=cuda or LMSCOPE_DEVICE=cuda:N"):
+            Settings.from_env({"LMSCOPE_DEVICE": raw})
+    for raw in ("triton", "Reference"):
+        assert Settings.from_env({"LMSCOPE_KERNEL_BACKEND": raw})
+    with pytest.raises(ConfigError, match=r"LMSCOPE_KERNEL_BACKEND='trtion' is not a kernel backend; write "
+                                          r"LMSCOPE_KERNEL_BACKEND=triton or reference"):
+        Settings.from_env({"LMSCOPE_KERNEL_BACKEND": "trtion"})
+    # the worker reads them at each job through the same checks (a test may set them after start-up)
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", " TRITON ")
+    assert forced_backend() == "triton"
+    monkeypatch.setenv("LMSCOPE_KERNEL_BACKEND", "trtion")
+    with pytest.raises(ConfigError, match="LMSCOPE_KERNEL_BACKEND='trtion'"):
+        forced_backend()
+    monkeypatch.setenv("LMSCOPE_DEVICE", "Cuda:1")
+    assert _device_for_pid(-1) == "cuda:1"
+    _device_for_pid.cache_clear()
+
+
 def test_the_cli_shows_a_malformed_variable_as_an_error_not_a_traceback(tmp_path):
     from click.testing import CliRunner
 
@@ -92,6 +120,8 @@ def test_the_cli_shows_a_malformed_variable_as_an_error_not_a_traceback(tmp_path
     assert result.exit_code == 1
     assert "Error: LMSCOPE_AUTH='maybe' is neither on nor off" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "lmscope.db").exists()
+    result = CliRunner().invoke(main, ["db", "upgrade"], env={"LMSCOPE_DATA_DIR": str(tmp_path), "LMSCOPE_DEVICE": "gpu"})
+    assert result.exit_code == 1 and "Error: LMSCOPE_DEVICE='gpu' is not a device" in result.output
 
 
 def test_each_documented_numeric_default_is_the_default():

@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from lmscope.config import on_off
+from lmscope.config import KERNEL_BACKENDS, forced_kernel_backend, on_off
 
-BACKENDS = ("triton", "reference")
+BACKENDS = KERNEL_BACKENDS
 ENV_VAR = "LMSCOPE_KERNEL_BACKEND"
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels take (fp32 accumulators)
 
@@ -64,13 +64,9 @@ def autotuning() -> bool:
 
 
 def forced_backend() -> str | None:
-    """The backend ``LMSCOPE_KERNEL_BACKEND`` asks for (validated), or None when it is unset."""
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if not value:
-        return None
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)} (or unset)")
-    return value
+    """The backend ``LMSCOPE_KERNEL_BACKEND`` asks for (validated: lmscope.config.ConfigError), or None when
+    it is unset."""
+    return forced_kernel_backend(os.environ)
 
 
 def kernel_backend(device: torch.device | str | None = None) -> str:

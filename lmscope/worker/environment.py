@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import lmscope
+from lmscope.config import forced_device
 
 PACKAGES = ("torch", "triton", "transformers")
 
@@ -27,7 +28,7 @@ def worker_id() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _device_for_pid(pid: int) -> str:
-    forced = os.environ.get("LMSCOPE_DEVICE", "").strip()
+    forced = forced_device(os.environ)
     if forced:
         return forced
     if importlib.util.find_spec("torch") is None:
