@@ -7,8 +7,13 @@ STAMP := .make/installed
 
 .PHONY: install demo test test-fast test-triton-newest bench system-deps clean
 
+# PyPI's Linux torch is the CUDA build (several GB of nvidia-* wheels); PyTorch's CPU index has the same
+# version as 2.13.0+cpu, which pip prefers. Offline, pip warns that it cannot reach the index and takes a
+# local CPU wheel (find-links) as before. TORCH_INDEX= (empty) leaves pip's own indexes alone.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(STAMP): pyproject.toml constraints-cpu.txt
-	$(PIP) install -q -c constraints-cpu.txt torch triton
+	$(PIP) install -q -c constraints-cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch triton
 	$(PIP) install -q -c constraints-cpu.txt -e '.[worker,triton,test]'
 	@mkdir -p .make && touch $(STAMP)
 
