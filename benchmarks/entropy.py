@@ -150,7 +150,25 @@ def main() -> None:
     print(f"model {loaded.name} ({dtype}) on {device_name}; kernel backend {kernel_backend(args.device)}; "
           f"{args.windows} windows x batch {args.batch_size}; best of {args.repeats}")
 
-    rows = []
+    rows, longest = [], {}
+    stopped = None
+
+    def save() -> None:  # after every row: `timeout -s INT` (gpu_suite.sh) may stop the run at any point
+        if args.json:
+            args.json.write_text(json.dumps({"model": loaded.name, "dtype": dtype, "device": device_name,
+                                             "backend": kernel_backend(args.device), "rows": rows, "longest": longest,
+                                             "stopped": stopped}, indent=1, default=str))
+
+    try:
+        measure_routes(args, loaded, documents, seq_lens, max_seq, dtype, gpu, rows, longest, save)
+    except KeyboardInterrupt:
+        stopped = f"interrupted after {len(rows)} of {len(seq_lens)} rows"
+        print(f"stopped ({stopped}): the rows above stand", flush=True)
+    save()
+
+
+def measure_routes(args, loaded, documents, seq_lens, max_seq, dtype, gpu, rows, longest, save) -> None:
+    """Each seq_len's row (sdpa, job, eager side by side), then the longest seq_len per route."""
     print(f"{'seq_len':>8} {'sdpa s':>9} {'job s':>9} {'measure s':>10} {'eager s':>9} {'job/sdpa':>9} {'eager/job':>10}  max|Δ head mean|")
     for n in seq_lens:
         windows = token_windows(loaded.tokenizer, documents, n, args.windows)
@@ -181,6 +199,7 @@ def main() -> None:
         if gpu and row.get("sdpa_s") and row.get("job_s"):  # one profiled run each (None where it fails)
             row["gpu_busy_sdpa"], row["gpu_busy_job"] = gpu_busy(run_sdpa, args.device), gpu_busy(run_job, args.device)
         rows.append(row)
+        save()
         fmt = lambda v, w, p=3: f"{v:>{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
         print(f"{n:>8} {fmt(row.get('sdpa_s'), 9)} {fmt(row.get('job_s'), 9)} {fmt(row.get('measure_s'), 10)} "
               f"{fmt(row.get('eager_s'), 9)} {fmt(row['job_over_sdpa'], 9, 2)} {fmt(row['eager_over_job'], 10, 2)}  "
@@ -189,7 +208,6 @@ def main() -> None:
             print(f"{'':>8} GPU busy (kernel time / wall, one profiled run): sdpa {100 * row['gpu_busy_sdpa']:.0f} %, "
                   f"job {100 * row['gpu_busy_job']:.0f} %")
 
-    longest = {}
     if not args.skip_longest:
         print(f"longest seq_len per route (1 window; doubling up to {max_seq}, or a run over {args.time_limit:.0f} s):")
         for key in ("sdpa", "job", "eager"):
@@ -222,12 +240,8 @@ def main() -> None:
                     break
                 n *= 2
             longest[key] = {"seq_len": ok, "stopped": why}
+            save()
             print(f"  {key:<6} {ok}  ({why})")
-
-    if args.json:
-        args.json.write_text(json.dumps({"model": loaded.name, "dtype": dtype, "device": device_name,
-                                         "backend": kernel_backend(args.device), "rows": rows, "longest": longest},
-                                        indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -124,12 +124,24 @@ def main() -> None:
         "job_without_inner_loss": lambda: job(lm, NormsParams(**base, inner_loss=False), documents, args.device),
     }
     runs = {name: [] for name in routes}
-    for name, fn in routes.items():
-        fn()  # warm-up: kernels compiled, caches filled
-    for _ in range(args.repeats):  # interleaved: a noisy neighbour slows every route alike
+    # `timeout -s INT` (gpu_suite.sh) stops a run like Ctrl-C: report the repeats that finished, and write
+    # the JSON before the optional extras (a profiled run each, the Gram condition), then again after them.
+    repeats = 0
+    try:
         for name, fn in routes.items():
-            runs[name].append(fn())
-    best = {name: min(r, key=lambda run: run if isinstance(run, float) else run[0]) for name, r in runs.items()}
+            fn()  # warm-up: kernels compiled, caches filled
+        for _ in range(args.repeats):  # interleaved: a noisy neighbour slows every route alike
+            for name, fn in routes.items():
+                runs[name].append(fn())
+            repeats += 1
+            print(f"  repeat {repeats}/{args.repeats}: " + ", ".join(
+                f"{name} {seconds(r[-1]):.3f} s" for name, r in runs.items()), flush=True)
+    except KeyboardInterrupt:
+        if repeats == 0:
+            print("stopped before every route had run once: nothing to report", flush=True)
+            raise SystemExit(130) from None
+        print(f"stopped after {repeats} of {args.repeats} repeats: the best of those", flush=True)
+    best = {name: min(r, key=seconds) for name, r in runs.items()}
     forward_s = best["forward"]
     job_s, ctx, summary = best["job"]
     full_s, full_ctx, _ = best["job_full_block"]
@@ -138,7 +150,7 @@ def main() -> None:
     result = {
         "model": spec, "device": args.device, "dtype": args.dtype, "samples": summary["samples"],
         "trajectories": summary["trajectories"], "position": args.position, "tokens": args.max_tokens,
-        "batch_size": args.batch_size, "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": repeats,
         "kernel_backend": ctx.environment.get("kernel_backend"),
         "forward_s": forward_s, "job_s": job_s, "job_ratio": job_s / forward_s,
         "measuring_stages_ratio": measuring(ctx) / forward_s,
@@ -147,23 +159,10 @@ def main() -> None:
         "job_without_inner_loss_ratio": no_loss_s / forward_s,
         "inner_loss_s": inner["job"], "inner_loss_full_block_s": inner["job_full_block"],
         "stage_s": ctx.timings,
-        # one profiled run each: how much of the time the GPU is busy (None on CPU)
-        "gpu_busy_forward": gpu_busy(routes["forward"], args.device),
-        "gpu_busy_job": gpu_busy(routes["job"], args.device),
     }
-    if all(linearisable(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
-        gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
-                                     "gram_samples": args.gram_samples})
-        job(lm, gram_params, documents, args.device)
-        _, gctx, gsum = min((job(lm, gram_params, documents, args.device) for _ in range(args.repeats)),
-                            key=lambda r: r[1].timings["gram condition"])
-        pairs = gsum["gram_condition_pairs"]
-        result.update(gram_pairs=pairs, gram_s=gctx.timings["gram condition"],
-                      gram_ms_per_pair=1e3 * gctx.timings["gram condition"] / pairs)
-
     print(f"{spec} on {args.device} ({args.dtype}, {result['threads']} threads), {result['samples']} samples × "
           f"≤{args.max_tokens} tokens, position={args.position} ({result['trajectories']} trajectories), "
-          f"batch {args.batch_size}, attention: {result['kernel_backend']}")
+          f"batch {args.batch_size}, attention: {result['kernel_backend']}, best of {repeats}")
     print(f"  plain forward                            {forward_s:8.3f} s")
     print(f"  norms job (no Gram)                      {job_s:8.3f} s   {result['job_ratio']:5.2f}×   "
           f"(measuring stages only {result['measuring_stages_ratio']:.2f}×)")
@@ -173,16 +172,45 @@ def main() -> None:
           f"{result['job_without_inner_loss_ratio']:5.2f}×")
     print(f"  inner loss stage: {inner['job']:.3f} s at the current tokens vs {inner['job_full_block']:.3f} s "
           f"re-running the whole block")
-    print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()))
+    print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()), flush=True)
+    write_json(args.json, result)
+    if repeats < args.repeats:
+        return
+    try:
+        extras(args, lm, base, documents, routes, result)
+    except KeyboardInterrupt:
+        print("stopped during the extras (profiled runs, Gram condition): the rows above stand", flush=True)
+    write_json(args.json, result)
+
+
+def seconds(run) -> float:
+    """A route's time: a float, or the first of (seconds, context, summary)."""
+    return run if isinstance(run, float) else run[0]
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.write_text(json.dumps(result, indent=2))
+
+
+def extras(args, lm, base, documents, routes, result) -> None:
+    """One profiled run per route (how busy the GPU is; None on CPU), and the Gram condition's cost."""
+    result["gpu_busy_forward"] = gpu_busy(routes["forward"], args.device)
+    result["gpu_busy_job"] = gpu_busy(routes["job"], args.device)
     if result["gpu_busy_forward"] is not None and result["gpu_busy_job"] is not None:
         print(f"  GPU busy (kernel time / wall, one profiled run): forward {100 * result['gpu_busy_forward']:.0f} %, "
-              f"job {100 * result['gpu_busy_job']:.0f} %  (well below 100 %: the host sets the pace)")
-    if "gram_ms_per_pair" in result:
+              f"job {100 * result['gpu_busy_job']:.0f} %  (well below 100 %: the host sets the pace)", flush=True)
+    if all(linearisable(b) for b in norms.model_parts(lm.model).blocks) and args.gram_samples:
+        gram_params = NormsParams(**{**base, "gram_condition": True, "inner_loss": False, "pca_samples": 0,
+                                     "gram_samples": args.gram_samples})
+        job(lm, gram_params, documents, args.device)
+        _, gctx, gsum = min((job(lm, gram_params, documents, args.device) for _ in range(args.repeats)),
+                            key=lambda r: r[1].timings["gram condition"])
+        pairs = gsum["gram_condition_pairs"]
+        result.update(gram_pairs=pairs, gram_s=gctx.timings["gram condition"],
+                      gram_ms_per_pair=1e3 * gctx.timings["gram condition"] / pairs)
         print(f"  Gram condition           {result['gram_s']:8.3f} s for {result['gram_pairs']} (sample, layer) pairs"
-              f" = {result['gram_ms_per_pair']:.2f} ms per pair (float64, incl. its forward passes)")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-
+              f" = {result['gram_ms_per_pair']:.2f} ms per pair (float64, incl. its forward passes)", flush=True)
 
 if __name__ == "__main__":
     main()
