@@ -28,4 +28,15 @@ def autotune_on_gpu(fn, *, configs: list, key: list[str], interpreter_blocks: di
     # cache_results: the timings go to Triton's cache directory, so a new process (the next benchmark,
     # a restarted worker) does not tune the same shapes again
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": candidates},
-                           cache_results=True)(fn), {}
+                           cache_results=True, do_bench=bench_when_tuning)(fn), {}
+
+
+def bench_when_tuning(kernel_call, quantiles) -> list[float]:
+    """Triton's own timing while autotuning; with ``LMSCOPE_AUTOTUNE=0``, none. Triton decides whether to
+    tune from the unpruned config list, so it would still time the one candidate left, about 0.1 s of a
+    short GPU session per new shape, to choose nothing."""
+    if not autotuning():
+        return [0.0] * len(quantiles)
+    from triton.runtime import driver
+
+    return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles)

@@ -307,3 +307,37 @@ def test_favor_keeps_a_candidate_for_values_narrower_than_every_value_block(trit
     assert narrowest > 16
     for setting, configs in kept.items():
         assert len(configs) == 1 and configs[0]["BLOCK_DV"] == narrowest, (setting, configs)
+
+
+def test_with_lmscope_autotune_0_the_autotuner_times_nothing(triton_backend, monkeypatch):
+    """Triton decides whether to tune from the unpruned config list, so it timed the one candidate
+    LMSCOPE_AUTOTUNE=0 leaves (about 0.1 s per new shape of a short GPU session, to choose nothing). Off:
+    no timing run and equal timings; on: Triton's own benchmarker (a stand-in here, no GPU) times the call."""
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+
+    from lmscope.kernels.tuning import autotune_on_gpu
+
+    @triton.jit
+    def copy_kernel(x_ptr, BLOCK: triton.language.constexpr):
+        pass
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tuner, extra = autotune_on_gpu(copy_kernel, configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
+                                   key=[], interpreter_blocks={"BLOCK": 16})
+    assert isinstance(tuner, Autotuner) and extra == {}
+    timed = []
+
+    class StandIn:  # the CUDA driver's part the autotuner asks for a benchmarker
+        def get_benchmarker(self):
+            return lambda kernel_call, quantiles: (kernel_call(), timed.append(quantiles), [1.0, 0.5, 2.0])[-1]
+
+    monkeypatch.setattr(driver, "_active", StandIn())
+    calls = []
+    monkeypatch.setenv("LMSCOPE_AUTOTUNE", "0")
+    assert tuner.do_bench(lambda: calls.append(1), quantiles=(0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+    assert calls == [] and timed == []
+    monkeypatch.setenv("LMSCOPE_AUTOTUNE", "1")
+    assert tuner.do_bench(lambda: calls.append(1), quantiles=(0.5, 0.2, 0.8)) == [1.0, 0.5, 2.0]
+    assert calls == [1] and timed == [(0.5, 0.2, 0.8)]
