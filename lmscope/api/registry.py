@@ -222,7 +222,9 @@ def _read_upload() -> tuple[dict, bytes]:
         upload = request.files.get("file")
         if upload is None:
             # also what a malformed multipart body reads as: werkzeug finds no fields in it
-            raise Problem(422, "validation-error", "No file", "send the dataset as the multipart field 'file'",
+            others = sorted(request.files)  # a misspelt field name (`fil=@wiki.txt`) holds the file
+            got = f"; the file came as {', '.join(repr(k) for k in others)}" if others else ""
+            raise Problem(422, "validation-error", "No file", f"send the dataset as the multipart field 'file'{got}",
                           errors=[{"loc": ["file"], "msg": "missing", "type": "missing"}])
         single_values(request.form, "form")
         single_values(request.files, "form")

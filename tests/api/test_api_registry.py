@@ -305,6 +305,10 @@ def test_upload_fields_are_checked_like_every_other_input(api):
     broken = api.client.post("/v1/datasets", headers=h, data=b"--xx\r\nbroken",
                              content_type="multipart/form-data; boundary=xx")
     assert "multipart field 'file'" in is_problem(broken, 422, "validation-error")["detail"]
+    misspelt = api.client.post("/v1/datasets", headers=h, content_type="multipart/form-data",
+                               data={"name": "d2", "fil": (io.BytesIO(TEXT.encode()), "a.txt")})
+    assert is_problem(misspelt, 422, "validation-error")["detail"] == (
+        "send the dataset as the multipart field 'file'; the file came as 'fil'")
     assert stored_files(api) == []
     assert multipart(name="d2", format="lines", description="tab\tand\nnewline").status_code == 201
 
