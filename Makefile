@@ -7,13 +7,21 @@ STAMP := .make/installed
 
 .PHONY: install demo test test-fast test-triton-newest bench system-deps clean
 
-# PyPI's Linux torch is the CUDA build (several GB of nvidia-* wheels); PyTorch's CPU index has the same
-# version as 2.13.0+cpu, which pip prefers. Offline, pip warns that it cannot reach the index and takes a
-# local CPU wheel (find-links) as before. TORCH_INDEX= (empty) leaves pip's own indexes alone.
+# PyPI's Linux torch is the CUDA build (several GB of nvidia-* wheels). When the indexes pip already has
+# offer no CPU build of the pinned version (a local 2.13.0+cpu wheel, as on our machines), torch comes from
+# PyTorch's CPU index, whose 2.13.0+cpu pip then prefers. TORCH_INDEX= (empty) never adds it.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PICKED = $(PIP) install -q --dry-run --ignore-installed --no-deps --report - -c constraints-cpu.txt torch 2>/dev/null \
+  | $(PYTHON) -c "import json, sys; sys.exit(not any('+cpu' in i['metadata']['version'] for i in json.load(sys.stdin)['install']))"
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	$(PIP) install -q -c constraints-cpu.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch triton
+	@if [ -z "$(TORCH_INDEX)" ] || $(TORCH_PICKED); then \
+	  echo "$(PIP) install -q -c constraints-cpu.txt torch triton"; \
+	  $(PIP) install -q -c constraints-cpu.txt torch triton; \
+	else \
+	  echo "$(PIP) install -q -c constraints-cpu.txt --extra-index-url $(TORCH_INDEX) torch triton"; \
+	  $(PIP) install -q -c constraints-cpu.txt --extra-index-url $(TORCH_INDEX) torch triton; \
+	fi
 	$(PIP) install -q -c constraints-cpu.txt -e '.[worker,triton,test]'
 	@mkdir -p .make && touch $(STAMP)
 
