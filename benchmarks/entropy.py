@@ -162,8 +162,11 @@ def main() -> None:
     try:
         measure_routes(args, loaded, documents, seq_lens, max_seq, dtype, gpu, rows, longest, save)
     except KeyboardInterrupt:
-        stopped = f"interrupted after {len(rows)} of {len(seq_lens)} rows"
+        stopped = (f"interrupted after {len(rows)} of {len(seq_lens)} rows" if len(rows) < len(seq_lens) else
+                   f"interrupted while finding the longest seq_len (done: {', '.join(longest) or 'none'})")
         print(f"stopped ({stopped}): the rows above stand", flush=True)
+        save()
+        raise SystemExit(130) from None
     save()
 
 

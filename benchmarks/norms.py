@@ -141,6 +141,7 @@ def main() -> None:
             print("stopped before every route had run once: nothing to report", flush=True)
             raise SystemExit(130) from None
         print(f"stopped after {repeats} of {args.repeats} repeats: the best of those", flush=True)
+        runs = {name: r[:repeats] for name, r in runs.items()}  # the stopped repeat ran some routes only
     best = {name: min(r, key=seconds) for name, r in runs.items()}
     forward_s = best["forward"]
     job_s, ctx, summary = best["job"]
@@ -151,6 +152,7 @@ def main() -> None:
         "model": spec, "device": args.device, "dtype": args.dtype, "samples": summary["samples"],
         "trajectories": summary["trajectories"], "position": args.position, "tokens": args.max_tokens,
         "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": repeats,
+        "repeats_requested": args.repeats,
         "kernel_backend": ctx.environment.get("kernel_backend"),
         "forward_s": forward_s, "job_s": job_s, "job_ratio": job_s / forward_s,
         "measuring_stages_ratio": measuring(ctx) / forward_s,
@@ -175,11 +177,14 @@ def main() -> None:
     print("  stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in ctx.timings.items()), flush=True)
     write_json(args.json, result)
     if repeats < args.repeats:
-        return
+        raise SystemExit(130)  # stopped: what it measured is written, the exit status says it was cut short
     try:
         extras(args, lm, base, documents, routes, result)
     except KeyboardInterrupt:
         print("stopped during the extras (profiled runs, Gram condition): the rows above stand", flush=True)
+        result["stopped"] = "during the extras"
+        write_json(args.json, result)
+        raise SystemExit(130) from None
     write_json(args.json, result)
 
 
