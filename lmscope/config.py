@@ -107,13 +107,14 @@ def forced_kernel_backend(env) -> str | None:
 
 
 def forced_device(env) -> str | None:
-    """``LMSCOPE_DEVICE`` (cpu, cuda or cuda:N), None when unset or empty. Checked here rather than left to
+    """``LMSCOPE_DEVICE`` (cpu, cuda or cuda:N; also mps and xpu, which torch runs but lmscope's tests do
+    not), None when unset or empty. Checked here rather than left to
     torch, which would fail every job with its own message and not name the variable."""
     raw = env.get("LMSCOPE_DEVICE")
     if raw is None or not raw.strip():
         return None
     value = raw.strip().lower()
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+    if not re.fullmatch(r"cpu|(cuda|xpu|mps)(:(0|[1-9]\d*))?", value):
         raise ConfigError(f"LMSCOPE_DEVICE={raw!r} is not a device lmscope runs on; write LMSCOPE_DEVICE=cpu, "
                           "LMSCOPE_DEVICE=cuda or LMSCOPE_DEVICE=cuda:N (the Nth GPU), or leave it unset (cuda when "
                           "available, else cpu)")

@@ -88,9 +88,9 @@ def test_a_worker_device_or_kernel_backend_it_cannot_use_stops_the_command_by_na
     from lmscope.kernels.dispatch import forced_backend
     from lmscope.worker.environment import _device_for_pid
 
-    for raw in ("cpu", "CUDA", "cuda:1", " cuda:0 "):
+    for raw in ("cpu", "CUDA", "cuda:1", " cuda:0 ", "cuda:10", "mps", "xpu:1"):  # what torch.device takes
         assert Settings.from_env({"LMSCOPE_DEVICE": raw})
-    for raw in ("gpu", "cuda:", "cuda:x", "cuda0", "mps"):
+    for raw in ("gpu", "cuda:", "cuda:x", "cuda0", "cuda:01", "cpu:0", "tpu"):
         with pytest.raises(ConfigError, match=rf"LMSCOPE_DEVICE='{raw}' is not a device lmscope runs on; write "
                                               r"LMSCOPE_DEVICE=cpu, LMSCOPE_DEVICE=cuda or LMSCOPE_DEVICE=cuda:N"):
             Settings.from_env({"LMSCOPE_DEVICE": raw})
