@@ -25,15 +25,18 @@ def _layer_axis(ax, points: int, include_last_layer: bool) -> None:
 
 def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_layer: bool, title: str,
                sequence_pct: float, pair_pct: float) -> None:
-    """Mean and median norm per layer, the 10–90 % band, and a few single trajectories.
+    """Mean and median norm per layer, the 10–90 % band, and a few single trajectories; below, the share of
+    trajectories whose norm does not fall at each step h_{l-1} → h_l, against the null of 50 %.
 
     The y axis is logarithmic when the norms span more than a factor of 20 (an embedding output far
     smaller than the last blocks', or tokens with massive activations): on a linear axis the band of
-    the other trajectories would be a flat line at the bottom."""
+    the other trajectories would be a flat line at the bottom. On that axis the later steps, often a few
+    per cent, are invisible: the lower panel shows them, and it is where the sequence % is won or lost."""
     S, points = norms.shape
     x = np.arange(points)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 0.45 * points + 3)), 4.5))
+    fig, (ax, steps_ax) = plt.subplots(2, 1, figsize=(min(12.0, max(6.0, 0.45 * points + 3)), 6.6), sharex=True,
+                                       gridspec_kw={"height_ratios": [3, 1.3]})
     for i, s in enumerate(lines):
         ax.plot(x, norms[s], color="tab:gray", lw=0.7, alpha=0.5, label="single trajectories" if i == 0 else None)
     q10, q90 = np.quantile(norms, [0.1, 0.9], axis=0)
@@ -46,14 +49,36 @@ def plot_norms(path: Path, norms: np.ndarray, lines: np.ndarray, include_last_la
     if log:
         ax.set_yscale("log")
         readable_log_y(ax)
-    _layer_axis(ax, points, include_last_layer)
-    ax.set_xlabel("hidden state (h0 = embedding output, hl = output of block l)")
-    ax.set_ylabel("L2 norm of the current token's hidden state" + (" (log scale)" if log else ""))
+    ax.set_ylabel("L2 norm of the current token's\nhidden state" + (" (log scale)" if log else ""))
     ax.set_title(f"{title}: {S} trajectories\nnon-decreasing: {sequence_pct:.1f} % of sequences, "
                  f"{pair_pct:.1f} % of pairs (null {100 * 2.0 ** -(points - 1):.3g} %)", fontsize=10)
     ax.grid(alpha=0.3, which="both" if log else "major")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")  # the norms rise to the right: the lower right is free
+    _plot_rising_share(steps_ax, norms)
+    _layer_axis(steps_ax, points, include_last_layer)
+    steps_ax.set_xlabel("hidden state (h0 = embedding output, hl = output of block l)")
     save(fig, path)
+
+
+def rising_share(norms: np.ndarray) -> np.ndarray:
+    """Per step h_{l-1} → h_l (l = 1 … L'-1): % of trajectories whose norm does not fall, the pair rule of
+    ``norms.monotone_percentages`` taken one step at a time."""
+    return 100.0 * (np.diff(norms, axis=1) >= 0).mean(0)
+
+
+def _plot_rising_share(ax, norms: np.ndarray) -> None:
+    share = rising_share(norms)
+    at = np.arange(1, norms.shape[1])
+    ax.bar(at, share, width=0.6, color="tab:blue", alpha=0.6)
+    ax.axhline(50, color="k", ls=":", lw=1, label="50 %: a coin flip")
+    if len(at) <= 24:  # the numbers a reader compares; past that the bars say it
+        for l, v in zip(at, share):
+            ax.annotate(f"{v:.0f}", (l, v), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
+    ax.set_ylim(0, 112)
+    ax.set_yticks([0, 50, 100])
+    ax.set_ylabel("% not falling\nfrom the previous", fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def plot_inner_loss(path: Path, losses: np.ndarray, kept: np.ndarray, loss_filter: float | None, title: str,
@@ -116,6 +141,9 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     if len(drawn):
         # One artist per kind, not per trajectory: mplot3d projects and sorts every artist on every draw,
         # and 4 artists × 50 trajectories took most of the job's plotting time.
+        # one unit the same length along every axis: segment lengths are what a reader compares
+        spans = np.ptp(drawn.reshape(-1, 3), axis=0)
+        ax.set_box_aspect(np.maximum(spans, 0.05 * spans.max()) if spans.max() > 0 else None)
         ax.add_collection3d(Line3DCollection(drawn, colors="0.55", linewidths=0.8, alpha=0.6))
         dots = ax.scatter(*drawn.reshape(-1, 3).T, c=np.tile(depth, len(drawn)), cmap="viridis", norm=norm, s=8,
                           depthshade=False)
@@ -129,9 +157,9 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
         at = sparse_ticks(points, 12)  # about a dozen tick labels, the last point's among them
         bar.set_ticks(at, labels=[names[i] for i in at])
     pcs = [f"PC{k + 1} ({100 * v:.1f} %)" for k, v in enumerate(list(explained) + [0.0] * (3 - len(explained)))]
-    ax.set_xlabel(pcs[0], fontsize=8)
-    ax.set_ylabel(pcs[1], fontsize=8)
-    ax.set_zlabel(pcs[2], fontsize=8)
+    ax.set_xlabel(pcs[0], fontsize=9)
+    ax.set_ylabel(pcs[1], fontsize=9)
+    ax.set_zlabel(pcs[2], fontsize=9)
     ax.set_title(f"{title}: {len(coords) - int(far.sum())} trajectories in the top 3 principal components"
                  + (f"\n({int(far.sum())} far larger trajectories not drawn; all are in pca.npz)" if far.any() else ""),
                  fontsize=10)

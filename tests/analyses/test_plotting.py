@@ -180,6 +180,10 @@ def test_a_few_far_larger_trajectories_are_left_out_of_the_3d_plot_and_counted(d
     assert len(starts.get_offsets()) == 38  # one per trajectory drawn, the two far ones left out
     (points,) = [c for c in ax.collections if c.get_array() is not None and not isinstance(c, Line3DCollection)]
     assert len(points.get_offsets()) == 38 * 6  # every point of those, coloured by layer
+    # equal units along the three axes (the default box squeezed PC3 by a quarter): the box is the drawn spans
+    spans = np.ptp(coords[~far].reshape(-1, 3), axis=0)
+    aspect = np.asarray(ax.get_box_aspect())
+    np.testing.assert_allclose(aspect / aspect[0], spans / spans[0], rtol=1e-6)
     half = rng.normal(0, 1, (40, 6, 3))
     half[:20] *= 50  # half of them that large: no outliers, two kinds of trajectory
     assert not norms_plots.far_trajectories(half).any()
@@ -221,6 +225,11 @@ def test_the_norms_and_inner_loss_titles_carry_the_numbers_a_reader_needs(drawn,
     assert title.startswith("m on d: 30 trajectories") and "10.0 % of sequences, 60.0 % of pairs (null 12.5 %)" in title
     mean = [line for line in drawn["norms.png"].axes[0].get_lines() if line.get_label() == "mean"][0]
     np.testing.assert_allclose(mean.get_ydata(), norms.mean(0))
+    # below: per step h_{l-1} → h_l the % of trajectories not falling, the sequence % won or lost step by step
+    bars = drawn["norms.png"].axes[1].patches
+    expected = [100 * sum(norms[s, l] >= norms[s, l - 1] for s in range(30)) / 30 for l in (1, 2, 3)]
+    assert [b.get_x() + b.get_width() / 2 for b in bars] == pytest.approx([1, 2, 3])
+    assert [b.get_height() for b in bars] == pytest.approx(expected)
     losses = np.random.default_rng(5).uniform(1, 3, (30, 3))
     kept = np.zeros(30, bool)
     kept[:12] = True
