@@ -96,9 +96,9 @@ def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> No
     colours.colour_bar(fig, ax, names)
     if last["sliding_windows"]:  # windowed layers have a lower ceiling
         ax.plot(range(layers), last["bound"].mean(1), color="k", ls="--", drawstyle="steps-mid",
-                label="uniform (mean of ln(visible keys))")
-    else:
-        ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))")
+                label="uniform (mean of ln(visible keys))", zorder=1)
+    else:  # beneath the curves: an untrained model's lies on it, and was hidden under the dashes
+        ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))", zorder=1)
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}")
     ax.set_xticks(*_layer_ticks(layers, last["sliding_windows"]))
     at_least_span(ax, NATS_IN_VIEW * uniform_mean)
@@ -152,7 +152,7 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
     plt = pyplot()
     last = results[-1]
     layers, heads = last["mean"].shape
-    cols = min(3 if layers <= 9 else 4, layers)
+    cols = 2 if layers == 4 else min(3 if layers <= 9 else 4, layers)  # 4 on 3 columns left a third blank
     rows = math.ceil(layers / cols)
     # more heads than tab10 has colours: a colour map, named by a colour bar
     colours = OrderedColours(range(heads), "head", cmap="turbo") if heads > 10 else None

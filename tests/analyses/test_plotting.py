@@ -147,6 +147,24 @@ def test_checkpoints_spread_over_decades_sit_on_a_symmetric_log_step_axis(drawn,
     assert [t.get_text() for t in by_layer.axes[-1].get_yticklabels()][-1] == "step 143000"
 
 
+def test_four_layers_over_training_fill_a_two_by_two_grid_and_the_uniform_line_lies_beneath(drawn, tmp_path):
+    """Four layers on three columns left two empty panels, a third of the figure; the uniform line, drawn
+    over the curves, hid an untrained model's curve, which lies on it."""
+    steps = [0, 100, 200]
+    results = entropy_results(4, 2, 16, steps)
+    results[0]["mean"] = results[0]["bound"].mean(1, keepdims=True).repeat(2, 1)  # step 0: uniform attention
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=16), steps,
+                       [f"run@step{s}" for s in steps], results, [None] * 3, over_training=True)
+    panels = [ax for ax in drawn["entropy_over_training.png"].axes if ax.get_title().startswith("layer")]
+    assert len(panels) == 4 and len({round(ax.get_position().x0, 3) for ax in panels}) == 2
+    assert not [ax for ax in drawn["entropy_over_training.png"].axes if not ax.get_visible() or not ax.axison]
+    ax = drawn["entropy_by_layer.png"].axes[0]
+    (uniform,) = [line for line in ax.get_lines() if line.get_label().startswith("uniform")]
+    step0 = ax.get_lines()[0]
+    np.testing.assert_allclose(step0.get_ydata(), uniform.get_ydata()[0])  # the curve on the line ...
+    assert step0.get_zorder() > uniform.get_zorder()  # ... drawn over it
+
+
 def test_the_inner_loss_band_stops_at_the_5th_percentile_and_ln_vocab_is_drawn(drawn, tmp_path):
     """Per-token cross-entropy is skewed: mean − std ≤ 0 was drawn at half the smallest loss, six decades
     below every curve."""
