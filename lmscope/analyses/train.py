@@ -536,9 +536,10 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     # Its window grows with the run (a two-hundredth of it, at least 21 steps), so long runs read smooth too.
     half = max(10, len(losses) // 400)
     at = range(0, len(losses), max(1, len(losses) // 2000))  # a line of ~2000 points: the medians cost n²/200 else
-    # the window shrinks symmetrically at the ends, so the line starts at the first loss, not at a later median
-    ends = [min(half, i, len(losses) - 1 - i) for i in at]
-    smooth = [statistics.median(losses[i - h:i + h + 1]) for i, h in zip(at, ends)]
+    # At the start the window shrinks symmetrically, so the line starts at the first loss, not at a later
+    # median; at the end it is cut off instead (a symmetric shrink ended the line on one batch's loss,
+    # which read as the loss turning up at the last step).
+    smooth = [statistics.median(losses[max(0, i - half):i + min(half, i) + 1]) for i in at]
     ax.plot([steps[i] for i in at], smooth, color="tab:blue", label=f"train (running median of {2 * half + 1} steps)")
     val = history["val"]
     ax.plot([s for s, _ in val], [l for _, l in val], "o-" if len(val) <= 40 else "-", color="tab:orange", ms=3,
@@ -554,7 +555,12 @@ def _plot(path: Path, run_name: str, p: TrainParams, history: dict[str, list], b
     ax.set_yscale("log")
     from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5 on a short run's axis
+    marked = sorted(set(checkpoint_steps))
+    span = max(steps[-1] if steps else 1, marked[-1] if marked else 1, 1)
+    if 2 <= len(marked) <= 12 and min(b - a for a, b in zip(marked, marked[1:])) >= span / 12:
+        ax.set_xticks(marked)  # the steps a reader looks up (the models step<N>), the last among them
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5 on a short run's axis
     # 5, 6, 7 rather than 5×10⁰; minor ticks are labelled only within one decade, where they are the only
     # labels (over several, 2 … 9 of each decade would overlap)
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))

@@ -303,3 +303,22 @@ def test_a_log_y_axis_is_labelled_in_plain_numbers_a_reader_can_use(lo, hi):
     assert all(float(t) == pytest.approx(label.get_position()[1]) for t, label in zip(texts, inside)), texts
     assert not any("e" in t for t in texts), texts  # 0.00001, not 1e-05 beside 0.0001
     pyplot().close(fig)
+
+
+def test_the_training_curve_ends_on_its_trend_and_its_ticks_are_the_checkpoints(monkeypatch, tmp_path):
+    """loss.png's running median shrank symmetrically at the end, so its last point was the last batch's loss
+    alone: one high batch read as the loss turning up at the end. The x ticks are the checkpoint steps."""
+    from lmscope.analyses import train
+    from lmscope.params.train import TrainParams
+
+    saved = []
+    monkeypatch.setattr(train, "save", lambda fig, path: saved.append(fig))
+    losses = [5.0] * 599 + [9.0]  # flat, then one bad batch
+    history = {"train": list(zip(range(1, 601), losses)), "val": [(0, 6.0), (600, 5.0)],
+               "lr": [(s, 1e-3) for s in range(1, 601)]}
+    train._plot(tmp_path / "loss.png", "r", TrainParams(dataset="d", steps=600), history, 6.5, [0, 150, 300, 450, 600])
+    ax = saved[0].axes[0]
+    (trend,) = [line for line in ax.get_lines() if line.get_label().startswith("train (running median")]
+    assert trend.get_ydata()[0] == 5.0 and trend.get_ydata()[-1] == 5.0
+    assert list(ax.get_xticks()) == [0, 150, 300, 450, 600]
+    pyplot().close(saved[0])
