@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses.plotting import pyplot, readable_log_y, save
 from lmscope.params.sweep import SumformerFitParams, effective_latent_dim, theory_latent_dim
 from lmscope.seeds import derived_seed
 
@@ -281,13 +281,14 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext, *, cuda_graph
 
 def _plot_training(folder: Path, p: SumformerFitParams, ex, errs, lx, losses, d_eff) -> None:
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
     a1.semilogy(ex, errs, marker="o", ms=3)
     a1.set(xlabel="epoch", ylabel="relative L2 validation error", title="validation error")
     a2.semilogy(lx, losses, color="tab:orange")
-    a2.set(xlabel="epoch", ylabel="training MSE", title="training loss")
+    a2.set(xlabel="epoch", ylabel="training MSE (target units)", title="training loss (mean over each epoch)")
     for a in (a1, a2):
         a.grid(True, which="both", alpha=0.3)
+        readable_log_y(a)  # an error that falls less than a decade got two labels, its plateau none
     k = f", k={p.features}" if p.features else ""
     fig.suptitle(f"{p.architecture} on {p.target}: d={p.token_dim}, n={p.seq_len}, d'={d_eff}{k}, seed {p.seed}")
     save(fig, Path(folder) / "training.png")

@@ -27,7 +27,7 @@ from typing import Any
 
 from lmscope.analyses.attention_approx import PROJECTION_LABELS, plot_attention_approx, sliding_window_note, timing_note
 from lmscope.analyses.base import ChildResult, JobContext, JobFailed, JobOutput, Series
-from lmscope.analyses.plotting import pyplot, save
+from lmscope.analyses.plotting import pyplot, readable_log_y, save
 from lmscope.params.sweep import SweepParams, clamped_latent_dims, theory_latent_dim
 
 
@@ -266,20 +266,22 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
             arch, _, d, n, k, d_eff = key
             x, y = _mean_curve(curves[key])
             label = f"{arch} (d={d}, n={n}, d'={d_eff}" + (f", k={k}" if k else "") + ")"
+            dashed = arch in styles and len(archs) > 1  # dashes tell architectures apart; alone, a plain line
             ax.semilogy(x, y, label=label, color=colors.get(arch) if len(archs) == len(keys) else None,
-                        ls=styles.get(arch, "-"), lw=1.4 if arch in styles else 1.8,
-                        zorder=2.2 if arch in styles else 2,  # dashes over the solid line they may hide
+                        ls=styles[arch] if dashed else "-", lw=1.4 if dashed else 1.8,
+                        zorder=2.2 if dashed else 2,  # dashes over the solid line they may hide
                         marker="o" if len(x) < 3 else None, ms=4)  # a one-point curve is a dot, not nothing
         ax.set(xlabel="epoch", ylabel="relative L2 validation error",
                title=f"target {target}" + (f"\n({pruned})" if pruned else ""))
         ax.grid(True, which="both", alpha=0.3)
+        readable_log_y(ax)
         # below the panel: inside, the legend covers whichever curves run through its corner
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1 if len(keys) < 4 else 2)
         lo, hi = ax.get_xlim()
         if hi - lo < 2:  # one evaluation: show the epochs around it, not fractions of one
             ax.set_xlim((lo + hi) / 2 - 1, (lo + hi) / 2 + 1)
         ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
-    fig.suptitle("Fig. 1: validation error during training\n(mean over seeds)")
+    fig.suptitle(f"Fig. 1: validation error during training\n({seeds_wording(len(c) for c in curves.values())})")
     save(fig, path)
     return True
 
@@ -327,14 +329,27 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
         ax.set(xlabel="latent dimension d′", ylabel="best relative L2 validation error")
         ax.set_title(title, pad=12)  # above the theory triangles
         ax.grid(True, which="both", alpha=0.3)
+        readable_log_y(ax)
         # below the panel, as in Fig. 1: inside, it covers whichever curves run through its corner
         ax.legend(fontsize=7, ncol=min(5, len(ds)), loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   title=", ".join(filter(None, [
                       "▼ on the top edge" + (" and dotted" if len(ds) <= 3 else "") if any(near) else "",
                       "▶: beyond the axis" if not all(near) else ""])) + ": theory d′ = C(n+d,d)−1",
                   title_fontsize=7)
-    fig.suptitle("Fig. 2: best validation error vs latent dimension\n(mean over seeds, band = min–max over seeds)")
+    seeds = seeds_wording(len(errors) for per_x in best.values() for errors in per_x.values())
+    fig.suptitle("Fig. 2: best validation error vs latent dimension\n"
+                 f"({seeds}{', band = min–max over seeds' if 'mean' in seeds else ''})")
     save(fig, path)
+
+
+def seeds_wording(counts) -> str:
+    """What a point of the figure is, from the number of seeds behind each: "one seed", "mean over 3
+    seeds", "mean over 1–3 seeds" (children that failed leave fewer)."""
+    counts = set(counts)
+    if not counts or counts == {1}:
+        return "one seed"
+    lo, hi = min(counts), max(counts)
+    return f"mean over {hi} seeds" if lo == hi else f"mean over {lo}–{hi} seeds"
 
 
 __all__ = ["aggregate"]

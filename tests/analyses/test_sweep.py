@@ -1178,3 +1178,28 @@ def test_fig1_legend_orders_latent_dims_as_numbers(tmp_path, monkeypatch):
     [ax] = [a for a in drawn[0].axes if a.get_visible()]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == [f"{arch} (d=1, n=3, d'={dp})" for arch in ("mlp_sumformer", "poly_sumformer") for dp in (1, 4, 16)]
+
+
+def test_the_figures_say_how_many_seeds_each_point_is_and_a_lone_architecture_is_a_plain_line(tmp_path, monkeypatch):
+    """The titles said "mean over seeds" and promised a min–max band where the sweep had one seed (the demo);
+    the dashes that tell architectures apart made the demo's single-architecture lines dashed for nothing."""
+    from lmscope.analyses import sweep
+
+    drawn = []
+    monkeypatch.setattr(sweep, "save", lambda fig, path: drawn.append(fig))
+    one_seed = {("mlp_sumformer", "fig2_poly", 1, 3, None, dp): [([5, 10], [0.5, 0.4])] for dp in (1, 4)}
+    sweep._plot_fig1(tmp_path / "fig1.png", one_seed)
+    assert drawn[-1]._suptitle.get_text().endswith("(one seed)")
+    [ax] = [a for a in drawn[-1].axes if a.get_visible()]
+    assert {line.get_linestyle() for line in ax.get_lines()} == {"-"}
+    three = {("mlp_sumformer", "fig2_poly", 1, 3, None, 4): [([5, 10], [0.5, 0.4])] * 3,
+             ("poly_sumformer", "fig2_poly", 1, 3, None, 3): [([5, 10], [0.5, 0.4])] * 2}
+    sweep._plot_fig1(tmp_path / "fig1.png", three)
+    assert drawn[-1]._suptitle.get_text().endswith("(mean over 2–3 seeds)")
+    [ax] = [a for a in drawn[-1].axes if a.get_visible()]
+    assert {line.get_label().split()[0]: line.get_linestyle() for line in ax.get_lines()} == {
+        "mlp_sumformer": "--", "poly_sumformer": "-"}  # two architectures: the MLP one dashed over the other
+    sweep._plot_fig2(tmp_path / "fig2.png", {("poly_sumformer", "fig2_poly", 1, 3, None): {2: [0.3], 3: [0.1]}})
+    assert drawn[-1]._suptitle.get_text().endswith("(one seed)")
+    sweep._plot_fig2(tmp_path / "fig2.png", {("poly_sumformer", "fig2_poly", 1, 3, None): {2: [0.3, 0.2], 3: [0.1, 0.2]}})
+    assert drawn[-1]._suptitle.get_text().endswith("(mean over 2 seeds, band = min–max over seeds)")
