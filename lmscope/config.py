@@ -108,8 +108,8 @@ def forced_kernel_backend(env) -> str | None:
 
 def forced_device(env) -> str | None:
     """``LMSCOPE_DEVICE`` (cpu, cuda or cuda:N; also mps and xpu, which torch runs but lmscope's tests do
-    not), None when unset or empty. Checked here rather than left to
-    torch, which would fail every job with its own message and not name the variable."""
+    not), None when unset or empty. Checked here rather than left to torch, which would fail every job
+    with its own message and not name the variable."""
     raw = env.get("LMSCOPE_DEVICE")
     if raw is None or not raw.strip():
         return None
