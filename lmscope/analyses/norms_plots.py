@@ -139,11 +139,11 @@ def plot_pca3d(path: Path, coords: np.ndarray, explained: np.ndarray, include_la
     drawn = coords[~far] if points else np.zeros((0, 0, 3))
     drawn = np.pad(drawn, ((0, 0), (0, 0), (0, max(0, 3 - drawn.shape[-1]))))[..., :3]  # a model narrower than 3 dims
     if len(drawn):
-        # One artist per kind, not per trajectory: mplot3d projects and sorts every artist on every draw,
-        # and 4 artists × 50 trajectories took most of the job's plotting time.
         # one unit the same length along every axis: segment lengths are what a reader compares
         spans = np.ptp(drawn.reshape(-1, 3), axis=0)
         ax.set_box_aspect(np.maximum(spans, 0.05 * spans.max()) if spans.max() > 0 else None)
+        # One artist per kind, not per trajectory: mplot3d projects and sorts every artist on every draw,
+        # and 4 artists × 50 trajectories took most of the job's plotting time.
         ax.add_collection3d(Line3DCollection(drawn, colors="0.55", linewidths=0.8, alpha=0.6))
         dots = ax.scatter(*drawn.reshape(-1, 3).T, c=np.tile(depth, len(drawn)), cmap="viridis", norm=norm, s=8,
                           depthshade=False)

@@ -338,7 +338,7 @@ def _plot_fig2(path: Path, best: dict[tuple, dict]) -> None:
                   title_fontsize=7)
     seeds = seeds_wording(len(errors) for per_x in best.values() for errors in per_x.values())
     fig.suptitle("Fig. 2: best validation error vs latent dimension\n"
-                 f"({seeds}{', band = min–max over seeds' if 'mean' in seeds else ''})")
+                 f"({seeds}{'' if seeds == 'one seed' else ', band = min–max over seeds'})")
     save(fig, path)
 
 
