@@ -15,13 +15,9 @@ TORCH_PICKED = $(PIP) install -q --dry-run --ignore-installed --no-deps --report
   | $(PYTHON) -c "import json, sys; sys.exit(not any('+cpu' in i['metadata']['version'] for i in json.load(sys.stdin)['install']))"
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@if [ -z "$(TORCH_INDEX)" ] || $(TORCH_PICKED); then \
-	  echo "$(PIP) install -q -c constraints-cpu.txt torch triton"; \
-	  $(PIP) install -q -c constraints-cpu.txt torch triton; \
-	else \
-	  echo "$(PIP) install -q -c constraints-cpu.txt --extra-index-url $(TORCH_INDEX) torch triton"; \
-	  $(PIP) install -q -c constraints-cpu.txt --extra-index-url $(TORCH_INDEX) torch triton; \
-	fi
+	@index=; if [ -n "$(TORCH_INDEX)" ] && ! $(TORCH_PICKED); then index="--extra-index-url $(TORCH_INDEX)"; fi; \
+	  echo "$(PIP) install -q -c constraints-cpu.txt $$index torch triton"; \
+	  $(PIP) install -q -c constraints-cpu.txt $$index torch triton
 	$(PIP) install -q -c constraints-cpu.txt -e '.[worker,triton,test]'
 	@mkdir -p .make && touch $(STAMP)
 

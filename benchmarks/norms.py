@@ -217,5 +217,6 @@ def extras(args, lm, base, documents, routes, result) -> None:
         print(f"  Gram condition           {result['gram_s']:8.3f} s for {result['gram_pairs']} (sample, layer) pairs"
               f" = {result['gram_ms_per_pair']:.2f} ms per pair (float64, incl. its forward passes)", flush=True)
 
+
 if __name__ == "__main__":
     main()
