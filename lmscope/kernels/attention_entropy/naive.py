@@ -1,7 +1,7 @@
 """Plain-PyTorch attention with per-row entropy: the test oracle's fp32 twin and the CPU path.
 
-Materialises the [B, H, Nq, Nk] score matrix, computes in float32 (float64 for float64 inputs) and
-is differentiable.
+Materialises the score matrix a block of query rows at a time (each block only over the keys its rows
+may see), computes in float32 (float64 for float64 inputs) and is differentiable.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ import torch
 from ..dispatch import repeat_kv
 
 
+# A block of query rows holds about this many scores: on a CPU its passes (mask, exp, sums) then run in
+# cache, several times faster than over the whole matrix, and no device has to hold all [B, H, Nq, Nk] at once.
+SCORES_PER_BLOCK = {"cpu": 1 << 20}
+SCORES_PER_BLOCK_ELSEWHERE = 1 << 26
+
+
 def visible_keys(
     nq: int,
     nk: int,
@@ -21,15 +27,20 @@ def visible_keys(
     key_padding_mask: torch.Tensor | None = None,
     window: int | None = None,
     device: torch.device | str | None = None,
+    rows: range | None = None,
+    keys: range | None = None,
 ) -> torch.Tensor:
     """Boolean [B or 1, 1, Nq, Nk] mask of the keys each query may attend to.
 
     Causal masks are aligned bottom-right (query i sees keys j <= i + Nk - Nq), as with a KV cache.
     A sliding ``window`` (causal only) keeps the last ``window`` of those: j > i + Nk - Nq - window.
+    ``rows`` and ``keys`` (ranges of query and key positions) give that block of the mask instead.
     """
-    allowed = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device)
-    qi = torch.arange(nq, device=device)[:, None]
-    kj = torch.arange(nk, device=device)[None, :]
+    rows = range(nq) if rows is None else rows
+    keys = range(nk) if keys is None else keys
+    allowed = torch.ones(1, 1, len(rows), len(keys), dtype=torch.bool, device=device)
+    qi = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    kj = torch.arange(keys.start, keys.stop, device=device)[None, :]
     if causal:
         allowed = allowed & (kj <= qi + (nk - nq))
     if window is not None:
@@ -37,8 +48,16 @@ def visible_keys(
             raise ValueError("a sliding window needs causal=True")
         allowed = allowed & (kj > qi + (nk - nq) - window)
     if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        kpm = key_padding_mask.to(device=device, dtype=torch.bool)[:, keys.start:keys.stop]
+        allowed = allowed & kpm[:, None, None, :]
     return allowed
+
+
+def keys_seen_by(rows: range, nq: int, nk: int, *, causal: bool, window: int | None) -> range:
+    """The key positions any of the query ``rows`` may see (never empty, so that shapes stay valid)."""
+    lo = max(0, rows.start + (nk - nq) - window + 1) if window is not None else 0
+    hi = min(nk, rows.stop + (nk - nq)) if causal else nk
+    return range(lo, max(hi, lo + 1))
 
 
 def attention_with_entropy_reference(
@@ -52,6 +71,7 @@ def attention_with_entropy_reference(
     attn_mask: torch.Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (out [B,H,Nq,Dv] in q's dtype, entropy [B,H,Nq], lse [B,H,Nq]).
 
@@ -64,38 +84,60 @@ def attention_with_entropy_reference(
     before the softmax; the entropy and lse are those of the capped scores.
     ``window`` (causal only): a sliding window of that many keys, see :func:`visible_keys`.
     Rows with no visible key get out = 0, entropy = 0, lse = -inf (as in the Triton kernel).
+    ``block_rows``: query rows per block (default: about ``SCORES_PER_BLOCK`` scores a block).
     """
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # grouped-query attention
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-
     work = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)).mul_(scale)  # [B, H, Nq, Nk]
-    if softcap:
-        s = torch.tanh(s / softcap).mul_(softcap)
-    allowed = visible_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
-                           window=window, device=q.device)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    (b, h, nq, _), nk = q.shape, k.shape[2]
+    if block_rows is None:
+        budget = SCORES_PER_BLOCK.get(q.device.type, SCORES_PER_BLOCK_ELSEWHERE)
+        block_rows = max(1, budget // (b * h * nk))
     if attn_mask is not None:
-        allowed = allowed & attn_mask.to(device=q.device, dtype=torch.bool)
-    any_visible = allowed.any(dim=-1).expand(s.shape[:-1])  # [B, H, Nq]
+        attn_mask = attn_mask.to(device=q.device, dtype=torch.bool)
+    blocks = []
+    # last rows first: under a causal mask the blocks then shrink, and each reuses memory the one before freed
+    # (growing blocks would each need fresh memory, which the allocator keeps: 0.8 GiB at 16384 keys)
+    for start in reversed(range(0, nq, block_rows)):
+        rows = range(start, min(nq, start + block_rows))
+        keys = keys_seen_by(rows, nq, nk, causal=causal, window=window)
+        allowed = visible_keys(nq, nk, causal=causal, key_padding_mask=key_padding_mask, window=window,
+                               device=q.device, rows=rows, keys=keys)
+        if attn_mask is not None:
+            allowed = allowed & _block_of(attn_mask, rows, keys)
+        s = torch.matmul(qw[:, :, rows.start:rows.stop], kw[:, :, keys.start:keys.stop].transpose(-1, -2)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        blocks.append(_attend(s, allowed, vw[:, :, keys.start:keys.stop]))
+    out, entropy, lse = (torch.cat(parts[::-1], dim=2) for parts in zip(*blocks))
+    return out.to(q.dtype), entropy, lse
+
+
+def _block_of(mask: torch.Tensor, rows: range, keys: range) -> torch.Tensor:
+    """The [.., rows, keys] block of a mask broadcastable to [B, H, Nq, Nk] (broadcast dims kept)."""
+    if mask.shape[-2] != 1:
+        mask = mask[..., rows.start:rows.stop, :]
+    return mask if mask.shape[-1] == 1 else mask[..., keys.start:keys.stop]
+
+
+def _attend(s: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor):
+    """(out, entropy, lse) of score rows ``s`` [B, H, rows, keys] over their ``allowed`` keys.
+
+    With x = s − m (m the row max) and e = exp(x): l = Σ e, lse = m + ln l, and the entropy
+    −Σ p ln p with p = e / l is ln l − (Σ e·x) / l, the Triton kernel's formula.
+    """
+    visible = allowed.any(dim=-1, keepdim=True)  # rows with no visible key give 0, 0, -inf
     s = s.masked_fill(~allowed, float("-inf"))
-    # A row has no visible key only under a mask, or where causal queries outnumber the keys; asking the
-    # device costs a host sync (per call, and it breaks a CUDA graph's capture of a training step), so only then.
-    nq, nk = q.shape[2], k.shape[2]
-    can_be_empty = (key_padding_mask is not None or attn_mask is not None or nk == 0 or (causal and nq > nk)
-                    or (window is not None and not window >= 1))
-    empty = can_be_empty and bool((~any_visible).any())
-    if empty:  # rows with no visible key: score them 0 here (no -inf - -inf), zero them below
-        s = s.masked_fill(~any_visible[..., None], 0.0)
-    logp = torch.log_softmax(s, dim=-1)
-    p = logp.exp()
-    if empty:
-        p = p.masked_fill(~any_visible[..., None], 0.0)
-    # masked entries have p = 0 and log p = -inf: drop them rather than form 0 * (-inf)
-    entropy = -(p * logp.masked_fill(~allowed, 0.0)).sum(dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    if empty:
-        entropy = entropy.masked_fill(~any_visible, 0.0)
-        lse = lse.masked_fill(~any_visible, float("-inf"))
-    out = torch.matmul(p, v.to(work)).to(q.dtype)
-    return out, entropy, lse
+    # the results do not depend on m, so no gradient flows through it; empty rows shift by 0
+    m = s.detach().amax(dim=-1, keepdim=True).masked_fill(~visible, 0.0)
+    x = s - m
+    e = torch.exp(x)
+    l = e.sum(dim=-1, keepdim=True)
+    ex = (e * x.masked_fill(~allowed, 0.0)).sum(dim=-1, keepdim=True)  # masked keys: 0, not 0 · (−inf)
+    l = torch.where(visible, l, 1.0)  # an empty row's l = 0 would give NaNs (and NaN gradients)
+    ln_l = torch.log(l)
+    entropy = torch.where(visible, ln_l - ex / l, 0.0)
+    lse = torch.where(visible, m + ln_l, float("-inf"))
+    return torch.matmul(e / l, v), entropy.squeeze(-1), lse.squeeze(-1)
