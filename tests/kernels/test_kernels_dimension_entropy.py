@@ -154,3 +154,15 @@ def test_validation_errors(device):
         dimension_entropy(q, k[..., :8])
     with pytest.raises(ValueError, match="multiple"):
         dimension_entropy(torch.cat([q, q[:, :1]], 1), k)
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 11])
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_in_blocks_of_query_rows(device, oracle, block_rows, causal):
+    """The reference's blocks of rows (each causal block over only the keys its rows see) and of dimensions
+    (a chunk of 3 does not divide D = 16) against the float64 oracle."""
+    from lmscope.kernels.dimension_entropy.naive import dimension_entropy_reference
+
+    q, k = _qk(2, 4, 2, 29, 16, device=device, seed=7)
+    ent = dimension_entropy_reference(q, k, causal=causal, chunk=3, block_rows=block_rows)
+    _close(ent, oracle.dimension(q, k, causal=causal), atol=2e-5)

@@ -123,12 +123,19 @@ def _block_of(mask: torch.Tensor, rows: range, keys: range) -> torch.Tensor:
 
 
 def _attend(s: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor):
-    """(out, entropy, lse) of score rows ``s`` [B, H, rows, keys] over their ``allowed`` keys.
+    """(out, entropy, lse) of score rows ``s`` [B, H, rows, keys] over their ``allowed`` keys."""
+    p, entropy, lse = softmax_entropy(s, allowed)
+    return torch.matmul(p, v), entropy, lse
 
-    With x = s − m (m the row max) and e = exp(x): l = Σ e, lse = m + ln l, and the entropy
-    −Σ p ln p with p = e / l is ln l − (Σ e·x) / l, the Triton kernel's formula.
+
+def softmax_entropy(s: torch.Tensor, allowed: torch.Tensor):
+    """(p, entropy, lse) of the softmax of each row of scores ``s`` [..., keys] over its ``allowed`` keys.
+
+    With x = s − m (m the row max) and e = exp(x): l = Σ e, lse = m + ln l, p = e / l, and the entropy
+    −Σ p ln p is ln l − (Σ e·x) / l, the Triton kernel's formula. A row with no allowed key gets
+    p = 0, entropy 0 and lse −inf; one whose scores hold a NaN, NaNs.
     """
-    visible = allowed.any(dim=-1, keepdim=True)  # rows with no visible key give 0, 0, -inf
+    visible = allowed.any(dim=-1, keepdim=True)
     s = s.masked_fill(~allowed, float("-inf"))
     # the results do not depend on m, so no gradient flows through it; empty rows shift by 0
     m = s.detach().amax(dim=-1, keepdim=True).masked_fill(~visible, 0.0)
@@ -140,4 +147,4 @@ def _attend(s: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor):
     ln_l = torch.log(l)
     entropy = torch.where(visible, ln_l - ex / l, 0.0)
     lse = torch.where(visible, m + ln_l, float("-inf"))
-    return torch.matmul(e / l, v), entropy.squeeze(-1), lse.squeeze(-1)
+    return e / l, entropy.squeeze(-1), lse.squeeze(-1)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..attention_entropy.naive import SCORES_PER_BLOCK, SCORES_PER_BLOCK_ELSEWHERE, softmax_entropy
 from ..dispatch import repeat_kv
 
 
@@ -20,24 +21,32 @@ def dimension_entropy_reference(
     causal: bool = True,
     scale: float | None = None,
     chunk: int = 8,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
-    """Entropy [B, H, D, N] (float32, nats). Materialises [B, H, chunk, N, N] at a time."""
+    """Entropy [B, H, D, N] (float32, nats).
+
+    Builds [B, H, chunk, rows, keys] scores at a time: ``chunk`` dimensions, a block of query rows (about
+    ``SCORES_PER_BLOCK`` scores unless ``block_rows``) and the keys those rows see.
+    """
     b, h, n, d = q.shape
     k = repeat_kv(k, h)  # grouped-query attention
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     qf = q.float().transpose(-1, -2)  # [B, H, D, N]
     kf = k.float().transpose(-1, -2)
-    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed)
+    if block_rows is None:
+        budget = SCORES_PER_BLOCK.get(q.device.type, SCORES_PER_BLOCK_ELSEWHERE)
+        block_rows = max(1, budget // (b * h * min(chunk, d) * n))
     out = []
     for i in range(0, d, chunk):
-        s = qf[:, :, i : i + chunk, :, None] * kf[:, :, i : i + chunk, None, :] * scale  # [B,H,c,N,N]
-        logp = torch.log_softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        # masked entries have p = 0 and logp = -inf: zero them before the product, so that neither 0 * (-inf)
-        # nor its gradient (which torch.where would still form) is a NaN
-        logp = logp.masked_fill(~allowed, 0.0)
-        plogp = logp.exp().masked_fill(~allowed, 0.0) * logp
-        out.append(-plogp.sum(dim=-1))
+        blocks = []
+        for start in reversed(range(0, n, block_rows)):  # shrinking blocks reuse memory, as in the attention's
+            stop = min(n, start + block_rows)
+            keys = stop if causal else n
+            s = qf[:, :, i:i + chunk, start:stop, None] * kf[:, :, i:i + chunk, None, :keys] * scale
+            allowed = torch.ones(stop - start, keys, dtype=torch.bool, device=q.device)
+            if causal:
+                allowed = torch.tril(allowed, diagonal=start)
+            blocks.append(softmax_entropy(s, allowed)[1])
+        out.append(torch.cat(blocks[::-1], dim=-1))
     return torch.cat(out, dim=2)
