@@ -10,8 +10,8 @@ For each seq_len, over the same token windows of WikiText-2 and the same model:
          faster at seq_len 4096 on GPU)
 
 Then, per route, the longest seq_len that runs (doubling until out of memory, --max-seq-len, or a
-run slower than --time-limit). On CPU the job uses the reference kernel (it materialises each
-layer's N x N scores), so CPU ratios say little about the GPU kernel.
+run slower than --time-limit). On CPU the job uses the reference kernel (plain PyTorch, in blocks
+of query rows), so CPU ratios say little about the GPU kernel.
 
     python benchmarks/entropy.py                         # bench-llama, seq_len 256..2048, CPU or GPU
     python benchmarks/entropy.py --seq-lens 1024,4096 --windows 8 --dtype bfloat16 --json out.json

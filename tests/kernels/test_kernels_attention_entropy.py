@@ -503,8 +503,7 @@ def test_reference_splits_by_its_score_budget(device, oracle, monkeypatch):
     from lmscope.kernels.attention_entropy import naive
 
     q, k, v = _qkv(1, 2, 1, 10, 8, device=device, seed=33)
-    monkeypatch.setattr(naive, "SCORES_PER_BLOCK", {})
-    monkeypatch.setattr(naive, "SCORES_PER_BLOCK_ELSEWHERE", 3 * 2 * 10)
+    monkeypatch.setitem(naive.SCORES_PER_BLOCK, q.device.type, 3 * 2 * 10)
     score_rows = []
     real_matmul = torch.matmul
 
@@ -519,11 +518,28 @@ def test_reference_splits_by_its_score_budget(device, oracle, monkeypatch):
     _check_against(res, oracle.attention(q, k, v, causal=True))
 
 
+def test_reference_edge_shapes(device, oracle):
+    """No batch, no key (every row empty: 0, 0, −inf), and explicit masks of fewer than four dimensions."""
+    from lmscope.kernels.attention_entropy.naive import attention_with_entropy_reference
+
+    q, k, v = _qkv(0, 2, 2, 5, 8, device=device)
+    out, ent, lse = attention_with_entropy_reference(q, k, v, causal=True)
+    assert out.shape == (0, 2, 5, 8) and ent.shape == lse.shape == (0, 2, 5)
+    q, k, v = _qkv(1, 2, 2, 5, 8, device=device, nk=0)
+    out, ent, lse = attention_with_entropy_reference(q, k, v, causal=False)
+    assert (out == 0).all() and (ent == 0).all() and torch.isneginf(lse).all() and out.shape == (1, 2, 5, 8)
+    q, k, v = _qkv(2, 2, 2, 9, 8, device=device, seed=34)
+    band = torch.ones(9, 9, dtype=torch.bool, device=device).tril()
+    got = attention_with_entropy_reference(q, k, v, causal=False, attn_mask=band, block_rows=2)
+    for a, b in zip(got, oracle.attention(q, k, v, causal=True)):
+        _close(a, b, atol=2e-5)
+
+
 def test_reference_never_holds_the_whole_score_matrix():
     """A CPU worker's window of 16384 tokens: the score matrix alone would be 1 GiB (float32, one head), and
-    the unblocked reference grew the process by 5.4 GiB. In blocks it grows by about 40 MiB (by 0.8 GiB when
-    the blocks grew instead of shrinking: the allocator kept each one's memory). Some rows are checked against
-    float64 from their explicit scores."""
+    the unblocked reference grew the process by 5.4 GiB. In blocks it grows by about 40 MiB, causal or not,
+    run after run (blocks that grew, or results kept as pieces between the blocks' freed scores, left the
+    allocator holding 0.8 to 2 GiB). Some rows are checked against float64 from their explicit scores."""
     script = r"""
 import math, resource, torch
 from lmscope.kernels.attention_entropy.naive import attention_with_entropy_reference
@@ -531,20 +547,24 @@ n, d = 16384, 16
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 1, n, d, generator=g) for _ in range(3))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out, ent, lse = attention_with_entropy_reference(q, k, v, causal=True)
-grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 worst = 0.0
-for i in (0, 1, 4097, n - 1):
-    s = (q[0, 0, i].double() @ k[0, 0, : i + 1].double().T) / math.sqrt(d)
-    p = torch.softmax(s, -1)
-    worst = max(worst, abs(float(-(p * p.log()).sum()) - float(ent[0, 0, i])),
-                (out[0, 0, i].double() - p @ v[0, 0, : i + 1].double()).abs().max().item())
+for causal in (True, False, True, False):
+    out, ent, lse = attention_with_entropy_reference(q, k, v, causal=causal)
+    for i in (0, 1, 4097, n - 1):
+        seen = i + 1 if causal else n
+        s = (q[0, 0, i].double() @ k[0, 0, :seen].double().T) / math.sqrt(d)
+        p = torch.softmax(s, -1)
+        worst = max(worst, abs(float(-(p * p.log()).sum()) - float(ent[0, 0, i])),
+                    (out[0, 0, i].double() - p @ v[0, 0, :seen].double()).abs().max().item())
+grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 print(grown_mib, worst)
 """
     import subprocess
     import sys
+    from pathlib import Path
 
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     grown_mib, worst = map(float, done.stdout.split())
     assert worst < 1e-4

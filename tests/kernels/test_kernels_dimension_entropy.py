@@ -166,3 +166,25 @@ def test_reference_in_blocks_of_query_rows(device, oracle, block_rows, causal):
     q, k = _qk(2, 4, 2, 29, 16, device=device, seed=7)
     ent = dimension_entropy_reference(q, k, causal=causal, chunk=3, block_rows=block_rows)
     _close(ent, oracle.dimension(q, k, causal=causal), atol=2e-5)
+
+
+def test_reference_splits_by_its_score_budget(device, oracle, monkeypatch):
+    """Without ``block_rows``, blocks of about SCORES_PER_BLOCK scores: 2 rows of a 3-dimension chunk here."""
+    import importlib
+
+    from lmscope.kernels.attention_entropy import naive
+
+    dimension_naive = importlib.import_module("lmscope.kernels.dimension_entropy.naive")  # the package's name is the function's
+    q, k = _qk(1, 2, 1, 13, 6, device=device, seed=8)
+    monkeypatch.setitem(naive.SCORES_PER_BLOCK, q.device.type, 2 * 2 * 3 * 13)
+    blocks = []
+    real = naive.softmax_entropy
+
+    def counting(s, allowed):
+        blocks.append(tuple(s.shape[-3:-1]))
+        return real(s, allowed)
+
+    monkeypatch.setattr(dimension_naive, "softmax_entropy", counting)
+    ent = dimension_naive.dimension_entropy_reference(q, k, causal=True, chunk=3)
+    assert sorted(set(blocks)) == [(3, 1), (3, 2)] and len(blocks) == 2 * 7
+    _close(ent, oracle.dimension(q, k, causal=True), atol=2e-5)

@@ -13,10 +13,16 @@ import torch
 from ..dispatch import repeat_kv
 
 
-# A block of query rows holds about this many scores: on a CPU its passes (mask, exp, sums) then run in
-# cache, several times faster than over the whole matrix, and no device has to hold all [B, H, Nq, Nk] at once.
-SCORES_PER_BLOCK = {"cpu": 1 << 20}
-SCORES_PER_BLOCK_ELSEWHERE = 1 << 26
+# A block of query rows holds about this many scores ("default": devices not named). On a CPU its passes
+# (mask, exp, sums) then run in cache, several times faster than over the whole matrix; and a forward pass
+# without gradients never holds all [B, H, Nq, Nk] scores at once.
+SCORES_PER_BLOCK = {"cpu": 1 << 20, "default": 1 << 24}
+
+
+def block_rows_for(device: torch.device, scores_per_row: int) -> int:
+    """Query rows per block on ``device`` when each row has ``scores_per_row`` scores."""
+    budget = SCORES_PER_BLOCK.get(device.type, SCORES_PER_BLOCK["default"])
+    return max(1, budget // max(1, scores_per_row))
 
 
 def visible_keys(
@@ -92,27 +98,38 @@ def attention_with_entropy_reference(
     work = torch.promote_types(q.dtype, torch.float32)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     (b, h, nq, _), nk = q.shape, k.shape[2]
+    # Written block by block: pieces kept between the blocks' freed scores would keep the allocator from
+    # reusing that memory (non-causal blocks of equal size then grew the process by GiBs).
+    out = torch.zeros(b, h, nq, v.shape[-1], dtype=q.dtype, device=q.device)
+    entropy = torch.zeros(b, h, nq, dtype=work, device=q.device)
+    lse = torch.full((b, h, nq), float("-inf"), dtype=work, device=q.device)
+    if nk == 0:  # no key at all: every row is empty
+        return out, entropy, lse
     if block_rows is None:
-        budget = SCORES_PER_BLOCK.get(q.device.type, SCORES_PER_BLOCK_ELSEWHERE)
-        block_rows = max(1, budget // (b * h * nk))
+        block_rows = block_rows_for(q.device, b * h * nk)
+    masked = causal or window is not None or key_padding_mask is not None or attn_mask is not None
     if attn_mask is not None:
         attn_mask = attn_mask.to(device=q.device, dtype=torch.bool)
-    blocks = []
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
     # last rows first: under a causal mask the blocks then shrink, and each reuses memory the one before freed
     # (growing blocks would each need fresh memory, which the allocator keeps: 0.8 GiB at 16384 keys)
     for start in reversed(range(0, nq, block_rows)):
         rows = range(start, min(nq, start + block_rows))
         keys = keys_seen_by(rows, nq, nk, causal=causal, window=window)
-        allowed = visible_keys(nq, nk, causal=causal, key_padding_mask=key_padding_mask, window=window,
-                               device=q.device, rows=rows, keys=keys)
-        if attn_mask is not None:
-            allowed = allowed & _block_of(attn_mask, rows, keys)
+        allowed = None
+        if masked:
+            allowed = visible_keys(nq, nk, causal=causal, key_padding_mask=key_padding_mask, window=window,
+                                   device=q.device, rows=rows, keys=keys)
+            if attn_mask is not None:
+                allowed = allowed & _block_of(attn_mask, rows, keys)
         s = torch.matmul(qw[:, :, rows.start:rows.stop], kw[:, :, keys.start:keys.stop].transpose(-1, -2)) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        blocks.append(_attend(s, allowed, vw[:, :, keys.start:keys.stop]))
-    out, entropy, lse = (torch.cat(parts[::-1], dim=2) for parts in zip(*blocks))
-    return out.to(q.dtype), entropy, lse
+        e, l, block_entropy, block_lse = softmax_entropy(s, allowed)
+        out[:, :, rows.start:rows.stop] = torch.matmul(e, vw[:, :, keys.start:keys.stop]) / l
+        entropy[:, :, rows.start:rows.stop] = block_entropy
+        lse[:, :, rows.start:rows.stop] = block_lse
+    return out, entropy, lse
 
 
 def _block_of(mask: torch.Tensor, rows: range, keys: range) -> torch.Tensor:
@@ -122,19 +139,22 @@ def _block_of(mask: torch.Tensor, rows: range, keys: range) -> torch.Tensor:
     return mask if mask.shape[-1] == 1 else mask[..., keys.start:keys.stop]
 
 
-def _attend(s: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor):
-    """(out, entropy, lse) of score rows ``s`` [B, H, rows, keys] over their ``allowed`` keys."""
-    p, entropy, lse = softmax_entropy(s, allowed)
-    return torch.matmul(p, v), entropy, lse
+def softmax_entropy(s: torch.Tensor, allowed: torch.Tensor | None):
+    """(e, l, entropy, lse) of the softmax of each row of scores ``s`` [..., keys] over its ``allowed`` keys
+    (None: all of them); the softmax itself is e / l.
 
-
-def softmax_entropy(s: torch.Tensor, allowed: torch.Tensor):
-    """(p, entropy, lse) of the softmax of each row of scores ``s`` [..., keys] over its ``allowed`` keys.
-
-    With x = s − m (m the row max) and e = exp(x): l = Σ e, lse = m + ln l, p = e / l, and the entropy
-    −Σ p ln p is ln l − (Σ e·x) / l, the Triton kernel's formula. A row with no allowed key gets
-    p = 0, entropy 0 and lse −inf; one whose scores hold a NaN, NaNs.
+    With x = s − m (m the row max) and e = exp(x): l = Σ e, lse = m + ln l, and the entropy −Σ p ln p with
+    p = e / l is ln l − (Σ e·x) / l, the Triton kernel's formula. A row with no allowed key gets e = 0,
+    l = 1, entropy 0 and lse −inf; one whose scores hold a NaN, NaNs.
     """
+    if allowed is None:  # nothing masked (the sweep's training steps): no row is empty
+        m = s.detach().amax(dim=-1, keepdim=True)
+        x = s - m
+        e = torch.exp(x)
+        l = e.sum(dim=-1, keepdim=True)
+        ln_l = torch.log(l)
+        entropy = ln_l - (e * x).sum(dim=-1, keepdim=True) / l
+        return e, l, entropy.squeeze(-1), (m + ln_l).squeeze(-1)
     visible = allowed.any(dim=-1, keepdim=True)
     s = s.masked_fill(~allowed, float("-inf"))
     # the results do not depend on m, so no gradient flows through it; empty rows shift by 0
@@ -147,4 +167,4 @@ def softmax_entropy(s: torch.Tensor, allowed: torch.Tensor):
     ln_l = torch.log(l)
     entropy = torch.where(visible, ln_l - ex / l, 0.0)
     lse = torch.where(visible, m + ln_l, float("-inf"))
-    return e / l, entropy.squeeze(-1), lse.squeeze(-1)
+    return e, l, entropy.squeeze(-1), lse.squeeze(-1)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..attention_entropy.naive import SCORES_PER_BLOCK, SCORES_PER_BLOCK_ELSEWHERE, softmax_entropy
+from ..attention_entropy.naive import block_rows_for, softmax_entropy
 from ..dispatch import repeat_kv
 
 
@@ -34,19 +34,15 @@ def dimension_entropy_reference(
         scale = 1.0 / math.sqrt(d)
     qf = q.float().transpose(-1, -2)  # [B, H, D, N]
     kf = k.float().transpose(-1, -2)
+    entropy = torch.zeros(b, h, d, n, device=q.device)  # written block by block, as in the attention's
     if block_rows is None:
-        budget = SCORES_PER_BLOCK.get(q.device.type, SCORES_PER_BLOCK_ELSEWHERE)
-        block_rows = max(1, budget // (b * h * min(chunk, d) * n))
-    out = []
+        block_rows = block_rows_for(q.device, b * h * min(chunk, d) * n)
     for i in range(0, d, chunk):
-        blocks = []
-        for start in reversed(range(0, n, block_rows)):  # shrinking blocks reuse memory, as in the attention's
+        for start in reversed(range(0, n, block_rows)):  # shrinking causal blocks reuse the memory freed
             stop = min(n, start + block_rows)
             keys = stop if causal else n
             s = qf[:, :, i:i + chunk, start:stop, None] * kf[:, :, i:i + chunk, None, :keys] * scale
-            allowed = torch.ones(stop - start, keys, dtype=torch.bool, device=q.device)
-            if causal:
-                allowed = torch.tril(allowed, diagonal=start)
-            blocks.append(softmax_entropy(s, allowed)[1])
-        out.append(torch.cat(blocks[::-1], dim=-1))
-    return torch.cat(out, dim=2)
+            allowed = torch.tril(torch.ones(stop - start, keys, dtype=torch.bool, device=q.device),
+                                 diagonal=start) if causal else None
+            entropy[:, :, i:i + chunk, start:stop] = softmax_entropy(s, allowed)[2]
+    return entropy
