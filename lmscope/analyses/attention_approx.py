@@ -326,7 +326,7 @@ def run_attention_approx(params: AttentionApproxParams, ctx: JobContext) -> JobO
 def timing_note(backends: set[str]) -> str:
     """What the time ratios were measured on: the exact side is attention_with_entropy (entropy included)."""
     where = "/".join(sorted(backends))
-    cpu = "\nthe CPU reference computes all N × N scores" if "reference" in backends else ""
+    cpu = ";\nthe CPU reference computes all N × N scores" if "reference" in backends else ""
     return f"{where} kernels, exact incl. entropy{cpu}"
 
 
