@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..attention_entropy.naive import block_rows_for, softmax_entropy
+from ..attention_entropy.naive import block_rows_for, keys_seen_by, softmax_entropy, visible_keys
 from ..dispatch import repeat_kv
 
 
@@ -39,10 +39,10 @@ def dimension_entropy_reference(
         block_rows = block_rows_for(q.device, b * h * min(chunk, d) * n)
     for i in range(0, d, chunk):
         for start in reversed(range(0, n, block_rows)):  # shrinking causal blocks reuse the memory freed
-            stop = min(n, start + block_rows)
-            keys = stop if causal else n
-            s = qf[:, :, i:i + chunk, start:stop, None] * kf[:, :, i:i + chunk, None, :keys] * scale
-            allowed = torch.tril(torch.ones(stop - start, keys, dtype=torch.bool, device=q.device),
-                                 diagonal=start) if causal else None
-            entropy[:, :, i:i + chunk, start:stop] = softmax_entropy(s, allowed)[2]
+            rows = range(start, min(n, start + block_rows))
+            keys = keys_seen_by(rows, n, n, causal=causal, window=None)
+            s = (qf[:, :, i:i + chunk, rows.start:rows.stop, None]
+                 * kf[:, :, i:i + chunk, None, keys.start:keys.stop] * scale)
+            allowed = visible_keys(n, n, causal=True, device=q.device, rows=rows, keys=keys) if causal else None
+            entropy[:, :, i:i + chunk, rows.start:rows.stop] = softmax_entropy(s, allowed)[2]
     return entropy
