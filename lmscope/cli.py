@@ -226,9 +226,25 @@ def params_file_bytes(value: str) -> bytes:
 REQUEST_FIELDS = {"kind", "params", "name", "tags", "idempotency_key"}
 
 
-def params_of_file(params_file: str, kind: str | None) -> dict[str, Any]:
+def params_of_job(c: Client, ref: str, kind: str | None) -> dict[str, Any]:
+    """--params job:ID: the params job ID ran with, as its row keeps them (defaults filled in), to run it
+    again, changed by any --param. Only the params: not its name or tags."""
+    number = ref[len("job:"):].strip()
+    if not (number.isascii() and number.isdigit()):
+        raise click.BadParameter(f"{ref!r}: job:ID takes a job's number, e.g. job:42", param_hint="--params")
+    job = c.get(int(number))
+    if kind is not None and job["kind"] != kind:
+        raise click.BadParameter(f"job {job['id']} is a {job['kind']} job, not {kind}: run it again with "
+                                 f"`lmscope submit {job['kind']} --params job:{job['id']}`", param_hint="--params")
+    return job.get("params") or {}
+
+
+def params_of_file(params_file: str, kind: str | None, c: Client | None = None) -> dict[str, Any]:
     """The params object a --params file holds. A whole request body ({"kind": ..., "params": {...}}) of the
-    same `kind`, and nothing else, gives its "params"; any other request body is refused, saying why."""
+    same `kind`, and nothing else, gives its "params"; any other request body is refused, saying why.
+    `job:ID` (with a client `c`) gives that job's params."""
+    if params_file.startswith("job:") and c is not None:
+        return params_of_job(c, params_file, kind)
     try:
         data = params_file_bytes(params_file)
         if not data.strip():
@@ -254,15 +270,16 @@ def params_of_file(params_file: str, kind: str | None) -> dict[str, Any]:
 
 
 def build_params(pairs: tuple[str, ...], params_file: str | None,
-                 schema: dict[str, Any] | None = None, kind: str | None = None) -> dict[str, Any]:
+                 schema: dict[str, Any] | None = None, kind: str | None = None,
+                 c: Client | None = None) -> dict[str, Any]:
     """--params FILE first, then each --param key=value on top (dotted keys make nested objects).
 
     `schema` (the kind's params JSON schema) keeps values of string fields as text; `kind` lets a file that
-    holds a whole request of that kind stand for its params (`params_of_file`).
+    holds a whole request of that kind stand for its params (`params_of_file`); `c` reads `job:ID`'s.
     """
     params: dict[str, Any] = {}
     if params_file:
-        params = params_of_file(params_file, kind)
+        params = params_of_file(params_file, kind, c)
     given: dict[str, str] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -758,8 +775,10 @@ def _idempotency_key(ctx, param, value: str | None) -> str | None:
 @click.option("--param", "-p", "pairs", multiple=True, metavar="KEY=VALUE",
               help="a parameter; VALUE is JSON if it parses, else a string (a string field always keeps the "
                    "text: model=123); dotted keys nest (train.epochs=5)")
-@click.option("--params", "params_file", metavar="FILE|example:NAME",
-              help="a JSON file of parameters, or a bundled example (example:fig2; see lmscope/examples/)")
+@click.option("--params", "params_file", metavar="SOURCE",
+              help="a JSON file of parameters; example:NAME, a bundled example (example:fig2; see "
+                   "lmscope/examples/); or job:ID, the params an earlier job of KIND ran with, to run it again. "
+                   "Each --param changes them")
 @click.option("--name", help="a label for the job")
 @click.option("--tag", "tags", multiple=True, help="a tag (repeatable)")
 @click.option("--idempotency-key", callback=_idempotency_key,
@@ -774,7 +793,7 @@ def submit(kind, pairs, params_file, name, tags, idempotency_key, wait_, timeout
                                "watch later with `lmscope wait JOB --timeout SECONDS`")
     c = client()
     schema = kind_schema(c, kind) if pairs else None
-    job = c.submit(kind, build_params(pairs, params_file, schema, kind), name=name, tags=list(tags),
+    job = c.submit(kind, build_params(pairs, params_file, schema, kind, c), name=name, tags=list(tags),
                    idempotency_key=idempotency_key)
     children = f" with {job['children']['total']} children" if job.get("children") else ""
     if job.get("replayed"):

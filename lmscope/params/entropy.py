@@ -43,7 +43,7 @@ class EntropyParams(JobParams):
     def _exactly_one_source(self) -> "EntropyParams":
         given = [name for name in ("model", "models", "train_job") if getattr(self, name) is not None]
         if len(given) != 1:
-            said = f"got {' and '.join(given)}" if given else "got none"
+            said = f"got {' and '.join(given)} (set all but one to null)" if given else "got none"
             raise ValueError(
                 "give exactly one of 'model' (a registered model), 'models' (a list of models) "
                 f"or 'train_job' (a train job id) — {said}")

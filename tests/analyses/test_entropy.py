@@ -400,7 +400,7 @@ def test_checkpoint_list_rules():
 @pytest.mark.parametrize("raw,message", [
     ({"dataset": "d"}, "exactly one of 'model'"),
     ({"dataset": "d", "model": "a", "models": ["b"]}, "got model and models"),
-    ({"dataset": "d", "model": "a", "train_job": 1}, "got model and train_job"),
+    ({"dataset": "d", "model": "a", "train_job": 1}, r"got model and train_job \(set all but one to null\)"),
     ({"dataset": "d", "models": []}, "at least 1"),
     ({"dataset": "d", "models": ["a", "a"]}, "twice"),
     ({"dataset": "d", "model": "a", "seq_len": 1}, "greater than or equal to 2"),

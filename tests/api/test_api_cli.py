@@ -560,3 +560,37 @@ def test_cancel_says_what_happens_to_a_sweep(api, cli):
     assert r.exit_code == 0 and "its queued grid points are cancelled now" in r.output, r.output
     queued = api.submit(h).get_json()["id"]
     assert cli("cancel", str(queued)).output.strip() == f"job {queued}: cancelled"
+
+
+def test_submit_runs_an_earlier_job_again_with_changes(api, cli):
+    """--params job:ID: the earlier job's params as its row keeps them (defaults written out), changed by -p;
+    not its name or tags. A job of another kind, someone else's job, or not a number: refused, saying what to do."""
+    first = api.submit(api.user("ann"), kind="norms", name="first", tags=["baseline"],
+                       params={"model": "m", "dataset": "d", "max_tokens": 64, "loss_filter": None}).get_json()
+    r = cli("submit", "norms", "--params", f"job:{first['id']}", "-p", "max_samples=7")
+    assert r.exit_code == 0, r.output
+    again = api.jobs()[-1]
+    assert again.id == int(r.stdout) and again.id != first["id"]
+    # every parameter as before (an explicit null too: loss_filter's default is 1.0), max_samples changed
+    assert again.params == {**first["params"], "max_samples": 7}
+    assert first["params"]["max_tokens"] == 64 and first["params"]["loss_filter"] is None
+    assert again.name is None and again.tags == []
+
+    r = cli("submit", "probe", "--params", f"job:{first['id']}")
+    assert r.exit_code == 2 and f"job {first['id']} is a norms job, not probe" in r.output
+    assert f"lmscope submit norms --params job:{first['id']}" in r.output
+    r = cli("submit", "norms", "--params", "job:first")
+    assert r.exit_code == 2 and "job:ID takes a job's number, e.g. job:42" in r.output
+    bob_job = api.submit(api.user("bob"), kind="norms", params={"model": "m", "dataset": "d"}).get_json()["id"]
+    r = cli("submit", "norms", "--params", f"job:{bob_job}")
+    assert r.exit_code == 1 and "not found" in r.output.lower(), r.output
+    assert len(api.jobs()) == 3  # nothing submitted by the refusals
+
+    # An entropy job's model becomes a list of models: the one it had set to null, as the docs say.
+    api.add_model("m2")
+    one = api.submit(api.user("ann"), kind="entropy", params={"model": "m", "dataset": "d"}).get_json()
+    r = cli("submit", "entropy", "--params", f"job:{one['id']}", "-p", 'models=["m", "m2"]')
+    assert r.exit_code == 1 and "got model and models (set all but one to null)" in r.output, r.output
+    r = cli("submit", "entropy", "--params", f"job:{one['id']}", "-p", "model=null", "-p", 'models=["m", "m2"]')
+    assert r.exit_code == 0, r.output
+    assert api.jobs()[-1].params == {**one["params"], "model": None, "models": ["m", "m2"]}
