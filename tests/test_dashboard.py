@@ -384,6 +384,40 @@ def test_choosing_a_kind_fills_in_its_example_and_never_overwrites_written_param
     # (each example runs: tests/test_cli.py submits them all, as `lmscope kinds KIND` prints them)
 
 
+def test_run_again_fills_the_form_with_the_jobs_kind_and_params(page, url, jobs):
+    """A job's "Run again…" puts its kind and every parameter as its row keeps them into the submit form (not its
+    name or tags); submitting makes a new job with those params. A sweep's grid point has no such button."""
+    a = api(url, f"/v1/jobs/{jobs['a']}")
+    assert a["name"] and a["tags"]  # what must not be carried over
+    open_job(page, url, a["id"])
+    page.js("""(() => { document.getElementById('submit-box').open = false;
+                document.getElementById('name').value = 'typed earlier';
+                document.getElementById('submit-error').textContent = 'an old error';
+                document.getElementById('params').classList.add('wanted'); return true; })()""")
+    page.click("#run-again")
+    assert page.js("document.getElementById('submit-box').open")
+    assert page.js("document.activeElement.id") == "params"
+    assert page.js("document.getElementById('kind').value") == "probe"
+    assert form_params(page) == a["params"] and len(a["params"]) > 1  # the defaults written out too
+    assert page.js("[document.getElementById('name').value, document.getElementById('tags').value]") == ["", ""]
+    assert page.text("#submit-error") == "" and page.js("document.querySelectorAll('#submit-form .wanted').length") == 0
+    assert page.js("document.getElementById('submit-box').getBoundingClientRect().top < innerHeight")  # in view
+    page.click("#submit")
+    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={a['id']}'")
+    again = api(url, f"/v1/jobs/{int(page.js('location.hash').split('=')[1])}")
+    assert (again["kind"], again["params"], again["name"], again["tags"]) == ("probe", a["params"], None, [])
+    wait_job(page, again["id"])
+    assert Client(url).wait(again["id"], timeout=120)["status"] == "succeeded"
+
+    open_job(page, url, jobs["sweep"])  # a sweep runs again as a whole
+    page.wait("document.getElementById('run-again')")
+    page.click("#run-again")
+    assert page.js("document.getElementById('kind').value") == "sweep"
+    assert form_params(page) == api(url, f"/v1/jobs/{jobs['sweep']}")["params"]
+    open_job(page, url, jobs["children"][0])
+    assert page.js("document.getElementById('run-again')") is None
+
+
 def test_params_a_browser_restored_into_the_form_are_not_replaced_by_an_example(page, url, jobs):
     """A reload in a browser that restores form fields (Firefox) puts the user's params back before the page's
     script runs: they are not the page's first text, so the loaded kinds do not replace them."""
