@@ -139,6 +139,7 @@ class EntropyStats:
         self.sum_normalized = torch.zeros(layers, heads, **f64)
         self.by_position_sum = torch.zeros(layers, heads, seq_len, **f64)
         self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros(layers, dtype=torch.int64, device=device)  # rows, per layer
         self.bin_width = math.log(seq_len) / bins
         self.set_sliding_windows({})
 
@@ -154,6 +155,7 @@ class EntropyStats:
         e = entropy.to(self.sum.device, torch.float64)  # a sharded model's layers may sit on other GPUs
         b, h, n = e.shape
         assert n == self.seq_len, (n, self.seq_len)
+        self.nonfinite[layer] += (~torch.isfinite(e)).sum()
         self.sum[layer] += e.sum(dim=(0, 2))
         self.sum_sq[layer] += (e * e).sum(dim=(0, 2))
         self.sum_normalized[layer] += (e[:, :, 1:] / self.bound[layer, 1:]).sum(dim=(0, 2))
@@ -216,6 +218,7 @@ class DimensionStats:
         self.first = 1 if causal else 0
         self.near = torch.zeros(layers, heads, dtype=torch.int64, device=device)
         self.rows = torch.zeros(layers, heads, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros(layers, dtype=torch.int64, device=device)
         self.hist = torch.zeros(layers, heads, bins, dtype=torch.int64, device=device)
         self.gap_edges = torch.tensor(gap_edges(seq_len), dtype=torch.float64, device=device)
         self.gap_hist = torch.zeros(layers, len(self.gap_edges) - 1, dtype=torch.int64, device=device)
@@ -231,6 +234,7 @@ class DimensionStats:
         """entropy: [B, H, D, N] nats, one row per (window, head, dimension, query)."""
         e = entropy[..., self.first:].to(self.near.device, torch.float64)
         b, h, d, n = e.shape
+        self.nonfinite[layer] += (~torch.isfinite(e)).sum()
         self.near[layer] += (e >= self.threshold[self.first:]).sum(dim=(0, 2, 3))
         self.rows[layer] += b * d * n
         idx = (e / self.bin_width).floor().long().clamp_(0, self.bins - 1)
@@ -262,6 +266,18 @@ class DimensionStats:
 MATRIX_ROUTE = "attention-matrix"  # the backend name a job records for the output_attentions route
 
 
+def refuse_nonfinite(name: str, what: str, nonfinite: torch.Tensor, dtype: str) -> None:
+    """Every query row sees at least one key, so an inf or NaN entropy means the model's own activations
+    overflowed (float16 stops at 65504) or its weights are not finite: fail saying so, rather than put
+    NaN in the curves and histograms."""
+    bad = torch.nonzero(nonfinite).flatten().tolist()
+    if bad:
+        advice = ("float16 holds values up to 65504: run with dtype bfloat16 or float32" if dtype == "float16"
+                  else "are its weights finite?")
+        raise JobFailed(f"{name}: {what} of layer(s) {', '.join(map(str, bad))} are inf or NaN in {dtype} (the "
+                        f"model's activations overflow); {advice}")
+
+
 def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Row entropies [B, H, N] per layer from the model's materialised attention matrices.
 
@@ -281,11 +297,13 @@ def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Ten
         p = a.float()
         # attention sinks or other off-row mass would make the rows sub-distributions: H is then undefined
         tolerance = 1e-4 if a.dtype == torch.float32 else 2e-2
-        if not torch.allclose(p.sum(-1), torch.ones((), device=p.device), atol=tolerance):
+        sums = p.sum(-1)
+        sums = sums[torch.isfinite(sums)]  # a row the model overflowed: its entropy is inf or NaN, refused as such
+        if not torch.allclose(sums, torch.ones((), device=p.device), atol=tolerance):
             raise JobFailed(f"{type(model).__name__}'s attention rows do not sum to 1 (attention sinks?); "
                             "their entropy is not defined, so `entropy` does not support this architecture")
         # a mask the model did not apply (built for another implementation) shows as weight on future keys
-        future = float(p.triu(1).sum(-1).max()) if p.shape[-1] == p.shape[-2] else 0.0
+        future = float(p.triu(1).sum(-1).nan_to_num(0.0, 0.0, 0.0).max()) if p.shape[-1] == p.shape[-2] else 0.0
         if future > tolerance:
             raise JobFailed(f"{type(model).__name__}'s attention matrices put weight {future:.3g} on future keys: "
                             "the returned matrices are not the causal attention the model runs, so `entropy` "
@@ -342,6 +360,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                 for layer, ent in enumerate(ents):
                     stats.add(layer, ent)
                 report(name)
+        refuse_nonfinite(name, "the attention entropies", stats.nonfinite, params.dtype)
         return stats.result(), None
     # Windows are full length: no attention mask, so every row is causal over keys 0..t.
     with torch.no_grad(), EntropyCollector(model) as col:
@@ -351,6 +370,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
             for layer, ent in enumerate(col.entropy):  # [B, H, N] per layer, no N x N matrix
                 stats.add(layer, ent)
             report(name)
+    refuse_nonfinite(name, "the attention entropies", stats.nonfinite, params.dtype)
 
     if params.dimension_wise:  # check() already refused dimension_causal over sliding windows
         dim_stats = DimensionStats(layers, heads, params.seq_len, params.histogram_bins,
@@ -368,6 +388,7 @@ def measure_model(params: EntropyParams, name: str, loaded, windows: torch.Tenso
                     dim_stats.note_scale(layer, col.scaling[layer], q.shape[-1])
                 col.clear()  # drop this batch's q, k, v before the next forward
                 report(name)
+        refuse_nonfinite(name, "the dimension-wise entropies", dim_stats.nonfinite, params.dtype)
     return stats.result(), (dim_stats.result() if dim_stats else None)
 
 

@@ -684,3 +684,32 @@ def test_matrices_with_weight_on_future_keys_are_refused_not_read():
     with pytest.raises(JobFailed, match="future keys"):
         entropy.attention_matrix_entropies(model, torch.zeros(1, 6, dtype=torch.long))
     assert seen == ["eager"] and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neo"])
+def test_a_model_that_overflows_float16_fails_saying_so(tmp_path, documents, arch):
+    """Activations past float16's 65504 (one embedding coordinate of 7e4) give inf and NaN entropies, which used
+    to end in the plots' "cannot convert float NaN to integer" (and NaN counted in the first histogram bin). The
+    job fails naming the layers and what to change, on the kernel route and on the attention-matrix route; the same
+    model in float32 runs."""
+    lm = tiny_model(arch)
+    with torch.no_grad():
+        lm.model.get_input_embeddings().weight[:, 0] = 7e4
+    out, _ = run_job(tmp_path / "float32", {"m": lm}, documents, num_segments=3)
+    assert np.isfinite(out.summary["mean_entropy"])
+    lm.model.half()
+    with pytest.raises(JobFailed, match=r"m: the attention entropies of layer\(s\) 0, 1 are inf or NaN in float16 "
+                                        r".* run with dtype bfloat16 or float32"):
+        run_job(tmp_path / "float16", {"m": lm}, documents, num_segments=3, dtype="float16")
+
+
+def test_statistics_count_rows_that_are_not_finite():
+    stats = entropy.EntropyStats(layers=2, heads=1, seq_len=3, bins=4)
+    stats.add(0, torch.tensor([[[0.0, 0.5, 1.0]]]))
+    stats.add(1, torch.tensor([[[0.0, float("nan"), float("inf")]]]))
+    dims = entropy.DimensionStats(layers=2, heads=1, seq_len=3, bins=4, margin=0.03, causal=False)
+    dims.add(1, torch.tensor([[[[0.0, float("nan"), 1.0]]]]))
+    assert stats.nonfinite.tolist() == [0, 2] and dims.nonfinite.tolist() == [0, 1]
+    with pytest.raises(JobFailed, match=r"^m: what of layer\(s\) 1 are inf or NaN in bfloat16 .* are its weights "):
+        entropy.refuse_nonfinite("m", "what", stats.nonfinite, "bfloat16")
+    entropy.refuse_nonfinite("m", "what", torch.zeros(2, dtype=torch.int64), "float16")  # all finite: nothing
