@@ -153,4 +153,8 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
         "next_token": next_token,
         "forward_ms": round(forward_ms, 3),
     }
+    if not math.isfinite(loss):  # stored as null, which alone would not say why
+        summary["prompt_loss_note"] = (f"the logits reach inf or NaN in {summary['dtype']} (the model's activations "
+                                       "overflow" + ("; float16 stops at 65504: try bfloat16 or float32)"
+                                                     if summary["dtype"] == "float16" else ")"))
     return JobOutput(summary=summary, series=series)

@@ -180,3 +180,21 @@ def test_parameters_of_a_layer_outside_attention_mlp_and_norms_are_drawn_and_cou
     assert groups["other"][0] == sum(p.numel() for n, p in layer0.items() if n.startswith("mixer.")) > 0
     parts = [sum(g[i] for name, g in groups.items() if name != "total") for i in range(2)]
     assert parts == groups["total"]
+
+
+def test_a_prompt_loss_the_model_overflows_says_why_it_is_missing(tmp_path):
+    """A float16 model whose activations pass 65504: the loss is not a number (stored as null), and the summary
+    says why and what to change; the same model in float32 has a loss and no note."""
+    from lmscope.analyses.base import LoadedModel
+    from lmscope.modeling.loading import model_info
+
+    lm = LocalContext(tmp_path).load_model("tiny-gpt2")
+    with torch.no_grad():
+        lm.model.get_input_embeddings().weight[:, 0] = 7e4
+    fine = run(ProbeParams(model="m", prompt=PROMPT), LocalContext(tmp_path / "a", models={"m": lm})).summary
+    assert math.isfinite(fine["prompt_loss"]) and "prompt_loss_note" not in fine
+    half = LoadedModel("m", lm.model.half(), lm.tokenizer, model_info(lm.model))
+    out = run(ProbeParams(model="m", prompt=PROMPT), LocalContext(tmp_path / "b", models={"m": half})).summary
+    assert not math.isfinite(out["prompt_loss"])
+    assert out["prompt_loss_note"] == ("the logits reach inf or NaN in float16 (the model's activations overflow; "
+                                       "float16 stops at 65504: try bfloat16 or float32)")
