@@ -334,7 +334,7 @@ def attend_without_keys(q, z, w_k, w_v, b_v, visible, scale) -> torch.Tensor:
         Σ_j p_j v_j = (Σ_j p_j z_j) w_v + b_v       the weights p_j sum to 1
 
     so each query costs 2·H·T·D multiply-adds instead of the 2·T·D² that K and V cost: far less while
-    Q·H < D (one current token per row, the usual case). Half-precision inputs are computed with in float32,
+    Q·H < D (one current token per row, the usual case). Half-precision inputs are computed in float32,
     as SDPA does: w_k q and the scores of a model that runs fine in float16 may pass 65504."""
     H, d, orig_dtype = q.shape[2], q.shape[3], z.dtype
     wide = torch.promote_types(z.dtype, torch.float32)
