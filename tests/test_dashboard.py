@@ -418,6 +418,26 @@ def test_run_again_fills_the_form_with_the_jobs_kind_and_params(page, url, jobs)
     assert page.js("document.getElementById('run-again')") is None
 
 
+def test_a_seed_past_2_to_the_53_is_shown_and_run_again_exactly(page, url, jobs):
+    """Seeds go up to 2^63 − 1; JavaScript numbers hold integers exactly only to 2^53, and "Run again…" once
+    submitted 9007199254740992 for 9007199254740993 (another sample of trajectories)."""
+    seed = 2**53 + 1
+    first = submit(url, "norms", {"model": "tiny-gpt2", "dataset": "wikitext-2", "min_words": 100000, "seed": seed})
+    assert Client(url).wait(first, timeout=120)["status"] == "failed"  # (fast: no document is that long)
+    open_job(page, url, first)
+    cells = page.js("Object.fromEntries([...document.querySelectorAll('#params-table tr')]"
+                    ".map(r => [r.cells[0]?.textContent, r.cells[1]?.textContent]))")
+    assert cells["seed"] == str(seed)
+    page.click("#run-again")
+    assert f'"seed": {seed}' in page.js("document.getElementById('params').value")
+    page.click("#submit")
+    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={first}'")
+    again = int(page.js("location.hash").split("=")[1])
+    assert requests.get(f"{url}/v1/jobs/{again}", timeout=30).json()["params"]["seed"] == seed  # (Python: exact)
+    wait_job(page, again)
+    Client(url).wait(again, timeout=120)
+
+
 def test_params_a_browser_restored_into_the_form_are_not_replaced_by_an_example(page, url, jobs):
     """A reload in a browser that restores form fields (Firefox) puts the user's params back before the page's
     script runs: they are not the page's first text, so the loaded kinds do not replace them."""
