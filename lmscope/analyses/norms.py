@@ -850,9 +850,12 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
                     pair_layer.append(torch.full((len(ok),), layer))
                 del matrices  # before the next block's are read
             progress.step("gram condition")
-    holds_np, ratio_np = torch.cat(holds).numpy(), torch.cat(ratio).numpy()
-    np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=torch.cat(pair_traj).numpy(),
-                        layers=torch.cat(pair_layer).numpy(), holds=holds_np, ratio=ratio_np)
+    # by (trajectory, layer): the batches' order depends on batch_size, and two jobs' files should line up
+    traj_np, layer_np = torch.cat(pair_traj).numpy(), torch.cat(pair_layer).numpy()
+    order = np.lexsort((layer_np, traj_np))
+    holds_np, ratio_np = torch.cat(holds).numpy()[order], torch.cat(ratio).numpy()[order]
+    np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=traj_np[order],
+                        layers=layer_np[order], holds=holds_np, ratio=ratio_np)
     # a pair whose states overflowed the dtype (inf or NaN) neither meets the condition nor fails it
     finite = np.isfinite(ratio_np)
     result = {"gram_condition_pct": 100.0 * float(holds_np[finite].mean()) if finite.any() else None,

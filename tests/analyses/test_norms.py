@@ -617,6 +617,8 @@ def test_gram_condition_matches_direct_norm_comparison(gpt2_run, documents, tmp_
     samples = reference_samples(lm.tokenizer, documents, 20)
     traj = np.load(ctx.artifact_dir / "trajectories.npz")
     assert len(np.unique(saved["trajectory_ids"])) == 12 and set(saved["layers"].tolist()) == set(range(steps))
+    pairs = list(zip(saved["trajectory_ids"].tolist(), saved["layers"].tolist()))
+    assert pairs == sorted(pairs)  # in (trajectory, layer) order, whatever the batches' order
     maps = [block_maps(b, lm.model.config.n_embd) for b in lm.model.transformer.h]
     direct, ratios = [], []
     for tr, layer in zip(saved["trajectory_ids"], saved["layers"]):
