@@ -82,6 +82,7 @@ def _single_threaded(ctx: JobContext):
     apply = torch.device(ctx.device).type == "cpu" and not ctx.shares_process and before > 1
     if apply:
         torch.set_num_threads(1)
+        ctx.record("torch_threads", 1)  # what trained, not the count restored afterwards
     try:
         yield
     finally:

@@ -123,6 +123,8 @@ def environment_record(device: str, stages: dict[str, float], wall_seconds: floa
     backend = default_kernel_backend(device)
     if backend:
         env["kernel_backend"] = backend
+    if "torch" in sys.modules:  # CPU sums round by thread count: a bit-identical rerun needs the same
+        env["torch_threads"] = sys.modules["torch"].get_num_threads()
     env["stages"] = {name: round(seconds, 6) for name, seconds in stages.items()}
     env["wall_seconds"] = round(wall_seconds, 6)
     env.update(recorded)

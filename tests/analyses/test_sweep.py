@@ -264,6 +264,8 @@ def test_single_threaded_restores_the_count_and_spares_a_shared_process(tmp_path
         with _single_threaded(alone):  # one job at a time again: the measured speed-up applies
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
+        # the environment says what trained: 1 thread, not the count restored afterwards
+        assert alone.environment["torch_threads"] == 1 and "torch_threads" not in shared.environment
     finally:
         torch.set_num_threads(before)
 

@@ -64,6 +64,8 @@ def test_job_runs_and_everything_is_stored(settings, sessions, make_job, job_row
 
 
 def test_environment_is_recorded(settings, sessions, make_job, job_row, publisher):
+    import torch  # imported before the job runs: the record then says its thread count
+
     job_id = make_job(params={"steps": 3, "sleep": 0.05, "record_backend": "triton", "plot": False})
     runner.execute(job_id, settings, sessions, publisher)
     env = job_row(job_id).environment
@@ -72,6 +74,7 @@ def test_environment_is_recorded(settings, sessions, make_job, job_row, publishe
     assert env["kernel_backend"] == "triton"  # what the job recorded wins
     assert env["attempt"] == 1 and env["device"] in ("cpu", "cuda")
     assert env["device_name"]
+    assert env["torch_threads"] == torch.get_num_threads()
     for package in ("torch", "triton", "transformers"):
         if importlib.util.find_spec(package) is not None:
             assert env[package] == importlib.metadata.version(package)
