@@ -234,7 +234,8 @@ def params_of_job(c: Client, ref: str, kind: str | None) -> dict[str, Any]:
         raise click.BadParameter(f"{ref!r}: job:ID takes a job's number, e.g. job:42", param_hint="--params")
     job = c.get(int(number))
     if kind is not None and job["kind"] != kind:
-        raise click.BadParameter(f"job {job['id']} is a {job['kind']} job, not {kind}: run it again with "
+        article = "an" if job["kind"][:1] in "aeiou" else "a"
+        raise click.BadParameter(f"job {job['id']} is {article} {job['kind']} job, not {kind}: run it again with "
                                  f"`lmscope submit {job['kind']} --params job:{job['id']}`", param_hint="--params")
     return job.get("params") or {}
 

@@ -37,7 +37,8 @@ class EntropyParams(JobParams):
                            "default bidirectional as in the note (bound ln(seq_len))")
     near_uniform_margin: float = Field(0.03, gt=0, description="nats below the uniform bound that count as near uniform")
     bos_per_window: BosPerWindow = False
-    seed: Seed = 0  # kept for the record: the measurement draws no random numbers
+    seed: Seed = Field(0, description="unused: the measurement draws no random numbers (kept so that stored "
+                                      "jobs stay valid)")
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "EntropyParams":

@@ -579,12 +579,15 @@ def test_submit_runs_an_earlier_job_again_with_changes(api, cli):
     r = cli("submit", "probe", "--params", f"job:{first['id']}")
     assert r.exit_code == 2 and f"job {first['id']} is a norms job, not probe" in r.output
     assert f"lmscope submit norms --params job:{first['id']}" in r.output
+    entropy_job = api.submit(api.user("ann"), kind="entropy", params={"model": "m", "dataset": "d"}).get_json()["id"]
+    r = cli("submit", "norms", "--params", f"job:{entropy_job}")
+    assert r.exit_code == 2 and f"job {entropy_job} is an entropy job, not norms" in r.output
     r = cli("submit", "norms", "--params", "job:first")
     assert r.exit_code == 2 and "job:ID takes a job's number, e.g. job:42" in r.output
     bob_job = api.submit(api.user("bob"), kind="norms", params={"model": "m", "dataset": "d"}).get_json()["id"]
     r = cli("submit", "norms", "--params", f"job:{bob_job}")
     assert r.exit_code == 1 and "not found" in r.output.lower(), r.output
-    assert len(api.jobs()) == 3  # nothing submitted by the refusals
+    assert len(api.jobs()) == 4  # nothing submitted by the refusals
 
     # An entropy job's model becomes a list of models: the one it had set to null, as the docs say.
     api.add_model("m2")
