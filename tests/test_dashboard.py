@@ -666,6 +666,23 @@ def test_compare_legend_colours_names_and_differences(page, url, jobs):
     assert page.text("#no-shared").endswith("below, val_error of the jobs that have it.")
 
 
+def test_compare_shows_values_apart_past_six_digits_in_full(page, url):
+    """A row marked as differing whose six-digit values read the same (float sums rounded on another thread
+    count) shows the values in full; rows apart within six digits keep six."""
+    page.goto(f"{url}/")
+    cells = page.js("""(() => {
+        const doc = { jobs: [{ id: 1, kind: "norms", status: "succeeded" }, { id: 2, kind: "norms", status: "succeeded" }],
+                      params: {}, summary: { mean: { 1: 2.4453125, 2: 2.4453126 }, pct: { 1: 40, 2: 55.5 },
+                                             same: { 1: 0.1, 2: 0.1 } },
+                      series: [], shared_series: [], missing: [] };
+        const table = comparePage(doc, { ids: [1, 2] })[1].querySelector('table');
+        return Object.fromEntries([...table.querySelectorAll('tbody tr')].filter(r => r.cells.length > 1)
+            .map(r => [r.cells[0].textContent, [...r.cells].slice(1).map(c => c.textContent)]));
+    })()""")
+    assert cells["mean"] == ["2.4453125", "2.4453126"]
+    assert cells["pct"] == ["40", "55.5"] and cells["same"] == ["0.1", "0.1"]
+
+
 def test_a_comparison_opened_from_its_address_ticks_its_jobs(page, url, jobs):
     """The boxes and the button's count say what is compared, also when the comparison came from a link."""
     a, b = jobs["a"], jobs["b"]

@@ -464,6 +464,22 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
         assert im.size[0] > im.size[1] > 200  # two panels side by side
 
 
+def test_compare_shows_values_that_differ_past_six_digits_in_full(api, cli):
+    """Two runs whose float sums rounded apart (another thread count): six digits would print the row the same
+    in both columns while listing it among the differences."""
+    h = api.user("ann")
+    a, b = (api.submit(h).get_json()["id"] for _ in range(2))
+    api.set_job(a, status="succeeded", finished_at=utcnow(), summary={"mean": 2.4453125, "ratios": [0.5, 0.25000001],
+                                                                      "pct": 40.0})
+    api.set_job(b, status="succeeded", finished_at=utcnow(), summary={"mean": 2.4453126, "ratios": [0.5, 0.25],
+                                                                      "pct": 55.5})
+    table = cli("compare", str(a), str(b))
+    rows = {line.split()[0]: line.split()[1:] for line in table.stdout.splitlines()[1:]}
+    assert rows["mean"] == ["2.4453125", "2.4453126"]
+    assert rows["ratios"] == ["[0.5,", "0.25000001]", "[0.5,", "0.25]"]  # (split on spaces here)
+    assert rows["pct"] == ["40", "55.5"]  # apart within six digits: six digits
+
+
 def test_compare_plot_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
     a, b = _two_norms_like_jobs(api)
     (tmp_path / "x.txt").write_text("")
