@@ -130,7 +130,7 @@ def check_logits_reproduced(model, parts: ModelParts, input_ids: torch.Tensor) -
     # Half precision rounds the model's own logits by up to eps·|logit| (bfloat16: 0.8 at a logit of 100),
     # and its final norm's output as much again, relative: allowed per position, on top of a fixed 0.5.
     allowed = (torch.full_like(diff, 1e-3) if dtype == torch.float32 else
-               0.5 + 4 * torch.finfo(dtype).eps * logits.abs().amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0))
+               0.5 + 4 * torch.finfo(dtype).eps * logits.nan_to_num(0.0, 0.0, 0.0).abs().amax(-1, keepdim=True))
     allowed = allowed.expand_as(diff)
     finite = torch.isfinite(diff)
     if not finite.any():
@@ -483,11 +483,13 @@ class RunningPCA:
         self.sum = torch.zeros(dim, dtype=torch.float64, device=device)
         self.outer = torch.zeros(dim, dim, dtype=torch.float64, device=device)
 
-    def add(self, points: torch.Tensor) -> None:  # [N, D]
-        """Points with an inf or NaN coordinate (a half-precision overflow) are left out."""
-        p = points.to(torch.float64)
+    def add(self, points: torch.Tensor, keep: torch.Tensor | None = None) -> None:  # [N, D], [N] bool
+        """Only the points `keep` marks (all by default), less any with an inf or NaN coordinate."""
+        p = points.to(torch.float64, copy=True)  # (zeroed in place below: never the caller's tensor)
         finite = torch.isfinite(p).all(-1, keepdim=True)
-        p = torch.where(finite, p, 0.0)
+        if keep is not None:
+            finite &= keep[:, None]
+        p.masked_fill_(~finite, 0.0)
         self.n += finite.sum()
         self.sum += p.sum(0)
         self.outer += p.T @ p
@@ -594,8 +596,10 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
             current = torch.stack([h[rows_d.to(h.device), cols_d.to(h.device)].to(device) for h in states], 1).float()
             # in float64: one large coordinate's square leaves float32 no digits for the others, and the
             # layers' norms would tie where they differ
-            norms[at_trajs] = torch.linalg.vector_norm(current, dim=-1, dtype=torch.float64)
-            pca.add(current.reshape(-1, D))
+            batch_norms = torch.linalg.vector_norm(current, dim=-1, dtype=torch.float64)  # [n, L']
+            norms[at_trajs] = batch_norms
+            # a trajectory that overflowed somewhere is left out whole, its finite points too (no host sync)
+            pca.add(current.reshape(-1, D), torch.isfinite(batch_norms).all(1).repeat_interleave(points))
             drawn = np.flatnonzero(np.isin(trajs, pca_trajs))
             if len(drawn):
                 slots = np.searchsorted(pca_trajs, trajs[drawn])
@@ -615,16 +619,20 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
                             pca_points.cpu().numpy(), pca)
 
 
+def overflow_advice(dtype: str) -> str:
+    """What to change when a model's states reach inf or NaN in `dtype`."""
+    return ("float16 holds values up to 65504: run with dtype bfloat16 or float32" if dtype == "float16"
+            else "are its weights finite?")
+
+
 def finite_trajectories(params: NormsParams, norms: np.ndarray) -> np.ndarray:
     """[S] bool: the trajectories whose every norm is finite. Those that are not (the model's activations
     overflowed the dtype: float16 stops at 65504) are left out of every statistic, and counted; none at
     all is a failure that says what to change."""
     finite = np.isfinite(norms).all(1)
     if len(finite) and not finite.any():
-        advice = ("float16 holds values up to 65504: run with dtype bfloat16 or float32"
-                  if params.dtype == "float16" else "are its weights finite?")
         raise JobFailed(f"every trajectory's hidden states reach inf or NaN in {params.dtype} ({params.model}'s "
-                        f"activations overflow); {advice}")
+                        f"activations overflow); {overflow_advice(params.dtype)}")
     return finite
 
 
@@ -641,9 +649,8 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
     }
     if not usable.all():
         summary["nonfinite_note"] = (f"{summary['nonfinite_trajectories']} of {S} trajectories reach inf or NaN "
-                                     f"norms ({params.model}'s activations overflow {params.dtype}; float16 stops at "
-                                     "65504): they are left out of every statistic and plot; bfloat16 or float32 "
-                                     "keeps them")
+                                     f"norms in {params.dtype} ({params.model}'s activations overflow): they are "
+                                     "left out of every statistic and plot; " + overflow_advice(params.dtype))
     x = list(range(points))
     series = [Series(f"norm.{name}", x, fn(norms, axis=0).tolist(), {"unit": "L2 norm"})
               for name, fn in (("mean", np.mean), ("std", np.std), ("median", np.median))]
@@ -707,12 +714,13 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
                         + PLOTS)
     with kernel_attention(model, ctx):
         m = measure(params, ctx, parts, samples, pad_id, device, points, pca_trajs, progress, inner_loss_route)
-        finite_trajectories(params, m.norms)  # nothing finite: fail now, not after the Gram condition
+        usable = finite_trajectories(params, m.norms)  # nothing finite: fail now, not after the Gram condition
         with ctx.stage("pca"):
             mean, components, explained = m.pca.fit(3)
             coords = ((torch.from_numpy(m.pca_points).to(device, torch.float64) - mean) @ components.T).cpu().numpy()
             progress.step("pca")
-        gram = gram_condition(params, ctx, parts, samples, pad_id, device, points, lm.info, gram_chosen, progress)
+        gram = gram_condition(params, ctx, parts, samples, pad_id, device, points, lm.info, gram_chosen, progress,
+                              usable)
 
     summary, series, kept = summarise(params, m, samples, L)
     summary["max_tokens"] = max_tokens
@@ -733,7 +741,6 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
                         trajectory_ids=pca_trajs, sample_ids=samples.traj_sample[pca_trajs])
     with ctx.stage("plots"):
         title = f"{params.model} on {params.dataset}"
-        usable = np.isfinite(m.norms).all(1)  # (summarise said how many are not)
         norms_plots.plot_norms(out / "norms.png", m.norms[usable],
                                _choose(int(usable.sum()), TRAJECTORY_LINES, params.seed, 2),
                                params.include_last_layer, title, summary["sequence_pct"], summary["pair_pct"])
@@ -802,11 +809,13 @@ class LinearisedBlocks:
 
 
 def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Samples, pad_id: int,
-                   device, points: int, info: dict, chosen: np.ndarray, progress: Progress) -> dict:
+                   device, points: int, info: dict, chosen: np.ndarray, progress: Progress,
+                   usable: np.ndarray | None = None) -> dict:
     """% of (trajectory, layer) pairs meeting Proposition 1's condition (lmscope.analyses.linearised_layer).
 
     Layer l pairs x = h_l[t] with block l + 1 (blocks numbered 1 … L: the map h_l → h_{l+1}), for
-    the steps of the trajectory.
+    the steps of the trajectory. The pairs of trajectories `usable` [S] leaves out (their norms overflowed
+    somewhere) are not counted, as the pairs whose ratio is inf or NaN are not.
     """
     reason = gram_not_applicable(params, parts, info)
     if reason:
@@ -857,15 +866,13 @@ def gram_condition(params: NormsParams, ctx: JobContext, parts: ModelParts, samp
     np.savez_compressed(ctx.artifact_dir / "gram_condition.npz", trajectory_ids=traj_np[order],
                         layers=layer_np[order], holds=holds_np, ratio=ratio_np)
     # a pair whose states overflowed the dtype (inf or NaN) neither meets the condition nor fails it
-    finite = np.isfinite(ratio_np)
+    finite = np.isfinite(ratio_np) & (usable[traj_np[order]] if usable is not None else True)
     result = {"gram_condition_pct": 100.0 * float(holds_np[finite].mean()) if finite.any() else None,
-              "gram_condition_pairs": int(finite.sum()),
+              "gram_condition_pairs": int(finite.sum()), "gram_condition_nonfinite": int((~finite).sum()),
               "gram_condition_form": GRAM_FORMS[parallel_residual(parts.blocks[0])]}  # one form per model (config)
-    if not finite.all():
-        result["gram_condition_nonfinite"] = int((~finite).sum())
-        if not finite.any():
-            result["gram_condition_reason"] = (f"every pair's hidden states reach inf or NaN in {params.dtype} "
-                                               "(an overflow); bfloat16 or float32 keeps them")
+    if len(finite) and not finite.any():
+        result["gram_condition_reason"] = (f"every pair's hidden states reach inf or NaN in {params.dtype} "
+                                           f"(an overflow); {overflow_advice(params.dtype)}")
     return result
 
 

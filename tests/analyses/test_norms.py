@@ -971,8 +971,9 @@ def test_trajectories_that_overflow_float16_are_left_out_and_counted(tmp_path, d
     expected = np.array([[h[-1].norm().item() for h in unbatched_states(lm.model, t)[0][:L]] for t in samples])
     finite = np.isfinite(expected).all(1)
     assert 0 < (~finite).sum() < len(samples) / 2  # some overflow, most do not
-    out, ctx = run_job(tmp_path, lm, documents, max_samples=20, dtype="float16", loss_filter=None, gram_samples=20,
-                       pca_samples=20)
+    # one sample a batch: the job's states are then those of each sample run alone, to the bit
+    out, ctx = run_job(tmp_path, lm, documents, max_samples=20, batch_size=1, dtype="float16", loss_filter=None,
+                       gram_samples=20, pca_samples=20)
     s = out.summary
     assert s["trajectories"] == 20 and s["nonfinite_trajectories"] == int((~finite).sum())
     assert f"{(~finite).sum()} of 20 trajectories" in s["nonfinite_note"] and "bfloat16 or float32" in s["nonfinite_note"]
@@ -983,13 +984,18 @@ def test_trajectories_that_overflow_float16_are_left_out_and_counted(tmp_path, d
     assert all(np.isfinite(x.y).all() for x in out.series)
     assert s["inner_loss_nonfinite"] >= (~finite).sum() and s["inner_loss_final_mean"] is not None
     assert all(np.isfinite(s["pca_explained_variance"]))
-    # the Gram condition over the finite pairs: a pair of an overflowed trajectory is neither kept nor failed
+    # PCA over the points of the finite trajectories only: an overflowed one's finite points (h_0) are left out too
+    points = np.stack([h[-1].numpy() for t, ok in zip(samples, finite) if ok
+                       for h in unbatched_states(lm.model, t)[0][:L]])
+    np.testing.assert_allclose(np.load(ctx.artifact_dir / "pca.npz")["mean"], points.mean(0), rtol=1e-9, atol=1e-9)
+    # the Gram condition over the finite trajectories' pairs: an overflowed one's pairs are neither kept nor failed,
+    # its finite first step included
     gram = np.load(ctx.artifact_dir / "gram_condition.npz")
-    kept_pairs = np.isfinite(gram["ratio"])
     overflowed = np.isin(gram["trajectory_ids"], np.flatnonzero(~finite))
-    assert (~kept_pairs <= overflowed).all() and s["gram_condition_nonfinite"] == int((~kept_pairs).sum()) > 0
-    assert s["gram_condition_pairs"] == int(kept_pairs.sum())
-    assert s["gram_condition_pct"] == pytest.approx(100 * (gram["ratio"][kept_pairs] >= 1).mean())
+    assert overflowed.any() and np.isfinite(gram["ratio"][~overflowed]).all()
+    assert np.isfinite(gram["ratio"][overflowed & (gram["layers"] == 0)]).any()  # a step before the overflow
+    assert s["gram_condition_nonfinite"] == int(overflowed.sum()) and s["gram_condition_pairs"] == int((~overflowed).sum())
+    assert s["gram_condition_pct"] == pytest.approx(100 * (gram["ratio"][~overflowed] >= 1).mean())
     assert {"norms.png", "inner_loss.png", "pca3d.png"} <= {p.name for p in ctx.artifact_dir.iterdir()}
     saved = np.load(ctx.artifact_dir / "trajectories.npz")["norms"]  # the file keeps every trajectory as measured
     assert (np.isfinite(saved).all(1) == finite).all()
@@ -1045,17 +1051,22 @@ def test_the_logits_check_allows_bfloat16_rounding_of_large_logits_and_still_ref
         norms.check_logits_reproduced(lm.model, parts, ids)
 
 
-def test_pca_leaves_out_points_that_are_not_finite():
-    """Moments over the finite points only, as numpy's covariance of those points gives them."""
+def test_pca_leaves_out_points_that_are_not_finite_and_those_not_kept():
+    """Moments over the finite points `keep` marks only, as numpy's covariance of those points gives them; the
+    caller's points are left as they were."""
     rng = np.random.default_rng(0)
     points = rng.normal(size=(50, 4)) * [3, 2, 1, 0.5]
     bad = points.copy()
     bad[[3, 17]] = [np.inf, 0, 0, 0], [np.nan] * 4
+    keep = np.ones(50, bool)
+    keep[[30, 31]] = False
     pca = norms.RunningPCA(4, "cpu")
-    pca.add(torch.from_numpy(bad[:25]))
-    pca.add(torch.from_numpy(bad[25:]))
+    first = torch.from_numpy(bad[:25])
+    pca.add(first)
+    pca.add(torch.from_numpy(bad[25:]), torch.from_numpy(keep[25:]))
+    assert torch.isinf(first[3, 0])  # not zeroed in place
     mean, components, ratio = pca.fit(3)
-    good = np.delete(points, [3, 17], axis=0)
+    good = np.delete(points, [3, 17, 30, 31], axis=0)
     np.testing.assert_allclose(mean.numpy(), good.mean(0), rtol=1e-10)
     var, vecs = np.linalg.eigh(np.cov(good.T))
     np.testing.assert_allclose(ratio.numpy(), var[::-1][:3] / var.sum(), rtol=1e-8)
