@@ -298,7 +298,8 @@ def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Ten
         # attention sinks or other off-row mass would make the rows sub-distributions: H is then undefined
         tolerance = 1e-4 if a.dtype == torch.float32 else 2e-2
         sums = p.sum(-1)
-        sums = sums[torch.isfinite(sums)]  # a row the model overflowed: its entropy is inf or NaN, refused as such
+        # a row the model overflowed: its entropy is inf or NaN, refused as such (not a boolean index: no sync)
+        sums = torch.where(torch.isfinite(sums), sums, torch.ones_like(sums))
         if not torch.allclose(sums, torch.ones((), device=p.device), atol=tolerance):
             raise JobFailed(f"{type(model).__name__}'s attention rows do not sum to 1 (attention sinks?); "
                             "their entropy is not defined, so `entropy` does not support this architecture")

@@ -149,11 +149,11 @@ def run(params: ProbeParams, ctx: JobContext) -> JobOutput:
         "device": str(device),
         "prompt_tokens": int(ids.shape[1]),
         "prompt_loss": loss,
-        "prompt_perplexity": math.exp(min(loss, 700.0)),
+        "prompt_perplexity": math.exp(min(loss, 700.0)) if math.isfinite(loss) else None,
         "next_token": next_token,
         "forward_ms": round(forward_ms, 3),
     }
-    if not math.isfinite(loss):  # stored as null, which alone would not say why
+    if not math.isfinite(loss):  # stored as null (and so is the perplexity), which alone would not say why
         summary["prompt_loss_note"] = (f"the logits reach inf or NaN in {summary['dtype']} (the model's activations "
                                        "overflow" + ("; float16 stops at 65504: try bfloat16 or float32)"
                                                      if summary["dtype"] == "float16" else ")"))

@@ -195,6 +195,6 @@ def test_a_prompt_loss_the_model_overflows_says_why_it_is_missing(tmp_path):
     assert math.isfinite(fine["prompt_loss"]) and "prompt_loss_note" not in fine
     half = LoadedModel("m", lm.model.half(), lm.tokenizer, model_info(lm.model))
     out = run(ProbeParams(model="m", prompt=PROMPT), LocalContext(tmp_path / "b", models={"m": half})).summary
-    assert not math.isfinite(out["prompt_loss"])
+    assert not math.isfinite(out["prompt_loss"]) and out["prompt_perplexity"] is None
     assert out["prompt_loss_note"] == ("the logits reach inf or NaN in float16 (the model's activations overflow; "
                                        "float16 stops at 65504: try bfloat16 or float32)")
