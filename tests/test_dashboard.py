@@ -384,60 +384,6 @@ def test_choosing_a_kind_fills_in_its_example_and_never_overwrites_written_param
     # (each example runs: tests/test_cli.py submits them all, as `lmscope kinds KIND` prints them)
 
 
-def test_run_again_fills_the_form_with_the_jobs_kind_and_params(page, url, jobs):
-    """A job's "Run again…" puts its kind and every parameter as its row keeps them into the submit form (not its
-    name or tags); submitting makes a new job with those params. A sweep's grid point has no such button."""
-    a = api(url, f"/v1/jobs/{jobs['a']}")
-    assert a["name"] and a["tags"]  # what must not be carried over
-    open_job(page, url, a["id"])
-    page.js("""(() => { document.getElementById('submit-box').open = false;
-                document.getElementById('name').value = 'typed earlier';
-                document.getElementById('submit-error').textContent = 'an old error';
-                document.getElementById('params').classList.add('wanted'); return true; })()""")
-    page.click("#run-again")
-    assert page.js("document.getElementById('submit-box').open")
-    assert page.js("document.activeElement.id") == "params"
-    assert page.js("document.getElementById('kind').value") == "probe"
-    assert form_params(page) == a["params"] and len(a["params"]) > 1  # the defaults written out too
-    assert page.js("[document.getElementById('name').value, document.getElementById('tags').value]") == ["", ""]
-    assert page.text("#submit-error") == "" and page.js("document.querySelectorAll('#submit-form .wanted').length") == 0
-    assert page.js("document.getElementById('submit-box').getBoundingClientRect().top < innerHeight")  # in view
-    page.click("#submit")
-    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={a['id']}'")
-    again = api(url, f"/v1/jobs/{int(page.js('location.hash').split('=')[1])}")
-    assert (again["kind"], again["params"], again["name"], again["tags"]) == ("probe", a["params"], None, [])
-    wait_job(page, again["id"])
-    assert Client(url).wait(again["id"], timeout=120)["status"] == "succeeded"
-
-    open_job(page, url, jobs["sweep"])  # a sweep runs again as a whole
-    page.wait("document.getElementById('run-again')")
-    page.click("#run-again")
-    assert page.js("document.getElementById('kind').value") == "sweep"
-    assert form_params(page) == api(url, f"/v1/jobs/{jobs['sweep']}")["params"]
-    open_job(page, url, jobs["children"][0])
-    assert page.js("document.getElementById('run-again')") is None
-
-
-def test_a_seed_past_2_to_the_53_is_shown_and_run_again_exactly(page, url, jobs):
-    """Seeds go up to 2^63 − 1; JavaScript numbers hold integers exactly only to 2^53, and "Run again…" once
-    submitted 9007199254740992 for 9007199254740993 (another sample of trajectories)."""
-    seed = 2**53 + 1
-    first = submit(url, "norms", {"model": "tiny-gpt2", "dataset": "wikitext-2", "min_words": 100000, "seed": seed})
-    assert Client(url).wait(first, timeout=120)["status"] == "failed"  # (fast: no document is that long)
-    open_job(page, url, first)
-    cells = page.js("Object.fromEntries([...document.querySelectorAll('#params-table tr')]"
-                    ".map(r => [r.cells[0]?.textContent, r.cells[1]?.textContent]))")
-    assert cells["seed"] == str(seed)
-    page.click("#run-again")
-    assert f'"seed": {seed}' in page.js("document.getElementById('params').value")
-    page.click("#submit")
-    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={first}'")
-    again = int(page.js("location.hash").split("=")[1])
-    assert requests.get(f"{url}/v1/jobs/{again}", timeout=30).json()["params"]["seed"] == seed  # (Python: exact)
-    wait_job(page, again)
-    Client(url).wait(again, timeout=120)
-
-
 def test_params_a_browser_restored_into_the_form_are_not_replaced_by_an_example(page, url, jobs):
     """A reload in a browser that restores form fields (Firefox) puts the user's params back before the page's
     script runs: they are not the page's first text, so the loaded kinds do not replace them."""
@@ -1398,3 +1344,82 @@ def test_long_values_wrap_inside_their_panels(page, url, jobs):
             const s = document.querySelector('#list-panel .scroll'), box = s.getBoundingClientRect();
             return s.scrollWidth <= s.clientWidth && [...document.querySelectorAll('#jobs td.created')].every(
                 c => c.getBoundingClientRect().right <= box.right + 0.5); })(%s)""" % json.dumps(long_subject)), width
+
+
+# ---------------------------------------------------------------- last: these add jobs to the module's service
+# (the list and filter tests above count the module's jobs)
+
+def test_run_again_fills_the_form_with_the_jobs_kind_and_params(page, url, jobs):
+    """A job's "Run again…" puts its kind and every parameter as its row keeps them into the submit form (not its
+    name or tags); submitting makes a new job with those params. A sweep's grid point has no such button."""
+    a = api(url, f"/v1/jobs/{jobs['a']}")
+    assert a["name"] and a["tags"]  # what must not be carried over
+    open_job(page, url, a["id"])
+    page.js("""(() => { document.getElementById('submit-box').open = false;
+                document.getElementById('name').value = 'typed earlier';
+                document.getElementById('submit-error').textContent = 'an old error';
+                document.getElementById('params').classList.add('wanted'); return true; })()""")
+    page.click("#run-again")
+    assert page.js("document.getElementById('submit-box').open")
+    assert page.js("document.activeElement.id") == "params"
+    assert page.js("document.getElementById('kind').value") == "probe"
+    assert form_params(page) == a["params"] and len(a["params"]) > 1  # the defaults written out too
+    assert page.js("[document.getElementById('name').value, document.getElementById('tags').value]") == ["", ""]
+    assert page.text("#submit-error") == "" and page.js("document.querySelectorAll('#submit-form .wanted').length") == 0
+    assert page.js("document.getElementById('submit-box').getBoundingClientRect().top < innerHeight")  # in view
+    page.click("#submit")
+    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={a['id']}'")
+    again = api(url, f"/v1/jobs/{int(page.js('location.hash').split('=')[1])}")
+    assert (again["kind"], again["params"], again["name"], again["tags"]) == ("probe", a["params"], None, [])
+    wait_job(page, again["id"])
+    assert Client(url).wait(again["id"], timeout=120)["status"] == "succeeded"
+
+    open_job(page, url, jobs["sweep"])  # a sweep runs again as a whole
+    page.wait("document.getElementById('run-again')")
+    page.click("#run-again")
+    assert page.js("document.getElementById('kind').value") == "sweep"
+    assert form_params(page) == api(url, f"/v1/jobs/{jobs['sweep']}")["params"]
+    open_job(page, url, jobs["children"][0])
+    assert page.js("document.getElementById('run-again')") is None
+
+
+def test_a_seed_past_2_to_the_53_is_shown_and_run_again_exactly(page, url, jobs):
+    """Seeds go up to 2^63 − 1; JavaScript numbers hold integers exactly only to 2^53, and "Run again…" once
+    submitted 9007199254740992 for 9007199254740993 (another sample of trajectories)."""
+    seed = 2**53 + 1
+    first = submit(url, "norms", {"model": "tiny-gpt2", "dataset": "wikitext-2", "min_words": 100000, "seed": seed})
+    assert Client(url).wait(first, timeout=120)["status"] == "failed"  # (fast: no document is that long)
+    open_job(page, url, first)
+    cells = page.js("Object.fromEntries([...document.querySelectorAll('#params-table tr')]"
+                    ".map(r => [r.cells[0]?.textContent, r.cells[1]?.textContent]))")
+    assert cells["seed"] == str(seed)
+    page.click("#run-again")
+    assert f'"seed": {seed}' in page.js("document.getElementById('params').value")
+    page.click("#submit")
+    page.wait(f"/^#job=\\d+$/.test(location.hash) && location.hash !== '#job={first}'")
+    again = int(page.js("location.hash").split("=")[1])
+    assert requests.get(f"{url}/v1/jobs/{again}", timeout=30).json()["params"]["seed"] == seed  # (Python: exact)
+    wait_job(page, again)
+    Client(url).wait(again, timeout=120)
+
+    # A browser without JSON.rawJSON (older Firefox and Safari) cannot hold the seed: "Run again…" says so, and
+    # params typed into the form are sent as written, so typed digits arrive whole.
+    added = page.page("Page.addScriptToEvaluateOnNewDocument", source="delete JSON.rawJSON; delete JSON.isRawJSON;")
+    try:
+        page.goto(f"{url}/docs")  # a new document (a change of hash alone would keep this one)
+        page.goto(f"{url}/#job={first}")
+        wait_job(page, first)
+        assert page.js("typeof JSON.rawJSON") == "undefined"
+        page.click("#run-again")
+        assert "rounds integers past 2^53" in page.text("#submit-error")
+        assert f"lmscope submit norms --params job:{first}" in page.text("#submit-error")
+        page.js(f"""(() => {{ const p = document.getElementById('params');
+                   p.value = p.value.replace(/"seed": \\d+/, '"seed": {seed}'); return true; }})()""")
+        page.click("#submit")
+        page.wait(f"/^#job=\\d+$/.test(location.hash) && !['#job={first}', '#job={again}'].includes(location.hash)")
+        typed = int(page.js("location.hash").split("=")[1])
+        assert requests.get(f"{url}/v1/jobs/{typed}", timeout=30).json()["params"]["seed"] == seed
+        wait_job(page, typed)
+        Client(url).wait(typed, timeout=120)
+    finally:
+        page.page("Page.removeScriptToEvaluateOnNewDocument", identifier=added["identifier"])
