@@ -1136,7 +1136,7 @@ def _hint_shared_series(c) -> None:
 
 
 def _print_comparison(c, with_curves: bool) -> None:
-    from lmscope.compare import clip, labels_text
+    from lmscope.compare import clip, clip_apart, labels_text
 
     def cell(v):  # a curve's y: None where the job has no value at that x
         return "-" if v is None else clip(summary_value(v), TABLE_CELL_WIDTH)
@@ -1144,18 +1144,18 @@ def _print_comparison(c, with_curves: bool) -> None:
     def field(v, digits=True):  # a parameter or summary value: null where the job's value is null
         if v is ABSENT or v is None:
             return "-" if v is ABSENT else "null"
-        text = summary_value(v) if digits or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-        return clip(text, TABLE_CELL_WIDTH)
+        return summary_value(v) if digits or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
     head = [f"job {j['id']}" for j in c.jobs]
     rows, same = [], []
     for name, values in comparison_rows(c):
-        row = [name.removeprefix("summary."), *(field(v) if name.startswith(("params.", "summary.")) else
-                                                clip(v or "", TABLE_CELL_WIDTH) for v in values)]
+        row = [name.removeprefix("summary."), *(clip(field(v), TABLE_CELL_WIDTH) if name.startswith(("params.", "summary."))
+                                                else clip(v or "", TABLE_CELL_WIDTH) for v in values)]
         # summary values every job shares go last, under their own heading: what differs comes first
         alike = name.startswith("summary.") and ABSENT not in values and all(v == values[0] for v in values)
         if not alike and name.startswith(("params.", "summary.")) and len(set(row[1:])) == 1:
-            row[1:] = [field(v, digits=False) for v in values]  # they differ past 6 digits: show them in full
+            # they differ past 6 digits or 40 characters: in full, and cut only where that keeps them apart
+            row[1:] = clip_apart([field(v, digits=False) for v in values], TABLE_CELL_WIDTH)
         (same if alike else rows).append(row)
     if same:
         rows += [["(the same in every job)", *[""] * len(head)], *same]

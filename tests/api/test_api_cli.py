@@ -469,15 +469,19 @@ def test_compare_shows_values_that_differ_past_six_digits_in_full(api, cli):
     in both columns while listing it among the differences."""
     h = api.user("ann")
     a, b = (api.submit(h).get_json()["id"] for _ in range(2))
+    variance = [0.9123456789012345, 0.0512345678901234, 0.0100000001]
     api.set_job(a, status="succeeded", finished_at=utcnow(), summary={"mean": 2.4453125, "ratios": [0.5, 0.25000001],
-                                                                      "pct": 40.0})
+                                                                      "pct": 40.0, "variance": variance})
     api.set_job(b, status="succeeded", finished_at=utcnow(), summary={"mean": 2.4453126, "ratios": [0.5, 0.25],
-                                                                      "pct": 55.5})
+                                                                      "pct": 55.5, "variance": [*variance[:2], 0.0100000002]})
     table = cli("compare", str(a), str(b))
     rows = {line.split()[0]: line.split()[1:] for line in table.stdout.splitlines()[1:]}
     assert rows["mean"] == ["2.4453125", "2.4453126"]
     assert rows["ratios"] == ["[0.5,", "0.25000001]", "[0.5,", "0.25]"]  # (split on spaces here)
     assert rows["pct"] == ["40", "55.5"]  # apart within six digits: six digits
+    # a long list that differs only past the 40 characters a cell shows: cut where the two stay apart
+    long = [line for line in table.stdout.splitlines() if line.startswith("variance")][0]
+    assert "0.0100000001" in long and "0.0100000002" in long, long
 
 
 def test_compare_plot_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
