@@ -956,6 +956,8 @@ def show(job_id, as_json):
         click.echo(f"{'children':12} " + ", ".join(f"{v} {k}" for k, v in job["children"].items() if v))
         if job.get("children_unsent"):
             click.echo(f"{'':12} {unsent_children_text(job['children_unsent'])}: {UNSENT_CHILDREN_ADVICE}")
+    if not job.get("parent_id"):  # (a sweep's grid point is run again with its sweep)
+        click.echo(f"{'run again':12} lmscope submit {job['kind']} --params job:{job['id']}  (-p KEY=VALUE changes one)")
     for key in ("params", "summary", "error", "environment"):
         if job.get(key):
             text = json.dumps(job[key], indent=2, ensure_ascii=False)

@@ -114,6 +114,9 @@ def test_jobs_lists_a_sweep_once_and_its_children_on_request(api, cli):
     assert sorted(ids("--kind", "probe, sumformer_fit")[1]) == sorted([probe, *kids])  # so does one among kinds
     assert ids("--kind", "probe,sweep")[1] == [sweep, probe]
     assert sorted(ids("--parent", str(sweep))[1]) == sorted(kids)
+    # a sweep is run again as a whole; a grid point on its own is not submittable, so `show` offers no command
+    assert f"lmscope submit sweep --params job:{sweep}" in cli("show", str(sweep)).stdout
+    assert "run again" not in cli("show", str(kids[0])).stdout
 
 
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
@@ -595,6 +598,9 @@ def test_submit_runs_an_earlier_job_again_with_changes(api, cli):
     assert again.params == {**first["params"], "max_samples": 7}
     assert first["params"]["max_tokens"] == 64 and first["params"]["loss_filter"] is None
     assert again.name is None and again.tags == []
+
+    shown = cli("show", str(first["id"])).stdout  # how to, where a job is shown
+    assert f"run again    lmscope submit norms --params job:{first['id']}  (-p KEY=VALUE changes one)" in shown
 
     r = cli("submit", "probe", "--params", f"job:{first['id']}")
     assert r.exit_code == 2 and f"job {first['id']} is a norms job, not probe" in r.output
