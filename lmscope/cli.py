@@ -30,7 +30,7 @@ import lmscope
 from lmscope import strict_json
 from lmscope.catalog import DATASET_FORMATS, INT32_MAX
 from lmscope.client import TERMINAL_STATES, Client, LmscopeError, field_line
-from lmscope.config import ConfigError
+from lmscope.config import ConfigError, unknown_variables
 from lmscope.wording import article, byte_size, did_you_mean
 
 
@@ -62,6 +62,8 @@ class ApiFailure(click.ClickException):
 
 class LmscopeGroup(click.Group):
     def invoke(self, ctx):
+        for line in unknown_variables():  # a misnamed setting would keep its default without a word
+            click.echo(f"lmscope: {line}", err=True)
         try:
             return super().invoke(ctx)
         except LmscopeError as e:
@@ -234,8 +236,7 @@ def params_of_job(c: Client, ref: str, kind: str | None) -> dict[str, Any]:
         raise click.BadParameter(f"{ref!r}: job:ID takes a job's number, e.g. job:42", param_hint="--params")
     job = c.get(int(number))
     if kind is not None and job["kind"] != kind:
-        article = "an" if job["kind"][:1] in "aeiou" else "a"
-        raise click.BadParameter(f"job {job['id']} is {article} {job['kind']} job, not {kind}: run it again with "
+        raise click.BadParameter(f"job {job['id']} is {article(job['kind'])} {job['kind']} job, not {kind}: run it again with "
                                  f"`lmscope submit {job['kind']} --params job:{job['id']}`", param_hint="--params")
     return job.get("params") or {}
 

@@ -47,6 +47,28 @@ ENV_VARS = {
 }
 
 
+# LMSCOPE_* names lmscope's own tooling reads that are no setting of the service (the tests' PostgreSQL server).
+TOOLING_VARS = {"LMSCOPE_TEST_POSTGRES_URL"}
+
+
+def unknown_variables(env=None) -> list[str]:
+    """One line per LMSCOPE_* variable lmscope does not read (LMSCOPE_HOME, LMSCOPE_DATADIR), which would
+    otherwise be ignored without a word: the setting it was meant for keeps its default."""
+    import difflib
+
+    env = os.environ if env is None else env
+    settings = {name.removeprefix("LMSCOPE_"): name for name in ENV_VARS}
+    lines = []
+    for name in sorted(env):
+        if not name.startswith("LMSCOPE_") or name in ENV_VARS or name in TOOLING_VARS:
+            continue
+        close = difflib.get_close_matches(name.removeprefix("LMSCOPE_"), settings, n=1, cutoff=0.8)
+        hint = f"did you mean {settings[close[0]]}? " if close else ""
+        lines.append(f"{name} is not a setting lmscope reads, so it is ignored ({hint}README.md's Configuration "
+                     "lists them)")
+    return lines
+
+
 # A job is stale (its worker lost) once its heartbeat is this many heartbeats old, at the least.
 STALE_HEARTBEATS = 4
 

@@ -146,3 +146,26 @@ def test_each_documented_numeric_default_is_the_default():
         checked[name] = getattr(unset, changed[0])
         assert checked[name] == default, (name, meaning)
     assert {"LMSCOPE_MAX_ATTEMPTS", "LMSCOPE_TASK_TIME_LIMIT", "LMSCOPE_PORT", "LMSCOPE_MAX_UPLOAD_BYTES"} <= set(checked)
+
+
+def test_a_variable_lmscope_does_not_read_is_named_with_the_setting_it_looks_like(tmp_path, monkeypatch):
+    """LMSCOPE_HOME, LMSCOPE_DATADIR: a researcher's guess at a name would be ignored without a word, and the data
+    go to ~/.lmscope. Every command says so on stderr (and still runs); a documented name is never named."""
+    from click.testing import CliRunner
+
+    from lmscope.cli import main
+    from lmscope.config import ENV_VARS, unknown_variables
+
+    for name in [*os.environ]:
+        if name.startswith("LMSCOPE_"):
+            monkeypatch.delenv(name)
+    env = {"LMSCOPE_DATADIR": str(tmp_path / "x"), "LMSCOPE_HOME": "/somewhere", "LMSCOPE_DATA_DIR": str(tmp_path),
+           "LMSCOPE_TEST_POSTGRES_URL": "postgresql://tests", "NOT_OURS": "1"}
+    assert unknown_variables(env) == [
+        "LMSCOPE_DATADIR is not a setting lmscope reads, so it is ignored (did you mean LMSCOPE_DATA_DIR? "
+        "README.md's Configuration lists them)",
+        "LMSCOPE_HOME is not a setting lmscope reads, so it is ignored (README.md's Configuration lists them)"]
+    assert unknown_variables({name: "1" for name in ENV_VARS}) == []
+    result = CliRunner().invoke(main, ["db", "upgrade"], env=env)
+    assert result.exit_code == 0 and (tmp_path / "lmscope.db").exists()  # the command ran
+    assert result.stderr.count("is not a setting lmscope reads") == 2 and "LMSCOPE_HOME" in result.stderr

@@ -8,9 +8,11 @@ tokens would be off: refuse to start instead.
 import logging
 
 from lmscope.api import create_app
-from lmscope.config import Settings
+from lmscope.config import Settings, unknown_variables
 
 settings = Settings.from_env()
+for line in unknown_variables():  # a misnamed setting would keep its default without a word
+    logging.getLogger("lmscope.api").warning(line)
 if settings.embedded:
     raise RuntimeError("gunicorn lmscope.api.wsgi:app needs LMSCOPE_BROKER_URL (e.g. redis://redis:6379/0): "
                        "without a broker no worker would receive its jobs. On one machine, run `lmscope up`.")
