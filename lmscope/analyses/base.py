@@ -41,6 +41,12 @@ class JobFailed(Exception):
         self.partial = partial
 
 
+def overflow_advice(dtype: str) -> str:
+    """What to change when a model's states reach inf or NaN in `dtype` (a job's "float16", "bfloat16"...)."""
+    return ("float16 holds values up to 65504: run with dtype bfloat16 or float32" if dtype == "float16"
+            else "are its weights finite?")
+
+
 def own_attention(model) -> str:
     """What a job records as its kernel_backend when the model runs its own attention: transformers-sdpa, ..."""
     return f"transformers-{model.config._attn_implementation}"

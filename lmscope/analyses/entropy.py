@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
-                                   require_positions)
+                                   overflow_advice, require_positions)
 from lmscope.analyses import entropy_plots
 from lmscope.modeling.memory import to_device
 from lmscope.params.entropy import DEFAULT_SEQ_LEN, EntropyParams
@@ -272,10 +272,8 @@ def refuse_nonfinite(name: str, what: str, nonfinite: torch.Tensor, dtype: str) 
     NaN in the curves and histograms."""
     bad = torch.nonzero(nonfinite).flatten().tolist()
     if bad:
-        advice = ("float16 holds values up to 65504: run with dtype bfloat16 or float32" if dtype == "float16"
-                  else "are its weights finite?")
         raise JobFailed(f"{name}: {what} of layer(s) {', '.join(map(str, bad))} are inf or NaN in {dtype} (the "
-                        f"model's activations overflow); {advice}")
+                        f"model's activations overflow); {overflow_advice(dtype)}")
 
 
 def attention_matrix_entropies(model, input_ids: torch.Tensor) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from lmscope.analyses import norms_plots
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, own_attention
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, overflow_advice, own_attention
 from lmscope.analyses.linearised_layer import (apply as apply_linearised, block_matrices, linearisable,
                                                parallel_residual, rotate, stretch_ratio)
 from lmscope.modeling.loading import max_positions
@@ -617,12 +617,6 @@ def measure(params: NormsParams, ctx: JobContext, parts: ModelParts, samples: Sa
         return Measurements(norms.cpu().numpy(),
                             losses.cpu().numpy() if losses is not None else np.full((S, L), np.nan, np.float32),
                             pca_points.cpu().numpy(), pca)
-
-
-def overflow_advice(dtype: str) -> str:
-    """What to change when a model's states reach inf or NaN in `dtype`."""
-    return ("float16 holds values up to 65504: run with dtype bfloat16 or float32" if dtype == "float16"
-            else "are its weights finite?")
 
 
 def finite_trajectories(params: NormsParams, norms: np.ndarray) -> np.ndarray:
