@@ -235,6 +235,9 @@ def params_of_job(c: Client, ref: str, kind: str | None) -> dict[str, Any]:
     if not (number.isascii() and number.isdigit()):
         raise click.BadParameter(f"{ref!r}: job:ID takes a job's number, e.g. job:42", param_hint="--params")
     job = c.get(int(number))
+    if job.get("parent_id"):
+        raise click.BadParameter(f"job {job['id']} is a grid point of sweep {job['parent_id']}, which runs again as a "
+                                 f"whole: `lmscope submit sweep --params job:{job['parent_id']}`", param_hint="--params")
     if kind is not None and job["kind"] != kind:
         raise click.BadParameter(f"job {job['id']} is {article(job['kind'])} {job['kind']} job, not {kind}: run it again with "
                                  f"`lmscope submit {job['kind']} --params job:{job['id']}`", param_hint="--params")

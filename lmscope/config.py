@@ -62,7 +62,7 @@ def unknown_variables(env=None) -> list[str]:
     for name in sorted(env):
         if not name.startswith("LMSCOPE_") or name in ENV_VARS or name in TOOLING_VARS:
             continue
-        close = difflib.get_close_matches(name.removeprefix("LMSCOPE_"), settings, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(name.removeprefix("LMSCOPE_").upper(), settings, n=1, cutoff=0.8)
         hint = f"did you mean {settings[close[0]]}? " if close else ""
         lines.append(f"{name} is not a setting lmscope reads, so it is ignored ({hint}README.md's Configuration "
                      "lists them)")

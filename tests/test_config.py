@@ -166,6 +166,7 @@ def test_a_variable_lmscope_does_not_read_is_named_with_the_setting_it_looks_lik
         "README.md's Configuration lists them)",
         "LMSCOPE_HOME is not a setting lmscope reads, so it is ignored (README.md's Configuration lists them)"]
     assert unknown_variables({name: "1" for name in ENV_VARS}) == []
+    assert "did you mean LMSCOPE_URL?" in unknown_variables({"LMSCOPE_url": "x"})[0]  # only the case differs
     result = CliRunner().invoke(main, ["db", "upgrade"], env=env)
     assert result.exit_code == 0 and (tmp_path / "lmscope.db").exists()  # the command ran
     assert result.stderr.count("is not a setting lmscope reads") == 2 and "LMSCOPE_HOME" in result.stderr

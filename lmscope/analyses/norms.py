@@ -674,6 +674,9 @@ def summarise(params: NormsParams, m: Measurements, samples: Samples, layers: in
         if not kept.any():
             summary["inner_loss_note"] = (f"no trajectory has a final inner loss ≤ loss_filter={params.loss_filter}; "
                                           "inner_loss.mean/std are over all finite trajectories")
+    elif S:  # the last block attends over positions that overflowed: every row is NaN
+        summary["inner_loss_note"] = (f"every trajectory's inner loss is inf or NaN in {params.dtype} (the model's "
+                                      f"activations overflow): no inner_loss series or plot; {overflow_advice(params.dtype)}")
     return summary, series, kept
 
 
@@ -739,8 +742,10 @@ def run(params: NormsParams, ctx: JobContext, *, inner_loss_route: str = "auto")
                                _choose(int(usable.sum()), TRAJECTORY_LINES, params.seed, 2),
                                params.include_last_layer, title, summary["sequence_pct"], summary["pair_pct"])
         progress.step("plots")
-        if params.inner_loss:
-            norms_plots.plot_inner_loss(out / "inner_loss.png", m.losses, kept, params.loss_filter, title,
+        if params.inner_loss and summary["inner_loss_final_mean"] is not None:  # (else inner_loss_note says why)
+            # an overflowed trajectory's finite losses are left out of the plot too, as out of the series
+            losses = np.where(usable[:, None], m.losses, np.nan)
+            norms_plots.plot_inner_loss(out / "inner_loss.png", losses, kept, params.loss_filter, title,
                                         vocab_size=parts.lm_head.weight.shape[0])
         progress.step("plots")
         if len(pca_trajs):

@@ -244,6 +244,20 @@ def test_a_non_finite_inner_loss_is_never_kept_nor_averaged():
     assert "loss_filter=0.1" in summary["inner_loss_note"]
 
 
+def test_an_inner_loss_that_overflows_everywhere_says_so():
+    """The last block attends over positions that overflowed float16: every loss is NaN. No series, and a note
+    that says why and what to change, rather than inner_loss_nonfinite alone."""
+    m = norms.Measurements(norms=np.ones((3, 3)), losses=np.full((3, 3), np.nan), pca_points=np.zeros((0, 3, 2)),
+                           pca=norms.RunningPCA(2, "cpu"))
+    samples = norms.Samples([[1, 2, 3]] * 3, np.arange(3), np.arange(3), np.ones(3, int), np.arange(4))
+    summary, series, _ = norms.summarise(NormsParams(model="m", dataset="d", loss_filter=None, dtype="float16"),
+                                         m, samples, layers=3)
+    assert summary["inner_loss_nonfinite"] == 3 and summary["inner_loss_final_mean"] is None
+    assert not any(s.name.startswith("inner_loss") for s in series)
+    assert summary["inner_loss_note"].startswith("every trajectory's inner loss is inf or NaN in float16")
+    assert summary["inner_loss_note"].endswith("run with dtype bfloat16 or float32")
+
+
 def test_loss_filter_keeps_samples_whose_final_loss_is_small(gpt2_run, tmp_path, documents):
     lm, _, first = gpt2_run
     final = np.load(first.artifact_dir / "trajectories.npz")["inner_loss"][:, -1]

@@ -117,6 +117,9 @@ def test_jobs_lists_a_sweep_once_and_its_children_on_request(api, cli):
     # a sweep is run again as a whole; a grid point on its own is not submittable, so `show` offers no command
     assert f"lmscope submit sweep --params job:{sweep}" in cli("show", str(sweep)).stdout
     assert "run again" not in cli("show", str(kids[0])).stdout
+    r = cli("submit", "sumformer_fit", "--params", f"job:{kids[0]}")
+    assert r.exit_code == 2 and f"is a grid point of sweep {sweep}" in r.output
+    assert f"lmscope submit sweep --params job:{sweep}" in r.output
 
 
 def test_a_string_field_keeps_a_numeric_value_as_text(api, cli):
