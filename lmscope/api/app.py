@@ -86,12 +86,13 @@ def create_app(settings: Settings | None = None, publisher: Publisher | None = N
 
     upsert_builtins(settings, sessions, engine)
     registry.tidy_deleted_uploads(sessions, settings.data_dir / "datasets")
+    jobs.tidy_deleted_jobs(sessions, settings)
     return app
 
 
 def _route_of(app: Flask, request) -> str:
     """The URL rule a request is counted under: its own, the rule of a path asked with a method it does not
-    take (a 405: DELETE /v1/jobs/1 is the jobs route's), or "(unmatched)" (a 404)."""
+    take (a 405: PUT /v1/jobs/1 is the job route's), or "(unmatched)" (a 404)."""
     if request.url_rule is not None:
         return request.url_rule.rule
     error = request.routing_exception

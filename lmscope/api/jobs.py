@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 from datetime import datetime
+from pathlib import Path
 
 from flask import Blueprint, request
 from pydantic_core import to_jsonable_python
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import delete, exists, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from lmscope.api.auth import Caller, current_caller
 from lmscope.api.errors import Problem
 from lmscope.api.inputs import (decode_page_token, encode_page_token, json_body, parse_id, query_int, query_list,
                                  query_params)
 from lmscope.api.registry import uploaded_bytes
-from lmscope.api.render import job_json
+from lmscope.api.render import iso, job_json
 from lmscope.api.state import state
 from lmscope.api.submit import SubmitBody, active_jobs, create_job, find_replay, parse_body, request_hash
-from lmscope.db.models import JOB_STATES, TERMINAL_STATES, Job, User, utcnow
+from lmscope.db.models import ACTIVE_STATES, JOB_STATES, TERMINAL_STATES, Artifact, Job, Model, Series, User, utcnow
 from lmscope.db.progress import refresh_sweep_progress
 from lmscope.params import KINDS, MAX_JOB_ID, is_parent_kind, parent_kinds
 from lmscope.queue import publish_jobs
 from lmscope.wording import did_you_mean
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
+log = logging.getLogger("lmscope.api")
 
 DEFAULT_LIMIT, MAX_LIMIT = 50, 500
 
@@ -67,7 +71,15 @@ def load_visible_job(session, caller: Caller, job_id: int) -> Job:
     if job is None or not caller.can_see(job.user_id):
         raise Problem(404, "not-found", "Job not found",
                       f"there is no job {job_id} of yours; list your jobs with GET /v1/jobs or `lmscope jobs`")
+    if job.deleted_at is not None:
+        raise job_deleted(job)
     return job
+
+
+def job_deleted(job: Job) -> Problem:
+    return Problem(410, "job-deleted", "Job deleted",
+                   f"job {job.id} ({job.kind}) was deleted on {job.deleted_at:%Y-%m-%d %H:%M} UTC: its results and "
+                   "files are gone; list your jobs with GET /v1/jobs or `lmscope jobs`", deleted_at=iso(job.deleted_at))
 
 
 def queue_position(session, job: Job) -> dict[str, int | str]:
@@ -184,7 +196,8 @@ def list_jobs():
     (repeatable: jobs with every one), parent (an id or `none`), user (admins)."""
     st, caller = state(), current_caller()
     limit = query_int("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-    q = select(Job, User.name).join(User, User.id == Job.user_id).order_by(Job.id.desc()).limit(limit + 1)
+    q = (select(Job, User.name).join(User, User.id == Job.user_id).where(Job.deleted_at.is_(None))
+         .order_by(Job.id.desc()).limit(limit + 1))
     user = request.args.get("user")
     if not caller.is_admin:
         if user and user != caller.name:
@@ -303,6 +316,85 @@ def cancel_job(job_id: int):
     with st.sessions() as session:
         return render_job(session, session.get(Job, job_id)), 202
 
+
+
+
+@bp.delete("/jobs/<int:job_id>")
+def delete_job(job_id: int):
+    """Delete an ended job: its series, artifacts and files; a sweep's grid points with it.
+
+    The row stays, marked deleted, so that its id is never another job's: the job's routes answer 410
+    `job-deleted`, and lists leave it out. 409 `job-active` for a queued or running job (cancel it first),
+    `job-in-sweep` for a grid point (delete its sweep), `job-has-models` for a `train` job whose checkpoints
+    are still registered models (`lmscope models delete --run R` first)."""
+    st, caller = state(), current_caller()
+    with st.sessions() as session, session.begin():
+        job = load_visible_job(session, caller, job_id)
+        if job.parent_id is not None:
+            raise Problem(409, "job-in-sweep", "A grid point of a sweep",
+                          f"job {job_id} is a grid point of sweep {job.parent_id}, whose results it belongs to; "
+                          f"delete the sweep (`lmscope delete {job.parent_id}`), which deletes all its grid points")
+        ids = [job_id, *session.scalars(select(Job.id).where(Job.parent_id == job_id).order_by(Job.id))]
+        active = session.scalars(select(Job.id).where(Job.id.in_(ids), Job.status.in_(ACTIVE_STATES))).all()
+        if active:
+            which = (f"job {job_id} is {job.status}" if job_id in active
+                     else f"grid points {', '.join(map(str, active))} of sweep {job_id} have not ended")
+            raise Problem(409, "job-active", "Job not ended",
+                          f"{which}; cancel it (`lmscope cancel {job_id}`) and delete it once it has ended")
+        models = session.scalars(select(Model.name).where(Model.job_id.in_(ids)).order_by(Model.step)).all()
+        if models:
+            run = (job.params or {}).get("run_name")
+            shown = ", ".join(models) if len(models) <= 4 else f"{models[0]}, …, {models[-1]}"
+            how = f"`lmscope models delete --run {run}`" if run else f"`lmscope models delete {' '.join(models)}`"
+            raise Problem(409, "job-has-models", "Its checkpoints are registered models",
+                          f"job {job_id}'s checkpoints are models jobs can name ({shown}: {len(models)}); remove them "
+                          f"from the registry first ({how}), then delete the job", models=list(models))
+        # Conditional on not being deleted yet: of two deletes at once, one deletes and the other answers 410.
+        now = utcnow()
+        if not session.execute(update(Job).where(Job.id == job_id, Job.deleted_at.is_(None))
+                               .values(deleted_at=now, idempotency_key=None)).rowcount:
+            session.refresh(job)
+            raise job_deleted(job)
+        session.execute(update(Job).where(Job.id.in_(ids[1:])).values(deleted_at=now, idempotency_key=None))
+        session.execute(delete(Series).where(Series.job_id.in_(ids)))
+        session.execute(delete(Artifact).where(Artifact.job_id.in_(ids)))
+    freed = sum(remove_job_files(st.settings.job_dir(i)) for i in ids)
+    return {"id": job_id, "deleted": ids, "freed_bytes": freed}
+
+
+def remove_job_files(folder: Path) -> int:
+    """Remove a deleted job's folder; the bytes its files held. What cannot be removed now (a disk error) is
+    logged, and removed when the API next starts (`tidy_deleted_jobs`)."""
+    size = 0
+    for path in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            if path.is_file() and not path.is_symlink():
+                size += path.stat().st_size
+        except OSError:
+            pass
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # the job is deleted either way; what is left only takes space until the next start
+        log.warning("could not remove all of %s, the files of a deleted job: %s", folder, e)
+    return size
+
+
+def tidy_deleted_jobs(sessions, settings) -> None:
+    """At start-up, remove what `remove_job_files` could not: the folders of jobs marked deleted."""
+    root = Path(settings.artifact_dir) / "jobs"
+    try:
+        ids = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+        if not ids:
+            return
+        with sessions() as session:
+            deleted = session.scalars(select(Job.id).where(Job.id.in_(ids), Job.deleted_at.is_not(None))).all()
+    except (OSError, SQLAlchemyError) as e:  # tidying must not stop the API from starting
+        log.warning("could not look for deleted jobs' files in %s: %s", root, e)
+        return
+    for i in deleted:
+        remove_job_files(settings.job_dir(i))
 
 
 

@@ -74,7 +74,8 @@ def render_metrics() -> str:
 
     with st.sessions() as session:
         by_status = defaultdict(int)
-        for kind, status, n in session.execute(select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)):
+        for kind, status, n in session.execute(select(Job.kind, Job.status, func.count())
+                                                  .where(Job.deleted_at.is_(None)).group_by(Job.kind, Job.status)):
             by_status[(kind, status)] = n
         durations = job_durations(session)
     lines += ["# HELP lmscope_jobs Jobs by kind and status (from SQL).", "# TYPE lmscope_jobs gauge"]

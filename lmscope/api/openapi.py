@@ -72,6 +72,7 @@ EXTRA: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "jobs.list_kinds"): {"responses": {"200": _json("KindList")}},
     ("get", "jobs.whoami"): {"responses": {"200": _json("Me")}},
     ("post", "jobs.cancel_job"): {"responses": {"202": _json("Job"), "409": PROBLEM}},
+    ("delete", "jobs.delete_job"): {"responses": {"200": _json("JobDeleted"), "409": PROBLEM}},
     ("get", "results.get_results"): {
         "parameters": [{**_query("series", {"type": "array", "items": {"type": "string"}},
                                  "series names to return (repeat; `prefix*` matches a prefix)"), "explode": True},
@@ -197,6 +198,8 @@ def build_spec(app: Flask) -> dict[str, Any]:
                 op["responses"].setdefault("401", PROBLEM)
                 if rule.arguments:
                     op["responses"].setdefault("404", PROBLEM)
+                if "job_id" in rule.arguments:  # a deleted job (`job-deleted`)
+                    op["responses"].setdefault("410", PROBLEM)
             else:
                 op["security"] = []
             if not op["parameters"]:
@@ -263,6 +266,10 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "defaults": {"type": "object", "description": "each parameter's default (nested models as objects)"},
         "example": {"type": ["object", "null"],
                     "description": "params of a small job of this kind on the built-ins (under a minute on a CPU)"}}}}}},
+    "JobDeleted": {"type": "object", "properties": {
+        "id": {"type": "integer"},
+        "deleted": {"type": "array", "items": {"type": "integer"}, "description": "the job and its grid points"},
+        "freed_bytes": {"type": "integer", "description": "the size of the files removed"}}},
     "Me": {"type": "object", "properties": {
         "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
         "uploaded_bytes": {"type": "integer", "description": "what your uploads count against max_uploaded_bytes"},

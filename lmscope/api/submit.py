@@ -199,6 +199,8 @@ def check_refs(session: Session, caller: Caller, parsed: list) -> None:
             errors.append((_field_holding(parsed, job_id),
                            f"job {job_id} does not exist (list your train jobs: GET /v1/jobs?kind=train or "
                            "`lmscope jobs --kind train`)"))
+        elif ref.deleted_at is not None:
+            errors.append((_field_holding(parsed, job_id), f"train job {job_id} was deleted, with its checkpoints"))
         elif ref.kind != "train":
             errors.append((_field_holding(parsed, job_id), f"job {job_id} is {article(ref.kind)} {ref.kind!r} job, not a 'train' job"))
         elif ref.status not in ACTIVE_STATES and not session.scalars(

@@ -95,6 +95,9 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
+    # DELETE /v1/jobs/{id}: the row stays so that the id is never given again (SQLite reuses the largest
+    # rowid); its series, artifacts and files are gone, and every route answers 410 for it.
+    deleted_at: Mapped[datetime | None]
     worker: Mapped[str | None] = mapped_column(String(200))  # host:pid of the current attempt
 
     progress_done: Mapped[int | None] = mapped_column(BigInteger)

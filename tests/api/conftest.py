@@ -110,6 +110,13 @@ def api(make_api) -> Api:
     return api
 
 
+def add_checkpoint(api, name: str, job_id: int) -> None:
+    """What a train job leaves in the registry: a model `<run_name>@step<N>` owned by the job."""
+    with api.sessions.begin() as session:
+        session.add(Model(name=name, source="checkpoint", architecture="gpt2", num_layers=2, num_heads=2,
+                          job_id=job_id, step=int(name.rsplit("@step", 1)[1])))
+
+
 def small_sweep(points: int) -> dict:
     """Params of a sumformer sweep with exactly `points` grid points (latent_dim 1..points)."""
     return {"study": "sumformer", "grid": {"latent_dim": list(range(1, points + 1)), "token_dim": [1], "seed": [0]}}

@@ -125,10 +125,10 @@ def test_metrics_count_requests_and_jobs(api):
     assert 'lmscope_http_requests_total{method="GET",route="/v1/jobs/<int:job_id>",status="200"} 2' in text
     assert 'lmscope_jobs{kind="probe",status="queued"} 1' in text
     # A method a route does not take is counted under that route; a path no route has, as unmatched.
-    api.client.delete(f"/v1/jobs/{job_id}", headers=h)
+    api.client.put(f"/v1/jobs/{job_id}", headers=h)
     api.client.get("/v1/nowhere", headers=h)
     text = api.client.get("/metrics").get_data(as_text=True)
-    assert 'lmscope_http_requests_total{method="DELETE",route="/v1/jobs/<int:job_id>",status="405"} 1' in text
+    assert 'lmscope_http_requests_total{method="PUT",route="/v1/jobs/<int:job_id>",status="405"} 1' in text
     assert 'lmscope_http_requests_total{method="GET",route="(unmatched)",status="404"} 1' in text
     # Every sample line parses as `name{labels} value`.
     for line in text.splitlines():

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from lmscope.db.models import Dataset, Model
 from lmscope.params import KINDS
 
-from .conftest import is_problem, small_sweep
+from .conftest import add_checkpoint, is_problem, small_sweep
 
 
 def test_submit_stores_validated_params_and_publishes_after_commit(api):
@@ -631,13 +631,6 @@ def test_publish_failure_still_accepts_the_job_for_the_reaper(api):
     assert r.status_code == 202
     row = api.job_row(r.get_json()["id"])
     assert row.status == "queued" and row.published_at is None
-
-
-def add_checkpoint(api, name: str, job_id: int) -> None:
-    """What a train job leaves in the registry: a model `<run_name>@step<N>` owned by the job."""
-    with api.sessions.begin() as session:
-        session.add(Model(name=name, source="checkpoint", architecture="gpt2", num_layers=2, num_heads=2,
-                          job_id=job_id, step=int(name.rsplit("@step", 1)[1])))
 
 
 def test_a_reused_run_name_is_refused_at_submit(api):
