@@ -984,6 +984,29 @@ def cancel(job_id):
     click.echo(f"job {job_id}: {state}")
 
 
+@main.command()
+@click.argument("job_ids", nargs=-1, type=int, required=True)
+def delete(job_ids):
+    """Delete ended jobs with their series, plots and files, for good (a sweep: all its grid points). A job
+    still queued or running, a grid point, or a train run whose checkpoints are registered models is kept,
+    saying what to do (each job is tried)."""
+    c, kept = client(), 0
+    for job_id in job_ids:
+        try:
+            done = c.delete(job_id)
+        except LmscopeError as e:
+            if e.status == 0:  # no answer at all: nothing to go on with
+                raise
+            kept += 1
+            click.echo(f"kept job {job_id}: {e.headline}", err=True)
+            continue
+        points = len(done["deleted"]) - 1
+        click.echo(f"deleted job {job_id}" + (f" and its {plural(points, 'grid point')}" if points else "")
+                   + f" ({byte_size(done['freed_bytes'])} of files freed)")
+    if kept:
+        raise SystemExit(1)
+
+
 def series_listing(names: list[str], limit: int = 30) -> str:
     """The first `limit` series names, and how many there are in all when there are more."""
     return ", ".join(names[:limit]) + (f", … ({len(names)} in all)" if len(names) > limit else "")

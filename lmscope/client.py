@@ -183,6 +183,11 @@ class Client:
     def cancel(self, job_id: int) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel")
 
+    def delete(self, job_id: int) -> dict[str, Any]:
+        """Delete an ended job with its series and files (a sweep: its grid points too); `{id, deleted,
+        freed_bytes}`. Its id is never another job's; GET answers 410 `job-deleted` from then on."""
+        return self._json("DELETE", f"/v1/jobs/{int(job_id)}")
+
     def wait(self, job_id: int, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
              timeout: float | None = None, poll: float = 0.5, outage: float = 120.0,
              on_outage: Callable[[LmscopeError], None] | None = None) -> dict[str, Any]:

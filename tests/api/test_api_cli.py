@@ -626,3 +626,26 @@ def test_submit_runs_an_earlier_job_again_with_changes(api, cli):
     r = cli("submit", "entropy", "--params", f"job:{one['id']}", "-p", "model=null", "-p", 'models=["m", "m2"]')
     assert r.exit_code == 0, r.output
     assert api.jobs()[-1].params == {**one["params"], "model": None, "models": ["m", "m2"]}
+
+
+def test_delete_removes_ended_jobs_and_keeps_the_others_saying_why(api, cli):
+    h = api.user("ann")
+    ended, queued = api.submit(h).get_json()["id"], api.submit(h).get_json()["id"]
+    api.set_job(ended, status="succeeded")
+    folder = api.settings.job_dir(ended)
+    folder.mkdir(parents=True)
+    (folder / "norms.npz").write_bytes(bytes(3 * 1024))
+    sweep = api.submit(h, kind="sweep", params={"grid": {"latent_dim": [1, 2], "token_dim": [1]}}).get_json()["id"]
+    for job in api.jobs():
+        if job.id not in (ended, queued):
+            api.set_job(job.id, status="succeeded")
+    r = cli("delete", str(ended), str(queued), str(sweep))
+    assert r.exit_code == 1, r.output  # one was kept
+    lines = r.output.splitlines()
+    assert f"deleted job {ended} (3.0 KiB of files freed)" in lines
+    assert f"deleted job {sweep} and its 2 grid points (0 bytes of files freed)" in lines
+    assert any(line.startswith(f"kept job {queued}: Job not ended: job {queued} is queued") for line in lines)
+    assert [j.id for j in api.jobs() if j.deleted_at is None] == [queued]
+    assert cli("delete", str(queued)).exit_code == 1
+    r = cli("show", str(ended))
+    assert r.exit_code == 1 and f"job {ended} (probe) was deleted on" in r.output
