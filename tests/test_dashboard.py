@@ -1349,6 +1349,163 @@ def test_long_values_wrap_inside_their_panels(page, url, jobs):
 # ---------------------------------------------------------------- last: these add jobs to the module's service
 # (the list and filter tests above count the module's jobs)
 
+def answer_confirm(b, answer: bool):
+    """The page's `confirm()` answers `answer` from now on, and keeps what it was asked in `window.asked`."""
+    b.js(f"window.asked = []; window.confirm = q => {{ asked.push(q); return {json.dumps(answer)}; }}; true")
+
+
+def artifact_bytes(url, job_ids) -> int:
+    return sum(a["size"] for i in job_ids for a in api(url, f"/v1/jobs/{i}/artifacts")["items"])
+
+
+def test_delete_asks_first_then_goes_back_to_the_list_and_says_what_went(page, url, jobs):
+    """A finished job's "Delete…" says what goes and asks; on OK the job is deleted (410 since), the page is the
+    list with its filters, a note says what went and the bytes freed, and its box is no longer ticked; its
+    address then says when it was deleted."""
+    job_id = submit(url, "probe", {"model": "tiny-gpt2"}, name="dash to delete")
+    assert Client(url).wait(job_id, timeout=180)["status"] == "succeeded"
+    files = api(url, f"/v1/jobs/{job_id}/artifacts")["items"]
+    assert files
+    count = f"{len(files)} file" + ("" if len(files) == 1 else "s")
+    load(page, f"{url}/#job={job_id}&status=succeeded")
+    size = page.js(f"bytes({artifact_bytes(url, [job_id])})")  # as the page writes sizes
+    wait_job(page, job_id)
+    page.wait(f"document.querySelector('#jobs tr.job[data-id=\"{job_id}\"]')")
+    for ticked in (job_id, jobs["a"]):
+        page.click(f'#jobs tr.job[data-id="{ticked}"] input.tick')
+    assert page.text("#compare") == "Compare ticked jobs (2)"
+
+    answer_confirm(page, False)  # the user thinks again: nothing goes
+    page.click("#delete-job")
+    assert page.js("window.asked") == [f"Delete job {job_id} (probe · dash to delete) with its series and "
+                                       f"{count} ({size})? This cannot be undone."]
+    assert requests.get(f"{url}/v1/jobs/{job_id}", timeout=30).status_code == 200
+    assert page.js("location.hash") == f"#job={job_id}&status=succeeded" and page.text("#delete-error") == ""
+
+    answer_confirm(page, True)
+    page.click("#delete-job")
+    page.wait("location.hash === '#status=succeeded'")
+    page.wait("document.querySelector('#detail p')?.textContent.startsWith('Select a job')")
+    assert page.text("#list-note") == f"Deleted job {job_id} (freed {size})."
+    assert page.js("$('list-note').getBoundingClientRect().height > 0")
+    gone = requests.get(f"{url}/v1/jobs/{job_id}", timeout=30)
+    assert gone.status_code == 410 and gone.json()["type"] == "https://lmscope.dev/problems/job-deleted"
+    wait_rows(page, [j["id"] for j in api(url, "/v1/jobs?status=succeeded&parent=none")["items"]])
+    assert job_id not in list_ids(page) and filters(page) == {"kind": "", "status": "succeeded", "tag": ""}
+    assert page.js("[...ticked]") == [jobs["a"]] and page.text("#compare") == "Compare ticked jobs (1)"
+    page.click(f'#jobs tr.job[data-id="{jobs["a"]}"] input.tick')  # untick for later tests
+
+    # Its address: what the API says of it, no error; the note about the deletion goes with the list.
+    page.js(f"location.hash = 'job={job_id}'; true")
+    page.wait("document.getElementById('job-deleted')")
+    detail = gone.json()["detail"]
+    assert detail.startswith(f"job {job_id} (probe) was deleted on ")
+    assert page.text("#job-deleted") == "J" + detail[1:] and page.text("#detail h2") == f"Job {job_id}"
+    assert not page.js("document.querySelector('#detail .error')")
+    assert page.js("$('list-note').hidden")
+    load(page, f"{url}/#job={job_id}")  # and so does a fresh load of it
+    page.wait("document.getElementById('job-deleted')")
+
+
+def test_deleting_a_sweep_deletes_its_grid_points(page, url, jobs):
+    sweep = submit(url, "sweep", TINY_SWEEP, name="dash sweep to delete")
+    assert Client(url).wait(sweep, timeout=180)["status"] == "succeeded"
+    points = sorted(c["id"] for c in api(url, f"/v1/jobs?parent={sweep}")["items"])
+    assert len(points) == 2
+    files = len(api(url, f"/v1/jobs/{sweep}/artifacts")["items"])
+    count = f"{files} file" + ("" if files == 1 else "s")
+    load(page, f"{url}/#job={sweep}")
+    size = page.js(f"bytes({artifact_bytes(url, [sweep])})")
+    freed = page.js(f"bytes({artifact_bytes(url, [sweep, *points])})")  # the grid points' files too
+    wait_job(page, sweep)
+    page.wait("document.querySelectorAll('#children tbody tr').length === 2")
+    page.click(f'#children tr[data-id="{points[0]}"] input.tick')
+    answer_confirm(page, True)
+    page.click("#delete-job")
+    assert page.js("window.asked") == [f"Delete job {sweep} (sweep · dash sweep to delete) with its series and "
+                                       f"{count} ({size}), and its 2 grid points with theirs? This cannot be undone."]
+    page.wait("location.hash === ''")
+    page.wait("document.querySelector('#detail p')?.textContent.startsWith('Select a job')")
+    assert page.text("#list-note") == f"Deleted job {sweep} and its 2 grid points (freed {freed})."
+    for job_id in (sweep, *points):
+        assert requests.get(f"{url}/v1/jobs/{job_id}", timeout=30).status_code == 410, job_id
+    assert api(url, f"/v1/jobs?parent={sweep}")["items"] == []
+    page.wait(f"!document.querySelector('#jobs tr.job[data-id=\"{sweep}\"]')")
+    assert page.js("ticked.size") == 0 and page.text("#compare") == "Compare ticked jobs (0)"
+    page.js(f"location.hash = 'job={points[1]}'; true")  # a grid point's address: deleted with its sweep
+    page.wait(f"document.getElementById('job-deleted')?.textContent.startsWith('Job {points[1]} (sumformer_fit) was deleted')")
+
+
+def test_no_delete_on_a_job_not_ended_nor_on_a_grid_point(page, url, up_env, jobs):
+    """A running job has Cancel, not Delete (the API refuses it: job-active); a grid point goes with its sweep
+    (job-in-sweep). The running job is written into the server's database, its heartbeat ahead so that the
+    reaper leaves it be."""
+    from datetime import timedelta
+
+    from sqlalchemy import create_engine, delete
+    from sqlalchemy.orm import Session
+
+    from lmscope.db.models import Job, utcnow
+
+    engine = create_engine(f"sqlite:///{up_env['LMSCOPE_DATA_DIR']}/lmscope.db")
+    now = utcnow()
+    with Session(engine) as session, session.begin():
+        running = Job(user_id=session.get(Job, jobs["a"]).user_id, kind="probe", params={"model": "tiny-gpt2"},
+                      status="running", tags=[], created_at=now, started_at=now, heartbeat_at=now + timedelta(days=1),
+                      name="dash running")
+        session.add(running)
+        session.flush()
+        running_id = running.id
+    try:
+        open_job(page, url, running_id)
+        page.wait("document.getElementById('cancel')")
+        assert page.js("document.getElementById('delete-job')") is None
+        refused = requests.delete(f"{url}/v1/jobs/{running_id}", timeout=30)
+        assert refused.status_code == 409 and refused.json()["type"].endswith("/job-active"), refused.text
+    finally:
+        with Session(engine) as session, session.begin():  # gone again: no worker runs it
+            session.execute(delete(Job).where(Job.id == running_id))
+        engine.dispose()
+
+    point = jobs["children"][0]
+    open_job(page, url, point)
+    page.wait("document.getElementById('parent-link')")
+    assert page.js("document.getElementById('delete-job')") is None
+    refused = requests.delete(f"{url}/v1/jobs/{point}", timeout=30)
+    assert refused.status_code == 409 and refused.json()["type"].endswith("/job-in-sweep"), refused.text
+    open_job(page, url, jobs["sweep"])  # its sweep has one (the module's: not pressed)
+    page.wait("document.getElementById('delete-job')")
+
+
+def test_a_refused_delete_says_why_beside_the_button_and_keeps_the_page(page, url, jobs):
+    """A train job whose checkpoints are registered models: the API's refusal beside the button, the page kept;
+    with the models removed, the same button deletes it."""
+    run = "dash-delete-run"
+    train = submit(url, "train", {**TINY_TRAIN, "run_name": run})
+    assert Client(url).wait(train, timeout=180)["status"] == "succeeded"
+    open_job(page, url, train)
+    page.wait("document.getElementById('delete-job')")
+    answer_confirm(page, True)
+    page.click("#delete-job")
+    page.wait("document.getElementById('delete-error')?.textContent")
+    refused = requests.delete(f"{url}/v1/jobs/{train}", timeout=30)
+    problem = refused.json()
+    assert refused.status_code == 409 and problem["type"].endswith("/job-has-models"), refused.text
+    assert page.text("#delete-error") == f"Could not delete: {problem['title']}: {problem['detail']}"
+    assert f"lmscope models delete --run {run}" in page.text("#delete-error")
+    wait_refreshes(page, 2)
+    assert page.js("location.hash") == f"#job={train}" and page.text("#delete-error").startswith("Could not delete")
+    assert page.js("$('delete-job').disabled") is False
+    assert requests.get(f"{url}/v1/jobs/{train}", timeout=30).status_code == 200
+
+    for name in problem["models"]:
+        assert requests.delete(f"{url}/v1/models/{name}", timeout=30).status_code == 204, name
+    page.click("#delete-job")
+    page.wait("location.hash === ''")
+    page.wait(f"document.getElementById('list-note').textContent.startsWith('Deleted job {train} (freed ')")
+    assert requests.get(f"{url}/v1/jobs/{train}", timeout=30).status_code == 410
+
+
 def test_run_again_fills_the_form_with_the_jobs_kind_and_params(page, url, jobs):
     """A job's "Run again…" puts its kind and every parameter as its row keeps them into the submit form (not its
     name or tags); submitting makes a new job with those params. A sweep's grid point has no such button."""
