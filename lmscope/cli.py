@@ -985,12 +985,21 @@ def cancel(job_id):
 
 
 @main.command()
-@click.argument("job_ids", nargs=-1, type=int, required=True)
-def delete(job_ids):
+@click.argument("job_ids", nargs=-1, type=int)
+@click.option("--kind", help="instead of ids: your ended jobs of these kinds, e.g. norms or norms,entropy")
+@click.option("--status", help="instead of ids: your jobs that ended so, e.g. failed or failed,cancelled")
+@click.option("--tag", "tags", multiple=True, help="instead of ids: your ended jobs with this tag (repeatable: every one)")
+@click.option("--yes", is_flag=True, help="with --kind/--status/--tag: do not ask first")
+def delete(job_ids, kind, status, tags, yes):
     """Delete ended jobs with their series, plots and files, for good (a sweep: all its grid points). A job
     still queued or running, a grid point, or a train run whose checkpoints are registered models is kept,
-    saying what to do (each job is tried)."""
+    saying what to do (each job is tried). With --kind, --status or --tag instead of ids: every ended job of
+    yours that matches them all, listed, then deleted once you say yes."""
     c, kept = client(), 0
+    if job_ids and (kind or status or tags):
+        raise click.UsageError("give job ids or --kind/--status/--tag, not both")
+    if not job_ids:
+        job_ids = matching_ended_jobs(c, kind, status, list(tags), yes)
     for job_id in job_ids:
         try:
             done = c.delete(job_id)
@@ -1005,6 +1014,28 @@ def delete(job_ids):
                    + f" ({byte_size(done['freed_bytes'])} of files freed)")
     if kept:
         raise SystemExit(1)
+
+
+def matching_ended_jobs(c: Client, kind: str | None, status: str | None, tags: list[str], yes: bool) -> list[int]:
+    """`lmscope delete --kind/--status/--tag`: the caller's ended top-level jobs that match, once confirmed."""
+    if not (kind or status or tags):
+        raise click.UsageError("name the jobs to delete (ids), or choose them with --kind, --status or --tag")
+    wanted = [s.strip() for s in (status or ",".join(TERMINAL_STATES)).split(",") if s.strip()]
+    if unended := [s for s in wanted if s not in TERMINAL_STATES]:
+        raise click.UsageError(f"--status {','.join(unended)}: only ended jobs can be deleted "
+                               f"({', '.join(TERMINAL_STATES)}); cancel a queued or running one first (`lmscope cancel ID`)")
+    me = c.me()["name"]  # an admin lists everyone's jobs: a clean-up by filter stays within one's own
+    items = list(c.list(page_size=500, kind=kind, status=",".join(wanted), tag=tags or None, parent="none", user=me))
+    if not items:
+        click.echo("no ended job of yours matches", err=True)
+        return []
+    print_table([[j["id"], j["kind"], j["status"], (j["created_at"] or "")[:19].replace("T", " "), j.get("name") or "",
+                  ",".join(j.get("tags") or [])] for j in items], ["ID", "KIND", "STATUS", "CREATED (UTC)", "NAME", "TAGS"])
+    points = sum((j.get("children") or {}).get("total", 0) for j in items)
+    also = f" (and {plural(points, 'grid point')})" if points else ""
+    if not yes and not click.confirm(f"Delete {plural(len(items), 'job')}{also} with their results and files, for good?"):
+        raise SystemExit(1)
+    return [j["id"] for j in items]
 
 
 def series_listing(names: list[str], limit: int = 30) -> str:

@@ -22,8 +22,8 @@ def cli(api, live):
     api.user("ann")
     env = {"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["ann"]}
 
-    def run(*args):
-        return CliRunner(env=env).invoke(main, list(args))
+    def run(*args, input=None):
+        return CliRunner(env=env).invoke(main, list(args), input=input)
 
     return run
 
@@ -649,3 +649,40 @@ def test_delete_removes_ended_jobs_and_keeps_the_others_saying_why(api, cli):
     assert cli("delete", str(queued)).exit_code == 1
     r = cli("show", str(ended))
     assert r.exit_code == 1 and f"job {ended} (probe) was deleted on" in r.output
+
+
+def test_delete_by_filter_lists_your_ended_jobs_asks_then_deletes_them(api, cli):
+    h, bob = api.user("ann"), api.user("bob")
+    failed = [api.submit(h, tags=["t"]).get_json()["id"] for _ in range(2)]
+    other_tag, running = api.submit(h).get_json()["id"], api.submit(h, tags=["t"]).get_json()["id"]
+    bobs = api.submit(bob, tags=["t"]).get_json()["id"]
+    for job in failed + [other_tag, bobs]:
+        api.set_job(job, status="failed")
+    api.set_job(running, status="running")
+
+    r = cli("delete", "--tag", "t", input="n\n")
+    assert r.exit_code == 1
+    listed = [int(line.split()[0]) for line in r.output.splitlines() if line[:1].isdigit()]
+    assert listed == sorted(failed, reverse=True)  # not the untagged one, the running one, or bob's
+    assert "Delete 2 jobs with their results and files, for good? [y/N]" in r.output
+    assert all(j.deleted_at is None for j in api.jobs())
+    r = cli("delete", "--tag", "t", "--status", "failed", "--yes")
+    assert r.exit_code == 0, r.output
+    assert {j.id for j in api.jobs() if j.deleted_at is not None} == set(failed)
+    r = cli("delete", "--status", "running")
+    assert r.exit_code == 2 and "only ended jobs can be deleted" in r.output
+    assert cli("delete", "3", "--kind", "probe").exit_code == 2
+    r = cli("delete", "--tag", "t")
+    assert r.exit_code == 0 and "no ended job of yours matches" in r.output
+
+
+def test_an_admins_delete_by_filter_keeps_to_their_own_jobs(api, live):
+    """An admin lists everyone's jobs; a clean-up by filter must not sweep other users' away."""
+    ann, root = api.user("ann"), api.user("root", admin=True)
+    anns, roots = api.submit(ann).get_json()["id"], api.submit(root).get_json()["id"]
+    for job in (anns, roots):
+        api.set_job(job, status="failed")
+    r = CliRunner(env={"LMSCOPE_URL": live.url, "LMSCOPE_TOKEN": api.tokens["root"]}).invoke(
+        main, ["delete", "--status", "failed", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert [j.id for j in api.jobs() if j.deleted_at is not None] == [roots]
