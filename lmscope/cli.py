@@ -439,7 +439,8 @@ def echo_artifacts(c: Client, job: dict[str, Any]) -> None:
     artifacts = c.artifacts(job["id"])
     plots = [a for a in artifacts if a["media_type"] == "image/png"]
     if artifacts:
-        click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}): "
+        size = byte_size(sum(a.get("size") or 0 for a in artifacts))
+        click.echo(f"{plural(len(artifacts), 'artifact')} ({plural(len(plots), 'plot')}, {size}): "
                    f"lmscope fetch {job['id']} DIR")
         if c.token and plots:  # a browser sends no token: the plots' URLs would answer 401
             click.echo(f"  plots: {', '.join(a['name'] for a in plots)} (also on {c.url}/#job={job['id']}, "
@@ -1353,12 +1354,14 @@ def _schema_type(prop: dict) -> str:
 
 @main.command()
 def whoami():
-    """Who your token belongs to, your active jobs and your limits."""
+    """Who your token belongs to, your active jobs, what your uploads and your jobs' files take, and your limits."""
     me = client().me()
     own = set(me.get("per_user_limits") or [])
     limits = ", ".join(f"{k}={byte_size(v) if k.endswith('_bytes') else v}" + ("" if k in own else " (server default)")
                        for k, v in me["limits"].items())
     uploads = f", {byte_size(me['uploaded_bytes'])} of uploads" if "uploaded_bytes" in me else ""
+    if "job_file_bytes" in me:  # (a server older than `lmscope delete` does not say)
+        uploads += f", {byte_size(me['job_file_bytes'])} of job files"
     click.echo(f"{me['name']}{' (admin)' if me['is_admin'] else ''}: {me['active_jobs']} active job(s){uploads}; {limits}")
 
 

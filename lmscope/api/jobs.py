@@ -400,13 +400,17 @@ def tidy_deleted_jobs(sessions, settings) -> None:
 
 @bp.get("/me")
 def whoami():
-    """The caller: name, admin or not, active jobs and limits (the user's own, else the server's)."""
+    """The caller: name, admin or not, active jobs, the bytes of their uploads and of their jobs' files, and
+    limits (the user's own, else the server's)."""
     st, caller = state(), current_caller()
     with st.sessions() as session:
         active = active_jobs(session, caller.id)
         uploaded = uploaded_bytes(session, caller.id)
+        stored = session.scalar(select(func.sum(Artifact.size)).join(Job, Job.id == Artifact.job_id)
+                                .where(Job.user_id == caller.id))
     return {
         "name": caller.name, "is_admin": caller.is_admin, "active_jobs": active, "uploaded_bytes": uploaded,
+        "job_file_bytes": int(stored or 0),  # SUM is NULL over no rows, and a Decimal on PostgreSQL
         "limits": {"max_active_jobs": caller.active_jobs_limit(st.settings),
                    "max_sweep_points": caller.sweep_points_limit(st.settings),
                    "max_uploaded_bytes": st.settings.max_uploaded_bytes_per_user},

@@ -273,6 +273,8 @@ STATIC_SCHEMAS: dict[str, Any] = {
     "Me": {"type": "object", "properties": {
         "name": {"type": "string"}, "is_admin": {"type": "boolean"}, "active_jobs": {"type": "integer"},
         "uploaded_bytes": {"type": "integer", "description": "what your uploads count against max_uploaded_bytes"},
+        "job_file_bytes": {"type": "integer", "description": "the size of your jobs' files in the artifact store "
+                                                             "(`lmscope delete` frees it)"},
         "limits": {"type": "object", "properties": {"max_active_jobs": {"type": "integer"},
                                                     "max_sweep_points": {"type": "integer"},
                                                     "max_uploaded_bytes": {"type": "integer"}}},

@@ -6,15 +6,17 @@ check what the API promises (rows, statuses, messages sent) without a worker.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select, update
 
 from lmscope.api import create_app
 from lmscope.api.auth import create_user
-from lmscope.db.models import Dataset, Job, Model
+from lmscope.db.models import Artifact, Dataset, Job, Model, Series
 
 
 class RecordingPublisher:
@@ -108,6 +110,23 @@ def api(make_api) -> Api:
     api.add_model("m")
     api.add_dataset("d")
     return api
+
+
+def add_results(api, job_id: int, files: dict[str, bytes]):
+    """What a worker leaves behind: series rows, artifact rows and their files."""
+    folder = api.settings.artifact_dir / "jobs" / str(job_id)
+    with api.sessions.begin() as session:
+        session.add(Series(job_id=job_id, name="norm.mean", labels={"layer": None}, x=[0, 1, 2], y=[1.0, 1.5, 2.25]))
+        session.add(Series(job_id=job_id, name="norm.std", labels={}, x=[0, 1, 2], y=[0.1, 0.2, 0.3]))
+        session.add(Series(job_id=job_id, name="entropy.head", labels={"layer": 0, "head": 1}, x=[0], y=[0.5]))
+        for name, data in files.items():
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            media = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/html",
+                     ".json": "application/json"}.get(Path(name).suffix, "application/octet-stream")
+            session.add(Artifact(job_id=job_id, name=name, media_type=media, size=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest()))
 
 
 def add_checkpoint(api, name: str, job_id: int) -> None:

@@ -40,7 +40,7 @@ def test_whoami_shows_the_limits_and_where_they_come_from(api, cli):
                            data=b"one two three").status_code == 201
     r = cli("whoami")
     assert r.exit_code == 0, r.output
-    assert r.output.strip() == ("ann: 1 active job(s), 13 bytes of uploads; max_active_jobs=5 (server default), "
+    assert r.output.strip() == ("ann: 1 active job(s), 13 bytes of uploads, 0 bytes of job files; max_active_jobs=5 (server default), "
                                 "max_sweep_points=3, max_uploaded_bytes=1.0 GiB (server default)")
 
 
@@ -233,7 +233,7 @@ def test_fetch_says_when_a_job_has_no_artifacts(api, cli, tmp_path):
 
 def test_fetch_into_a_place_it_cannot_write_is_one_line(api, cli, tmp_path):
     """An OSError from writing the files used to end the command with a traceback."""
-    from .test_api_results import add_results
+    from .conftest import add_results
 
     job_id = api.submit(api.user("ann")).get_json()["id"]
     add_results(api, job_id, {"plots/norms.png": b"\x89PNG", "a.npz": b"PK"})
@@ -382,15 +382,15 @@ def test_wait_prints_the_summary_as_json_values(api, cli):
 
 def test_wait_names_a_failed_jobs_plots_without_urls_a_browser_cannot_open(api, cli, live):
     """With a token the artifact URLs answer 401 in a browser: name the plots and the dashboard page instead."""
-    from .test_api_results import add_results
+    from .conftest import add_results
 
     job_id = api.submit(api.user("ann")).get_json()["id"]
     api.set_job(job_id, status="failed", finished_at=utcnow(), error_type="time-limit", error_message="too long")
     add_results(api, job_id, {"loss.png": b"\x89PNG"})
     out = cli("wait", str(job_id)).stdout
-    assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in out  # a failed job's files are listed too
+    assert f"1 artifact (1 plot, 4 bytes): lmscope fetch {job_id} DIR" in out  # a failed job's files are listed too
     assert f"plots: loss.png (also on {live.url}/#job={job_id}" in out and "/artifacts/" not in out
-    assert f"1 artifact (1 plot): lmscope fetch {job_id} DIR" in cli("show", str(job_id)).stdout
+    assert f"1 artifact (1 plot, 4 bytes): lmscope fetch {job_id} DIR" in cli("show", str(job_id)).stdout
 
 
 def test_the_cli_finds_a_local_server_on_lmscope_port(monkeypatch):

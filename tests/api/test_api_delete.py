@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from sqlalchemy import func, select
 
 from lmscope.db.models import Artifact, Job, Series
 
-from tests.api.conftest import add_checkpoint, is_problem, small_sweep
-
-
-def give_results(api, job_id: int, files: dict[str, bytes]) -> None:
-    """What a worker leaves for an ended job: a series, and files in its folder with their artifact rows."""
-    folder = api.settings.job_dir(job_id)
-    with api.sessions.begin() as session:
-        session.add(Series(job_id=job_id, name="norm.mean", labels={}, x=[0, 1], y=[1.0, 2.0]))
-        for name, data in files.items():
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_bytes(data)
-            session.add(Artifact(job_id=job_id, name=name, media_type="application/octet-stream", size=len(data),
-                                 sha256=hashlib.sha256(data).hexdigest()))
+from tests.api.conftest import add_checkpoint, add_results, is_problem, small_sweep
 
 
 def rows_of(api, table, job_ids: list[int]) -> int:
@@ -32,21 +18,24 @@ def test_an_ended_job_goes_with_its_results_and_files_and_its_id_is_never_given_
     ann, bob = api.user("ann"), api.user("bob")
     kept = api.submit(ann).get_json()["id"]
     api.set_job(kept, status="succeeded")
-    give_results(api, kept, {"a.png": b"keep"})
+    add_results(api, kept, {"a.png": b"keep"})
     r = api.client.post("/v1/jobs", json={"kind": "probe", "params": {"model": "m"}},
                         headers={**ann, "Idempotency-Key": "probe-1"})
     job = r.get_json()["id"]
     api.set_job(job, status="failed")
     files = {"norms.png": b"\x89PNG" + bytes(100), "checkpoints/step0/model.safetensors": bytes(5000)}
-    give_results(api, job, files)
+    add_results(api, job, files)
 
+    stored = api.client.get("/v1/me", headers=ann).get_json()["job_file_bytes"]
+    assert stored == len(b"keep") + sum(map(len, files.values()))
     is_problem(api.client.delete(f"/v1/jobs/{job}", headers=bob), 404, "not-found")  # not bob's to see
     r = api.client.delete(f"/v1/jobs/{job}", headers=ann)
     assert r.status_code == 200, r.get_json()
     assert r.get_json() == {"id": job, "deleted": [job], "freed_bytes": sum(map(len, files.values()))}
     assert not api.settings.job_dir(job).exists()
     assert rows_of(api, Series, [job]) == 0 and rows_of(api, Artifact, [job]) == 0
-    assert rows_of(api, Series, [kept]) == 1 and (api.settings.job_dir(kept) / "a.png").read_bytes() == b"keep"
+    assert rows_of(api, Series, [kept]) == 3 and (api.settings.job_dir(kept) / "a.png").read_bytes() == b"keep"
+    assert api.client.get("/v1/me", headers=ann).get_json()["job_file_bytes"] == len(b"keep")
 
     for method, path in (("get", ""), ("get", "/results"), ("get", "/artifacts"), ("get", "/artifacts/norms.png"),
                          ("get", "/events"), ("post", "/cancel"), ("delete", "")):
@@ -75,12 +64,12 @@ def test_an_admin_deletes_anyones_job(api):
 def test_a_job_still_needed_is_kept_saying_what_to_do(api):
     ann = api.user("ann")
     job = api.submit(ann).get_json()["id"]
-    give_results(api, job, {"partial.npz": b"x" * 10})
+    add_results(api, job, {"partial.npz": b"x" * 10})
     for status in ("queued", "running"):
         api.set_job(job, status=status)
         body = is_problem(api.client.delete(f"/v1/jobs/{job}", headers=ann), 409, "job-active")
         assert f"job {job} is {status}" in body["detail"] and f"lmscope cancel {job}" in body["detail"]
-    assert (api.settings.job_dir(job) / "partial.npz").exists() and rows_of(api, Series, [job]) == 1
+    assert (api.settings.job_dir(job) / "partial.npz").exists() and rows_of(api, Series, [job]) == 3
 
     sweep = api.submit(ann, kind="sweep", params=small_sweep(2)).get_json()["id"]
     points = [j.id for j in api.jobs(parent_id=sweep)]
@@ -115,7 +104,7 @@ def test_a_sweep_goes_with_its_grid_points(api):
     sizes = {}
     for i, job_id in enumerate([sweep, *points]):
         api.set_job(job_id, status="cancelled" if i == 2 else "succeeded")
-        give_results(api, job_id, {"training.png": bytes(10 + i)})
+        add_results(api, job_id, {"training.png": bytes(10 + i)})
         sizes[job_id] = 10 + i
     r = api.client.delete(f"/v1/jobs/{sweep}", headers=ann)
     assert r.status_code == 200, r.get_json()
@@ -134,7 +123,7 @@ def test_files_a_delete_could_not_remove_go_when_the_api_next_starts(api, make_a
     gone, other = (api.submit(ann).get_json()["id"] for _ in range(2))
     for job_id in (gone, other):
         api.set_job(job_id, status="succeeded")
-        give_results(api, job_id, {"a.npz": b"abc"})
+        add_results(api, job_id, {"a.npz": b"abc"})
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))

@@ -11,24 +11,7 @@ from sqlalchemy import insert
 
 from lmscope.db.models import Artifact, Series, utcnow
 
-from .conftest import is_problem
-
-
-def add_results(api, job_id: int, files: dict[str, bytes]):
-    """What a worker leaves behind: series rows, artifact rows and their files."""
-    folder = api.settings.artifact_dir / "jobs" / str(job_id)
-    with api.sessions.begin() as session:
-        session.add(Series(job_id=job_id, name="norm.mean", labels={"layer": None}, x=[0, 1, 2], y=[1.0, 1.5, 2.25]))
-        session.add(Series(job_id=job_id, name="norm.std", labels={}, x=[0, 1, 2], y=[0.1, 0.2, 0.3]))
-        session.add(Series(job_id=job_id, name="entropy.head", labels={"layer": 0, "head": 1}, x=[0], y=[0.5]))
-        for name, data in files.items():
-            path = folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            media = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/html",
-                     ".json": "application/json"}.get(Path(name).suffix, "application/octet-stream")
-            session.add(Artifact(job_id=job_id, name=name, media_type=media, size=len(data),
-                                 sha256=hashlib.sha256(data).hexdigest()))
+from .conftest import add_results, is_problem
 
 
 def test_results_filtered_by_series(api):

@@ -615,7 +615,7 @@ def test_limits_are_per_user_with_the_server_default_otherwise(api):
     assert is_problem(api.submit(ann, kind="sweep", params=small_sweep(9)), 422, "sweep-too-large")["limit"] == 8
 
     me = {who: api.client.get("/v1/me", headers=h).get_json() for who, h in (("ann", ann), ("bob", bob), ("cat", cat))}
-    assert me["bob"] == {"name": "bob", "is_admin": False, "active_jobs": 1, "uploaded_bytes": 0,
+    assert me["bob"] == {"name": "bob", "is_admin": False, "active_jobs": 1, "uploaded_bytes": 0, "job_file_bytes": 0,
                          "limits": {"max_active_jobs": 1, "max_sweep_points": 2,
                                     "max_uploaded_bytes": api.settings.max_uploaded_bytes_per_user},
                          "per_user_limits": ["max_active_jobs", "max_sweep_points"]}
