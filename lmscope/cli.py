@@ -1008,7 +1008,8 @@ def delete(job_ids, kind, status, tags, yes):
             if e.status == 0:  # no answer at all: nothing to go on with
                 raise
             kept += 1
-            click.echo(f"kept job {job_id}: {e.headline}", err=True)
+            what = {404: f"no job {job_id}", 410: f"job {job_id} was already deleted"}.get(e.status, f"kept job {job_id}")
+            click.echo(f"{what}: {e.headline}", err=True)
             continue
         points = len(done["deleted"]) - 1
         click.echo(f"deleted job {job_id}" + (f" and its {plural(points, 'grid point')}" if points else "")

@@ -343,9 +343,9 @@ def delete_job(job_id: int):
                           f"{which}; cancel it (`lmscope cancel {job_id}`) and delete it once it has ended")
         models = session.scalars(select(Model.name).where(Model.job_id.in_(ids)).order_by(Model.step)).all()
         if models:
-            run = (job.params or {}).get("run_name")
+            run = models[0].rsplit("@step", 1)[0]  # the run's name, also where run_name was left to its default
             shown = ", ".join(models) if len(models) <= 4 else f"{models[0]}, …, {models[-1]}"
-            how = f"`lmscope models delete --run {run}`" if run else f"`lmscope models delete {' '.join(models)}`"
+            how = f"`lmscope models delete --run {run}`"
             raise Problem(409, "job-has-models", "Its checkpoints are registered models",
                           f"job {job_id}'s checkpoints are models jobs can name ({shown}: {len(models)}); remove them "
                           f"from the registry first ({how}), then delete the job", models=list(models))
@@ -383,19 +383,15 @@ def remove_job_files(folder: Path) -> int:
 
 def tidy_deleted_jobs(sessions, settings) -> None:
     """At start-up, remove what `remove_job_files` could not: the folders of jobs marked deleted."""
-    root = Path(settings.artifact_dir) / "jobs"
     try:
-        ids = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
-        if not ids:
-            return
-        with sessions() as session:
-            deleted = session.scalars(select(Job.id).where(Job.id.in_(ids), Job.deleted_at.is_not(None))).all()
-    except (OSError, SQLAlchemyError) as e:  # tidying must not stop the API from starting
-        log.warning("could not look for deleted jobs' files in %s: %s", root, e)
+        with sessions() as session:  # the deleted ones are few; the folders may be hundreds of thousands
+            deleted = session.scalars(select(Job.id).where(Job.deleted_at.is_not(None))).all()
+    except SQLAlchemyError as e:  # tidying must not stop the API from starting
+        log.warning("could not look for deleted jobs' files: %s", e)
         return
     for i in deleted:
-        remove_job_files(settings.job_dir(i))
-
+        if settings.job_dir(i).exists():
+            remove_job_files(settings.job_dir(i))
 
 
 @bp.get("/me")

@@ -647,6 +647,10 @@ def test_delete_removes_ended_jobs_and_keeps_the_others_saying_why(api, cli):
     assert any(line.startswith(f"kept job {queued}: Job not ended: job {queued} is queued") for line in lines)
     assert [j.id for j in api.jobs() if j.deleted_at is None] == [queued]
     assert cli("delete", str(queued)).exit_code == 1
+    r = cli("delete", str(ended), "999")
+    assert r.exit_code == 1
+    assert r.output.splitlines()[0].startswith(f"job {ended} was already deleted: Job deleted: job {ended} (probe)")
+    assert r.output.splitlines()[1].startswith("no job 999: Job not found")
     r = cli("show", str(ended))
     assert r.exit_code == 1 and f"job {ended} (probe) was deleted on" in r.output
 
