@@ -262,6 +262,10 @@ class WorkerContext:
 
         def upsert() -> None:
             with self._sf() as session, session.begin():
+                # An attempt the reaper has given up on (or whose job was then deleted) registers nothing: a
+                # model row would point at files that a later attempt rewrites, or that a delete removed.
+                if session.execute(select(Job.id).where(self._attempt.owned()).with_for_update()).first() is None:
+                    raise AttemptLost(self.job_id)
                 row = session.execute(select(Model).where(Model.name == name)).scalar_one_or_none()
                 if row is None:
                     session.add(Model(name=name, **values))

@@ -585,6 +585,25 @@ def test_register_model_is_an_idempotent_upsert(context, sessions, tmp_path):
         context.register_model("taken", ckpt, step=10)
 
 
+def test_an_attempt_the_reaper_gave_up_on_registers_no_model(context, sessions, tmp_path):
+    """Its job failed as worker-lost (and may since have been deleted, with its files): a model row would
+    point at files no job keeps."""
+    from sqlalchemy import update
+
+    from lmscope.db.models import Job
+    from lmscope.worker.attempt import AttemptLost
+
+    ckpt = tmp_path / "run" / "step10"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8}))
+    with sessions() as s, s.begin():
+        s.execute(update(Job).where(Job.id == context.job_id).values(status="failed", error_type="worker-lost"))
+    with pytest.raises(AttemptLost):
+        context.register_model("lost@step10", ckpt, step=10)
+    with sessions() as s:
+        assert s.scalar(select(Model).where(Model.name == "lost@step10")) is None
+
+
 def test_documents_and_unknown_names(context, sessions, tmp_path):
     from lmscope.analyses.base import JobFailed
     from lmscope.catalog import read_documents
