@@ -383,6 +383,9 @@ def remove_job_files(folder: Path) -> int:
 
 def tidy_deleted_jobs(sessions, settings) -> None:
     """At start-up, remove what `remove_job_files` could not: the folders of jobs marked deleted."""
+    root = Path(settings.artifact_dir) / "jobs"
+    if not root.is_dir():  # no job has written a file yet (nor is there a database to ask, on a new install)
+        return
     try:
         with sessions() as session:  # the deleted ones are few; the folders may be hundreds of thousands
             deleted = session.scalars(select(Job.id).where(Job.deleted_at.is_not(None))).all()
