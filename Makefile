@@ -55,6 +55,7 @@ bench: install
 	$(PYTHON) benchmarks/attention.py
 	$(PYTHON) benchmarks/approximations.py
 	$(PYTHON) benchmarks/norms.py
+	$(PYTHON) benchmarks/pruning.py
 	$(PYTHON) benchmarks/entropy.py
 
 clean:

@@ -102,6 +102,8 @@ def main() -> None:
                             f"demo: norm trajectories of {final_model}"))
         jobs.append(run_job(client, "entropy", dict(example("entropy_demo.json"), train_job=train["id"]),
                             "demo: attention entropy over training"))
+        jobs.append(run_job(client, "pruning", dict(example("pruning_demo.json"), model=final_model),
+                            f"demo: removing {final_model}'s attention heads"))
         jobs.append(run_job(client, "sweep", example("fig2.json"), "demo: reduced Sumformer Fig. 2 sweep"))
         jobs.append(run_job(client, "sweep", dict(example("attention_study_demo.json"), model=final_model),
                             f"demo: Performer/Linformer vs softmax attention on {final_model}"))

@@ -75,7 +75,8 @@ def test_parameter_tables_in_the_docs_give_the_models_defaults():
     from lmscope.params import KINDS
 
     docs = {"docs/analyses/norms.md": ["norms"], "docs/analyses/entropy.md": ["entropy"],
-            "docs/analyses/sweep.md": ["sweep", "sweep"], "docs/models-and-datasets.md": ["probe", "train"]}
+            "docs/analyses/sweep.md": ["sweep", "sweep"],
+            "docs/analyses/pruning.md": ["pruning"], "docs/models-and-datasets.md": ["probe", "train"]}
     checked = 0
     for doc, kinds in docs.items():
         tables = _parameter_tables(ROOT / doc)

@@ -9,6 +9,7 @@ from lmscope.params.base import MAX_JOB_ID, MAX_SEED, ChildSpec, JobParams, Kind
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
 from lmscope.params.probe import ProbeParams
+from lmscope.params.pruning import PruningParams
 from lmscope.params.sweep import AttentionApproxParams, SumformerFitParams, SweepParams, expand_sweep
 from lmscope.params.train import TrainParams
 
@@ -25,6 +26,9 @@ KINDS: dict[str, KindSpec] = {
                  example={"model": "tiny-gpt2", "dataset": "wikitext-2", "max_samples": 200}),
         KindSpec("entropy", EntropyParams, "attention-entropy curves per layer, head, position and step",
                  example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 50}),
+        KindSpec("pruning", PruningParams, "each attention head's term, and the loss as heads are removed (UAT)",
+                 example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 8,
+                          "eval_segments": 8}),
         # six points of Fig. 2's grid (example:fig2 is the documented reduced figure, `{}` the full-size one with one
         # seed: 100 children); the attention study's small one is example:attention_study_demo
         KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep,

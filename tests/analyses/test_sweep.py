@@ -207,7 +207,8 @@ def test_example_files_are_valid_sweeps(name, points):
 
 
 @pytest.mark.parametrize("name,kind,added", [("train_demo.json", "train", {}), ("norms_demo.json", "norms", {"model": "m"}),
-                                             ("entropy_demo.json", "entropy", {"train_job": 1})])
+                                             ("entropy_demo.json", "entropy", {"train_job": 1}),
+                                             ("pruning_demo.json", "pruning", {"model": "m"})])
 def test_demo_example_files_are_valid_params(name, kind, added):
     """The other examples `lmscope demo` submits, with the fields it adds (lmscope.demo)."""
     raw = json.loads(resources.files("lmscope.examples").joinpath(name).read_text())

@@ -1,0 +1,321 @@
+"""Job kind `pruning`: what each attention head adds, and what removing the small ones costs (Wang & Li, UAT).
+
+Multi-head attention is a sum over heads of terms that are linear in the layer's input once the
+attention weights are fixed:
+
+    MHA(x)_t = Σ_h o_{h,t} + b_O,    o_{h,t} = Σ_j A_h(x)[t, j] · (x_j W_V^h + b_V^h) · W_O^h
+
+so MHA(x) = W'(x)·x, an input-dependent linear map. UAT's reading of pruning: a term that contributes
+little can be dropped without changing the function much. This job measures every term and tests that.
+
+1. Measure, on `num_segments` windows: the size of each head's term relative to the residual stream
+   it is added to,  c_{l,h} = E_t ‖o_{l,h,t}‖ / E_t ‖h_{l,t}‖  (h_l: the stream entering block l).
+   ‖o_{h,t}‖ comes from the output projection's input z_h (the head's A_h V_h): ‖z_h W_O^hᵀ‖² = z_h G_h z_hᵀ
+   with G_h = W_O^hᵀ W_O^h, which costs d² per head and token instead of d·D.
+2. Remove heads, by zeroing their z_h (the term goes, b_O stays: Michel et al.'s head mask), in three
+   orders over all layers × heads: smallest c first, largest first, and random (seeded); at each share in
+   `fractions` evaluate the mean next-token loss on `eval_segments` other windows.
+
+If the small terms matter little, the smallest-first curve stays near the unpruned loss far longer than
+the random and largest-first ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
+                                   overflow_advice, own_attention, require_positions)
+from lmscope.analyses.norms import model_parts
+from lmscope.params.pruning import DEFAULT_SEQ_LEN, PruningParams
+
+# Where each architecture keeps the projection whose input is the concatenation of its heads' A_h V_h
+OUTPUT_PROJECTIONS = ("attn.c_proj",            # GPT-2 (Conv1D), GPTBigCode
+                      "self_attn.o_proj",       # LLaMA, Mistral, Qwen, Gemma, Phi-3, OLMo, StarCoder2, …
+                      "self_attn.dense",        # Phi
+                      "self_attention.dense",   # Falcon, BLOOM
+                      "attention.dense",        # GPT-NeoX
+                      "attn.out_proj")          # GPT-J
+NAMED_HEADS = 5  # the smallest and largest heads the summary names
+
+
+def output_projection(block) -> torch.nn.Module:
+    """The block's attention output projection (its input is [.., heads · head_dim])."""
+    for path in OUTPUT_PROJECTIONS:
+        module = block
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module) and hasattr(module, "weight"):
+            return module
+    raise JobFailed(f"cannot find the attention output projection of a {type(block).__name__} "
+                    f"(looked for {', '.join(OUTPUT_PROJECTIONS)}); the pruning job supports the architectures "
+                    "lmscope.catalog.SUPPORTED_ARCHITECTURES lists")
+
+
+def head_weights(projection, heads: int) -> torch.Tensor:
+    """W_O split per head: [H, D_out, d] float32, so that head h's term is z_h @ W[h]ᵀ."""
+    w = projection.weight.detach().float()
+    if type(projection).__name__ == "Conv1D":  # GPT-2: y = x @ weight, weight [in, out]
+        w = w.T
+    out, inner = w.shape
+    if inner % heads:
+        raise JobFailed(f"the attention output projection reads {inner} features, not a multiple of the "
+                        f"{heads} heads the config gives")
+    return w.view(out, heads, inner // heads).permute(1, 0, 2).contiguous()
+
+
+@dataclass
+class HeadTerms:
+    """Sums over the measured tokens: ‖o_{l,h,t}‖ per head, ‖h_{l,t}‖ per layer, and the token count."""
+
+    term_norm: np.ndarray  # [L, H] float64
+    residual_norm: np.ndarray  # [L] float64
+    tokens: int
+
+    @property
+    def contribution(self) -> np.ndarray:
+        """c_{l,h} = E‖o_{l,h}‖ / E‖h_l‖: comparable across layers, which the pruning orders need."""
+        return self.term_norm / self.residual_norm[:, None]
+
+    @property
+    def share(self) -> np.ndarray:
+        """E‖o_{l,h}‖ as a share of the layer's heads' sum."""
+        return self.term_norm / self.term_norm.sum(1, keepdims=True)
+
+
+class HeadHooks:
+    """Pre-hooks on every block's output projection: measure the heads' terms, or remove heads."""
+
+    def __init__(self, blocks, heads: int):
+        self.projections = [output_projection(b) for b in blocks]
+        self.heads = heads
+        self.grams = [(lambda w: torch.einsum("hod,hoe->hde", w, w))(head_weights(p, heads)) for p in self.projections]
+        self.sums: list[torch.Tensor] | None = None  # per layer [H] float64 while measuring
+        self.masks: list[torch.Tensor | None] = [None] * len(blocks)  # per layer [H] 0/1 while pruning
+        self.handles = [p.register_forward_pre_hook(self._hook(i)) for i, p in enumerate(self.projections)]
+
+    def _hook(self, layer: int):
+        def hook(module, args):
+            z = args[0]
+            per_head = z.view(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
+            if self.sums is not None:
+                zf = per_head.float()
+                sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer], zf)
+                self.sums[layer] += sq.clamp_min(0).sqrt().sum((0, 1)).double()
+            mask = self.masks[layer]
+            if mask is not None:
+                return ((per_head * mask.to(z.dtype)[:, None]).view_as(z),) + tuple(args[1:])
+            return None
+        return hook
+
+    def remove_heads(self, removed: list[tuple[int, int]]) -> None:
+        """Zero the terms of these (layer, head)s in the next forward passes ([] restores the model)."""
+        masks: list[torch.Tensor | None] = [None] * len(self.projections)
+        for layer, head in removed:
+            if masks[layer] is None:
+                weight = self.projections[layer].weight
+                masks[layer] = torch.ones(self.heads, dtype=weight.dtype, device=weight.device)
+            masks[layer][head] = 0.0
+        self.masks = masks
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def measure_terms(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int, report) -> HeadTerms:
+    """Sum ‖o_{l,h,t}‖ and ‖h_{l,t}‖ over every token of the windows."""
+    layers, device = len(hooks.projections), next(model.parameters()).device
+    hooks.sums = [torch.zeros(hooks.heads, dtype=torch.float64, device=device) for _ in range(layers)]
+    residual = torch.zeros(layers, dtype=torch.float64, device=device)
+    try:
+        for start in range(0, len(windows), batch_size):
+            ids = windows[start:start + batch_size].to(device)
+            hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            residual += torch.stack([h.float().norm(dim=-1).sum().double() for h in hidden[:layers]])
+            report("measuring the heads' terms")
+        term = torch.stack(hooks.sums).cpu().numpy()
+    finally:
+        hooks.sums = None
+    return HeadTerms(term, residual.cpu().numpy(), int(windows.numel()))
+
+
+def mean_loss(model, windows: torch.Tensor, batch_size: int, report) -> float:
+    """Mean next-token cross-entropy (nats) over every position of the windows, logits in float32."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start:start + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
+        report("evaluating pruned models")
+    return float(total) / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+def removal_orders(contribution: np.ndarray, params: PruningParams) -> dict[str, list[np.ndarray]]:
+    """Per order, the flat head indices (layer · H + head) in the order they are removed; ties by index."""
+    flat = contribution.ravel()
+    orders: dict[str, list[np.ndarray]] = {}
+    if "smallest_first" in params.orders:
+        orders["smallest_first"] = [np.argsort(flat, kind="stable")]
+    if "largest_first" in params.orders:
+        orders["largest_first"] = [np.argsort(-flat, kind="stable")]
+    if "random" in params.orders:
+        rng = np.random.default_rng(params.seed)
+        orders["random"] = [rng.permutation(flat.size) for _ in range(params.random_orders)]
+    return orders
+
+
+def head_counts(fractions: list[float], total: int) -> list[int]:
+    """Whole heads removed at each share (half up), each count once."""
+    return sorted({int(math.floor(f * total + 0.5)) for f in fractions})
+
+
+def prunable_fraction(counts: list[int], losses: list[float], baseline: float, tolerance: float, total: int) -> float:
+    """The largest share on the grid up to which every point's loss is within (1 + tolerance) · baseline."""
+    best = 0.0
+    for k, loss in zip(counts, losses):
+        if loss > baseline * (1 + tolerance):
+            break
+        best = k / total
+    return best
+
+
+@torch.no_grad()
+def run(params: PruningParams, ctx: JobContext) -> JobOutput:
+    with ctx.stage("load_model"):
+        loaded = ctx.load_model(params.model, dtype=params.dtype)
+    model, config = loaded.model, loaded.model.config
+    if params.seq_len is None:
+        params = params.model_copy(update={"seq_len": context_seq_len(config, DEFAULT_SEQ_LEN)})
+    require_positions(config, params.seq_len, params.model)
+    with ctx.stage("tokenize"):
+        documents = ctx.load_documents(params.dataset)
+        wanted = SimpleNamespace(seq_len=params.seq_len, num_segments=params.num_segments + params.eval_segments,
+                                 bos_per_window=params.bos_per_window, dataset=params.dataset)
+        windows = dataset_windows(loaded.tokenizer, documents, wanted, params.model)
+    if len(windows) < 2:
+        raise JobFailed(f"dataset {params.dataset!r} holds one window of {params.seq_len} tokens; the job measures "
+                        "on some windows and evaluates on others: lower seq_len or use a larger dataset")
+    # A short dataset is split in the asked proportion, so that neither part is empty.
+    measured = min(params.num_segments, max(1, round(len(windows) * params.num_segments /
+                                                     (params.num_segments + params.eval_segments))))
+    measured = min(measured, len(windows) - 1)
+    measure_windows, eval_windows = windows[:measured], windows[measured:measured + params.eval_segments]
+
+    layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
+    total = layers * heads
+    counts = head_counts(params.fractions, total)
+    measure_batches = math.ceil(len(measure_windows) / params.batch_size)
+    eval_batches = math.ceil(len(eval_windows) / params.batch_size)
+    # the distinct sets of removed heads are known once the terms are measured: until then, at most
+    inner = [k for k in counts if 0 < k < total]
+    planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
+    done = 0
+
+    def report(stage: str) -> None:
+        nonlocal done
+        done += 1
+        ctx.progress(done, measure_batches + planned * eval_batches, stage)
+
+    ctx.record("kernel_backend", own_attention(model))
+    hooks = HeadHooks(model_parts(model).blocks, heads)
+    try:
+        with ctx.stage("measure"):
+            terms = measure_terms(model, hooks, measure_windows, params.batch_size, report)
+        if not np.isfinite(terms.term_norm).all() or not np.isfinite(terms.residual_norm).all():
+            raise JobFailed(f"{params.model}'s states reach inf or NaN in {params.dtype}: {overflow_advice(params.dtype)}")
+        contribution = terms.contribution
+        orders = removal_orders(contribution, params)
+        # each distinct set of removed heads is evaluated once (k = 0 and k = all are every order's)
+        plan: dict[frozenset, None] = {frozenset(): None}
+        for perms in orders.values():
+            for perm in perms:
+                for k in counts:
+                    plan.setdefault(frozenset(perm[:k].tolist()), None)
+        planned = len(plan)
+        losses: dict[frozenset, float] = {}
+        with ctx.stage("evaluate"):
+            for removed in plan:
+                hooks.remove_heads([divmod(i, heads) for i in sorted(removed)])
+                losses[removed] = mean_loss(model, eval_windows, params.batch_size, report)
+    finally:
+        hooks.close()
+    baseline = losses[frozenset()]
+    if not all(math.isfinite(v) for v in losses.values()):
+        raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once heads are removed: "
+                        f"{overflow_advice(params.dtype)}")
+    curves = {order: np.array([[losses[frozenset(p[:k].tolist())] for k in counts] for p in perms])
+              for order, perms in orders.items()}  # [draws, K]
+
+    with ctx.stage("write"):
+        output = _output(params, loaded.info, terms, counts, curves, baseline, len(measure_windows), len(eval_windows))
+        np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
+                            term_norm_mean=terms.term_norm / terms.tokens,
+                            residual_norm_mean=terms.residual_norm / terms.tokens,
+                            heads_removed=np.array(counts), baseline_loss=baseline,
+                            **{f"loss_{o}": c for o, c in curves.items()},
+                            **{f"order_{o}": np.stack(orders[o]) for o in orders})
+        from lmscope.analyses import pruning_plots
+
+        source = f"{params.model} on {params.dataset}"
+        pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
+                                    len(measure_windows) * params.seq_len)
+        pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, curves, baseline,
+                                     params.tolerance, source, len(eval_windows) * params.seq_len)
+    return output
+
+
+def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
+            baseline: float, measured: int, evaluated: int) -> JobOutput:
+    contribution = terms.contribution
+    layers, heads = contribution.shape
+    total = layers * heads
+    shares = [k / total for k in counts]
+    by_size = np.argsort(contribution.ravel(), kind="stable")
+
+    def named(indices) -> list[dict]:
+        return [{"layer": int(i // heads), "head": int(i % heads), "contribution": float(contribution.ravel()[i])}
+                for i in indices]
+
+    mean_curve = {order: c.mean(0) for order, c in curves.items()}
+    summary = {
+        "model": params.model,
+        "dataset": params.dataset,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": info.get("num_kv_heads"),
+        "seq_len": params.seq_len,
+        "windows_measured": measured,
+        "windows_evaluated": evaluated,
+        "tokens_measured": terms.tokens,
+        "tokens_evaluated": evaluated * params.seq_len,
+        "baseline_loss": baseline,
+        "baseline_perplexity": math.exp(min(baseline, 700.0)),
+        "smallest_heads": named(by_size[:NAMED_HEADS]),
+        "largest_heads": named(by_size[::-1][:NAMED_HEADS]),
+        "contribution_by_layer": contribution.mean(1).tolist(),
+        "heads_removed": counts,
+        # the mean over the grid of loss / baseline − 1: one number per order to compare them by
+        "mean_loss_increase": {o: float((c / baseline - 1).mean()) for o, c in mean_curve.items()},
+        "prunable_fraction": {o: prunable_fraction(counts, c.tolist(), baseline, params.tolerance, total)
+                              for o, c in mean_curve.items()},
+        "tolerance": params.tolerance,
+    }
+    if total in counts:
+        summary["loss_all_heads_removed"] = float(next(iter(curves.values()))[0, counts.index(total)])
+    series = [Series("head_contribution", list(range(heads)), contribution[layer].tolist(), {"layer": layer})
+              for layer in range(layers)]
+    series += [Series("head_share", list(range(heads)), terms.share[layer].tolist(), {"layer": layer})
+               for layer in range(layers)]
+    series += [Series("pruned_loss", shares, c.tolist(), {"order": o}) for o, c in mean_curve.items()]
+    if "random" in curves:
+        series += [Series("pruned_loss.random_draw", shares, row.tolist(), {"draw": i})
+                   for i, row in enumerate(curves["random"])]
+    return JobOutput(summary=summary, series=series)

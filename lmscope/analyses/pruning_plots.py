@@ -1,0 +1,56 @@
+"""Plots of the pruning job: the heads' terms (layer × head) and the loss as heads are removed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lmscope.analyses.plotting import pyplot, save, sparse_ticks
+
+ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
+               "largest_first": ("largest term first", "tab:red"),
+               "random": ("random order", "tab:gray")}
+
+
+def contributions(path: Path, contribution: np.ndarray, source: str, tokens: int) -> None:
+    """Layer × head heatmap of E‖head term‖ / E‖residual stream‖, annotated up to 400 cells."""
+    plt = pyplot()
+    layers, heads = contribution.shape
+    annotated = layers * heads <= 400
+    cell_w, cell_h = (0.7, 0.45) if annotated else (0.3, 0.25)
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.5 + cell_w * heads), max(3.5, 1.8 + cell_h * layers)))
+    top = float(contribution.max()) or 1.0
+    im = ax.imshow(contribution, cmap="magma", aspect="auto", vmin=0.0, vmax=top)
+    if annotated:
+        for (layer, head), v in np.ndenumerate(contribution):
+            ax.text(head, layer, f"{v:#.2g}", ha="center", va="center", fontsize=7,
+                    color="black" if v > 0.6 * top else "white")
+    ax.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers, 64))
+    ax.set_title(f"size of each head's term, {source}\nE‖head term‖ / E‖residual stream‖ over {tokens:,} tokens",
+                 fontsize=10)
+    fig.colorbar(im, ax=ax, label="relative size")
+    save(fig, path)
+
+
+def pruning_curves(path: Path, counts: list[int], total: int, curves: dict[str, np.ndarray], baseline: float,
+                   tolerance: float, source: str, tokens: int) -> None:
+    """Mean next-token loss against the share of heads removed, one line per order (random: each draw thin,
+    their mean thick), the unpruned loss and the tolerance dashed."""
+    plt = pyplot()
+    shares = np.array(counts) / total
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for order, losses in curves.items():
+        label, colour = ORDER_STYLE[order]
+        if len(losses) > 1:
+            for row in losses:
+                ax.plot(shares, row, color=colour, lw=0.7, alpha=0.45)
+            label += f" (mean of {len(losses)})"
+        ax.plot(shares, losses.mean(0), color=colour, marker="o", ms=3.5, lw=1.8, label=label)
+    ax.axhline(baseline, color="k", ls="--", lw=1, label=f"all heads: {baseline:.3f} nats")
+    ax.axhline(baseline * (1 + tolerance), color="k", ls=":", lw=1, label=f"+{tolerance:.0%}")
+    ax.set(xlabel=f"share of the {total} heads removed", ylabel="next-token loss (nats)", xlim=(-0.02, 1.02))
+    ax.set_title(f"removing attention heads, {source}\nloss on {tokens:,} tokens not used to rank the heads",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    save(fig, path)

@@ -1,0 +1,72 @@
+"""Parameters of the `pruning` job kind (Wang & Li's UAT; docs/analyses/pruning.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from lmscope.params.base import BosPerWindow, DType, JobParams, Seed
+
+DEFAULT_SEQ_LEN = 256
+ORDERS = ("smallest_first", "largest_first", "random")
+Order = Literal["smallest_first", "largest_first", "random"]
+
+
+class PruningParams(JobParams):
+    """What each attention head's term adds to the residual stream, and what removing heads costs.
+
+    Multi-head attention is a sum of per-head terms, each linear in the layer's input once the attention
+    weights are fixed (MHA(x) = W'(x)·x). The job measures every head's term on ``num_segments`` windows,
+    then removes heads in order of their measured size (and in the opposite and in random orders) and
+    evaluates the model's next-token loss on ``eval_segments`` further windows.
+    """
+
+    model: str = Field(description="a registered model name, e.g. tiny-gpt2")
+    dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
+    seq_len: int | None = Field(
+        None, ge=2, le=131072,
+        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the model's context length when shorter")
+    num_segments: int = Field(32, ge=1, le=100_000, description="windows on which the heads' terms are measured")
+    eval_segments: int = Field(32, ge=1, le=100_000,
+                               description="the next windows of the stream, on which the pruned models' loss is "
+                                           "evaluated (none of them is a measured window)")
+    fractions: list[float] = Field(
+        [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], min_length=1, max_length=101,
+        description="shares of all layers × heads removed at each point, rounded to whole heads; increasing")
+    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=3,
+                                description="in which order heads are removed: smallest_first (the smallest "
+                                            "measured term first), largest_first, random")
+    random_orders: int = Field(3, ge=1, le=100, description="random orders drawn (from seed) when orders has random")
+    tolerance: float = Field(0.01, gt=0, le=10, description="a relative loss increase up to this counts as harmless "
+                                                           "in the summary's prunable fraction")
+    batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
+    dtype: DType = "float32"
+    bos_per_window: BosPerWindow = False
+    seed: Seed = Field(0, description="draws the random orders")
+
+    @field_validator("fractions")
+    @classmethod
+    def _increasing_shares(cls, fractions: list[float]) -> list[float]:
+        outside = [f for f in fractions if not 0.0 <= f <= 1.0]
+        if outside:
+            raise ValueError(f"fractions are shares of the heads, from 0 to 1; {outside} is outside")
+        if any(b <= a for a, b in zip(fractions, fractions[1:])):
+            raise ValueError("list fractions in increasing order, each once (e.g. [0, 0.25, 0.5])")
+        return fractions
+
+    @field_validator("orders")
+    @classmethod
+    def _each_order_once(cls, orders: list[str]) -> list[str]:
+        if len(set(orders)) != len(orders):
+            raise ValueError("'orders' lists an order twice; give each once")
+        return orders
+
+    def model_refs(self) -> list[str]:
+        return [self.model]
+
+    def dataset_refs(self) -> list[str]:
+        return [self.dataset]
+
+    def positions_read(self) -> tuple[str, int] | None:
+        return ("seq_len", self.seq_len) if self.seq_len is not None else None

@@ -1,0 +1,248 @@
+"""`pruning`: each head's term against the explicit map W'(x)·x built in float64 from eager attention matrices;
+removing heads against a copy of the model with those heads' columns of W_O zeroed; a worked example where some
+heads add nothing; the job through the service."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+from lmscope.analyses import pruning
+from lmscope.analyses.base import LoadedModel
+from lmscope.analyses.local import LocalContext
+from lmscope.catalog import BYTE_VOCAB_SIZE, read_documents
+from lmscope.config import Settings
+from lmscope.modeling.tokenization import byte_tokenizer
+from lmscope.modeling.windows import token_windows
+from lmscope.params.pruning import PruningParams
+from tests.analyses.test_architectures import CONFIGS
+
+SEQ_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def documents():
+    return read_documents(Settings.from_env().wikitext2_path, "lines")[:60]
+
+
+def tiny(arch: str, seed: int = 0) -> LoadedModel:
+    if arch == "gpt2":
+        config = T.GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, vocab_size=BYTE_VOCAB_SIZE,
+                              bos_token_id=256, eos_token_id=257, initializer_range=0.25)
+    else:  # grouped-query: 4 query heads read 2 key/value heads
+        config = T.LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                               intermediate_size=64, max_position_embeddings=64, vocab_size=BYTE_VOCAB_SIZE,
+                               bos_token_id=256, eos_token_id=257, pad_token_id=258, initializer_range=0.25)
+    torch.manual_seed(seed)
+    return LoadedModel(f"tiny-{arch}", T.AutoModelForCausalLM.from_config(config).eval(), byte_tokenizer())
+
+
+def run_job(tmp_path, loaded, documents, **params):
+    ctx = LocalContext(tmp_path, models={"m": loaded}, datasets={"wiki": documents})
+    params = {"model": "m", "dataset": "wiki", "seq_len": SEQ_LEN, "num_segments": 4, "eval_segments": 4,
+              "batch_size": 3, **params}
+    return pruning.run(PruningParams(**params), ctx), ctx
+
+
+@torch.no_grad()
+def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Float64, from the model's eager attention matrices A_h: o_{l,h,t} = Σ_j A_h[t,j] (x̃_j W_V^h + b_V^h) W_O^h.
+
+    Returns [L, W, N, H] term norms and [L, W, N] residual norms; checks Σ_h o_h + b_O is the attention output."""
+    model = copy.deepcopy(loaded.model).double()
+    model.set_attn_implementation("eager")
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    outputs = []
+    hooks = [(b.attn.c_proj if hasattr(b, "attn") else b.self_attn.o_proj).register_forward_hook(
+        lambda m, a, out: outputs.append(out)) for b in blocks]
+    run = model(input_ids=windows, output_attentions=True, output_hidden_states=True, use_cache=False)
+    for h in hooks:
+        h.remove()
+    terms, residual = [], []
+    for layer, block in enumerate(blocks):
+        x, A = run.hidden_states[layer], run.attentions[layer]  # [W, N, D], [W, H, N, N]
+        H = A.shape[1]
+        if hasattr(block, "attn"):  # GPT-2: Conv1D, y = x @ weight
+            D = x.shape[-1]
+            v = block.attn.c_attn(block.ln_1(x))[..., 2 * D:]
+            v = v.view(*v.shape[:2], H, D // H).transpose(1, 2)  # [W, H, N, d]
+            w_o = block.attn.c_proj.weight.view(H, D // H, D)  # head h: rows h·d … (h+1)·d
+            bias = block.attn.c_proj.bias
+        else:  # LLaMA: query head h reads key/value head h // (H / KV)
+            attn = block.self_attn
+            d = attn.head_dim
+            v = attn.v_proj(block.input_layernorm(x))
+            v = v.view(*v.shape[:2], -1, d).transpose(1, 2).repeat_interleave(H // (v.shape[-1] // d), dim=1)
+            w_o = attn.o_proj.weight.T.reshape(H, d, -1)
+            bias = torch.zeros((), dtype=torch.float64)
+        o = torch.einsum("whtj,whjd,hde->wthe", A, v, w_o)  # [W, N, H, D_out]
+        torch.testing.assert_close(o.sum(2) + bias, outputs[layer], rtol=1e-9, atol=1e-9)  # MHA = Σ_h terms + b_O
+        terms.append(o.norm(dim=-1).numpy())
+        residual.append(x.norm(dim=-1).numpy())
+    return np.stack(terms), np.stack(residual)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_head_terms_are_the_explicit_input_dependent_map(arch, documents, tmp_path):
+    loaded = tiny(arch)
+    out, _ = run_job(tmp_path, loaded, documents)
+    saved = np.load(tmp_path / "pruning.npz")
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 4)  # the measured ones: the first 4
+    terms, residual = explicit_head_terms(loaded, windows)
+    expected = terms.mean((1, 2)) / residual.mean((1, 2))[:, None]  # E‖o_{l,h}‖ / E‖h_l‖
+    np.testing.assert_allclose(saved["contribution"], expected, rtol=2e-5)
+    np.testing.assert_allclose(saved["term_norm_mean"], terms.mean((1, 2)), rtol=2e-5)
+    L, H = expected.shape
+    assert (out.summary["layers"], out.summary["heads"], out.summary["tokens_measured"]) == (L, H, 4 * SEQ_LEN)
+    smallest = out.summary["smallest_heads"][0]
+    assert (smallest["layer"], smallest["head"]) == np.unravel_index(expected.argmin(), expected.shape)
+    by_layer = {s.labels["layer"]: s.y for s in out.series if s.name == "head_contribution"}
+    np.testing.assert_allclose([by_layer[layer] for layer in range(L)], expected, rtol=2e-5)
+
+
+def zeroed_heads_copy(model, removed: list[tuple[int, int]], heads: int):
+    """A copy of the model whose removed heads' columns of W_O are zero (their terms are then zero)."""
+    clone = copy.deepcopy(model)
+    blocks = pruning.model_parts(clone).blocks
+    with torch.no_grad():
+        for layer, head in removed:
+            proj = pruning.output_projection(blocks[layer])
+            conv = type(proj).__name__ == "Conv1D"  # weight [in, out]
+            d = (proj.weight.shape[0] if conv else proj.weight.shape[1]) // heads
+            if conv:
+                proj.weight[head * d:(head + 1) * d] = 0
+            else:
+                proj.weight[:, head * d:(head + 1) * d] = 0
+    return clone
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_removing_heads_is_zeroing_their_columns_of_the_output_projection(arch):
+    """Every supported architecture: the job's hooks remove exactly the asked heads' terms."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    heads = model.config.num_attention_heads
+    ids = torch.randint(0, 250, (2, 12))
+    removed = [(0, 1), (1, 0), (1, heads - 1), (2, 2)]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, heads)
+        try:
+            hooks.remove_heads(removed)
+            pruned = model(input_ids=ids).logits
+            hooks.remove_heads([])
+            restored = model(input_ids=ids).logits
+        finally:
+            hooks.close()
+        expected = zeroed_heads_copy(model, removed, heads)(input_ids=ids).logits
+    torch.testing.assert_close(pruned, expected, rtol=1e-5, atol=1e-5)
+    assert (pruned - full).abs().max() > 1e-4  # the heads did something: the check can fail
+    torch.testing.assert_close(restored, full, rtol=0, atol=0)
+
+
+def mean_next_token_loss(model, windows: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(input_ids=windows).logits.double()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item()
+
+
+def test_heads_that_add_nothing_go_first_and_cost_nothing(documents, tmp_path):
+    """Worked example of UAT's reading of pruning: three heads whose W_O is zero have no term; smallest-first
+    removes them first and the loss does not move, while largest-first's first three heads cost loss. Every
+    point of the curves is the loss of a copy of the model with those heads' W_O columns zeroed."""
+    loaded = tiny("gpt2")
+    silent = [(0, 2), (1, 0), (2, 3)]
+    loaded = LoadedModel(loaded.name, zeroed_heads_copy(loaded.model, silent, 4), loaded.tokenizer)
+    fractions = [0.0, 0.25, 0.5, 1.0]  # 0, 3, 6 and all 12 heads
+    out, ctx = run_job(tmp_path, loaded, documents, fractions=fractions, random_orders=2, seed=7)
+    saved = np.load(tmp_path / "pruning.npz")
+    for layer, head in silent:
+        assert saved["contribution"][layer, head] == 0.0
+    assert sorted(saved["order_smallest_first"][0][:3].tolist()) == sorted(layer * 4 + head for layer, head in silent)
+    assert out.summary["heads_removed"] == [0, 3, 6, 12]
+
+    eval_windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[4:]  # the 4 after the measured ones
+    baseline = mean_next_token_loss(loaded.model, eval_windows)
+    assert out.summary["baseline_loss"] == pytest.approx(baseline, rel=1e-6)
+    curves = {s.labels["order"]: s.y for s in out.series if s.name == "pruned_loss"}
+    assert set(curves) == {"smallest_first", "largest_first", "random"}
+    for order in ("smallest_first", "largest_first"):
+        perm = saved[f"order_{order}"][0]
+        for k, loss in zip([0, 3, 6, 12], curves[order]):
+            removed = [divmod(int(i), 4) for i in perm[:k]]
+            assert loss == pytest.approx(mean_next_token_loss(zeroed_heads_copy(loaded.model, removed, 4),
+                                                              eval_windows), rel=1e-6), (order, k)
+    assert curves["smallest_first"][1] == pytest.approx(baseline, rel=1e-6)
+    assert curves["largest_first"][1] > baseline * 1.001
+    assert out.summary["prunable_fraction"]["smallest_first"] >= 0.25
+    draws = [s for s in out.series if s.name == "pruned_loss.random_draw"]
+    assert len(draws) == 2 and np.allclose(np.mean([d.y for d in draws], 0), curves["random"])
+    assert out.summary["loss_all_heads_removed"] == curves["smallest_first"][-1] == curves["random"][-1]
+    # each distinct set of removed heads is evaluated once; progress counts every batch
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total
+    assert {"pruning.png", "head_contributions.png", "pruning.npz"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_random_orders_follow_the_seed(documents, tmp_path):
+    loaded = tiny("llama")
+    run_job(tmp_path / "a", loaded, documents, orders=["random"], random_orders=3, seed=1, fractions=[0.5])
+    run_job(tmp_path / "b", loaded, documents, orders=["random"], random_orders=3, seed=1, fractions=[0.5])
+    run_job(tmp_path / "c", loaded, documents, orders=["random"], random_orders=3, seed=2, fractions=[0.5])
+    a, b, c = (np.load(tmp_path / x / "pruning.npz")["order_random"] for x in "abc")
+    assert a.shape == (3, 12) and (a == b).all() and not (a == c).all()
+    assert all(sorted(row) == list(range(12)) for row in a)  # each a permutation of the 12 heads
+
+
+@pytest.mark.parametrize("fractions, said", [([0.5, 0.2], "increasing order"), ([0.0, 1.5], "outside"),
+                                             ([], "at least 1")])
+def test_fractions_are_checked(fractions, said):
+    with pytest.raises(ValueError, match=said):
+        PruningParams(model="m", dataset="d", fractions=fractions)
+
+
+def test_a_dataset_of_few_windows_is_split_between_measuring_and_evaluating(tmp_path):
+    loaded = tiny("gpt2")
+    text = ["a few words of text that make some tokens " * 6]
+    available = len(token_windows(loaded.tokenizer, text, SEQ_LEN, None))
+    assert 2 < available < 40
+    out, _ = run_job(tmp_path, loaded, text, num_segments=30, eval_segments=10)
+    s = out.summary
+    assert s["windows_measured"] + s["windows_evaluated"] == available
+    assert s["windows_measured"] == round(available * 30 / 40) and s["windows_evaluated"] >= 1
+    with pytest.raises(pruning.JobFailed, match="one window"):
+        run_job(tmp_path, loaded, ["too short " * 3])
+
+
+def test_the_job_through_the_service(service):
+    """Submitted over HTTP, run by the embedded worker: summary, series, plots, progress, a bad parameter's 422."""
+    client, worker, _ = service
+    r = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-llama", "dataset": "wikitext-2",
+                                                                    "seq_len": 32, "num_segments": 3,
+                                                                    "eval_segments": 3, "fractions": [0, 0.5, 1]}})
+    assert r.status_code == 202, r.get_json()
+    job_id = r.get_json()["id"]
+    assert worker.run_once()
+    job = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert job["status"] == "succeeded", job["error"]
+    assert job["progress"]["done"] == job["progress"]["total"]
+    assert job["environment"]["kernel_backend"].startswith("transformers-")
+    s = job["summary"]
+    assert s["tokens_evaluated"] == 3 * 32 and set(s["prunable_fraction"]) == {"smallest_first", "largest_first", "random"}
+    series = client.get(f"/v1/jobs/{job_id}/results?series=pruned_loss").get_json()["series"]
+    assert {x["labels"]["order"] for x in series} == {"smallest_first", "largest_first", "random"}
+    assert all(x["y"][0] == pytest.approx(s["baseline_loss"]) for x in series)
+    names = {a["name"] for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
+    assert {"pruning.png", "head_contributions.png", "pruning.npz"} <= names
+
+    bad = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-llama", "dataset": "wikitext-2",
+                                                                      "fractions": [0.5, 0.1]}})
+    assert bad.status_code == 422 and "increasing order" in bad.get_data(as_text=True)
+    long = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-gpt2", "dataset": "wikitext-2",
+                                                                       "seq_len": 100_000}})
+    assert long.status_code == 422 and "seq_len" in long.get_data(as_text=True)
