@@ -116,6 +116,35 @@ def test_a_sweep_goes_with_its_grid_points(api):
     assert api.client.get(f"/v1/jobs?parent={sweep}", headers=ann).get_json()["items"] == []
 
 
+def test_of_deletes_at_once_one_deletes_and_the_others_answer_410(api):
+    """Four DELETEs of one job in four threads (each its own request and database session): the job is deleted
+    once, its files counted once, and every other answer says it was deleted."""
+    import threading
+
+    ann = api.user("ann")
+    job = api.submit(ann).get_json()["id"]
+    api.set_job(job, status="succeeded")
+    add_results(api, job, {"plot.png": bytes(700)})
+    start, answers = threading.Barrier(4), []
+
+    def delete_once():
+        client = api.client.application.test_client()
+        start.wait()
+        r = client.delete(f"/v1/jobs/{job}", headers=ann)
+        answers.append((r.status_code, r.get_json()))
+
+    threads = [threading.Thread(target=delete_once) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    codes = sorted(code for code, _ in answers)
+    assert codes == [200, 410, 410, 410], answers
+    assert next(body for code, body in answers if code == 200) == {"id": job, "deleted": [job], "freed_bytes": 700}
+    assert all(body["type"].endswith("job-deleted") for code, body in answers if code == 410)
+    assert rows_of(api, Series, [job]) == 0 and not api.settings.job_dir(job).exists()
+
+
 def test_files_a_delete_could_not_remove_go_when_the_api_next_starts(api, make_api, monkeypatch):
     import shutil
 
