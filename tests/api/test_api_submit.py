@@ -760,7 +760,7 @@ def test_unknown_fields_suggest_the_intended_name(api):
     # ... unless it is a near miss of this kind's own field: both said
     body = is_problem(api.submit(h, kind="sweep", params={"seed": 1}), 422, "validation-error")
     assert body["errors"][0]["msg"] == ("unknown field; did you mean 'seeds'? ('seed' is a field of 'entropy' / "
-                                        "'norms' / 'train')")
+                                        "'norms' / 'pruning' / 'train')")
 
 
 def test_value_errors_read_without_pydantics_prefix(api):
