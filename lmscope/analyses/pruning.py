@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -97,17 +98,19 @@ class HeadHooks:
         self.heads = heads
         self.grams = [(lambda w: torch.einsum("hod,hoe->hde", w, w))(head_weights(p, heads)) for p in self.projections]
         self.sums: list[torch.Tensor] | None = None  # per layer [H] float64 while measuring
+        self.calls = [0] * len(blocks)  # forward calls seen per layer while measuring
         self.masks: list[torch.Tensor | None] = [None] * len(blocks)  # per layer [H] 0/1 while pruning
         self.handles = [p.register_forward_pre_hook(self._hook(i)) for i, p in enumerate(self.projections)]
 
     def _hook(self, layer: int):
         def hook(module, args):
             z = args[0]
-            per_head = z.view(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
+            per_head = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
             if self.sums is not None:
                 zf = per_head.float()
-                sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer], zf)
-                self.sums[layer] += sq.clamp_min(0).sqrt().sum((0, 1)).double()
+                sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer].to(zf.device), zf)
+                self.sums[layer] += sq.clamp_min(0).sqrt().sum((0, 1)).double().to(self.sums[layer].device)
+                self.calls[layer] += 1
             mask = self.masks[layer]
             if mask is not None:
                 return ((per_head * mask.to(z.dtype)[:, None]).view_as(z),) + tuple(args[1:])
@@ -133,16 +136,25 @@ def measure_terms(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: in
     """Sum ‖o_{l,h,t}‖ and ‖h_{l,t}‖ over every token of the windows."""
     layers, device = len(hooks.projections), next(model.parameters()).device
     hooks.sums = [torch.zeros(hooks.heads, dtype=torch.float64, device=device) for _ in range(layers)]
+    hooks.calls = [0] * layers
     residual = torch.zeros(layers, dtype=torch.float64, device=device)
+    passes = 0
     try:
         for start in range(0, len(windows), batch_size):
             ids = windows[start:start + batch_size].to(device)
             hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            residual += torch.stack([h.float().norm(dim=-1).sum().double() for h in hidden[:layers]])
+            # a model split over devices keeps each layer's states on its own
+            residual += torch.stack([h.float().norm(dim=-1).sum().double().to(device) for h in hidden[:layers]])
+            passes += 1
             report("measuring the heads' terms")
         term = torch.stack(hooks.sums).cpu().numpy()
     finally:
         hooks.sums = None
+    missed = [layer for layer, n in enumerate(hooks.calls) if n < passes]
+    if missed:  # e.g. BLOOM with pretraining_tp > 1 and slow_but_exact calls F.linear on slices of the weight
+        raise JobFailed(f"the attention output projection of layer(s) {', '.join(map(str, missed))} was not called as a "
+                        f"module ({type(hooks.projections[missed[0]]).__name__}); the pruning job reads and removes "
+                        "heads there and cannot measure this model")
     return HeadTerms(term, residual.cpu().numpy(), int(windows.numel()))
 
 
@@ -173,8 +185,9 @@ def removal_orders(contribution: np.ndarray, params: PruningParams) -> dict[str,
 
 
 def head_counts(fractions: list[float], total: int) -> list[int]:
-    """Whole heads removed at each share (half up), each count once."""
-    return sorted({int(math.floor(f * total + 0.5)) for f in fractions})
+    """Whole heads removed at each share (half up, on the decimal as written: 0.7 × 45 is 31.5 → 32, where
+    float arithmetic gives 31.4999…), each count once."""
+    return sorted({math.floor(Fraction(str(f)) * total + Fraction(1, 2)) for f in fractions})
 
 
 def prunable_fraction(counts: list[int], losses: list[float], baseline: float, tolerance: float, total: int) -> float:
@@ -295,11 +308,11 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
         "windows_measured": measured,
         "windows_evaluated": evaluated,
         "tokens_measured": terms.tokens,
-        "tokens_evaluated": evaluated * params.seq_len,
+        "tokens_evaluated": evaluated * (params.seq_len - 1),  # predicted tokens: each window's all but the first
         "baseline_loss": baseline,
         "baseline_perplexity": math.exp(min(baseline, 700.0)),
         "smallest_heads": named(by_size[:NAMED_HEADS]),
-        "largest_heads": named(by_size[::-1][:NAMED_HEADS]),
+        "largest_heads": named(np.argsort(-contribution.ravel(), kind="stable")[:NAMED_HEADS]),  # as largest_first
         "contribution_by_layer": contribution.mean(1).tolist(),
         "heads_removed": counts,
         # the mean over the grid of loss / baseline − 1: one number per order to compare them by

@@ -189,6 +189,31 @@ def test_heads_that_add_nothing_go_first_and_cost_nothing(documents, tmp_path):
     assert {"pruning.png", "head_contributions.png", "pruning.npz"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def test_head_counts_round_the_written_share_half_up():
+    assert pruning.head_counts([0.7], 45) == [32]  # 31.5 → 32 (as a float product 31.4999…)
+    assert pruning.head_counts([0.0, 0.1, 0.12, 0.5, 1.0], 16) == [0, 2, 8, 16]  # 1.6 and 1.92 are both 2: once
+    assert pruning.head_counts([0.25], 6) == [2]  # 1.5 → 2
+
+
+def test_prunable_fraction_stops_at_the_first_point_past_the_tolerance():
+    counts, baseline = [0, 2, 4, 6, 8], 2.0
+    assert pruning.prunable_fraction(counts, [2.0, 2.01, 2.03, 2.0, 2.5], baseline, 0.01, 8) == 0.25  # 2.03 > 2.02
+    assert pruning.prunable_fraction(counts, [2.0, 2.0, 2.0, 2.0, 2.02], baseline, 0.01, 8) == 1.0
+    assert pruning.prunable_fraction([2, 4], [2.5, 2.0], baseline, 0.01, 8) == 0.0  # the first point already past
+
+
+def test_a_projection_the_model_does_not_call_as_a_module_fails_the_job(documents, tmp_path):
+    """A model that applies its output projection's weight itself would give zero terms and no removal."""
+    loaded = tiny("gpt2")
+    attn = loaded.model.transformer.h[1].attn
+    weight, bias = attn.c_proj.weight, attn.c_proj.bias
+    # a module whose call skips torch's hook machinery, as a model applying the weight itself would
+    attn.c_proj = type("Bypassed", (torch.nn.Module,), {"__call__": lambda self, x: x @ self.weight + self.bias})()
+    attn.c_proj.weight, attn.c_proj.bias = weight, bias
+    with pytest.raises(pruning.JobFailed, match=r"layer\(s\) 1 was not called as a module"):
+        run_job(tmp_path, loaded, documents)
+
+
 def test_random_orders_follow_the_seed(documents, tmp_path):
     loaded = tiny("llama")
     run_job(tmp_path / "a", loaded, documents, orders=["random"], random_orders=3, seed=1, fractions=[0.5])
@@ -233,7 +258,7 @@ def test_the_job_through_the_service(service):
     assert job["progress"]["done"] == job["progress"]["total"]
     assert job["environment"]["kernel_backend"].startswith("transformers-")
     s = job["summary"]
-    assert s["tokens_evaluated"] == 3 * 32 and set(s["prunable_fraction"]) == {"smallest_first", "largest_first", "random"}
+    assert s["tokens_evaluated"] == 3 * 31 and set(s["prunable_fraction"]) == {"smallest_first", "largest_first", "random"}
     series = client.get(f"/v1/jobs/{job_id}/results?series=pruned_loss").get_json()["series"]
     assert {x["labels"]["order"] for x in series} == {"smallest_first", "largest_first", "random"}
     assert all(x["y"][0] == pytest.approx(s["baseline_loss"]) for x in series)
