@@ -18,6 +18,11 @@ little can be dropped without changing the function much. This job measures ever
 
 If the small terms matter little, the smallest-first curve stays near the unpruned loss far longer than
 the random and largest-first ones.
+
+3. Optionally (`single_head_ablation`), remove each head alone on the measured windows: its loss increase
+   Δ_{l,h} is the direct measure of what the head does for the model, c the proxy UAT suggests. Their
+   Spearman rank correlation says how far the proxy ranks like the direct measure, and the order
+   `least_harm_first` (smallest Δ first) is the greedy one-at-a-time ranking to compare smallest-first with.
 """
 
 from __future__ import annotations
@@ -73,11 +78,13 @@ def head_weights(projection, heads: int) -> torch.Tensor:
 
 @dataclass
 class HeadTerms:
-    """Sums over the measured tokens: ‖o_{l,h,t}‖ per head, ‖h_{l,t}‖ per layer, and the token count."""
+    """Sums over the measured tokens: ‖o_{l,h,t}‖ per head, ‖h_{l,t}‖ per layer, the token count, and the
+    unpruned model's mean next-token loss on those windows."""
 
     term_norm: np.ndarray  # [L, H] float64
     residual_norm: np.ndarray  # [L] float64
     tokens: int
+    loss: float
 
     @property
     def contribution(self) -> np.ndarray:
@@ -91,16 +98,34 @@ class HeadTerms:
 
 
 class HeadHooks:
-    """Pre-hooks on every block's output projection: measure the heads' terms, or remove heads."""
+    """Pre-hooks on every block's output projection: measure the heads' terms, or remove heads; and on every
+    block, to sum the norms of the residual stream entering it while measuring."""
 
     def __init__(self, blocks, heads: int):
         self.projections = [output_projection(b) for b in blocks]
         self.heads = heads
         self.grams = [(lambda w: torch.einsum("hod,hoe->hde", w, w))(head_weights(p, heads)) for p in self.projections]
         self.sums: list[torch.Tensor] | None = None  # per layer [H] float64 while measuring
+        self.residual: list[torch.Tensor] | None = None  # per layer [] float64 while measuring
         self.calls = [0] * len(blocks)  # forward calls seen per layer while measuring
         self.masks: list[torch.Tensor | None] = [None] * len(blocks)  # per layer [H] 0/1 while pruning
         self.handles = [p.register_forward_pre_hook(self._hook(i)) for i, p in enumerate(self.projections)]
+        # the block's input, not output_hidden_states: no L + 1 [batch, seq_len, D] tensors kept per pass
+        self.handles += [b.register_forward_pre_hook(self._residual_hook(i), with_kwargs=True)
+                         for i, b in enumerate(blocks)]
+
+    def _residual_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            if self.residual is None:
+                return None
+            h = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(h, torch.Tensor):
+                raise JobFailed(f"block {layer} ({type(module).__name__}) was called without its hidden states as "
+                                "the first argument or `hidden_states`; the pruning job cannot measure the residual "
+                                "stream of this model")
+            self.residual[layer] += h.float().norm(dim=-1).sum().double().to(self.residual[layer].device)
+            return None
+        return hook
 
     def _hook(self, layer: int):
         def hook(module, args):
@@ -132,52 +157,99 @@ class HeadHooks:
             h.remove()
 
 
+def next_token_loss_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ over every predicted position of the next-token cross-entropy, from float32 logits (float64 sum)."""
+    logits = logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
+
+
+@torch.no_grad()
 def measure_terms(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int, report) -> HeadTerms:
-    """Sum ‖o_{l,h,t}‖ and ‖h_{l,t}‖ over every token of the windows."""
+    """Sum ‖o_{l,h,t}‖ and ‖h_{l,t}‖ over every token of the windows, and the unpruned model's loss there."""
     layers, device = len(hooks.projections), next(model.parameters()).device
-    hooks.sums = [torch.zeros(hooks.heads, dtype=torch.float64, device=device) for _ in range(layers)]
+    # a model split over devices keeps each layer's sums on its own
+    hooks.sums = [torch.zeros(hooks.heads, dtype=torch.float64, device=p.weight.device) for p in hooks.projections]
+    hooks.residual = [torch.zeros((), dtype=torch.float64, device=p.weight.device) for p in hooks.projections]
     hooks.calls = [0] * layers
-    residual = torch.zeros(layers, dtype=torch.float64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     passes = 0
     try:
         for start in range(0, len(windows), batch_size):
             ids = windows[start:start + batch_size].to(device)
-            hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            # a model split over devices keeps each layer's states on its own
-            residual += torch.stack([h.float().norm(dim=-1).sum().double().to(device) for h in hidden[:layers]])
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss += next_token_loss_sum(logits, ids.to(logits.device)).to(device)
             passes += 1
             report("measuring the heads' terms")
-        term = torch.stack(hooks.sums).cpu().numpy()
+        term = torch.stack([s.cpu() for s in hooks.sums]).numpy()
+        residual = torch.stack([r.cpu() for r in hooks.residual]).numpy()
     finally:
-        hooks.sums = None
+        hooks.sums = hooks.residual = None
     missed = [layer for layer, n in enumerate(hooks.calls) if n < passes]
     if missed:  # e.g. BLOOM with pretraining_tp > 1 and slow_but_exact calls F.linear on slices of the weight
         raise JobFailed(f"the attention output projection of layer(s) {', '.join(map(str, missed))} was not called as a "
                         f"module ({type(hooks.projections[missed[0]]).__name__}); the pruning job reads and removes "
                         "heads there and cannot measure this model")
-    return HeadTerms(term, residual.cpu().numpy(), int(windows.numel()))
+    return HeadTerms(term, residual, int(windows.numel()), float(loss) / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
-def mean_loss(model, windows: torch.Tensor, batch_size: int, report) -> float:
+@torch.no_grad()
+def mean_loss(model, windows: torch.Tensor, batch_size: int, report, stage: str = "evaluating pruned models") -> float:
     """Mean next-token cross-entropy (nats) over every position of the windows, logits in float32."""
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(windows), batch_size):
         ids = windows[start:start + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
-        report("evaluating pruned models")
+        logits = model(input_ids=ids, use_cache=False).logits
+        total += next_token_loss_sum(logits, ids.to(logits.device)).to(device)
+        report(stage)
     return float(total) / (windows.shape[0] * (windows.shape[1] - 1))
 
 
-def removal_orders(contribution: np.ndarray, params: PruningParams) -> dict[str, list[np.ndarray]]:
-    """Per order, the flat head indices (layer · H + head) in the order they are removed; ties by index."""
+@torch.no_grad()
+def single_head_losses(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int, report) -> np.ndarray:
+    """[L, H]: the mean loss on the windows with only that head removed."""
+    layers = len(hooks.projections)
+    losses = np.empty((layers, hooks.heads))
+    try:
+        for layer in range(layers):
+            for head in range(hooks.heads):
+                hooks.remove_heads([(layer, head)])
+                losses[layer, head] = mean_loss(model, windows, batch_size, report, "removing each head alone")
+    finally:
+        hooks.remove_heads([])
+    return losses
+
+
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1 … n, tied values sharing the mean of their ranks."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(1, len(values) + 1)
+    _, groups = np.unique(values, return_inverse=True)
+    sums, counts = np.bincount(groups, ranks), np.bincount(groups)
+    return (sums / counts)[groups]
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Spearman's ρ: the Pearson correlation of the average ranks; None when either side is constant."""
+    ra, rb = average_ranks(np.ravel(a)), average_ranks(np.ravel(b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum()))
+    return float((ra * rb).sum() / denominator) if denominator > 0 else None
+
+
+def removal_orders(contribution: np.ndarray, params: PruningParams,
+                   harm: np.ndarray | None = None) -> dict[str, list[np.ndarray]]:
+    """Per order, the flat head indices (layer · H + head) in the order they are removed; ties by index.
+    `harm`: each head's single-head loss increase, for least_harm_first."""
     flat = contribution.ravel()
     orders: dict[str, list[np.ndarray]] = {}
     if "smallest_first" in params.orders:
         orders["smallest_first"] = [np.argsort(flat, kind="stable")]
     if "largest_first" in params.orders:
         orders["largest_first"] = [np.argsort(-flat, kind="stable")]
+    if "least_harm_first" in params.orders:
+        orders["least_harm_first"] = [np.argsort(harm.ravel(), kind="stable")]
     if "random" in params.orders:
         rng = np.random.default_rng(params.seed)
         orders["random"] = [rng.permutation(flat.size) for _ in range(params.random_orders)]
@@ -230,12 +302,13 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
     # the distinct sets of removed heads are known once the terms are measured: until then, at most
     inner = [k for k in counts if 0 < k < total]
     planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
+    ablation_batches = total * measure_batches if params.single_head_ablation else 0
     done = 0
 
     def report(stage: str) -> None:
         nonlocal done
         done += 1
-        ctx.progress(done, measure_batches + planned * eval_batches, stage)
+        ctx.progress(done, measure_batches + ablation_batches + planned * eval_batches, stage)
 
     ctx.record("kernel_backend", own_attention(model))
     hooks = HeadHooks(model_parts(model).blocks, heads)
@@ -245,7 +318,11 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         if not np.isfinite(terms.term_norm).all() or not np.isfinite(terms.residual_norm).all():
             raise JobFailed(f"{params.model}'s states reach inf or NaN in {params.dtype}: {overflow_advice(params.dtype)}")
         contribution = terms.contribution
-        orders = removal_orders(contribution, params)
+        harm = None
+        if params.single_head_ablation:
+            with ctx.stage("ablate"):  # on the measured windows: the evaluation windows stay unseen by every ranking
+                harm = single_head_losses(model, hooks, measure_windows, params.batch_size, report) - terms.loss
+        orders = removal_orders(contribution, params, harm)
         # each distinct set of removed heads is evaluated once (k = 0 and k = all are every order's)
         plan: dict[frozenset, None] = {frozenset(): None}
         for perms in orders.values():
@@ -261,20 +338,22 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
     finally:
         hooks.close()
     baseline = losses[frozenset()]
-    if not all(math.isfinite(v) for v in losses.values()):
+    if not all(math.isfinite(v) for v in losses.values()) or (harm is not None and not np.isfinite(harm).all()):
         raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once heads are removed: "
                         f"{overflow_advice(params.dtype)}")
     curves = {order: np.array([[losses[frozenset(p[:k].tolist())] for k in counts] for p in perms])
               for order, perms in orders.items()}  # [draws, K]
 
     with ctx.stage("write"):
-        output = _output(params, loaded.info, terms, counts, curves, baseline, len(measure_windows), len(eval_windows))
+        output = _output(params, loaded.info, terms, counts, curves, baseline, len(measure_windows), len(eval_windows),
+                         harm)
+        ablation = {} if harm is None else {"single_head_loss_increase": harm, "measured_loss": terms.loss}
         np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
                             term_norm_mean=terms.term_norm / terms.tokens,
                             residual_norm_mean=terms.residual_norm / terms.tokens,
                             heads_removed=np.array(counts), baseline_loss=baseline,
                             **{f"loss_{o}": c for o, c in curves.items()},
-                            **{f"order_{o}": np.stack(orders[o]) for o in orders})
+                            **{f"order_{o}": np.stack(orders[o]) for o in orders}, **ablation)
         from lmscope.analyses import pruning_plots
 
         source = f"{params.model} on {params.dataset}"
@@ -282,11 +361,15 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
                                     len(measure_windows) * params.seq_len)
         pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, curves, baseline,
                                      params.tolerance, source, len(eval_windows) * params.seq_len)
+        if harm is not None:
+            pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
+                                                        harm, output.summary["single_head"]["rank_correlation"],
+                                                        source, len(measure_windows) * (params.seq_len - 1))
     return output
 
 
 def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
-            baseline: float, measured: int, evaluated: int) -> JobOutput:
+            baseline: float, measured: int, evaluated: int, harm: np.ndarray | None = None) -> JobOutput:
     contribution = terms.contribution
     layers, heads = contribution.shape
     total = layers * heads
@@ -321,6 +404,15 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
                               for o, c in mean_curve.items()},
         "tolerance": params.tolerance,
     }
+    if harm is not None:
+        worst = np.argsort(-harm.ravel(), kind="stable")[:NAMED_HEADS]
+        summary["single_head"] = {
+            "measured_loss": terms.loss,  # the unpruned loss on the measured windows, which Δ is taken against
+            "rank_correlation": rank_correlation(contribution, harm),  # Spearman's ρ between c and Δ
+            "most_harmful_heads": [dict(h, loss_increase=float(harm.ravel()[i])) for h, i in zip(named(worst), worst)],
+            "heads_within_tolerance": int((harm <= params.tolerance * terms.loss).sum()),
+            "max_loss_increase": float(harm.max()),
+        }
     if total in counts:
         summary["loss_all_heads_removed"] = float(next(iter(curves.values()))[0, counts.index(total)])
     series = [Series("head_contribution", list(range(heads)), contribution[layer].tolist(), {"layer": layer})
@@ -328,6 +420,9 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
     series += [Series("head_share", list(range(heads)), terms.share[layer].tolist(), {"layer": layer})
                for layer in range(layers)]
     series += [Series("pruned_loss", shares, c.tolist(), {"order": o}) for o, c in mean_curve.items()]
+    if harm is not None:
+        series += [Series("single_head_loss_increase", list(range(heads)), harm[layer].tolist(), {"layer": layer})
+                   for layer in range(layers)]
     if "random" in curves:
         series += [Series("pruned_loss.random_draw", shares, row.tolist(), {"draw": i})
                    for i, row in enumerate(curves["random"])]

@@ -10,7 +10,8 @@ from lmscope.analyses.plotting import pyplot, save, sparse_ticks
 
 ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "largest_first": ("largest term first", "tab:red"),
-               "random": ("random order", "tab:gray")}
+               "random": ("random order", "tab:gray"),
+               "least_harm_first": ("least single-head harm first", "tab:blue")}
 
 
 def contributions(path: Path, contribution: np.ndarray, source: str, tokens: int) -> None:
@@ -53,4 +54,30 @@ def pruning_curves(path: Path, counts: list[int], total: int, curves: dict[str, 
     ax.set_title(f"removing attention heads, {source}\nloss on {tokens:,} tokens not used to rank the heads",
                  fontsize=10)
     ax.legend(fontsize=8)
+    save(fig, path)
+
+
+def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np.ndarray, rho: float | None,
+                                  source: str, tokens: int) -> None:
+    """Each head's measured term c against the loss its removal alone costs, coloured by layer."""
+    plt = pyplot()
+    layers, heads = contribution.shape
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    for layer in range(layers):
+        ax.scatter(contribution[layer], harm[layer], s=22, color=colours[layer], edgecolors="none",
+                   label=f"layer {layer}" if layers <= 12 else None)
+    if layers * heads <= 64:
+        for (layer, head), c in np.ndenumerate(contribution):
+            ax.annotate(f"{layer}.{head}", (c, harm[layer, head]), fontsize=6, xytext=(2, 2),
+                        textcoords="offset points")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set(xlabel="c = E‖head term‖ / E‖residual stream‖", ylabel="loss increase with only this head removed (nats)")
+    said = "n/a" if rho is None else f"{rho:.2f}"
+    ax.set_title(f"measured term against single-head ablation, {source}\n"
+                 f"Spearman ρ = {said} over {layers * heads} heads, {tokens:,} predicted tokens", fontsize=10)
+    if layers <= 12:
+        ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+    if layers > 12:
+        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=ax, label="layer")
     save(fig, path)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmscope.params.base import BosPerWindow, DType, JobParams, Seed
 
 DEFAULT_SEQ_LEN = 256
-ORDERS = ("smallest_first", "largest_first", "random")
-Order = Literal["smallest_first", "largest_first", "random"]
+ORDERS = ("smallest_first", "largest_first", "random")  # the default; least_harm_first needs single_head_ablation
+Order = Literal["smallest_first", "largest_first", "random", "least_harm_first"]
 
 
 class PruningParams(JobParams):
@@ -34,12 +34,17 @@ class PruningParams(JobParams):
     fractions: list[float] = Field(
         [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], min_length=1, max_length=101,
         description="shares of all layers × heads removed at each point, rounded to whole heads; increasing")
-    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=3,
+    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=4,
                                 description="in which order heads are removed: smallest_first (the smallest "
-                                            "measured term first), largest_first, random")
+                                            "measured term first), largest_first, random, least_harm_first (the "
+                                            "smallest single-head loss increase first; needs single_head_ablation)")
     random_orders: int = Field(3, ge=1, le=100, description="random orders drawn (from seed) when orders has random")
     tolerance: float = Field(0.01, gt=0, le=10, description="a relative loss increase up to this counts as harmless "
                                                            "in the summary's prunable fraction")
+    single_head_ablation: bool = Field(
+        False, description="also remove each head alone on the measured windows (layers × heads more passes over "
+                           "them): its loss increase, the rank correlation with the measured terms, and the order "
+                           "least_harm_first")
     batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
     dtype: DType = "float32"
     bos_per_window: BosPerWindow = False
@@ -61,6 +66,13 @@ class PruningParams(JobParams):
         if len(set(orders)) != len(orders):
             raise ValueError("'orders' lists an order twice; give each once")
         return orders
+
+    @model_validator(mode="after")
+    def _ablation_for_least_harm(self) -> "PruningParams":
+        if "least_harm_first" in self.orders and not self.single_head_ablation:
+            raise ValueError("the order least_harm_first ranks heads by removing each alone: set "
+                             "single_head_ablation to true, or drop least_harm_first from orders")
+        return self
 
     def model_refs(self) -> list[str]:
         return [self.model]

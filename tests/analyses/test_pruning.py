@@ -145,6 +145,26 @@ def test_removing_heads_is_zeroing_their_columns_of_the_output_projection(arch):
     torch.testing.assert_close(restored, full, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_the_measured_residual_stream_is_what_enters_each_block(arch):
+    """Every supported architecture: the block pre-hooks sum the norms of the model's own hidden states
+    h_0 … h_{L−1} (output_hidden_states), and the measuring pass's loss is the model's next-token loss."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    ids = torch.randint(0, 250, (3, 10))
+    hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, model.config.num_attention_heads)
+    try:
+        terms = pruning.measure_terms(model, hooks, ids, 2, lambda stage: None)
+    finally:
+        hooks.close()
+    with torch.no_grad():
+        run = model(input_ids=ids, output_hidden_states=True)
+    layers = len(hooks.projections)
+    expected = [h.double().norm(dim=-1).sum().item() for h in run.hidden_states[:layers]]
+    np.testing.assert_allclose(terms.residual_norm, expected, rtol=1e-5)
+    assert terms.loss == pytest.approx(mean_next_token_loss(model, ids), rel=1e-5)
+
+
 def mean_next_token_loss(model, windows: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(input_ids=windows).logits.double()
@@ -271,3 +291,61 @@ def test_the_job_through_the_service(service):
     long = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-gpt2", "dataset": "wikitext-2",
                                                                        "seq_len": 100_000}})
     assert long.status_code == 422 and "seq_len" in long.get_data(as_text=True)
+    harm = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-gpt2", "dataset": "wikitext-2",
+                                                                       "orders": ["least_harm_first"]}})
+    assert harm.status_code == 422 and "single_head_ablation" in harm.get_data(as_text=True)
+    assert len(client.get("/v1/jobs?kind=pruning").get_json()["items"]) == 1  # the refused ones left nothing behind
+
+
+def test_single_head_ablation_is_each_head_alone_removed(documents, tmp_path):
+    """Δ_{l,h} is the float64 loss, on the measured windows, of a copy with only that head's W_O columns zeroed,
+    minus the unpruned loss there; heads with no term cost exactly nothing and go first in least_harm_first, whose
+    curve is checked against zeroed copies too."""
+    loaded = tiny("gpt2")
+    silent = [(0, 2), (1, 0), (2, 3)]
+    loaded = LoadedModel(loaded.name, zeroed_heads_copy(loaded.model, silent, 4), loaded.tokenizer)
+    out, ctx = run_job(tmp_path, loaded, documents, fractions=[0.0, 0.25, 0.5], single_head_ablation=True,
+                       orders=["smallest_first", "least_harm_first"])
+    saved = np.load(tmp_path / "pruning.npz")
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)
+    measured, evaluated = windows[:4], windows[4:]
+    unpruned = mean_next_token_loss(loaded.model, measured)
+    expected = np.array([[mean_next_token_loss(zeroed_heads_copy(loaded.model, [(layer, head)], 4), measured) - unpruned
+                          for head in range(4)] for layer in range(3)])
+    np.testing.assert_allclose(saved["single_head_loss_increase"], expected, rtol=1e-4, atol=1e-6)
+    for layer, head in silent:
+        assert saved["single_head_loss_increase"][layer, head] == 0.0
+    assert np.abs(expected).max() > 1e-3  # the other heads do cost (or gain) loss: the check can fail
+    single = out.summary["single_head"]
+    assert single["measured_loss"] == pytest.approx(unpruned, rel=1e-6)
+    assert single["rank_correlation"] == pytest.approx(pruning.rank_correlation(saved["contribution"], expected))
+    worst = np.unravel_index(expected.argmax(), expected.shape)
+    assert (single["most_harmful_heads"][0]["layer"], single["most_harmful_heads"][0]["head"]) == worst
+    assert single["heads_within_tolerance"] == int((expected <= 0.01 * unpruned).sum())
+
+    perm = saved["order_least_harm_first"][0]
+    assert perm.tolist() == np.argsort(expected.ravel(), kind="stable").tolist()
+    curve = next(s.y for s in out.series if s.name == "pruned_loss" and s.labels["order"] == "least_harm_first")
+    for k, loss in zip([0, 3, 6], curve):
+        removed = [divmod(int(i), 4) for i in perm[:k]]
+        assert loss == pytest.approx(mean_next_token_loss(zeroed_heads_copy(loaded.model, removed, 4), evaluated),
+                                     rel=1e-6)
+    by_layer = {s.labels["layer"]: s.y for s in out.series if s.name == "single_head_loss_increase"}
+    np.testing.assert_allclose([by_layer[layer] for layer in range(3)], expected, rtol=1e-4, atol=1e-6)
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total
+    assert (tmp_path / "contribution_vs_ablation.png").stat().st_size > 0
+
+
+def test_rank_correlation_worked_examples():
+    assert pruning.rank_correlation(np.array([1, 2, 3, 4.]), np.array([1, 3, 2, 4.])) == pytest.approx(0.8)  # 1 − 6·2/60
+    # ties share their mean rank: [1.5, 1.5, 3] against [1, 2, 3] → 1.5 / √(1.5 · 2)
+    assert pruning.rank_correlation(np.array([5, 5, 9.]), np.array([0, 1, 2.])) == pytest.approx(1.5 / np.sqrt(3.0))
+    assert pruning.rank_correlation(np.array([1, 2, 3.]), np.array([30, 20, 10.])) == pytest.approx(-1.0)
+    assert pruning.rank_correlation(np.ones(4), np.arange(4.)) is None  # one side constant: no correlation
+
+
+def test_least_harm_first_needs_the_ablation():
+    with pytest.raises(ValueError, match="set single_head_ablation to true"):
+        PruningParams(model="m", dataset="d", orders=["least_harm_first"])
+    assert PruningParams(model="m", dataset="d", orders=["least_harm_first"], single_head_ablation=True)
