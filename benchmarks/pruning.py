@@ -94,7 +94,7 @@ def main() -> None:
 
     @torch.no_grad()
     def measured():
-        hooks = pruning.HeadHooks(blocks, heads)
+        hooks = pruning.HeadHooks(blocks, heads, model.config)
         try:
             pruning.measure_terms(model, hooks, windows, args.batch_size, count)
         finally:
@@ -103,7 +103,7 @@ def main() -> None:
 
     @torch.no_grad()
     def evaluated():
-        hooks = pruning.HeadHooks(blocks, heads)
+        hooks = pruning.HeadHooks(blocks, heads, model.config)
         try:
             hooks.remove_heads(half)
             pruning.mean_loss(model, windows, args.batch_size, count)

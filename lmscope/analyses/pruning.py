@@ -11,7 +11,10 @@ little can be dropped without changing the function much. This job measures ever
 1. Measure, on `num_segments` windows: the size of each head's term relative to the residual stream
    it is added to,  c_{l,h} = E_t ‖o_{l,h,t}‖ / E_t ‖h_{l,t}‖  (h_l: the stream entering block l).
    ‖o_{h,t}‖ comes from the output projection's input z_h (the head's A_h V_h): ‖z_h W_O^hᵀ‖² = z_h G_h z_hᵀ
-   with G_h = W_O^hᵀ W_O^h, which costs d² per head and token instead of d·D.
+   with G_h = W_O^hᵀ W_O^h, which costs d² per head and token instead of d·D. Where the block transforms
+   the attention output y before adding it (an RMS norm: g ⊙ y · s_t with s_t = 1/rms(y_t); Granite's
+   residual_multiplier m), the transform is one per-token linear map shared by the heads, so the head's
+   share of what reaches the stream is g ⊙ o_{h,t} · s_t exactly: G_h = W_O^hᵀ diag(g²) W_O^h, times s_t².
 2. Remove heads, by zeroing their z_h (the term goes, b_O stays: Michel et al.'s head mask), in three
    orders over all layers × heads: smallest c first, largest first, and random (seeded); at each share in
    `fractions` evaluate the mean next-token loss on `eval_segments` other windows.
@@ -49,6 +52,14 @@ OUTPUT_PROJECTIONS = ("attn.c_proj",            # GPT-2 (Conv1D), GPTBigCode
                       "attention.dense",        # GPT-NeoX
                       "attn.out_proj")          # GPT-J
 NAMED_HEADS = 5  # the smallest and largest heads the summary names
+# Blocks that normalise the attention output before the residual add: model_type → (the norm's name in the
+# block, the gain's offset: Gemma's RMS norms scale by 1 + weight)
+POST_ATTENTION_NORMS = {"gemma2": ("post_attention_layernorm", 1.0),
+                        "gemma3_text": ("post_attention_layernorm", 1.0),
+                        "gemma3": ("post_attention_layernorm", 1.0),
+                        "olmo2": ("post_attention_layernorm", 0.0),
+                        "olmo3": ("post_attention_layernorm", 0.0),
+                        "glm4": ("post_self_attn_layernorm", 0.0)}  # its post_attention_layernorm is the MLP's
 
 
 def output_projection(block) -> torch.nn.Module:
@@ -77,6 +88,41 @@ def head_weights(projection, heads: int) -> torch.Tensor:
 
 
 @dataclass
+class StreamMap:
+    """How a block's attention output y (the output projection's) reaches the residual stream, per token t:
+    y_t ↦ gain ⊙ y_t · multiplier / rms(y_t) with an RMS norm (eps set), else y_t · multiplier."""
+
+    kind: str  # "identity", "post_attention_norm" or "residual_multiplier"
+    gain: torch.Tensor | None = None  # [D] float32
+    eps: float | None = None
+    multiplier: float = 1.0
+
+    def scale(self, y: torch.Tensor) -> torch.Tensor:
+        """[..., 1] float32: the per-token factor s_t (the gain aside)."""
+        y = y.float()
+        s = torch.full_like(y[..., :1], self.multiplier)
+        if self.eps is not None:  # in float32, as the models' RMS norms compute it
+            s = s * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return s
+
+
+def stream_map(block, config) -> StreamMap:
+    """The block's map from attention output to residual stream (identity for pre-norm blocks)."""
+    family = str(getattr(config, "model_type", ""))
+    if family in POST_ATTENTION_NORMS:
+        name, offset = POST_ATTENTION_NORMS[family]
+        norm = getattr(block, name, None)
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        if norm is None or getattr(norm, "weight", None) is None or eps is None:
+            raise JobFailed(f"a {family} block has no RMS norm {name!r} on its attention output, which the pruning "
+                            "job expects there; this transformers version builds the block differently")
+        return StreamMap("post_attention_norm", gain=norm.weight.detach().float() + offset, eps=float(eps))
+    if family.startswith("granite"):
+        return StreamMap("residual_multiplier", multiplier=float(getattr(config, "residual_multiplier", None) or 1.0))
+    return StreamMap("identity")
+
+
+@dataclass
 class HeadTerms:
     """Sums over the measured tokens: ‖o_{l,h,t}‖ per head, ‖h_{l,t}‖ per layer, the token count, and the
     unpruned model's mean next-token loss on those windows."""
@@ -98,18 +144,25 @@ class HeadTerms:
 
 
 class HeadHooks:
-    """Pre-hooks on every block's output projection: measure the heads' terms, or remove heads; and on every
-    block, to sum the norms of the residual stream entering it while measuring."""
+    """Hooks on every block's output projection: measure the heads' terms as they reach the residual stream
+    (forward hook: input and output), or remove heads (pre-hook); and on every block, to sum the norms of the
+    residual stream entering it while measuring."""
 
-    def __init__(self, blocks, heads: int):
+    def __init__(self, blocks, heads: int, config):
         self.projections = [output_projection(b) for b in blocks]
         self.heads = heads
-        self.grams = [(lambda w: torch.einsum("hod,hoe->hde", w, w))(head_weights(p, heads)) for p in self.projections]
+        self.maps = [stream_map(b, config) for b in blocks]
+        self.grams = []  # per layer [H, d, d]: W_O^hᵀ diag(g²) W_O^h
+        for projection, m in zip(self.projections, self.maps):
+            w = head_weights(projection, heads)
+            g2 = torch.ones(w.shape[1]) if m.gain is None else m.gain.cpu() ** 2
+            self.grams.append(torch.einsum("hod,o,hoe->hde", w, g2, w))
         self.sums: list[torch.Tensor] | None = None  # per layer [H] float64 while measuring
         self.residual: list[torch.Tensor] | None = None  # per layer [] float64 while measuring
         self.calls = [0] * len(blocks)  # forward calls seen per layer while measuring
         self.masks: list[torch.Tensor | None] = [None] * len(blocks)  # per layer [H] 0/1 while pruning
         self.handles = [p.register_forward_pre_hook(self._hook(i)) for i, p in enumerate(self.projections)]
+        self.handles += [p.register_forward_hook(self._measure_hook(i)) for i, p in enumerate(self.projections)]
         # the block's input, not output_hidden_states: no L + 1 [batch, seq_len, D] tensors kept per pass
         self.handles += [b.register_forward_pre_hook(self._residual_hook(i), with_kwargs=True)
                          for i, b in enumerate(blocks)]
@@ -127,15 +180,23 @@ class HeadHooks:
             return None
         return hook
 
+    def _measure_hook(self, layer: int):
+        def hook(module, args, output):
+            if self.sums is None:
+                return None
+            z = args[0].float()
+            zf = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
+            sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer].to(zf.device), zf)
+            norms = sq.clamp_min(0).sqrt() * self.maps[layer].scale(output)  # s_t ≥ 0 per token
+            self.sums[layer] += norms.sum((0, 1)).double().to(self.sums[layer].device)
+            self.calls[layer] += 1
+            return None
+        return hook
+
     def _hook(self, layer: int):
         def hook(module, args):
             z = args[0]
             per_head = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
-            if self.sums is not None:
-                zf = per_head.float()
-                sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer].to(zf.device), zf)
-                self.sums[layer] += sq.clamp_min(0).sqrt().sum((0, 1)).double().to(self.sums[layer].device)
-                self.calls[layer] += 1
             mask = self.masks[layer]
             if mask is not None:
                 return ((per_head * mask.to(z.dtype)[:, None]).view_as(z),) + tuple(args[1:])
@@ -311,7 +372,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         ctx.progress(done, measure_batches + ablation_batches + planned * eval_batches, stage)
 
     ctx.record("kernel_backend", own_attention(model))
-    hooks = HeadHooks(model_parts(model).blocks, heads)
+    hooks = HeadHooks(model_parts(model).blocks, heads, config)
     try:
         with ctx.stage("measure"):
             terms = measure_terms(model, hooks, measure_windows, params.batch_size, report)
@@ -346,7 +407,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
 
     with ctx.stage("write"):
         output = _output(params, loaded.info, terms, counts, curves, baseline, len(measure_windows), len(eval_windows),
-                         harm)
+                         harm, hooks.maps[0].kind)
         ablation = {} if harm is None else {"single_head_loss_increase": harm, "measured_loss": terms.loss}
         np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
                             term_norm_mean=terms.term_norm / terms.tokens,
@@ -369,7 +430,8 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
 
 
 def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
-            baseline: float, measured: int, evaluated: int, harm: np.ndarray | None = None) -> JobOutput:
+            baseline: float, measured: int, evaluated: int, harm: np.ndarray | None = None,
+            stream_maps: str = "identity") -> JobOutput:
     contribution = terms.contribution
     layers, heads = contribution.shape
     total = layers * heads
@@ -387,6 +449,8 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
         "layers": layers,
         "heads": heads,
         "kv_heads": info.get("num_kv_heads"),
+        # identity, or how the attention output is transformed before the add (c is measured after it)
+        "stream_map": stream_maps,
         "seq_len": params.seq_len,
         "windows_measured": measured,
         "windows_evaluated": evaluated,

@@ -131,7 +131,7 @@ def test_removing_heads_is_zeroing_their_columns_of_the_output_projection(arch):
     removed = [(0, 1), (1, 0), (1, heads - 1), (2, 2)]
     with torch.no_grad():
         full = model(input_ids=ids).logits
-        hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, heads)
+        hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, heads, model.config)
         try:
             hooks.remove_heads(removed)
             pruned = model(input_ids=ids).logits
@@ -152,7 +152,8 @@ def test_the_measured_residual_stream_is_what_enters_each_block(arch):
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     ids = torch.randint(0, 250, (3, 10))
-    hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, model.config.num_attention_heads)
+    hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, model.config.num_attention_heads,
+                                 model.config)
     try:
         terms = pruning.measure_terms(model, hooks, ids, 2, lambda stage: None)
     finally:
@@ -163,6 +164,55 @@ def test_the_measured_residual_stream_is_what_enters_each_block(arch):
     expected = [h.double().norm(dim=-1).sum().item() for h in run.hidden_states[:layers]]
     np.testing.assert_allclose(terms.residual_norm, expected, rtol=1e-5)
     assert terms.loss == pytest.approx(mean_next_token_loss(model, ids), rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_each_head_term_is_its_share_of_what_the_attention_adds_to_the_stream(arch):
+    """Every supported architecture, MLPs silenced (all their weights zero), so that h_{l+1} − h_l is what the
+    attention adds to the stream: the heads' terms as the job maps them (z_h W_O^hᵀ, then the block's post-attention
+    norm's gain and per-token scale, or Granite's multiplier) with the bias's part sum to it, and the job's c is
+    their mean norm over the mean ‖h_l‖."""
+    torch.manual_seed(0)
+    config = CONFIGS[arch]()
+    if arch == "granite":
+        config.residual_multiplier = 0.37  # its default, 1, would not tell
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    blocks = pruning.model_parts(model).blocks
+    with torch.no_grad():
+        for block in blocks:
+            for param in block.mlp.parameters():
+                param.zero_()
+    heads = model.config.num_attention_heads
+    ids = torch.randint(0, 250, (2, 9))
+    seen = {}
+    recorders = [pruning.output_projection(b).register_forward_hook(
+        lambda m, a, out, i=i: seen.__setitem__(i, (a[0].double(), out.double()))) for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        run = model(input_ids=ids, output_hidden_states=True)
+    for r in recorders:
+        r.remove()
+    hooks = pruning.HeadHooks(blocks, heads, model.config)
+    try:
+        terms = pruning.measure_terms(model, hooks, ids, 2, lambda stage: None)
+    finally:
+        hooks.close()
+    expected_kind = {"gemma2": "post_attention_norm", "gemma3_text": "post_attention_norm", "olmo2": "post_attention_norm",
+                     "olmo3": "post_attention_norm", "glm4": "post_attention_norm", "granite": "residual_multiplier"}
+    for layer in range(len(blocks) - 1):  # the last hidden state is after the final norm
+        z, y = seen[layer]
+        m = hooks.maps[layer]
+        w = pruning.head_weights(pruning.output_projection(blocks[layer]), heads).double()  # [H, D, d]
+        o = torch.einsum("bnhd,hed->bnhe", z.view(*z.shape[:2], heads, -1), w)  # [B, N, H, D]
+        gain = torch.ones(o.shape[-1], dtype=torch.float64) if m.gain is None else m.gain.double()
+        s = m.scale(y).double()[..., None, :]  # [B, N, 1, 1]
+        stream = o * gain * s
+        bias_part = (y - o.sum(2)) * gain * s[..., 0, :]  # b_O (zero where the projection has none)
+        added = (run.hidden_states[layer + 1] - run.hidden_states[layer]).double()
+        torch.testing.assert_close(stream.sum(2) + bias_part, added, rtol=1e-4, atol=1e-5)
+        expected = stream.norm(dim=-1).mean((0, 1)) / run.hidden_states[layer].double().norm(dim=-1).mean()
+        np.testing.assert_allclose(terms.contribution[layer], expected.numpy(), rtol=1e-4)
+    assert added.abs().max() > 1e-3  # the attention adds something: the check can fail
+    assert {m.kind for m in hooks.maps} == {expected_kind.get(arch, "identity")}
 
 
 def mean_next_token_loss(model, windows: torch.Tensor) -> float:
