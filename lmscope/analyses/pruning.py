@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from lmscope.analyses.base import (JobContext, JobFailed, JobOutput, Series, context_seq_len, dataset_windows,
                                    overflow_advice, own_attention, require_positions)
 from lmscope.analyses.norms import model_parts
+from lmscope.catalog import kv_heads
 from lmscope.params.pruning import DEFAULT_SEQ_LEN, PruningParams
 
 # Where each architecture keeps the projection whose input is the concatenation of its heads' A_h V_h
@@ -52,6 +53,7 @@ OUTPUT_PROJECTIONS = ("attn.c_proj",            # GPT-2 (Conv1D), GPTBigCode
                       "attention.dense",        # GPT-NeoX
                       "attn.out_proj")          # GPT-J
 NAMED_HEADS = 5  # the smallest and largest heads the summary names
+UNIT_KEYS = {"head": "head", "kv_group": "kv_group", "layer": None}  # how the summary names a unit in its layer
 # Blocks that normalise the attention output before the residual add: model_type → (the norm's name in the
 # block, the gain's offset: Gemma's RMS norms scale by 1 + weight)
 POST_ATTENTION_NORMS = {"gemma2": ("post_attention_layernorm", 1.0),
@@ -356,7 +358,11 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
     measure_windows, eval_windows = windows[:measured], windows[measured:measured + params.eval_segments]
 
     layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
-    total = layers * heads
+    # a unit is a run of adjacent query heads: a key/value group's heads are adjacent in every supported layout
+    kv = kv_heads(config.to_dict(), heads) or heads
+    heads_per_unit = {"head": 1, "kv_group": heads // kv, "layer": heads}[params.unit]
+    units = heads // heads_per_unit
+    total = layers * units
     counts = head_counts(params.fractions, total)
     measure_batches = math.ceil(len(measure_windows) / params.batch_size)
     eval_batches = math.ceil(len(eval_windows) / params.batch_size)
@@ -372,7 +378,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         ctx.progress(done, measure_batches + ablation_batches + planned * eval_batches, stage)
 
     ctx.record("kernel_backend", own_attention(model))
-    hooks = HeadHooks(model_parts(model).blocks, heads, config)
+    hooks = HeadHooks(model_parts(model).blocks, units, config)
     try:
         with ctx.stage("measure"):
             terms = measure_terms(model, hooks, measure_windows, params.batch_size, report)
@@ -394,7 +400,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         losses: dict[frozenset, float] = {}
         with ctx.stage("evaluate"):
             for removed in plan:
-                hooks.remove_heads([divmod(i, heads) for i in sorted(removed)])
+                hooks.remove_heads([divmod(i, units) for i in sorted(removed)])
                 losses[removed] = mean_loss(model, eval_windows, params.batch_size, report)
     finally:
         hooks.close()
@@ -406,7 +412,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
               for order, perms in orders.items()}  # [draws, K]
 
     with ctx.stage("write"):
-        output = _output(params, loaded.info, terms, counts, curves, baseline, len(measure_windows), len(eval_windows),
+        output = _output(params, heads, kv, terms, counts, curves, baseline, len(measure_windows), len(eval_windows),
                          harm, hooks.maps[0].kind)
         ablation = {} if harm is None else {"single_head_loss_increase": harm, "measured_loss": terms.loss}
         np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
@@ -419,28 +425,29 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
 
         source = f"{params.model} on {params.dataset}"
         pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
-                                    len(measure_windows) * params.seq_len)
+                                    len(measure_windows) * params.seq_len, params.unit)
         pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, curves, baseline,
-                                     params.tolerance, source, len(eval_windows) * params.seq_len)
+                                     params.tolerance, source, len(eval_windows) * params.seq_len, params.unit)
         if harm is not None:
             pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
                                                         harm, output.summary["single_head"]["rank_correlation"],
-                                                        source, len(measure_windows) * (params.seq_len - 1))
+                                                        source, len(measure_windows) * (params.seq_len - 1), params.unit)
     return output
 
 
-def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
+def _output(params: PruningParams, heads: int, kv: int, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
             baseline: float, measured: int, evaluated: int, harm: np.ndarray | None = None,
             stream_maps: str = "identity") -> JobOutput:
     contribution = terms.contribution
-    layers, heads = contribution.shape
-    total = layers * heads
+    layers, units = contribution.shape
+    total = layers * units
+    key = UNIT_KEYS[params.unit]
     shares = [k / total for k in counts]
     by_size = np.argsort(contribution.ravel(), kind="stable")
 
     def named(indices) -> list[dict]:
-        return [{"layer": int(i // heads), "head": int(i % heads), "contribution": float(contribution.ravel()[i])}
-                for i in indices]
+        return [{"layer": int(i // units), **({} if key is None else {key: int(i % units)}),
+                 "contribution": float(contribution.ravel()[i])} for i in indices]
 
     mean_curve = {order: c.mean(0) for order, c in curves.items()}
     summary = {
@@ -448,7 +455,10 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
         "dataset": params.dataset,
         "layers": layers,
         "heads": heads,
-        "kv_heads": info.get("num_kv_heads"),
+        "kv_heads": kv,
+        "unit": params.unit,  # what is measured and removed: a head, a key/value group's heads, a layer's heads
+        "heads_per_unit": heads * layers // total,
+        "units": total,
         # identity, or how the attention output is transformed before the add (c is measured after it)
         "stream_map": stream_maps,
         "seq_len": params.seq_len,
@@ -461,7 +471,8 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
         "smallest_heads": named(by_size[:NAMED_HEADS]),
         "largest_heads": named(np.argsort(-contribution.ravel(), kind="stable")[:NAMED_HEADS]),  # as largest_first
         "contribution_by_layer": contribution.mean(1).tolist(),
-        "heads_removed": counts,
+        "heads_removed": counts,  # units removed at each point (heads, groups or layers)
+        "query_heads_removed": [k * heads * layers // total for k in counts],
         # the mean over the grid of loss / baseline − 1: one number per order to compare them by
         "mean_loss_increase": {o: float((c / baseline - 1).mean()) for o, c in mean_curve.items()},
         "prunable_fraction": {o: prunable_fraction(counts, c.tolist(), baseline, params.tolerance, total)
@@ -479,13 +490,13 @@ def _output(params: PruningParams, info: dict, terms: HeadTerms, counts: list[in
         }
     if total in counts:
         summary["loss_all_heads_removed"] = float(next(iter(curves.values()))[0, counts.index(total)])
-    series = [Series("head_contribution", list(range(heads)), contribution[layer].tolist(), {"layer": layer})
+    series = [Series("head_contribution", list(range(units)), contribution[layer].tolist(), {"layer": layer})
               for layer in range(layers)]
-    series += [Series("head_share", list(range(heads)), terms.share[layer].tolist(), {"layer": layer})
+    series += [Series("head_share", list(range(units)), terms.share[layer].tolist(), {"layer": layer})
                for layer in range(layers)]
     series += [Series("pruned_loss", shares, c.tolist(), {"order": o}) for o, c in mean_curve.items()]
     if harm is not None:
-        series += [Series("single_head_loss_increase", list(range(heads)), harm[layer].tolist(), {"layer": layer})
+        series += [Series("single_head_loss_increase", list(range(units)), harm[layer].tolist(), {"layer": layer})
                    for layer in range(layers)]
     if "random" in curves:
         series += [Series("pruned_loss.random_draw", shares, row.tolist(), {"draw": i})

@@ -11,10 +11,13 @@ from lmscope.analyses.plotting import pyplot, save, sparse_ticks
 ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "largest_first": ("largest term first", "tab:red"),
                "random": ("random order", "tab:gray"),
-               "least_harm_first": ("least single-head harm first", "tab:blue")}
+               "least_harm_first": ("least harm when removed alone first", "tab:blue")}
+# the unit's name in a label: singular, plural
+UNIT_NAMES = {"head": ("head", "heads"), "kv_group": ("key/value group", "key/value groups"),
+              "layer": ("layer's attention", "layers' attention")}
 
 
-def contributions(path: Path, contribution: np.ndarray, source: str, tokens: int) -> None:
+def contributions(path: Path, contribution: np.ndarray, source: str, tokens: int, unit: str = "head") -> None:
     """Layer × head heatmap of E‖head term‖ / E‖residual stream‖, annotated up to 400 cells."""
     plt = pyplot()
     layers, heads = contribution.shape
@@ -27,15 +30,17 @@ def contributions(path: Path, contribution: np.ndarray, source: str, tokens: int
         for (layer, head), v in np.ndenumerate(contribution):
             ax.text(head, layer, f"{v:#.2g}", ha="center", va="center", fontsize=7,
                     color="black" if v > 0.6 * top else "white")
-    ax.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers, 64))
-    ax.set_title(f"size of each head's term, {source}\nE‖head term‖ / E‖residual stream‖ over {tokens:,} tokens",
+    one = UNIT_NAMES[unit][0]
+    ax.set(xlabel="" if unit == "layer" else one, ylabel="layer", xticks=sparse_ticks(heads),
+           yticks=sparse_ticks(layers, 64))
+    ax.set_title(f"size of each {one}'s term, {source}\nE‖{one} term‖ / E‖residual stream‖ over {tokens:,} tokens",
                  fontsize=10)
     fig.colorbar(im, ax=ax, label="relative size")
     save(fig, path)
 
 
 def pruning_curves(path: Path, counts: list[int], total: int, curves: dict[str, np.ndarray], baseline: float,
-                   tolerance: float, source: str, tokens: int) -> None:
+                   tolerance: float, source: str, tokens: int, unit: str = "head") -> None:
     """Mean next-token loss against the share of heads removed, one line per order (random: each draw thin,
     their mean thick), the unpruned loss and the tolerance dashed."""
     plt = pyplot()
@@ -50,15 +55,16 @@ def pruning_curves(path: Path, counts: list[int], total: int, curves: dict[str, 
         ax.plot(shares, losses.mean(0), color=colour, marker="o", ms=3.5, lw=1.8, label=label)
     ax.axhline(baseline, color="k", ls="--", lw=1, label=f"all heads: {baseline:.3f} nats")
     ax.axhline(baseline * (1 + tolerance), color="k", ls=":", lw=1, label=f"+{tolerance:.0%}")
-    ax.set(xlabel=f"share of the {total} heads removed", ylabel="next-token loss (nats)", xlim=(-0.02, 1.02))
-    ax.set_title(f"removing attention heads, {source}\nloss on {tokens:,} tokens not used to rank the heads",
+    many = UNIT_NAMES[unit][1]
+    ax.set(xlabel=f"share of the {total} {many} removed", ylabel="next-token loss (nats)", xlim=(-0.02, 1.02))
+    ax.set_title(f"removing attention {many}, {source}\nloss on {tokens:,} tokens not used to rank them",
                  fontsize=10)
     ax.legend(fontsize=8)
     save(fig, path)
 
 
 def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np.ndarray, rho: float | None,
-                                  source: str, tokens: int) -> None:
+                                  source: str, tokens: int, unit: str = "head") -> None:
     """Each head's measured term c against the loss its removal alone costs, coloured by layer."""
     plt = pyplot()
     layers, heads = contribution.shape
@@ -69,13 +75,15 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
                    label=f"layer {layer}" if layers <= 12 else None)
     if layers * heads <= 64:
         for (layer, head), c in np.ndenumerate(contribution):
-            ax.annotate(f"{layer}.{head}", (c, harm[layer, head]), fontsize=6, xytext=(2, 2),
-                        textcoords="offset points")
+            ax.annotate(f"{layer}" if unit == "layer" else f"{layer}.{head}", (c, harm[layer, head]), fontsize=6,
+                        xytext=(2, 2), textcoords="offset points")
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.set(xlabel="c = E‖head term‖ / E‖residual stream‖", ylabel="loss increase with only this head removed (nats)")
+    one, many = UNIT_NAMES[unit]
+    ax.set(xlabel=f"c = E‖{one} term‖ / E‖residual stream‖",
+           ylabel=f"loss increase with only this {one} removed (nats)")
     said = "n/a" if rho is None else f"{rho:.2f}"
-    ax.set_title(f"measured term against single-head ablation, {source}\n"
-                 f"Spearman ρ = {said} over {layers * heads} heads, {tokens:,} predicted tokens", fontsize=10)
+    ax.set_title(f"measured term against removing each {one} alone, {source}\n"
+                 f"Spearman ρ = {said} over {layers * heads} {many}, {tokens:,} predicted tokens", fontsize=10)
     if layers <= 12:
         ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
     if layers > 12:

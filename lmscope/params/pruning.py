@@ -11,6 +11,7 @@ from lmscope.params.base import BosPerWindow, DType, JobParams, Seed
 DEFAULT_SEQ_LEN = 256
 ORDERS = ("smallest_first", "largest_first", "random")  # the default; least_harm_first needs single_head_ablation
 Order = Literal["smallest_first", "largest_first", "random", "least_harm_first"]
+Unit = Literal["head", "kv_group", "layer"]
 
 
 class PruningParams(JobParams):
@@ -31,9 +32,13 @@ class PruningParams(JobParams):
     eval_segments: int = Field(32, ge=1, le=100_000,
                                description="the next windows of the stream, on which the pruned models' loss is "
                                            "evaluated (none of them is a measured window)")
+    unit: Unit = Field("head", description="what is measured and removed: one query head; a key/value group (the "
+                                           "query heads that read one key/value head, so removing it frees that "
+                                           "head's K and V); or a layer's whole attention (all its heads)")
     fractions: list[float] = Field(
         [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], min_length=1, max_length=101,
-        description="shares of all layers × heads removed at each point, rounded to whole heads; increasing")
+        description="shares of all units (layers × heads, groups or layers) removed at each point, rounded to whole "
+                    "units; increasing")
     orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=4,
                                 description="in which order heads are removed: smallest_first (the smallest "
                                             "measured term first), largest_first, random, least_harm_first (the "

@@ -50,10 +50,11 @@ def run_job(tmp_path, loaded, documents, **params):
 
 
 @torch.no_grad()
-def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor, heads_per_unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Float64, from the model's eager attention matrices A_h: o_{l,h,t} = Σ_j A_h[t,j] (x̃_j W_V^h + b_V^h) W_O^h.
 
-    Returns [L, W, N, H] term norms and [L, W, N] residual norms; checks Σ_h o_h + b_O is the attention output."""
+    Returns [L, W, N, U] norms of the units' terms (the sum over each run of `heads_per_unit` adjacent heads)
+    and [L, W, N] residual norms; checks Σ_h o_h + b_O is the attention output."""
     model = copy.deepcopy(loaded.model).double()
     model.set_attn_implementation("eager")
     blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
@@ -82,7 +83,7 @@ def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor) -> tuple[np.
             bias = torch.zeros((), dtype=torch.float64)
         o = torch.einsum("whtj,whjd,hde->wthe", A, v, w_o)  # [W, N, H, D_out]
         torch.testing.assert_close(o.sum(2) + bias, outputs[layer], rtol=1e-9, atol=1e-9)  # MHA = Σ_h terms + b_O
-        terms.append(o.norm(dim=-1).numpy())
+        terms.append(o.view(*o.shape[:2], H // heads_per_unit, heads_per_unit, -1).sum(3).norm(dim=-1).numpy())
         residual.append(x.norm(dim=-1).numpy())
     return np.stack(terms), np.stack(residual)
 
@@ -399,3 +400,61 @@ def test_least_harm_first_needs_the_ablation():
     with pytest.raises(ValueError, match="set single_head_ablation to true"):
         PruningParams(model="m", dataset="d", orders=["least_harm_first"])
     assert PruningParams(model="m", dataset="d", orders=["least_harm_first"], single_head_ablation=True)
+
+
+@pytest.mark.parametrize("arch, unit, per_unit", [("llama", "kv_group", 2), ("gpt2", "layer", 4)])
+def test_a_unit_of_several_heads_is_measured_and_removed_as_one(arch, unit, per_unit, documents, tmp_path):
+    """unit=kv_group (the 2 query heads that read one of LLaMA's 2 key/value heads) and unit=layer (all 4 heads):
+    c is the norm of the units' summed terms from the explicit float64 map, and removing a unit is zeroing all its
+    heads' columns of W_O."""
+    loaded = tiny(arch)
+    out, _ = run_job(tmp_path, loaded, documents, unit=unit, fractions=[0.0, 0.5, 1.0], random_orders=1)
+    saved = np.load(tmp_path / "pruning.npz")
+    windows = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)
+    terms, residual = explicit_head_terms(loaded, windows[:4], per_unit)
+    expected = terms.mean((1, 2)) / residual.mean((1, 2))[:, None]
+    assert expected.shape == (3, 4 // per_unit)
+    np.testing.assert_allclose(saved["contribution"], expected, rtol=2e-5)
+    s = out.summary
+    assert (s["unit"], s["heads_per_unit"], s["units"]) == (unit, per_unit, 3 * 4 // per_unit)
+    assert s["heads_removed"] == [0, round(0.5 * s["units"] + 1e-9), s["units"]]
+    assert s["query_heads_removed"] == [k * per_unit for k in s["heads_removed"]]
+    assert ("kv_group" in s["smallest_heads"][0]) == (unit == "kv_group") and "head" not in s["smallest_heads"][0]
+    perm = saved["order_smallest_first"][0]
+    k = s["heads_removed"][1]
+    removed = [(int(i) // (4 // per_unit), (int(i) % (4 // per_unit)) * per_unit + j) for i in perm[:k] for j in range(per_unit)]
+    curve = next(x.y for x in out.series if x.name == "pruned_loss" and x.labels["order"] == "smallest_first")
+    assert curve[1] == pytest.approx(mean_next_token_loss(zeroed_heads_copy(loaded.model, removed, 4), windows[4:]),
+                                     rel=1e-6)
+
+
+GROUPED = sorted(a for a in CONFIGS if a not in ("falcon", "bloom")
+                 and 1 < getattr(CONFIGS[a](), "num_key_value_heads", 0) < CONFIGS[a]().num_attention_heads)
+
+
+@pytest.mark.parametrize("arch", GROUPED)
+def test_a_key_value_group_is_the_query_heads_that_read_that_key_value_head(arch):
+    """Every grouped-query architecture: with key/value head 1's value rows zeroed, exactly group 1's term is zero
+    in every layer (so the adjacent-heads grouping is the model's own)."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    blocks = pruning.model_parts(model).blocks
+    heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    with torch.no_grad():
+        for block in blocks:
+            attn = block.self_attn
+            if hasattr(attn, "v_proj"):
+                v, first = attn.v_proj, 0
+            else:  # Phi-3: one qkv_proj, rows q (heads · d), k (kv · d), v (kv · d)
+                v, first = attn.qkv_proj, (heads + kv) * attn.head_dim
+            d = attn.head_dim
+            v.weight[first + d:first + 2 * d] = 0
+            if v.bias is not None:
+                v.bias[first + d:first + 2 * d] = 0
+    hooks = pruning.HeadHooks(blocks, kv, model.config)
+    try:
+        terms = pruning.measure_terms(model, hooks, torch.randint(0, 250, (2, 9)), 2, lambda stage: None)
+    finally:
+        hooks.close()
+    assert (terms.contribution[:, 1] == 0).all()
+    assert (terms.contribution[:, [g for g in range(kv) if g != 1]] > 1e-4).all()
