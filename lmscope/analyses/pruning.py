@@ -157,7 +157,7 @@ class HeadHooks:
         self.grams = []  # per layer [H, d, d]: W_O^hᵀ diag(g²) W_O^h
         for projection, m in zip(self.projections, self.maps):
             w = head_weights(projection, heads)
-            g2 = torch.ones(w.shape[1]) if m.gain is None else m.gain.cpu() ** 2
+            g2 = torch.ones(w.shape[1], device=w.device) if m.gain is None else m.gain.to(w.device) ** 2
             self.grams.append(torch.einsum("hod,o,hoe->hde", w, g2, w))
         self.sums: list[torch.Tensor] | None = None  # per layer [H] float64 while measuring
         self.residual: list[torch.Tensor] | None = None  # per layer [] float64 while measuring

@@ -458,3 +458,25 @@ def test_a_key_value_group_is_the_query_heads_that_read_that_key_value_head(arch
         hooks.close()
     assert (terms.contribution[:, 1] == 0).all()
     assert (terms.contribution[:, [g for g in range(kv) if g != 1]] > 1e-4).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gemma2", "llama"])
+def test_the_job_on_the_device_matches_the_cpu(arch, device, documents, tmp_path):
+    """What a GPU worker runs (the hooks' Gram matrices, a post-attention norm's gain and the masks on the model's
+    device), against the same job on the CPU."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    params = dict(model="m", dataset="wiki", seq_len=SEQ_LEN, num_segments=4, eval_segments=4, batch_size=2,
+                  fractions=[0.0, 0.5, 1.0], orders=["smallest_first", "least_harm_first"], single_head_ablation=True)
+    runs = []
+    for where, on in (("cpu", "cpu"), ("device", device)):
+        loaded = LoadedModel("m", copy.deepcopy(model).to(on), byte_tokenizer())
+        ctx = LocalContext(tmp_path / where, models={"m": loaded}, datasets={"wiki": documents}, device=on)
+        runs.append((pruning.run(PruningParams(**params), ctx), np.load(tmp_path / where / "pruning.npz")))
+    (cpu, cpu_saved), (dev, dev_saved) = runs
+    np.testing.assert_allclose(dev_saved["contribution"], cpu_saved["contribution"], rtol=1e-4)
+    np.testing.assert_allclose(dev_saved["single_head_loss_increase"], cpu_saved["single_head_loss_increase"],
+                               rtol=1e-3, atol=1e-5)
+    assert dev.summary["baseline_loss"] == pytest.approx(cpu.summary["baseline_loss"], rel=1e-5)
+    assert dev.summary["stream_map"] == ("post_attention_norm" if arch == "gemma2" else "identity")
