@@ -15,9 +15,10 @@ little can be dropped without changing the function much. This job measures ever
    the attention output y before adding it (an RMS norm: g ⊙ y · s_t with s_t = 1/rms(y_t); Granite's
    residual_multiplier m), the transform is one per-token linear map shared by the heads, so the head's
    share of what reaches the stream is g ⊙ o_{h,t} · s_t exactly: G_h = W_O^hᵀ diag(g²) W_O^h, times s_t².
-2. Remove heads, by zeroing their z_h (the term goes, b_O stays: Michel et al.'s head mask), in three
-   orders over all layers × heads: smallest c first, largest first, and random (seeded); at each share in
-   `fractions` evaluate the mean next-token loss on `eval_segments` other windows.
+2. Remove heads, by zeroing their z_h (the term goes, b_O stays: Michel et al.'s head mask), in orders
+   over all layers × heads: smallest c first, largest first, random (seeded), and least harm alone first
+   (step 3); at each share in `fractions` evaluate the mean next-token loss on `eval_segments` other
+   windows. `unit` makes a key/value group's heads, or a layer's, one unit measured and removed together.
 
 If the small terms matter little, the smallest-first curve stays near the unpruned loss far longer than
 the random and largest-first ones.
@@ -58,7 +59,6 @@ UNIT_KEYS = {"head": "head", "kv_group": "kv_group", "layer": None}  # how the s
 # block, the gain's offset: Gemma's RMS norms scale by 1 + weight)
 POST_ATTENTION_NORMS = {"gemma2": ("post_attention_layernorm", 1.0),
                         "gemma3_text": ("post_attention_layernorm", 1.0),
-                        "gemma3": ("post_attention_layernorm", 1.0),
                         "olmo2": ("post_attention_layernorm", 0.0),
                         "olmo3": ("post_attention_layernorm", 0.0),
                         "glm4": ("post_self_attn_layernorm", 0.0)}  # its post_attention_layernorm is the MLP's
@@ -99,13 +99,12 @@ class StreamMap:
     eps: float | None = None
     multiplier: float = 1.0
 
-    def scale(self, y: torch.Tensor) -> torch.Tensor:
-        """[..., 1] float32: the per-token factor s_t (the gain aside)."""
-        y = y.float()
-        s = torch.full_like(y[..., :1], self.multiplier)
-        if self.eps is not None:  # in float32, as the models' RMS norms compute it
-            s = s * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return s
+    def scale(self, y: torch.Tensor) -> torch.Tensor | float:
+        """[..., 1] float32: the per-token factor s_t (the gain aside); a number when it is the same for all."""
+        if self.eps is None:
+            return self.multiplier
+        y = y.float()  # in float32, as the models' RMS norms compute it
+        return self.multiplier * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 def stream_map(block, config) -> StreamMap:
@@ -183,13 +182,15 @@ class HeadHooks:
         return hook
 
     def _measure_hook(self, layer: int):
+        # a forward hook sees the input as the pre-hook left it: no mask is set while measuring
         def hook(module, args, output):
             if self.sums is None:
                 return None
             z = args[0].float()
             zf = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
             sq = torch.einsum("bnhd,hde,bnhe->bnh", zf, self.grams[layer].to(zf.device), zf)
-            norms = sq.clamp_min(0).sqrt() * self.maps[layer].scale(output)  # s_t ≥ 0 per token
+            scale = self.maps[layer].scale(output)  # s_t ≥ 0 per token
+            norms = sq.clamp_min(0).sqrt() * (scale.to(sq.device) if isinstance(scale, torch.Tensor) else scale)
             self.sums[layer] += norms.sum((0, 1)).double().to(self.sums[layer].device)
             self.calls[layer] += 1
             return None
@@ -389,6 +390,9 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         if params.single_head_ablation:
             with ctx.stage("ablate"):  # on the measured windows: the evaluation windows stay unseen by every ranking
                 harm = single_head_losses(model, hooks, measure_windows, params.batch_size, report) - terms.loss
+            if not np.isfinite(harm).all():
+                raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once a head is removed: "
+                                f"{overflow_advice(params.dtype)}")
         orders = removal_orders(contribution, params, harm)
         # each distinct set of removed heads is evaluated once (k = 0 and k = all are every order's)
         plan: dict[frozenset, None] = {frozenset(): None}
@@ -405,7 +409,7 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
     finally:
         hooks.close()
     baseline = losses[frozenset()]
-    if not all(math.isfinite(v) for v in losses.values()) or (harm is not None and not np.isfinite(harm).all()):
+    if not all(math.isfinite(v) for v in losses.values()):
         raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once heads are removed: "
                         f"{overflow_advice(params.dtype)}")
     curves = {order: np.array([[losses[frozenset(p[:k].tolist())] for k in counts] for p in perms])

@@ -167,12 +167,20 @@ def test_the_measured_residual_stream_is_what_enters_each_block(arch):
     assert terms.loss == pytest.approx(mean_next_token_loss(model, ids), rel=1e-5)
 
 
+# Written out from the models' code (not read from the job): the RMS norm each of these blocks applies to its
+# attention output before the residual add, and the offset of its gain (Gemma's norms scale by 1 + weight).
+POST_ATTENTION_NORM = {"gemma2": ("post_attention_layernorm", 1.0), "gemma3_text": ("post_attention_layernorm", 1.0),
+                       "olmo2": ("post_attention_layernorm", 0.0), "olmo3": ("post_attention_layernorm", 0.0),
+                       "glm4": ("post_self_attn_layernorm", 0.0)}
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_each_head_term_is_its_share_of_what_the_attention_adds_to_the_stream(arch):
     """Every supported architecture, MLPs silenced (all their weights zero), so that h_{l+1} − h_l is what the
-    attention adds to the stream: the heads' terms as the job maps them (z_h W_O^hᵀ, then the block's post-attention
-    norm's gain and per-token scale, or Granite's multiplier) with the bias's part sum to it, and the job's c is
-    their mean norm over the mean ‖h_l‖."""
+    attention adds to the stream. Each head's part of it, o_{h,t} = z_h W_O^hᵀ through the block's post-attention
+    RMS norm (gain g = offset + weight, drawn at random here; s_t = 1/√(mean(y_t²) + config.rms_norm_eps)) or
+    Granite's residual_multiplier, with the projection bias's part, sums to h_{l+1} − h_l; the job's c is their
+    mean norm over the mean ‖h_l‖."""
     torch.manual_seed(0)
     config = CONFIGS[arch]()
     if arch == "granite":
@@ -183,6 +191,9 @@ def test_each_head_term_is_its_share_of_what_the_attention_adds_to_the_stream(ar
         for block in blocks:
             for param in block.mlp.parameters():
                 param.zero_()
+            if arch in POST_ATTENTION_NORM:  # initialised so that g = 1, which would not tell
+                name, offset = POST_ATTENTION_NORM[arch]
+                getattr(block, name).weight.normal_(1.0 - offset, 0.5)
     heads = model.config.num_attention_heads
     ids = torch.randint(0, 250, (2, 9))
     seen = {}
@@ -197,23 +208,27 @@ def test_each_head_term_is_its_share_of_what_the_attention_adds_to_the_stream(ar
         terms = pruning.measure_terms(model, hooks, ids, 2, lambda stage: None)
     finally:
         hooks.close()
-    expected_kind = {"gemma2": "post_attention_norm", "gemma3_text": "post_attention_norm", "olmo2": "post_attention_norm",
-                     "olmo3": "post_attention_norm", "glm4": "post_attention_norm", "granite": "residual_multiplier"}
     for layer in range(len(blocks) - 1):  # the last hidden state is after the final norm
         z, y = seen[layer]
-        m = hooks.maps[layer]
-        w = pruning.head_weights(pruning.output_projection(blocks[layer]), heads).double()  # [H, D, d]
+        projection = pruning.output_projection(blocks[layer])
+        w = pruning.head_weights(projection, heads).double()  # [H, D, d]
         o = torch.einsum("bnhd,hed->bnhe", z.view(*z.shape[:2], heads, -1), w)  # [B, N, H, D]
-        gain = torch.ones(o.shape[-1], dtype=torch.float64) if m.gain is None else m.gain.double()
-        s = m.scale(y).double()[..., None, :]  # [B, N, 1, 1]
-        stream = o * gain * s
-        bias_part = (y - o.sum(2)) * gain * s[..., 0, :]  # b_O (zero where the projection has none)
+        bias = torch.zeros(o.shape[-1], dtype=torch.float64) if projection.bias is None else projection.bias.detach().double()
+        if arch in POST_ATTENTION_NORM:
+            name, offset = POST_ATTENTION_NORM[arch]
+            gain = getattr(blocks[layer], name).weight.detach().double() + offset
+            s = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # [B, N, 1]
+        else:
+            gain = torch.ones(o.shape[-1], dtype=torch.float64)
+            s = torch.full_like(y[..., :1], config.residual_multiplier if arch == "granite" else 1.0)
+        stream = o * gain * s[..., None, :]  # [B, N, H, D]
         added = (run.hidden_states[layer + 1] - run.hidden_states[layer]).double()
-        torch.testing.assert_close(stream.sum(2) + bias_part, added, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stream.sum(2) + bias * gain * s, added, rtol=1e-4, atol=1e-5)
         expected = stream.norm(dim=-1).mean((0, 1)) / run.hidden_states[layer].double().norm(dim=-1).mean()
         np.testing.assert_allclose(terms.contribution[layer], expected.numpy(), rtol=1e-4)
     assert added.abs().max() > 1e-3  # the attention adds something: the check can fail
-    assert {m.kind for m in hooks.maps} == {expected_kind.get(arch, "identity")}
+    kind = "post_attention_norm" if arch in POST_ATTENTION_NORM else "residual_multiplier" if arch == "granite" else "identity"
+    assert {m.kind for m in hooks.maps} == {kind}
 
 
 def mean_next_token_loss(model, windows: torch.Tensor) -> float:
