@@ -495,3 +495,13 @@ def test_the_job_on_the_device_matches_the_cpu(arch, device, documents, tmp_path
                                rtol=1e-3, atol=1e-5)
     assert dev.summary["baseline_loss"] == pytest.approx(cpu.summary["baseline_loss"], rel=1e-5)
     assert dev.summary["stream_map"] == ("post_attention_norm" if arch == "gemma2" else "identity")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
+def test_the_hooks_are_built_on_the_models_device(arch):
+    """The Gram matrices and a post-attention norm's gain live where the weights do (on the CPU this is checked
+    with the meta device, which refuses a tensor from elsewhere as CUDA does)."""
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).to("meta")
+    hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, model.config.num_attention_heads, model.config)
+    hooks.close()
+    assert {g.device.type for g in hooks.grams} == {"meta"}
