@@ -336,56 +336,66 @@ def prunable_fraction(counts: list[int], losses: list[float], baseline: float, t
     return best
 
 
-@torch.no_grad()
-def run(params: PruningParams, ctx: JobContext) -> JobOutput:
-    with ctx.stage("load_model"):
-        loaded = ctx.load_model(params.model, dtype=params.dtype)
-    model, config = loaded.model, loaded.model.config
-    if params.seq_len is None:
-        params = params.model_copy(update={"seq_len": context_seq_len(config, DEFAULT_SEQ_LEN)})
-    require_positions(config, params.seq_len, params.model)
-    with ctx.stage("tokenize"):
-        documents = ctx.load_documents(params.dataset)
-        wanted = SimpleNamespace(seq_len=params.seq_len, num_segments=params.num_segments + params.eval_segments,
-                                 bos_per_window=params.bos_per_window, dataset=params.dataset)
-        windows = dataset_windows(loaded.tokenizer, documents, wanted, params.model)
+@dataclass
+class Pruned:
+    """One model's measured terms, single-unit losses, removal orders and loss curves."""
+
+    name: str
+    step: int
+    terms: HeadTerms
+    harm: np.ndarray | None  # [L, U] single-unit loss increase, with the ablation
+    orders: dict[str, list[np.ndarray]]
+    curves: dict[str, np.ndarray]  # per order [draws, K]
+    baseline: float
+    stream: str
+    windows_measured: int
+    windows_evaluated: int
+
+
+class PruningProgress:
+    """One count over every model's batches. A model's number of evaluated sets is known once its terms are
+    measured, its windows once it is tokenized: until then the total counts the first model's, and the most
+    sets there can be."""
+
+    def __init__(self, ctx: JobContext, models: int):
+        self.ctx, self.models, self.done = ctx, models, 0
+        self.fixed: list[int] = []  # per model known so far: measuring (and ablation) batches
+        self.planned: list[int] = []  # evaluated sets (at most, until measured)
+        self.eval_batches: list[int] = []
+
+    def start_model(self, fixed: int, planned_at_most: int, eval_batches: int) -> int:
+        self.fixed.append(fixed)
+        self.planned.append(planned_at_most)
+        self.eval_batches.append(eval_batches)
+        return len(self.fixed) - 1
+
+    def __call__(self, stage: str) -> None:
+        self.done += 1
+        known = sum(f + p * e for f, p, e in zip(self.fixed, self.planned, self.eval_batches))
+        rest = (self.models - len(self.fixed)) * (self.fixed[0] + self.planned[0] * self.eval_batches[0])
+        self.ctx.progress(self.done, known + rest, stage)
+
+
+def split_windows(windows: torch.Tensor, params: PruningParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The measured windows, then the evaluated ones; a short dataset is split in the asked proportion."""
     if len(windows) < 2:
         raise JobFailed(f"dataset {params.dataset!r} holds one window of {params.seq_len} tokens; the job measures "
                         "on some windows and evaluates on others: lower seq_len or use a larger dataset")
-    # A short dataset is split in the asked proportion, so that neither part is empty.
     measured = min(params.num_segments, max(1, round(len(windows) * params.num_segments /
                                                      (params.num_segments + params.eval_segments))))
     measured = min(measured, len(windows) - 1)
-    measure_windows, eval_windows = windows[:measured], windows[measured:measured + params.eval_segments]
+    return windows[:measured], windows[measured:measured + params.eval_segments]
 
-    layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
-    # a unit is a run of adjacent query heads: a key/value group's heads are adjacent in every supported layout
-    kv = kv_heads(config.to_dict(), heads) or heads
-    heads_per_unit = {"head": 1, "kv_group": heads // kv, "layer": heads}[params.unit]
-    units = heads // heads_per_unit
-    total = layers * units
-    counts = head_counts(params.fractions, total)
-    measure_batches = math.ceil(len(measure_windows) / params.batch_size)
-    eval_batches = math.ceil(len(eval_windows) / params.batch_size)
-    # the distinct sets of removed heads are known once the terms are measured: until then, at most
-    inner = [k for k in counts if 0 < k < total]
-    planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
-    ablation_batches = total * measure_batches if params.single_head_ablation else 0
-    done = 0
 
-    def report(stage: str) -> None:
-        nonlocal done
-        done += 1
-        ctx.progress(done, measure_batches + ablation_batches + planned * eval_batches, stage)
-
-    ctx.record("kernel_backend", own_attention(model))
-    hooks = HeadHooks(model_parts(model).blocks, units, config)
+def prune_model(model, units: int, params: PruningParams, measure_windows: torch.Tensor, eval_windows: torch.Tensor,
+                counts: list[int], report: PruningProgress, index: int, ctx: JobContext) -> tuple:
+    """Measure, optionally ablate, then evaluate every distinct set of removed units of every order."""
+    hooks = HeadHooks(model_parts(model).blocks, units, model.config)
     try:
         with ctx.stage("measure"):
             terms = measure_terms(model, hooks, measure_windows, params.batch_size, report)
         if not np.isfinite(terms.term_norm).all() or not np.isfinite(terms.residual_norm).all():
-            raise JobFailed(f"{params.model}'s states reach inf or NaN in {params.dtype}: {overflow_advice(params.dtype)}")
-        contribution = terms.contribution
+            raise JobFailed(f"the states reach inf or NaN in {params.dtype}: {overflow_advice(params.dtype)}")
         harm = None
         if params.single_head_ablation:
             with ctx.stage("ablate"):  # on the measured windows: the evaluation windows stay unseen by every ranking
@@ -393,14 +403,14 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
             if not np.isfinite(harm).all():
                 raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once a head is removed: "
                                 f"{overflow_advice(params.dtype)}")
-        orders = removal_orders(contribution, params, harm)
-        # each distinct set of removed heads is evaluated once (k = 0 and k = all are every order's)
+        orders = removal_orders(terms.contribution, params, harm)
+        # each distinct set of removed units is evaluated once (k = 0 and k = all are every order's)
         plan: dict[frozenset, None] = {frozenset(): None}
         for perms in orders.values():
             for perm in perms:
                 for k in counts:
                     plan.setdefault(frozenset(perm[:k].tolist()), None)
-        planned = len(plan)
+        report.planned[index] = len(plan)
         losses: dict[frozenset, float] = {}
         with ctx.stage("evaluate"):
             for removed in plan:
@@ -408,40 +418,138 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
                 losses[removed] = mean_loss(model, eval_windows, params.batch_size, report)
     finally:
         hooks.close()
-    baseline = losses[frozenset()]
     if not all(math.isfinite(v) for v in losses.values()):
         raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once heads are removed: "
                         f"{overflow_advice(params.dtype)}")
     curves = {order: np.array([[losses[frozenset(p[:k].tolist())] for k in counts] for p in perms])
               for order, perms in orders.items()}  # [draws, K]
+    return terms, harm, orders, curves, losses[frozenset()], hooks.maps[0].kind
 
+
+@torch.no_grad()
+def run(params: PruningParams, ctx: JobContext) -> JobOutput:
+    from lmscope.analyses.entropy import checkpoint_list
+
+    checkpoints = checkpoint_list(params, ctx)
+    with ctx.stage("load_documents"):
+        documents = ctx.load_documents(params.dataset)
+    results: list[Pruned] = []
+    report = PruningProgress(ctx, len(checkpoints))
+    for index, (step, name) in enumerate(checkpoints):
+        with ctx.stage("load_model"):
+            loaded = ctx.load_model(name, dtype=params.dtype)
+        model, config = loaded.model, loaded.model.config
+        if params.seq_len is None:  # not given: 256, or the (first) model's context when shorter
+            params = params.model_copy(update={"seq_len": context_seq_len(config, DEFAULT_SEQ_LEN)})
+        require_positions(config, params.seq_len, name)
+        with ctx.stage("tokenize"):
+            wanted = SimpleNamespace(seq_len=params.seq_len, num_segments=params.num_segments + params.eval_segments,
+                                     bos_per_window=params.bos_per_window, dataset=params.dataset)
+            measure_windows, eval_windows = split_windows(dataset_windows(loaded.tokenizer, documents, wanted, name),
+                                                          params)
+        layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
+        # a unit is a run of adjacent query heads: a key/value group's heads are adjacent in every supported layout
+        kv = kv_heads(config.to_dict(), heads) or heads
+        units = heads // {"head": 1, "kv_group": heads // kv, "layer": heads}[params.unit]
+        if results and (layers, units) != results[0].terms.term_norm.shape:
+            first = results[0]
+            raise JobFailed(f"model {name!r} has {layers} layers × {units} units ({params.unit}) but {first.name!r} has "
+                            f"{' × '.join(map(str, first.terms.term_norm.shape))}; one pruning job follows the same "
+                            "heads across its models (checkpoints of one run): submit one job per architecture")
+        total = layers * units
+        counts = head_counts(params.fractions, total)
+        measure_batches = math.ceil(len(measure_windows) / params.batch_size)
+        inner = [k for k in counts if 0 < k < total]
+        planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
+        report.start_model(measure_batches * (1 + (total if params.single_head_ablation else 0)), planned,
+                           math.ceil(len(eval_windows) / params.batch_size))
+        if index == 0:
+            ctx.record("kernel_backend", own_attention(model))
+        found = prune_model(model, units, params, measure_windows, eval_windows, counts, report, index, ctx)
+        results.append(Pruned(name, step, *found, len(measure_windows), len(eval_windows)))
+        heads_kv = (heads, kv)
+        del loaded, model  # the worker's model cache decides what stays resident
+
+    last = results[-1]
     with ctx.stage("write"):
-        output = _output(params, heads, kv, terms, counts, curves, baseline, len(measure_windows), len(eval_windows),
-                         harm, hooks.maps[0].kind)
-        ablation = {} if harm is None else {"single_head_loss_increase": harm, "measured_loss": terms.loss}
-        np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
-                            term_norm_mean=terms.term_norm / terms.tokens,
-                            residual_norm_mean=terms.residual_norm / terms.tokens,
-                            heads_removed=np.array(counts), baseline_loss=baseline,
-                            **{f"loss_{o}": c for o, c in curves.items()},
-                            **{f"order_{o}": np.stack(orders[o]) for o in orders}, **ablation)
-        from lmscope.analyses import pruning_plots
-
-        source = f"{params.model} on {params.dataset}"
-        pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
-                                    len(measure_windows) * params.seq_len, params.unit)
-        pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, curves, baseline,
-                                     params.tolerance, source, len(eval_windows) * params.seq_len, params.unit)
-        if harm is not None:
-            pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
-                                                        harm, output.summary["single_head"]["rank_correlation"],
-                                                        source, len(measure_windows) * (params.seq_len - 1), params.unit)
+        output = _output(params, *heads_kv, last, counts)
+        if len(results) > 1:
+            _over_training(output, params, results, counts)
+        _write_files(ctx, params, results, counts, output)
     return output
 
 
-def _output(params: PruningParams, heads: int, kv: int, terms: HeadTerms, counts: list[int], curves: dict[str, np.ndarray],
-            baseline: float, measured: int, evaluated: int, harm: np.ndarray | None = None,
-            stream_maps: str = "identity") -> JobOutput:
+def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], counts: list[int],
+                 output: JobOutput) -> None:
+    from lmscope.analyses import pruning_plots
+
+    last = results[-1]
+    terms, contribution, total = last.terms, last.terms.contribution, last.terms.term_norm.size
+    ablation = {} if last.harm is None else {"single_head_loss_increase": last.harm, "measured_loss": terms.loss}
+    np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
+                        term_norm_mean=terms.term_norm / terms.tokens,
+                        residual_norm_mean=terms.residual_norm / terms.tokens,
+                        heads_removed=np.array(counts), baseline_loss=last.baseline,
+                        **{f"loss_{o}": c for o, c in last.curves.items()},
+                        **{f"order_{o}": np.stack(last.orders[o]) for o in last.orders}, **ablation)
+    source = f"{last.name} on {params.dataset}"
+    pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
+                                last.windows_measured * params.seq_len, params.unit)
+    pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, last.curves, last.baseline,
+                                 params.tolerance, source, last.windows_evaluated * params.seq_len, params.unit)
+    if last.harm is not None:
+        pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
+                                                    last.harm, output.summary["single_head"]["rank_correlation"],
+                                                    source, last.windows_measured * (params.seq_len - 1), params.unit)
+    if len(results) > 1:
+        over = output.summary["over_training"]
+        np.savez_compressed(ctx.artifact_dir / "pruning_over_training.npz", steps=np.array(over["steps"]),
+                            models=np.array(over["models"]),
+                            contribution=np.stack([r.terms.contribution for r in results]),
+                            baseline_loss=np.array(over["baseline_loss"]), heads_removed=np.array(counts),
+                            **{f"loss_{o}": np.stack([r.curves[o] for r in results]) for o in last.curves},
+                            **({"single_head_loss_increase": np.stack([r.harm for r in results])}
+                               if last.harm is not None else {}))
+        pruning_plots.over_training(ctx.artifact_dir / "pruning_over_training.png", over,
+                                    np.stack([r.terms.contribution for r in results]),
+                                    f"{params.dataset}, {len(results)} models", params.unit)
+
+
+def _over_training(output: JobOutput, params: PruningParams, results: list[Pruned], counts: list[int]) -> None:
+    """Per model (x = training step): the unpruned loss, each order's prunable fraction and mean loss increase,
+    ρ(c, Δ) with the ablation, and every unit's c."""
+    steps = [r.step for r in results]
+    total = results[-1].terms.term_norm.size
+    per_order = {o: [r.curves[o].mean(0) for r in results] for o in results[-1].curves}
+    over = {
+        "steps": steps,
+        "models": [r.name for r in results],
+        "baseline_loss": [r.baseline for r in results],
+        "prunable_fraction": {o: [prunable_fraction(counts, c.tolist(), r.baseline, params.tolerance, total)
+                                  for c, r in zip(curves, results)] for o, curves in per_order.items()},
+        "mean_loss_increase": {o: [float((c / r.baseline - 1).mean()) for c, r in zip(curves, results)]
+                               for o, curves in per_order.items()},
+    }
+    if results[-1].harm is not None:
+        over["rank_correlation"] = [rank_correlation(r.terms.contribution, r.harm) for r in results]
+    output.summary["over_training"] = over
+    output.summary["summary_of"] = results[-1].name
+    series = output.series
+    series += [Series("baseline_loss", steps, over["baseline_loss"], {})]
+    series += [Series("prunable_fraction", steps, v, {"order": o}) for o, v in over["prunable_fraction"].items()]
+    series += [Series("mean_loss_increase", steps, v, {"order": o}) for o, v in over["mean_loss_increase"].items()]
+    if "rank_correlation" in over:  # a model whose c or Δ is constant has none
+        known = [(x, v) for x, v in zip(steps, over["rank_correlation"]) if v is not None]
+        series += [Series("rank_correlation", [x for x, _ in known], [v for _, v in known], {})]
+    stacked = np.stack([r.terms.contribution for r in results])  # [M, L, U]
+    series += [Series("head_contribution.over_training", steps, stacked[:, layer, unit].tolist(),
+                      {"layer": layer, "head": unit})
+               for layer in range(stacked.shape[1]) for unit in range(stacked.shape[2])]
+
+
+def _output(params: PruningParams, heads: int, kv: int, result: Pruned, counts: list[int]) -> JobOutput:
+    terms, curves, baseline, harm = result.terms, result.curves, result.baseline, result.harm
+    measured, evaluated, stream_maps = result.windows_measured, result.windows_evaluated, result.stream
     contribution = terms.contribution
     layers, units = contribution.shape
     total = layers * units
@@ -455,7 +563,7 @@ def _output(params: PruningParams, heads: int, kv: int, terms: HeadTerms, counts
 
     mean_curve = {order: c.mean(0) for order, c in curves.items()}
     summary = {
-        "model": params.model,
+        "model": result.name,
         "dataset": params.dataset,
         "layers": layers,
         "heads": heads,

@@ -89,3 +89,38 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     if layers > 12:
         fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=ax, label="layer")
     save(fig, path)
+
+
+def over_training(path: Path, over: dict, contribution: np.ndarray, source: str, unit: str = "head") -> None:
+    """Across the models (x = training step): each order's prunable fraction and the unpruned loss; every unit's
+    term c, one line per unit coloured by layer."""
+    plt = pyplot()
+    steps = np.array(over["steps"])
+    models, layers, units = contribution.shape
+    one, many = UNIT_NAMES[unit]
+    fig, (ax, loss_ax, c_ax) = plt.subplots(1, 3, figsize=(15.5, 4.4))
+    for order, fractions in over["prunable_fraction"].items():
+        label, colour = ORDER_STYLE[order]
+        ax.plot(steps, fractions, color=colour, marker="o", ms=3.5, lw=1.6, label=label)
+    ax.set(xlabel="training step", ylabel=f"share of {many} removable within tolerance", ylim=(-0.03, 1.03))
+    ax.set_title("prunable fraction", fontsize=10)
+    ax.legend(fontsize=8)
+    loss_ax.plot(steps, over["baseline_loss"], color="k", marker="o", ms=3.5, lw=1.6, label="all heads")
+    for order, increase in over["mean_loss_increase"].items():
+        label, colour = ORDER_STYLE[order]
+        loss_ax.plot(steps, np.array(over["baseline_loss"]) * (1 + np.array(increase)), color=colour, lw=1, ls="--",
+                     label=f"{label}: mean over the grid")
+    loss_ax.set(xlabel="training step", ylabel="next-token loss (nats)")
+    loss_ax.set_title("loss unpruned, and averaged over the pruning grid", fontsize=10)
+    loss_ax.legend(fontsize=7)
+    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    for layer in range(layers):
+        for u in range(units):
+            c_ax.plot(steps, contribution[:, layer, u], color=colours[layer], lw=0.9, alpha=0.8,
+                      label=f"layer {layer}" if u == 0 and layers <= 12 else None)
+    c_ax.set(xlabel="training step", ylabel=f"c = E‖{one} term‖ / E‖residual stream‖")
+    c_ax.set_title(f"each {one}'s term", fontsize=10)
+    if layers <= 12:
+        c_ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+    fig.suptitle(f"pruning across {models} models, {source}", fontsize=11)
+    save(fig, path)

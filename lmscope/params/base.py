@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmscope.catalog import INT32_MAX
 
@@ -81,6 +81,39 @@ class JobParams(BaseModel):
         """Prefixes of the model names this job will register (e.g. "demo@step"); at submit, no
         existing model may start with one of them."""
         return []
+
+
+class ModelSource(JobParams):
+    """Parameters of a job that measures one model or several (a training run's checkpoints): exactly one
+    of ``model``, ``models`` or ``train_job``."""
+
+    model: str | None = Field(None, description="one registered model, e.g. tiny-gpt2")
+    models: list[str] | None = Field(
+        None, min_length=1, max_length=1000,
+        description="several registered models (e.g. checkpoints run@step100, run@step500); "
+                    "x = the @step<N> suffix when every name has one, else the list index")
+    train_job: JobId | None = Field(None, description="a train job id: all its checkpoints in step order")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "ModelSource":
+        given = [name for name in ("model", "models", "train_job") if getattr(self, name) is not None]
+        if len(given) != 1:
+            said = f"got {' and '.join(given)} (set all but one to null)" if given else "got none"
+            raise ValueError(
+                "give exactly one of 'model' (a registered model), 'models' (a list of models) "
+                f"or 'train_job' (a train job id) — {said}")
+        if self.models is not None and len(set(self.models)) != len(self.models):
+            raise ValueError("'models' lists a model twice; give each model once")
+        return self
+
+    def model_refs(self) -> list[str]:
+        return ([self.model] if self.model else []) + list(self.models or [])
+
+    def job_refs(self) -> list[int]:
+        return [self.train_job] if self.train_job is not None else []
+
+    def models_compared(self) -> tuple[str, list[str]] | None:
+        return ("models", list(self.models)) if self.models and len(self.models) > 1 else None
 
 
 @dataclass

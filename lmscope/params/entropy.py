@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from lmscope.params.base import BosPerWindow, DType, JobId, JobParams, Seed
+from lmscope.params.base import BosPerWindow, DType, ModelSource, Seed
 
 DEFAULT_SEQ_LEN = 512
 
 
-class EntropyParams(JobParams):
+class EntropyParams(ModelSource):
     """Entropy of every attention row (a distribution over the visible keys), on one model or a run.
 
     Give exactly one of ``model`` (one registered model), ``models`` (a list, e.g. checkpoints
     ``run@step500``) or ``train_job`` (a `train` job's id: all its checkpoints in step order).
     """
 
-    model: str | None = Field(None, description="one registered model, e.g. tiny-gpt2")
-    models: list[str] | None = Field(
-        None, min_length=1, max_length=1000,
-        description="several registered models (e.g. checkpoints run@step100, run@step500); "
-                    "x = the @step<N> suffix when every name has one, else the list index")
-    train_job: JobId | None = Field(None, description="a train job id: all its checkpoints in step order")
     dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
     seq_len: int | None = Field(
         None, ge=2, le=131072,
@@ -40,32 +34,11 @@ class EntropyParams(JobParams):
     seed: Seed = Field(0, description="unused: the measurement draws no random numbers (kept so that stored "
                                       "jobs stay valid)")
 
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> "EntropyParams":
-        given = [name for name in ("model", "models", "train_job") if getattr(self, name) is not None]
-        if len(given) != 1:
-            said = f"got {' and '.join(given)} (set all but one to null)" if given else "got none"
-            raise ValueError(
-                "give exactly one of 'model' (a registered model), 'models' (a list of models) "
-                f"or 'train_job' (a train job id) — {said}")
-        if self.models is not None and len(set(self.models)) != len(self.models):
-            raise ValueError("'models' lists a model twice; give each model once")
-        return self
-
-    def model_refs(self) -> list[str]:
-        return ([self.model] if self.model else []) + list(self.models or [])
-
     def dataset_refs(self) -> list[str]:
         return [self.dataset]
-
-    def job_refs(self) -> list[int]:
-        return [self.train_job] if self.train_job is not None else []
 
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.seq_len is not None else None
 
     def query_keys_read(self) -> tuple[str, list[str]]:
         return ("dimension_wise", self.model_refs()) if self.dimension_wise else ("", [])
-
-    def models_compared(self) -> tuple[str, list[str]] | None:
-        return ("models", list(self.models)) if self.models and len(self.models) > 1 else None

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmscope.params.base import BosPerWindow, DType, JobParams, Seed
+from lmscope.params.base import BosPerWindow, DType, ModelSource, Seed
 
 DEFAULT_SEQ_LEN = 256
 ORDERS = ("smallest_first", "largest_first", "random")  # the default; least_harm_first needs single_head_ablation
@@ -14,20 +14,21 @@ Order = Literal["smallest_first", "largest_first", "random", "least_harm_first"]
 Unit = Literal["head", "kv_group", "layer"]
 
 
-class PruningParams(JobParams):
+class PruningParams(ModelSource):
     """What each attention head's term adds to the residual stream, and what removing heads costs.
 
     Multi-head attention is a sum of per-head terms, each linear in the layer's input once the attention
     weights are fixed (MHA(x) = W'(x)·x). The job measures every head's term on ``num_segments`` windows,
     then removes heads in order of their measured size (and in the opposite and in random orders) and
-    evaluates the model's next-token loss on ``eval_segments`` further windows.
+    evaluates the model's next-token loss on ``eval_segments`` further windows. Give exactly one of ``model``,
+    ``models`` or ``train_job`` (a `train` job's checkpoints): with several, each is measured and pruned, and
+    the results follow the heads across them.
     """
 
-    model: str = Field(description="a registered model name, e.g. tiny-gpt2")
     dataset: str = Field(description="a registered dataset; its token stream is cut into windows")
     seq_len: int | None = Field(
         None, ge=2, le=131072,
-        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the model's context length when shorter")
+        description=f"tokens per window; default {DEFAULT_SEQ_LEN}, or the (first) model's context length when shorter")
     num_segments: int = Field(32, ge=1, le=100_000, description="windows on which the heads' terms are measured")
     eval_segments: int = Field(32, ge=1, le=100_000,
                                description="the next windows of the stream, on which the pruned models' loss is "
@@ -78,9 +79,6 @@ class PruningParams(JobParams):
             raise ValueError("the order least_harm_first ranks heads by removing each alone: set "
                              "single_head_ablation to true, or drop least_harm_first from orders")
         return self
-
-    def model_refs(self) -> list[str]:
-        return [self.model]
 
     def dataset_refs(self) -> list[str]:
         return [self.dataset]

@@ -505,3 +505,97 @@ def test_the_hooks_are_built_on_the_models_device(arch):
     hooks = pruning.HeadHooks(pruning.model_parts(model).blocks, model.config.num_attention_heads, model.config)
     hooks.close()
     assert {g.device.type for g in hooks.grams} == {"meta"}
+
+
+def test_several_models_are_pruned_each_and_followed_across_steps(documents, tmp_path):
+    """models=[run@step0, run@step50] (two GPT-2s, one with three silent heads): each model's c against the explicit
+    float64 map, its unpruned loss against the model's, the over-training summary and series in step order,
+    the summary of the last model, one progress count over both."""
+    first = tiny("gpt2", seed=1)
+    trained = tiny("gpt2", seed=2)
+    trained = LoadedModel("run@step50", zeroed_heads_copy(trained.model, [(0, 2), (1, 0), (2, 3)], 4),
+                          trained.tokenizer)
+    ctx = LocalContext(tmp_path, models={"run@step50": trained, "run@step0": first}, datasets={"wiki": documents})
+    params = PruningParams(models=["run@step50", "run@step0"], dataset="wiki", seq_len=SEQ_LEN, num_segments=4,
+                           eval_segments=4, batch_size=3, fractions=[0.0, 0.25, 1.0], random_orders=2,
+                           single_head_ablation=True)
+    out = pruning.run(params, ctx)
+    over = out.summary["over_training"]
+    assert over["steps"] == [0, 50] and over["models"] == ["run@step0", "run@step50"]
+    assert out.summary["summary_of"] == out.summary["model"] == "run@step50"
+    windows = token_windows(first.tokenizer, documents, SEQ_LEN, 8)
+    saved = np.load(tmp_path / "pruning_over_training.npz")
+    for i, loaded in enumerate([first, trained]):
+        terms, residual = explicit_head_terms(loaded, windows[:4])
+        np.testing.assert_allclose(saved["contribution"][i], terms.mean((1, 2)) / residual.mean((1, 2))[:, None],
+                                   rtol=2e-5)
+        assert over["baseline_loss"][i] == pytest.approx(mean_next_token_loss(loaded.model, windows[4:]), rel=1e-6)
+    # removing the trained model's three silent heads (a quarter of 12) costs nothing: its smallest-first
+    # fraction reaches at least 0.25, and the single model's summary agrees with the over-training one
+    assert over["prunable_fraction"]["smallest_first"][1] >= 0.25
+    assert out.summary["prunable_fraction"]["smallest_first"] == over["prunable_fraction"]["smallest_first"][1]
+    assert len(over["rank_correlation"]) == 2
+    fractions = {s.labels["order"]: s for s in out.series if s.name == "prunable_fraction"}
+    assert set(fractions) == {"smallest_first", "largest_first", "random"} and fractions["random"].x == [0, 50]
+    c = [s for s in out.series if s.name == "head_contribution.over_training"]
+    assert len(c) == 12 and all(s.x == [0, 50] for s in c)
+    one = next(s for s in c if s.labels == {"layer": 1, "head": 0})
+    assert one.y[1] == 0.0 and one.y[0] > 0  # a silent head in the trained model only
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total
+    assert {"pruning_over_training.png", "pruning.png", "head_contributions.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_models_of_different_shapes_are_refused(documents, tmp_path):
+    small = tiny("gpt2")
+    torch.manual_seed(0)
+    wide = LoadedModel("b", T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64,
+                                                          vocab_size=BYTE_VOCAB_SIZE)).eval(), byte_tokenizer())
+    ctx = LocalContext(tmp_path, models={"a": small, "b": wide}, datasets={"wiki": documents})
+    with pytest.raises(pruning.JobFailed, match="one pruning job follows the same heads"):
+        pruning.run(PruningParams(models=["a", "b"], dataset="wiki", seq_len=SEQ_LEN, num_segments=2,
+                                  eval_segments=2, fractions=[0.5]), ctx)
+
+
+@pytest.mark.parametrize("given, said", [({}, "got none"), ({"model": "m", "train_job": 3}, "model and train_job")])
+def test_exactly_one_model_source(given, said):
+    with pytest.raises(ValueError, match=said):
+        PruningParams(dataset="d", **given)
+
+
+@pytest.mark.gpu
+def test_pruning_over_a_train_jobs_checkpoints(service):
+    """`train_job=<id>` through the API and the embedded worker: every checkpoint in step order, the last one's
+    unpruned loss against the checkpoint loaded from disk."""
+    from lmscope.modeling.loading import load_model
+
+    client, worker, settings = service
+    lines = settings.wikitext2_path.read_text(encoding="utf-8").splitlines(keepends=True)[:400]
+    r = client.post("/v1/datasets?name=wiki-slice&format=lines", data="".join(lines).encode(), content_type="text/plain")
+    assert r.status_code == 201, r.get_json()
+    train = {"dataset": "wiki-slice", "architecture": "llama", "layers": 2, "width": 32, "heads": 4, "kv_heads": 2,
+             "context": 32, "tokenizer": "bpe", "vocab_size": 300, "steps": 4, "batch_size": 2, "checkpoint_every": 2,
+             "eval_every": 2, "eval_batches": 1, "warmup_steps": 1, "run_name": "pr"}
+    r = client.post("/v1/jobs", json={"kind": "train", "params": train})
+    assert r.status_code == 202 and worker.run_once()
+    train_id = r.get_json()["id"]
+    r = client.post("/v1/jobs", json={"kind": "pruning", "params": {
+        "train_job": train_id, "dataset": "wiki-slice", "seq_len": 32, "num_segments": 2, "eval_segments": 2,
+        "batch_size": 2, "fractions": [0, 0.5, 1], "unit": "kv_group"}})
+    assert r.status_code == 202, r.get_json()
+    job_id = r.get_json()["id"]
+    assert worker.run_once()
+    job = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert job["status"] == "succeeded", job["error"]
+    over = job["summary"]["over_training"]
+    assert over["models"] == ["pr@step0", "pr@step2", "pr@step4"] and over["steps"] == [0, 2, 4]
+    assert job["summary"]["units"] == 2 * 2 and job["progress"]["done"] == job["progress"]["total"]
+    series = client.get(f"/v1/jobs/{job_id}/results?series=prunable_fraction").get_json()["series"]
+    assert {x["labels"]["order"] for x in series} == {"smallest_first", "largest_first", "random"}
+    assert all(x["x"] == [0, 2, 4] for x in series)
+    names = {a["name"] for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
+    assert {"pruning_over_training.png", "pruning_over_training.npz", "pruning.png"} <= names
+
+    lm = load_model("pr@step4", "checkpoint", str(settings.job_dir(train_id) / "checkpoints" / "step-4"))
+    windows = token_windows(lm.tokenizer, read_documents(settings.wikitext2_path, "lines")[:400], 32, 4)
+    assert over["baseline_loss"][-1] == pytest.approx(mean_next_token_loss(lm.model, windows[2:]), rel=1e-5)
