@@ -13,6 +13,7 @@ import torch
 from lmscope.catalog import read_documents
 from lmscope.modeling.loading import load_model
 from lmscope.modeling.windows import token_windows
+from tests.analyses.conftest import train_tiny_run
 
 
 def submit(client, kind, params):
@@ -31,15 +32,7 @@ def finished(client, worker, job_id):
 @pytest.mark.gpu
 def test_entropy_over_a_train_jobs_checkpoints(service):
     client, worker, settings = service
-    # A slice of WikiText-2 uploaded as its own dataset keeps tokenizer training short.
-    lines = settings.wikitext2_path.read_text(encoding="utf-8").splitlines(keepends=True)[:400]
-    r = client.post("/v1/datasets?name=wiki-slice&format=lines", data="".join(lines).encode(), content_type="text/plain")
-    assert r.status_code == 201, r.get_json()
-    train = {"dataset": "wiki-slice", "architecture": "llama", "layers": 2, "width": 32, "heads": 4, "kv_heads": 2,
-             "context": 32, "tokenizer": "bpe", "vocab_size": 300, "steps": 4, "batch_size": 2, "checkpoint_every": 2,
-             "eval_every": 2, "eval_batches": 1, "warmup_steps": 1, "run_name": "ent"}
-    train_job = finished(client, worker, submit(client, "train", train))
-    assert train_job["summary"]["checkpoints"] == ["ent@step0", "ent@step2", "ent@step4"]  # from the init on
+    train_job = train_tiny_run(client, worker, settings, "ent")  # checkpoints from the init on
 
     params = {"train_job": train_job["id"], "dataset": "wiki-slice", "seq_len": 32, "num_segments": 3,
               "batch_size": 2, "dimension_wise": True, "dimension_segments": 1}

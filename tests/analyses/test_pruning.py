@@ -20,6 +20,7 @@ from lmscope.config import Settings
 from lmscope.modeling.tokenization import byte_tokenizer
 from lmscope.modeling.windows import token_windows
 from lmscope.params.pruning import PruningParams
+from tests.analyses.conftest import train_tiny_run
 from tests.analyses.test_architectures import CONFIGS
 
 SEQ_LEN = 24
@@ -570,15 +571,7 @@ def test_pruning_over_a_train_jobs_checkpoints(service):
     from lmscope.modeling.loading import load_model
 
     client, worker, settings = service
-    lines = settings.wikitext2_path.read_text(encoding="utf-8").splitlines(keepends=True)[:400]
-    r = client.post("/v1/datasets?name=wiki-slice&format=lines", data="".join(lines).encode(), content_type="text/plain")
-    assert r.status_code == 201, r.get_json()
-    train = {"dataset": "wiki-slice", "architecture": "llama", "layers": 2, "width": 32, "heads": 4, "kv_heads": 2,
-             "context": 32, "tokenizer": "bpe", "vocab_size": 300, "steps": 4, "batch_size": 2, "checkpoint_every": 2,
-             "eval_every": 2, "eval_batches": 1, "warmup_steps": 1, "run_name": "pr"}
-    r = client.post("/v1/jobs", json={"kind": "train", "params": train})
-    assert r.status_code == 202 and worker.run_once()
-    train_id = r.get_json()["id"]
+    train_id = train_tiny_run(client, worker, settings, "pr")["id"]
     r = client.post("/v1/jobs", json={"kind": "pruning", "params": {
         "train_job": train_id, "dataset": "wiki-slice", "seq_len": 32, "num_segments": 2, "eval_segments": 2,
         "batch_size": 2, "fractions": [0, 0.5, 1], "unit": "kv_group"}})
