@@ -1,9 +1,9 @@
 """`make demo`: the embedded service end to end on WikiText-2.
 
 Starts `lmscope up` (SQLite, in-process worker) in a subprocess, trains a small GPT-2-style model on
-the built-in `wikitext-2` dataset, then runs the three analyses on it — norm trajectories, attention
-entropy over the training checkpoints, and a reduced Sumformer sweep plus the Performer/Linformer
-attention study — and prints where every result and plot is.
+the built-in `wikitext-2` dataset, then runs the analyses on it — norm trajectories, attention
+entropy over the training checkpoints, head pruning over the checkpoints, and a reduced Sumformer sweep
+plus the Performer/Linformer attention study — and prints where every result and plot is.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def main() -> None:
                             f"demo: norm trajectories of {final_model}"))
         jobs.append(run_job(client, "entropy", dict(example("entropy_demo.json"), train_job=train["id"]),
                             "demo: attention entropy over training"))
-        jobs.append(run_job(client, "pruning", dict(example("pruning_demo.json"), model=final_model),
-                            f"demo: removing {final_model}'s attention heads"))
+        jobs.append(run_job(client, "pruning", dict(example("pruning_demo.json"), train_job=train["id"]),
+                            "demo: removing attention heads, across training"))
         jobs.append(run_job(client, "sweep", example("fig2.json"), "demo: reduced Sumformer Fig. 2 sweep"))
         jobs.append(run_job(client, "sweep", dict(example("attention_study_demo.json"), model=final_model),
                             f"demo: Performer/Linformer vs softmax attention on {final_model}"))

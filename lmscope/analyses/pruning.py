@@ -512,7 +512,7 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
                                if last.harm is not None else {}))
         pruning_plots.over_training(ctx.artifact_dir / "pruning_over_training.png", over,
                                     np.stack([r.terms.contribution for r in results]),
-                                    f"{params.dataset}, {len(results)} models", params.unit)
+                                    f"{results[0].name} … {results[-1].name} on {params.dataset}", params.unit)
 
 
 def _over_training(output: JobOutput, params: PruningParams, results: list[Pruned], counts: list[int]) -> None:
