@@ -140,8 +140,9 @@ class HeadTerms:
 
     @property
     def share(self) -> np.ndarray:
-        """E‖o_{l,h}‖ as a share of the layer's heads' sum."""
-        return self.term_norm / self.term_norm.sum(1, keepdims=True)
+        """E‖o_{l,h}‖ as a share of the layer's heads' sum (0 in a layer whose heads add nothing)."""
+        sums = self.term_norm.sum(1, keepdims=True)
+        return np.divide(self.term_norm, sums, out=np.zeros_like(self.term_norm), where=sums > 0)
 
 
 class HeadHooks:
@@ -434,6 +435,8 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
     with ctx.stage("load_documents"):
         documents = ctx.load_documents(params.dataset)
     results: list[Pruned] = []
+    shapes: list[tuple[int, int, int]] = []  # layers, heads, key/value heads: every model's must be the first's
+    backends: set[str] = set()
     report = PruningProgress(ctx, len(checkpoints))
     for index, (step, name) in enumerate(checkpoints):
         with ctx.stage("load_model"):
@@ -442,20 +445,25 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         if params.seq_len is None:  # not given: 256, or the (first) model's context when shorter
             params = params.model_copy(update={"seq_len": context_seq_len(config, DEFAULT_SEQ_LEN)})
         require_positions(config, params.seq_len, name)
+        layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
+        # a unit is a run of adjacent query heads: a key/value group's heads are adjacent in every supported layout
+        kv = kv_heads(config.to_dict(), heads) or heads
+        if not 1 <= kv <= heads or heads % kv:
+            raise JobFailed(f"model {name!r} has {heads} query heads and {kv} key/value heads, which do not form "
+                            "groups of equal size; the pruning job cannot tell its heads' groups apart")
+        units = heads // {"head": 1, "kv_group": heads // kv, "layer": heads}[params.unit]
+        shape = (layers, heads, kv)
+        if results and shape != shapes[0]:
+            raise JobFailed(f"model {name!r} has {layers} layers × {heads} heads ({kv} key/value) but "
+                            f"{results[0].name!r} has {shapes[0][0]} × {shapes[0][1]} ({shapes[0][2]}); one pruning "
+                            "job follows the same heads across its models (checkpoints of one run): submit one job "
+                            "per architecture")
+        shapes.append(shape)
         with ctx.stage("tokenize"):
             wanted = SimpleNamespace(seq_len=params.seq_len, num_segments=params.num_segments + params.eval_segments,
                                      bos_per_window=params.bos_per_window, dataset=params.dataset)
             measure_windows, eval_windows = split_windows(dataset_windows(loaded.tokenizer, documents, wanted, name),
                                                           params)
-        layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
-        # a unit is a run of adjacent query heads: a key/value group's heads are adjacent in every supported layout
-        kv = kv_heads(config.to_dict(), heads) or heads
-        units = heads // {"head": 1, "kv_group": heads // kv, "layer": heads}[params.unit]
-        if results and (layers, units) != results[0].terms.term_norm.shape:
-            first = results[0]
-            raise JobFailed(f"model {name!r} has {layers} layers × {units} units ({params.unit}) but {first.name!r} has "
-                            f"{' × '.join(map(str, first.terms.term_norm.shape))}; one pruning job follows the same "
-                            "heads across its models (checkpoints of one run): submit one job per architecture")
         total = layers * units
         counts = head_counts(params.fractions, total)
         measure_batches = math.ceil(len(measure_windows) / params.batch_size)
@@ -463,16 +471,15 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
         report.start_model(measure_batches * (1 + (total if params.single_head_ablation else 0)), planned,
                            math.ceil(len(eval_windows) / params.batch_size))
-        if index == 0:
-            ctx.record("kernel_backend", own_attention(model))
+        backends.add(own_attention(model))
         found = prune_model(model, units, params, measure_windows, eval_windows, counts, report, index, ctx)
         results.append(Pruned(name, step, *found, len(measure_windows), len(eval_windows)))
-        heads_kv = (heads, kv)
         del loaded, model  # the worker's model cache decides what stays resident
+    ctx.record("kernel_backend", "+".join(sorted(backends)))
 
     last = results[-1]
     with ctx.stage("write"):
-        output = _output(params, *heads_kv, last, counts)
+        output = _output(params, heads, kv, last, counts)
         if len(results) > 1:
             _over_training(output, params, results, counts)
         _write_files(ctx, params, results, counts, output)
@@ -510,9 +517,13 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
                             **{f"loss_{o}": np.stack([r.curves[o] for r in results]) for o in last.curves},
                             **({"single_head_loss_increase": np.stack([r.harm for r in results])}
                                if last.harm is not None else {}))
+        from lmscope.analyses.entropy import training_steps
+
+        steps_known = params.train_job is not None or training_steps(over["models"]) is not None
         pruning_plots.over_training(ctx.artifact_dir / "pruning_over_training.png", over,
                                     np.stack([r.terms.contribution for r in results]),
-                                    f"{results[0].name} … {results[-1].name} on {params.dataset}", params.unit)
+                                    f"{results[0].name} … {results[-1].name} on {params.dataset}", params.unit,
+                                    "training step" if steps_known else "model (list index)")
 
 
 def _over_training(output: JobOutput, params: PruningParams, results: list[Pruned], counts: list[int]) -> None:
@@ -542,8 +553,9 @@ def _over_training(output: JobOutput, params: PruningParams, results: list[Prune
         known = [(x, v) for x, v in zip(steps, over["rank_correlation"]) if v is not None]
         series += [Series("rank_correlation", [x for x, _ in known], [v for _, v in known], {})]
     stacked = np.stack([r.terms.contribution for r in results])  # [M, L, U]
+    key = UNIT_KEYS[params.unit]  # as the summary names a unit: head, kv_group, or the layer alone
     series += [Series("head_contribution.over_training", steps, stacked[:, layer, unit].tolist(),
-                      {"layer": layer, "head": unit})
+                      {"layer": layer, **({} if key is None else {key: unit})})
                for layer in range(stacked.shape[1]) for unit in range(stacked.shape[2])]
 
 

@@ -91,7 +91,8 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     save(fig, path)
 
 
-def over_training(path: Path, over: dict, contribution: np.ndarray, source: str, unit: str = "head") -> None:
+def over_training(path: Path, over: dict, contribution: np.ndarray, source: str, unit: str = "head",
+                  xlabel: str = "training step") -> None:
     """Across the models (x = training step): each order's prunable fraction; each order's loss increase
     averaged over the grid (the unpruned loss in the title's place: it falls far more than the orders differ);
     every unit's term c, one line per unit coloured by layer."""
@@ -108,10 +109,10 @@ def over_training(path: Path, over: dict, contribution: np.ndarray, source: str,
                 label=label)
         loss_ax.plot(steps, 100 * np.array(over["mean_loss_increase"][order]), color=colour, marker=marker, ms=5,
                      mfc="none", lw=1.4, label=label)
-    ax.set(xlabel="training step", ylabel=f"share of {many} removable within tolerance", ylim=(-0.03, 1.03))
+    ax.set(xlabel=xlabel, ylabel=f"share of {many} removable within tolerance", ylim=(-0.03, 1.03))
     ax.set_title("prunable fraction", fontsize=10)
     ax.legend(fontsize=8)
-    loss_ax.set(xlabel="training step", ylabel="loss increase, mean over the grid (%)")
+    loss_ax.set(xlabel=xlabel, ylabel="loss increase, mean over the grid (%)")
     first, last = over["baseline_loss"][0], over["baseline_loss"][-1]
     loss_ax.set_title(f"what removing costs (unpruned loss {first:.2f} → {last:.2f} nats)", fontsize=10)
     loss_ax.grid(alpha=0.3)
@@ -120,7 +121,7 @@ def over_training(path: Path, over: dict, contribution: np.ndarray, source: str,
         for u in range(units):
             c_ax.plot(steps, contribution[:, layer, u], color=colours[layer], lw=0.9, alpha=0.8,
                       label=f"layer {layer}" if u == 0 and layers <= 12 else None)
-    c_ax.set(xlabel="training step", ylabel=f"c = E‖{one} term‖ / E‖residual stream‖")
+    c_ax.set(xlabel=xlabel, ylabel=f"c = E‖{one} term‖ / E‖residual stream‖")
     c_ax.set_title(f"each {one}'s term", fontsize=10)
     if layers <= 12:
         c_ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)

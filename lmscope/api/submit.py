@@ -156,7 +156,7 @@ def _training_run_hint(session: Session, caller: Caller, name: str) -> str:
         job = None
     return (f"; {name!r} is a training run, whose checkpoints are the models: {', '.join(shown)} "
             f"({len(rows)}); name one of them"
-            + (f", or give train_job={job} to an entropy job for all of them" if job is not None else ""))
+            + (f", or give train_job={job} to an entropy or pruning job for all of them" if job is not None else ""))
 
 
 def _path_hint(what: str, name: str) -> str:

@@ -534,6 +534,7 @@ def test_several_models_are_pruned_each_and_followed_across_steps(documents, tmp
     # removing the trained model's three silent heads (a quarter of 12) costs nothing: its smallest-first
     # fraction reaches at least 0.25, and the single model's summary agrees with the over-training one
     assert over["prunable_fraction"]["smallest_first"][1] >= 0.25
+    # the summary is the last model's (the one with silent heads)
     assert out.summary["prunable_fraction"]["smallest_first"] == over["prunable_fraction"]["smallest_first"][1]
     assert len(over["rank_correlation"]) == 2
     fractions = {s.labels["order"]: s for s in out.series if s.name == "prunable_fraction"}
@@ -543,19 +544,22 @@ def test_several_models_are_pruned_each_and_followed_across_steps(documents, tmp
     one = next(s for s in c if s.labels == {"layer": 1, "head": 0})
     assert one.y[1] == 0.0 and one.y[0] > 0  # a silent head in the trained model only
     done, total, _ = ctx.progress_log[-1]
-    assert done == total
+    assert done == total and all(d <= t for d, t, _ in ctx.progress_log)
+    assert [d for d, _, _ in ctx.progress_log] == list(range(1, done + 1))
     assert {"pruning_over_training.png", "pruning.png", "head_contributions.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def test_models_of_different_shapes_are_refused(documents, tmp_path):
+@pytest.mark.parametrize("layers, heads, unit", [(2, 4, "head"), (3, 2, "layer")])
+def test_models_of_different_shapes_are_refused(layers, heads, unit, documents, tmp_path):
+    """Fewer layers; or as many layers and (with unit=layer) as many units, but other heads."""
     small = tiny("gpt2")
     torch.manual_seed(0)
-    wide = LoadedModel("b", T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64,
-                                                          vocab_size=BYTE_VOCAB_SIZE)).eval(), byte_tokenizer())
-    ctx = LocalContext(tmp_path, models={"a": small, "b": wide}, datasets={"wiki": documents})
+    other = LoadedModel("b", T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_head=heads, n_embd=32, n_positions=64,
+                                                           vocab_size=BYTE_VOCAB_SIZE)).eval(), byte_tokenizer())
+    ctx = LocalContext(tmp_path, models={"a": small, "b": other}, datasets={"wiki": documents})
     with pytest.raises(pruning.JobFailed, match="one pruning job follows the same heads"):
         pruning.run(PruningParams(models=["a", "b"], dataset="wiki", seq_len=SEQ_LEN, num_segments=2,
-                                  eval_segments=2, fractions=[0.5]), ctx)
+                                  eval_segments=2, fractions=[0.5], unit=unit), ctx)
 
 
 @pytest.mark.parametrize("given, said", [({}, "got none"), ({"model": "m", "train_job": 3}, "model and train_job")])

@@ -142,7 +142,7 @@ def test_a_training_runs_name_points_to_its_checkpoints(api):
     body = is_problem(api.submit(ann, kind="norms", params={"model": "my_run", "dataset": "d"}), 422,
                       "unknown-reference")
     assert ("'my_run' is a training run, whose checkpoints are the models: my_run@step100, my_run@step200, "
-            f"my_run@step300 (3); name one of them, or give train_job={run} to an entropy job") in body["detail"]
+            f"my_run@step300 (3); name one of them, or give train_job={run} to an entropy or pruning job") in body["detail"]
     assert body["errors"][0]["loc"] == ["params", "model"]
     # Another user is told about the checkpoints (model names are global) but not the job id.
     other = is_problem(api.submit(bob, kind="norms", params={"model": "my_run", "dataset": "d"}), 422,
