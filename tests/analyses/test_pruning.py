@@ -596,3 +596,27 @@ def test_pruning_over_a_train_jobs_checkpoints(service):
     lm = load_model("pr@step4", "checkpoint", str(settings.job_dir(train_id) / "checkpoints" / "step-4"))
     windows = token_windows(lm.tokenizer, read_documents(settings.wikitext2_path, "lines")[:400], 32, 4)
     assert over["baseline_loss"][-1] == pytest.approx(mean_next_token_loss(lm.model, windows[2:]), rel=1e-5)
+
+
+def test_a_falcon_key_value_group_is_the_query_heads_that_read_that_key_value_head():
+    """Falcon's new decoder architecture with 2 key/value heads: its fused query_key_value holds, per key/value
+    head g, that group's queries, then its key, then its value (rows (g·(H/KV + 2) + H/KV + 1)·d onwards are
+    g's value); with group 1's value rows zeroed exactly group 1's term is zero."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS["falcon"](new_decoder_architecture=True, num_kv_heads=2)).eval()
+    blocks = pruning.model_parts(model).blocks
+    heads, kv = model.config.num_attention_heads, 2
+    d, per = model.config.hidden_size // heads, heads // kv
+    first = (1 * (per + 2) + per + 1) * d
+    with torch.no_grad():
+        for block in blocks:
+            qkv = block.self_attention.query_key_value
+            qkv.weight[first:first + d] = 0
+            if qkv.bias is not None:
+                qkv.bias[first:first + d] = 0
+    hooks = pruning.HeadHooks(blocks, kv, model.config)
+    try:
+        terms = pruning.measure_terms(model, hooks, torch.randint(0, 250, (2, 9)), 2, lambda stage: None)
+    finally:
+        hooks.close()
+    assert (terms.contribution[:, 1] == 0).all() and (terms.contribution[:, 0] > 1e-4).all()
