@@ -247,6 +247,14 @@ class ModelCache:
         # rewrote, names other weights, which must not be served from the cache
         self._origins: dict[tuple[str, str, str], tuple] = {}
         self._lock = threading.Lock()
+        # one per (name, dtype, device), held by the job using that model: jobs hook the model and switch its
+        # attention, so two jobs in one process must not run it at once (see WorkerContext.load_model)
+        self._in_use: dict[tuple[str, str, str], threading.Lock] = {}
+
+    def use_lock(self, name: str, *, dtype: str = "float32", device: str = "cpu") -> threading.Lock:
+        """The lock a job holds while it runs this cached model (never replaced, so every job sees the same)."""
+        with self._lock:
+            return self._in_use.setdefault((name, dtype, device), threading.Lock())
 
     def get(self, name: str, source: str, path: str | None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
         key = (name, dtype, device)

@@ -78,6 +78,7 @@ class WorkerContext:
         # then change only the stage, so the parent's progress never goes backwards
         self._fixed_progress = fixed_progress
         self._stages: list[str] = []
+        self._model_lock: threading.Lock | None = None  # the model this job runs, with shares_process
 
     # ------------------------------------------------------------ progress and cancel
 
@@ -197,6 +198,9 @@ class WorkerContext:
         cache = model_cache()
         from lmscope.modeling.loading import ModelLoadError
 
+        if self.shares_process:
+            self._use_model(cache.use_lock(row.name, dtype=dtype, device=self.device), name)
+
         try:
             loaded = cache.get(row.name, row.source, path, dtype=dtype, device=self.device)
         except ModelLoadError as e:  # a broken directory is the user's to fix, not a worker bug
@@ -214,6 +218,26 @@ class WorkerContext:
             except SQLAlchemyError as e:  # a catalogue detail: the job needs the model, not the count
                 log.warning("model %r: could not record its parameter count: %s", name, e)
         return loaded
+
+    def _use_model(self, lock: threading.Lock, name: str) -> None:
+        """Hold the model's lock for the rest of the job (or until it loads its next model): the analyses hook
+        the cached model and switch its attention, which another job running it in this process would see.
+        While another job holds it, wait, saying so, and still stop for a cancel or a shutdown."""
+        self.release_model()
+        waited = False
+        while not lock.acquire(timeout=0.5):
+            if not waited:
+                done, total = self.last_progress[:2] if self.last_progress else (0, 1)
+                self.progress(done, total, f"waiting for model {name}: another job in this worker is running it")
+                waited = True
+            self.check_cancelled()
+        self._model_lock = lock
+
+    def release_model(self) -> None:
+        """Let other jobs in this process run the model this job loaded last (the runner calls it at the end)."""
+        lock, self._model_lock = self._model_lock, None
+        if lock is not None:
+            lock.release()
 
     def load_documents(self, dataset: str) -> list[str]:
         row = self._read("dataset lookup", select(Dataset.path, Dataset.format, Dataset.sha256)

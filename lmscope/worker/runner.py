@@ -452,7 +452,10 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
         try:
             with ctx.stage("total"):
                 params = validate_params(attempt.kind, attempt.params, internal=True)
-                output = compute(params, ctx)
+                try:
+                    output = compute(params, ctx)
+                finally:  # the next job on this model in this process may start while the results are stored
+                    ctx.release_model()
             if not isinstance(output, JobOutput):
                 raise TypeError(f"the {attempt.kind} analysis returned {type(output).__name__}, not JobOutput")
             status, values = "succeeded", dict(summary=output.summary)
