@@ -4,6 +4,8 @@
             pre-hooks) and the loss, against the same forward and loss without hooks
   evaluate  one pruned model's loss (half of the heads removed by the hooks), against the unpruned
             forward with the same cross-entropy
+  importance the gradient importance: a forward and a backward pass to the heads' gates per batch, against
+            the plain forward
   job       the whole job (default grid: 11 shares × 3 orders, 3 random draws), against as many plain
             forwards as it makes (1 measuring pass + one per distinct set of removed heads)
 
@@ -92,26 +94,32 @@ def main() -> None:
                                      reduction="sum").double()
         float(total)  # one sync at the end, as the job's mean_loss
 
-    @torch.no_grad()
-    def measured():
+    def hooked(use):
+        """Run use(hooks) with the job's hooks on the model, as the job does."""
         hooks = pruning.HeadHooks(blocks, heads, model.config)
         try:
-            pruning.measure_terms(model, hooks, windows, args.batch_size, count)
+            use(hooks)
         finally:
             hooks.close()
         sync(device)
 
     @torch.no_grad()
+    def measured():
+        hooked(lambda hooks: pruning.measure_terms(model, hooks, windows, args.batch_size, count))
+
+    @torch.no_grad()
     def evaluated():
-        hooks = pruning.HeadHooks(blocks, heads, model.config)
-        try:
+        def removed(hooks):
             hooks.remove_heads(half)
             pruning.mean_loss(model, windows, args.batch_size, count)
-        finally:
-            hooks.close()
+        hooked(removed)
 
-    plain_loss(), measured()  # warm-up
-    passes = best_of(args.repeats, {"plain_loss": plain_loss, "measure": measured, "evaluate": evaluated})
+    def importance():
+        hooked(lambda hooks: pruning.gradient_importance(model, hooks, windows, args.batch_size, count))
+
+    plain_loss(), measured(), importance()  # warm-up
+    passes = best_of(args.repeats, {"plain_loss": plain_loss, "measure": measured, "evaluate": evaluated,
+                                    "importance": importance})
 
     with tempfile.TemporaryDirectory() as out:
         ctx = LocalContext(out, models={"m": loaded}, datasets={"d": documents}, device=device)
@@ -127,6 +135,7 @@ def main() -> None:
         "dtype": args.dtype, "seq_len": args.seq_len, "windows": args.windows, "batch_size": args.batch_size,
         "seconds": passes, "measure_ratio": passes["measure"] / passes["plain_loss"],
         "evaluate_ratio": passes["evaluate"] / passes["plain_loss"],
+        "importance_ratio": passes["importance"] / passes["plain_loss"],
         "job_s": job_s, "sets_evaluated": sets, "job_stages": ctx.timings, "job_ratio": job_s / floor,
         "baseline_loss": job.summary["baseline_loss"],
     }
@@ -136,6 +145,8 @@ def main() -> None:
           f"{result['measure_ratio']:.2f}×")
     print(f"  evaluate {passes['evaluate']:.3f} s vs plain forward {passes['plain_loss']:.3f} s: "
           f"{result['evaluate_ratio']:.2f}×")
+    print(f"  importance {passes['importance']:.3f} s vs plain forward {passes['plain_loss']:.3f} s: "
+          f"{result['importance_ratio']:.2f}×")
     print(f"  job      {job_s:.2f} s vs {1 + sets} plain passes {floor:.2f} s: {result['job_ratio']:.2f}×  "
           f"(stages {', '.join(f'{k} {v:.2f}' for k, v in ctx.timings.items())})")
     if args.json:

@@ -27,6 +27,10 @@ the random and largest-first ones.
    Δ_{l,h} is the direct measure of what the head does for the model, c the proxy UAT suggests. Their
    Spearman rank correlation says how far the proxy ranks like the direct measure, and the order
    `least_harm_first` (smallest Δ first) is the greedy one-at-a-time ranking to compare smallest-first with.
+4. Optionally (`gradient_importance`), Michel et al.'s (2019) importance: scale each head's z_h by a gate
+   ξ_{l,h} = 1 per window w and take I_{l,h} = E_w |∂L_w/∂ξ_{l,h}| (L_w: the window's mean next-token loss),
+   one backward pass per batch. Removing the head sets ξ from 1 to 0, so −E_w ∂L_w/∂ξ is the first-order
+   estimate of Δ_{l,h}; the order `least_important_first` removes the smallest I first.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ class HeadHooks:
         self.residual: list[torch.Tensor] | None = None  # per layer [] float64 while measuring
         self.calls = [0] * len(blocks)  # forward calls seen per layer while measuring
         self.masks: list[torch.Tensor | None] = [None] * len(blocks)  # per layer [H] 0/1 while pruning
+        self.gates: list[torch.Tensor] | None = None  # per layer [B, H] at 1, requiring grad, while taking gradients
         self.handles = [p.register_forward_pre_hook(self._hook(i)) for i, p in enumerate(self.projections)]
         self.handles += [p.register_forward_hook(self._measure_hook(i)) for i, p in enumerate(self.projections)]
         # the block's input, not output_hidden_states: no L + 1 [batch, seq_len, D] tensors kept per pass
@@ -201,6 +206,13 @@ class HeadHooks:
         def hook(module, args):
             z = args[0]
             per_head = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
+            if self.gates is not None:
+                gate = self.gates[layer]  # [B, H]: one gate per window, so ∂ of the summed losses is per window
+                if z.dim() != 3 or z.shape[0] != gate.shape[0]:
+                    raise JobFailed(f"the attention output projection of layer {layer} reads a {list(z.shape)} "
+                                    f"tensor, not [windows, tokens, features]; the gradient importance cannot tell "
+                                    "the windows apart there: set gradient_importance to false")
+                return ((per_head * gate.to(z.dtype)[:, None, :, None]).view_as(z),) + tuple(args[1:])
             mask = self.masks[layer]
             if mask is not None:
                 return ((per_head * mask.to(z.dtype)[:, None]).view_as(z),) + tuple(args[1:])
@@ -285,6 +297,36 @@ def single_head_losses(model, hooks: HeadHooks, windows: torch.Tensor, batch_siz
     return losses
 
 
+def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int,
+                        report) -> tuple[np.ndarray, np.ndarray]:
+    """[L, H] twice: I = E_w |∂L_w/∂ξ| and the first-order loss increase −E_w ∂L_w/∂ξ, the gates ξ at 1
+    (L_w: window w's mean next-token loss, from float32 logits). Only the gates' gradients are formed."""
+    layers, units = len(hooks.projections), hooks.heads
+    absolute = np.zeros((layers, units))
+    signed = np.zeros((layers, units))
+    device = next(model.parameters()).device
+    try:
+        with torch.enable_grad():
+            for start in range(0, len(windows), batch_size):
+                ids = windows[start:start + batch_size].to(device)
+                hooks.gates = [torch.ones(len(ids), units, device=p.weight.device, requires_grad=True)
+                               for p in hooks.projections]
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                targets = ids[:, 1:].to(logits.device)
+                per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            reduction="none")
+                per_window = per_token.view(targets.shape).mean(1)
+                grads = torch.autograd.grad(per_window.sum(), hooks.gates)
+                g = torch.stack([x.detach().double().cpu() for x in grads], 1).numpy()  # [B, L, H]
+                absolute += np.abs(g).sum(0)
+                signed += g.sum(0)
+                del logits, per_token, per_window, grads
+                report("taking the gradient importance")
+    finally:
+        hooks.gates = None
+    return absolute / len(windows), -signed / len(windows)
+
+
 def average_ranks(values: np.ndarray) -> np.ndarray:
     """Ranks 1 … n, tied values sharing the mean of their ranks."""
     order = np.argsort(values, kind="stable")
@@ -303,10 +345,11 @@ def rank_correlation(a: np.ndarray, b: np.ndarray) -> float | None:
     return float((ra * rb).sum() / denominator) if denominator > 0 else None
 
 
-def removal_orders(contribution: np.ndarray, params: PruningParams,
-                   harm: np.ndarray | None = None) -> dict[str, list[np.ndarray]]:
+def removal_orders(contribution: np.ndarray, params: PruningParams, harm: np.ndarray | None = None,
+                   importance: np.ndarray | None = None) -> dict[str, list[np.ndarray]]:
     """Per order, the flat head indices (layer · H + head) in the order they are removed; ties by index.
-    `harm`: each head's single-head loss increase, for least_harm_first."""
+    `harm`: each head's single-head loss increase, for least_harm_first; `importance`: each head's gradient
+    importance, for least_important_first."""
     flat = contribution.ravel()
     orders: dict[str, list[np.ndarray]] = {}
     if "smallest_first" in params.orders:
@@ -315,6 +358,8 @@ def removal_orders(contribution: np.ndarray, params: PruningParams,
         orders["largest_first"] = [np.argsort(-flat, kind="stable")]
     if "least_harm_first" in params.orders:
         orders["least_harm_first"] = [np.argsort(harm.ravel(), kind="stable")]
+    if "least_important_first" in params.orders:
+        orders["least_important_first"] = [np.argsort(importance.ravel(), kind="stable")]
     if "random" in params.orders:
         rng = np.random.default_rng(params.seed)
         orders["random"] = [rng.permutation(flat.size) for _ in range(params.random_orders)]
@@ -345,6 +390,8 @@ class Pruned:
     step: int
     terms: HeadTerms
     harm: np.ndarray | None  # [L, U] single-unit loss increase, with the ablation
+    importance: np.ndarray | None  # [L, U] E|∂L_w/∂ξ|, with gradient_importance
+    first_order: np.ndarray | None  # [L, U] −E ∂L_w/∂ξ: the first-order estimate of harm
     orders: dict[str, list[np.ndarray]]
     curves: dict[str, np.ndarray]  # per order [draws, K]
     baseline: float
@@ -404,7 +451,15 @@ def prune_model(model, units: int, params: PruningParams, measure_windows: torch
             if not np.isfinite(harm).all():
                 raise JobFailed(f"the loss reaches inf or NaN in {params.dtype} once a head is removed: "
                                 f"{overflow_advice(params.dtype)}")
-        orders = removal_orders(terms.contribution, params, harm)
+        importance = first_order = None
+        if params.gradient_importance:
+            with ctx.stage("importance"):
+                importance, first_order = gradient_importance(model, hooks, measure_windows, params.batch_size,
+                                                              report)
+            if not np.isfinite(importance).all():
+                raise JobFailed(f"the loss's gradient reaches inf or NaN in {params.dtype}: "
+                                f"{overflow_advice(params.dtype)}")
+        orders = removal_orders(terms.contribution, params, harm, importance)
         # each distinct set of removed units is evaluated once (k = 0 and k = all are every order's)
         plan: dict[frozenset, None] = {frozenset(): None}
         for perms in orders.values():
@@ -424,7 +479,7 @@ def prune_model(model, units: int, params: PruningParams, measure_windows: torch
                         f"{overflow_advice(params.dtype)}")
     curves = {order: np.array([[losses[frozenset(p[:k].tolist())] for k in counts] for p in perms])
               for order, perms in orders.items()}  # [draws, K]
-    return terms, harm, orders, curves, losses[frozenset()], hooks.maps[0].kind
+    return terms, harm, importance, first_order, orders, curves, losses[frozenset()], hooks.maps[0].kind
 
 
 @torch.no_grad()
@@ -469,7 +524,8 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         measure_batches = math.ceil(len(measure_windows) / params.batch_size)
         inner = [k for k in counts if 0 < k < total]
         planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
-        report.start_model(measure_batches * (1 + (total if params.single_head_ablation else 0)), planned,
+        passes = 1 + (total if params.single_head_ablation else 0) + params.gradient_importance
+        report.start_model(measure_batches * passes, planned,
                            math.ceil(len(eval_windows) / params.batch_size))
         backends.add(own_attention(model))
         found = prune_model(model, units, params, measure_windows, eval_windows, counts, report, index, ctx)
@@ -493,6 +549,8 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
     last = results[-1]
     terms, contribution, total = last.terms, last.terms.contribution, last.terms.term_norm.size
     ablation = {} if last.harm is None else {"single_head_loss_increase": last.harm, "measured_loss": terms.loss}
+    if last.importance is not None:
+        ablation.update(importance=last.importance, first_order_loss_increase=last.first_order)
     np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
                         term_norm_mean=terms.term_norm / terms.tokens,
                         residual_norm_mean=terms.residual_norm / terms.tokens,
@@ -508,6 +566,11 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
         pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
                                                     last.harm, output.summary["single_head"]["rank_correlation"],
                                                     source, last.windows_measured * (params.seq_len - 1), params.unit)
+    if last.importance is not None:
+        pruning_plots.contribution_against_importance(
+            ctx.artifact_dir / "contribution_vs_importance.png", contribution, last.importance,
+            output.summary["gradient_importance"], source, last.windows_measured, params.unit,
+            first_order=last.first_order, harm=last.harm)
     if len(results) > 1:
         over = output.summary["over_training"]
         np.savez_compressed(ctx.artifact_dir / "pruning_over_training.npz", steps=np.array(over["steps"]),
@@ -516,7 +579,9 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
                             baseline_loss=np.array(over["baseline_loss"]), heads_removed=np.array(counts),
                             **{f"loss_{o}": np.stack([r.curves[o] for r in results]) for o in last.curves},
                             **({"single_head_loss_increase": np.stack([r.harm for r in results])}
-                               if last.harm is not None else {}))
+                               if last.harm is not None else {}),
+                            **({"importance": np.stack([r.importance for r in results])}
+                               if last.importance is not None else {}))
         from lmscope.analyses.entropy import training_steps
 
         steps_known = params.train_job is not None or training_steps(over["models"]) is not None
@@ -543,15 +608,18 @@ def _over_training(output: JobOutput, params: PruningParams, results: list[Prune
     }
     if results[-1].harm is not None:
         over["rank_correlation"] = [rank_correlation(r.terms.contribution, r.harm) for r in results]
+    if results[-1].importance is not None:
+        over["importance_rank_correlation"] = [rank_correlation(r.terms.contribution, r.importance) for r in results]
     output.summary["over_training"] = over
     output.summary["summary_of"] = results[-1].name
     series = output.series
     series += [Series("baseline_loss", steps, over["baseline_loss"], {})]
     series += [Series("prunable_fraction", steps, v, {"order": o}) for o, v in over["prunable_fraction"].items()]
     series += [Series("mean_loss_increase", steps, v, {"order": o}) for o, v in over["mean_loss_increase"].items()]
-    if "rank_correlation" in over:  # a model whose c or Δ is constant has none
-        known = [(x, v) for x, v in zip(steps, over["rank_correlation"]) if v is not None]
-        series += [Series("rank_correlation", [x for x, _ in known], [v for _, v in known], {})]
+    for name in ("rank_correlation", "importance_rank_correlation"):
+        if name in over:  # a model whose c, Δ or I is constant has none
+            known = [(x, v) for x, v in zip(steps, over[name]) if v is not None]
+            series += [Series(name, [x for x, _ in known], [v for _, v in known], {})]
     stacked = np.stack([r.terms.contribution for r in results])  # [M, L, U]
     key = UNIT_KEYS[params.unit]  # as the summary names a unit: head, kv_group, or the layer alone
     series += [Series("head_contribution.over_training", steps, stacked[:, layer, unit].tolist(),
@@ -561,6 +629,7 @@ def _over_training(output: JobOutput, params: PruningParams, results: list[Prune
 
 def _output(params: PruningParams, heads: int, kv: int, result: Pruned, counts: list[int]) -> JobOutput:
     terms, curves, baseline, harm = result.terms, result.curves, result.baseline, result.harm
+    importance, first_order = result.importance, result.first_order
     measured, evaluated, stream_maps = result.windows_measured, result.windows_evaluated, result.stream
     contribution = terms.contribution
     layers, units = contribution.shape
@@ -612,6 +681,19 @@ def _output(params: PruningParams, heads: int, kv: int, result: Pruned, counts: 
             "heads_within_tolerance": int((harm <= params.tolerance * terms.loss).sum()),
             "max_loss_increase": float(harm.max()),
         }
+    if importance is not None:
+        flat = importance.ravel()
+        least = np.argsort(flat, kind="stable")[:NAMED_HEADS]  # as least_important_first removes them
+        most = np.argsort(-flat, kind="stable")[:NAMED_HEADS]
+        summary["gradient_importance"] = {
+            "rank_correlation": rank_correlation(contribution, importance),  # Spearman's ρ between c and I
+            "least_important_heads": [dict(h, importance=float(flat[i])) for h, i in zip(named(least), least)],
+            "most_important_heads": [dict(h, importance=float(flat[i])) for h, i in zip(named(most), most)],
+            "max_importance": float(flat.max()),
+        }
+        if harm is not None:  # how far the gradient predicts what removing each head alone costs
+            summary["gradient_importance"]["rank_correlation_with_ablation"] = rank_correlation(importance, harm)
+            summary["gradient_importance"]["first_order_rank_correlation"] = rank_correlation(first_order, harm)
     if total in counts:
         summary["loss_all_heads_removed"] = float(next(iter(curves.values()))[0, counts.index(total)])
     series = [Series("head_contribution", list(range(units)), contribution[layer].tolist(), {"layer": layer})
@@ -622,6 +704,11 @@ def _output(params: PruningParams, heads: int, kv: int, result: Pruned, counts: 
     if harm is not None:
         series += [Series("single_head_loss_increase", list(range(units)), harm[layer].tolist(), {"layer": layer})
                    for layer in range(layers)]
+    if importance is not None:
+        series += [Series("head_importance", list(range(units)), importance[layer].tolist(), {"layer": layer})
+                   for layer in range(layers)]
+        series += [Series("first_order_loss_increase", list(range(units)), first_order[layer].tolist(),
+                          {"layer": layer}) for layer in range(layers)]
     if "random" in curves:
         series += [Series("pruned_loss.random_draw", shares, row.tolist(), {"draw": i})
                    for i, row in enumerate(curves["random"])]

@@ -11,7 +11,8 @@ from lmscope.analyses.plotting import pyplot, save, sparse_ticks
 ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "largest_first": ("largest term first", "tab:red"),
                "random": ("random order", "tab:gray"),
-               "least_harm_first": ("least harm when removed alone first", "tab:blue")}
+               "least_harm_first": ("least harm when removed alone first", "tab:blue"),
+               "least_important_first": ("least gradient importance first", "tab:purple")}
 # the unit's name in a label: singular, plural
 UNIT_NAMES = {"head": ("head", "heads"), "kv_group": ("key/value group", "key/value groups"),
               "layer": ("layer's attention", "layers' attention")}
@@ -69,14 +70,7 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     plt = pyplot()
     layers, heads = contribution.shape
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
-    for layer in range(layers):
-        ax.scatter(contribution[layer], harm[layer], s=22, color=colours[layer], edgecolors="none",
-                   label=f"layer {layer}" if layers <= 12 else None)
-    if layers * heads <= 64:
-        for (layer, head), c in np.ndenumerate(contribution):
-            ax.annotate(f"{layer}" if unit == "layer" else f"{layer}.{head}", (c, harm[layer, head]), fontsize=6,
-                        xytext=(2, 2), textcoords="offset points")
+    _by_layer(plt, ax, contribution, harm, unit)
     ax.axhline(0.0, color="k", lw=0.8)
     one, many = UNIT_NAMES[unit]
     ax.set(xlabel=f"c = E‖{one} term‖ / E‖residual stream‖",
@@ -84,10 +78,58 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     said = "n/a" if rho is None else f"{rho:.2f}"
     ax.set_title(f"measured term against removing each {one} alone, {source}\n"
                  f"Spearman ρ = {said} over {layers * heads} {many}, {tokens:,} predicted tokens", fontsize=10)
-    if layers <= 12:
-        ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
     if layers > 12:
         fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=ax, label="layer")
+    save(fig, path)
+
+
+def _by_layer(plt, ax, x: np.ndarray, y: np.ndarray, unit: str) -> None:
+    """Scatter y against x per unit, coloured by layer (legend up to 12 layers, labels up to 64 points)."""
+    layers, units = x.shape
+    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    for layer in range(layers):
+        ax.scatter(x[layer], y[layer], s=22, color=colours[layer], edgecolors="none",
+                   label=f"layer {layer}" if layers <= 12 else None)
+    if layers * units <= 64:
+        for (layer, u), v in np.ndenumerate(x):
+            ax.annotate(f"{layer}" if unit == "layer" else f"{layer}.{u}", (v, y[layer, u]), fontsize=6,
+                        xytext=(2, 2), textcoords="offset points")
+    if layers <= 12:
+        ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+
+
+def contribution_against_importance(path: Path, contribution: np.ndarray, importance: np.ndarray, said: dict,
+                                    source: str, windows: int, unit: str = "head", *,
+                                    first_order: np.ndarray | None = None, harm: np.ndarray | None = None) -> None:
+    """Each unit's measured term c against its gradient importance I; with the single-head ablation, a second
+    panel: the first-order estimate −E ∂L/∂ξ against the loss increase removing the unit alone costs."""
+    plt = pyplot()
+    layers = contribution.shape[0]
+    panels = 2 if harm is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.6), squeeze=False)
+    one, many = UNIT_NAMES[unit]
+
+    def rho(value) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    ax = axes[0, 0]
+    _by_layer(plt, ax, contribution, importance, unit)
+    ax.set(xlabel=f"c = E‖{one} term‖ / E‖residual stream‖", ylabel="I = E over windows |∂loss/∂gate| (nats)")
+    ax.set_title(f"measured term against gradient importance\nSpearman ρ = {rho(said['rank_correlation'])} over "
+                 f"{contribution.size} {many}, {windows:,} windows", fontsize=10)
+    if harm is not None:
+        ax = axes[0, 1]
+        low, high = min(first_order.min(), harm.min()), max(first_order.max(), harm.max())
+        ax.plot([low, high], [low, high], color="k", ls="--", lw=0.8, label="equal")
+        _by_layer(plt, ax, first_order, harm, unit)
+        ax.set(xlabel="first-order estimate −E ∂loss/∂gate (nats)",
+               ylabel=f"loss increase with only this {one} removed (nats)")
+        ax.set_title(f"first order against removing each {one} alone\nSpearman ρ = "
+                     f"{rho(said.get('first_order_rank_correlation'))}", fontsize=10)
+    if layers > 12:
+        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=axes[0, -1],
+                     label="layer")
+    fig.suptitle(f"gradient importance (Michel et al. 2019), {source}", fontsize=11)
     save(fig, path)
 
 

@@ -9,8 +9,9 @@ from pydantic import Field, field_validator, model_validator
 from lmscope.params.base import BosPerWindow, DType, ModelSource, Seed
 
 DEFAULT_SEQ_LEN = 256
-ORDERS = ("smallest_first", "largest_first", "random")  # the default; least_harm_first needs single_head_ablation
-Order = Literal["smallest_first", "largest_first", "random", "least_harm_first"]
+# the default; least_harm_first needs single_head_ablation, least_important_first gradient_importance
+ORDERS = ("smallest_first", "largest_first", "random")
+Order = Literal["smallest_first", "largest_first", "random", "least_harm_first", "least_important_first"]
 Unit = Literal["head", "kv_group", "layer"]
 
 
@@ -40,10 +41,12 @@ class PruningParams(ModelSource):
         [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], min_length=1, max_length=101,
         description="shares of all units (layers × heads, groups or layers) removed at each point, rounded to whole "
                     "units; increasing")
-    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=4,
+    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=5,
                                 description="in which order heads are removed: smallest_first (the smallest "
                                             "measured term first), largest_first, random, least_harm_first (the "
-                                            "smallest single-head loss increase first; needs single_head_ablation)")
+                                            "smallest single-head loss increase first; needs single_head_ablation), "
+                                            "least_important_first (the smallest gradient importance first; needs "
+                                            "gradient_importance)")
     random_orders: int = Field(3, ge=1, le=100, description="random orders drawn (from seed) when orders has random")
     tolerance: float = Field(0.01, gt=0, le=10, description="a relative loss increase up to this counts as harmless "
                                                            "in the summary's prunable fraction")
@@ -51,6 +54,12 @@ class PruningParams(ModelSource):
         False, description="also remove each head alone on the measured windows (layers × heads more passes over "
                            "them): its loss increase, the rank correlation with the measured terms, and the order "
                            "least_harm_first")
+    gradient_importance: bool = Field(
+        False, description="also take each head's gradient importance on the measured windows (Michel et al. 2019: "
+                           "the mean over windows of |∂loss/∂gate| with the head's output scaled by a gate at 1; one "
+                           "forward and backward pass per batch): its rank correlation with the measured terms, the "
+                           "first-order estimate of each head's single-head loss increase, and the order "
+                           "least_important_first")
     batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
     dtype: DType = "float32"
     bos_per_window: BosPerWindow = False
@@ -74,10 +83,13 @@ class PruningParams(ModelSource):
         return orders
 
     @model_validator(mode="after")
-    def _ablation_for_least_harm(self) -> "PruningParams":
+    def _measures_for_their_orders(self) -> "PruningParams":
         if "least_harm_first" in self.orders and not self.single_head_ablation:
             raise ValueError("the order least_harm_first ranks heads by removing each alone: set "
                              "single_head_ablation to true, or drop least_harm_first from orders")
+        if "least_important_first" in self.orders and not self.gradient_importance:
+            raise ValueError("the order least_important_first ranks heads by their gradient importance: set "
+                             "gradient_importance to true, or drop least_important_first from orders")
         return self
 
     def dataset_refs(self) -> list[str]:

@@ -361,6 +361,9 @@ def test_the_job_through_the_service(service):
     harm = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-gpt2", "dataset": "wikitext-2",
                                                                        "orders": ["least_harm_first"]}})
     assert harm.status_code == 422 and "single_head_ablation" in harm.get_data(as_text=True)
+    grad = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-gpt2", "dataset": "wikitext-2",
+                                                                       "orders": ["least_important_first"]}})
+    assert grad.status_code == 422 and "gradient_importance" in grad.get_data(as_text=True)
     assert len(client.get("/v1/jobs?kind=pruning").get_json()["items"]) == 1  # the refused ones left nothing behind
 
 
@@ -402,6 +405,91 @@ def test_single_head_ablation_is_each_head_alone_removed(documents, tmp_path):
     done, total, _ = ctx.progress_log[-1]
     assert done == total
     assert (tmp_path / "contribution_vs_ablation.png").stat().st_size > 0
+
+
+def scaled_units_copy(model, layer: int, heads: list[int], factor: float, total_heads: int):
+    """A float64 copy whose given heads' columns of W_O in one layer are multiplied by `factor` (their terms too)."""
+    clone = copy.deepcopy(model).double()
+    proj = pruning.output_projection(pruning.model_parts(clone).blocks[layer])
+    conv = type(proj).__name__ == "Conv1D"  # weight [in, out]
+    d = (proj.weight.shape[0] if conv else proj.weight.shape[1]) // total_heads
+    with torch.no_grad():
+        for head in heads:
+            if conv:
+                proj.weight[head * d:(head + 1) * d] *= factor
+            else:
+                proj.weight[:, head * d:(head + 1) * d] *= factor
+    return clone
+
+
+def window_losses(model, windows: torch.Tensor) -> np.ndarray:
+    """Each window's mean next-token loss, float64."""
+    with torch.no_grad():
+        logits = model(input_ids=windows).logits.double()
+    per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), windows[:, 1:], reduction="none")
+    return per_token.mean(1).numpy()
+
+
+@pytest.mark.parametrize("arch, unit, per_unit", [("gpt2", "head", 1), ("llama", "kv_group", 2)])
+def test_gradient_importance_is_each_windows_loss_derivative_in_the_units_gate(arch, unit, per_unit, documents,
+                                                                               tmp_path):
+    """I = E_w |∂L_w/∂ξ| and −E_w ∂L_w/∂ξ against central differences of each window's loss in a float64 copy with
+    the unit's W_O columns scaled by 1 + kε (not through the job's hooks); units with no term have I = 0 and go first
+    in least_important_first, whose curve is checked against zeroed copies; the summary's rank correlations
+    against the oracle's."""
+    loaded = tiny(arch)
+    silent = [(0, 1), (2, 0)]  # units whose W_O columns are zero
+    loaded = LoadedModel(loaded.name, zeroed_heads_copy(loaded.model, [(layer, u * per_unit + i) for layer, u in silent
+                                                                       for i in range(per_unit)], 4), loaded.tokenizer)
+    units = 4 // per_unit
+    out, ctx = run_job(tmp_path, loaded, documents, unit=unit, fractions=[0.0, 0.25, 0.5], gradient_importance=True,
+                       single_head_ablation=True, orders=["smallest_first", "least_important_first"])
+    saved = np.load(tmp_path / "pruning.npz")
+    measured = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[:4]
+    # LLaMA's RMS norms and rotary tables compute in float32 even in a float64 copy, so the step is not tiny:
+    # the five-point stencil's error is O(ε⁴)
+    eps = 1e-2
+    derivative = np.empty((3, units, len(measured)))
+    for layer in range(3):
+        for u in range(units):
+            heads = list(range(u * per_unit, (u + 1) * per_unit))
+            at = {k: window_losses(scaled_units_copy(loaded.model, layer, heads, 1 + k * eps, 4), measured)
+                  for k in (-2, -1, 1, 2)}
+            derivative[layer, u] = (at[-2] - 8 * at[-1] + 8 * at[1] - at[2]) / (12 * eps)
+    importance, first_order = np.abs(derivative).mean(-1), -derivative.mean(-1)
+    assert importance.min() < 1e-9 and importance.max() > 1e-2  # silent units, and others the check can see
+    np.testing.assert_allclose(saved["importance"], importance, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(saved["first_order_loss_increase"], first_order, rtol=1e-4, atol=1e-6)
+    for layer, u in silent:
+        assert saved["importance"][layer, u] == 0.0
+    perm = saved["order_least_important_first"][0]
+    assert sorted(perm[:2].tolist()) == sorted(layer * units + u for layer, u in silent)
+    assert perm.tolist() == np.argsort(saved["importance"].ravel(), kind="stable").tolist()
+    evaluated = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[4:]
+    curve = next(s.y for s in out.series if s.name == "pruned_loss" and s.labels["order"] == "least_important_first")
+    for k, loss in zip(out.summary["heads_removed"], curve):
+        removed = [(int(i) // units, int(i) % units * per_unit + h) for i in perm[:k] for h in range(per_unit)]
+        assert loss == pytest.approx(mean_next_token_loss(zeroed_heads_copy(loaded.model, removed, 4), evaluated),
+                                     rel=1e-6)
+    said = out.summary["gradient_importance"]
+    assert said["rank_correlation"] == pytest.approx(pruning.rank_correlation(saved["contribution"], importance))
+    harm = saved["single_head_loss_increase"]
+    assert said["rank_correlation_with_ablation"] == pytest.approx(pruning.rank_correlation(importance, harm))
+    assert said["first_order_rank_correlation"] == pytest.approx(pruning.rank_correlation(first_order, harm))
+    most = np.unravel_index(importance.argmax(), importance.shape)
+    assert (said["most_important_heads"][0]["layer"], said["most_important_heads"][0][unit]) == most
+    by_layer = {s.labels["layer"]: s.y for s in out.series if s.name == "head_importance"}
+    np.testing.assert_allclose([by_layer[layer] for layer in range(3)], importance, rtol=1e-4, atol=1e-6)
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total and any(stage == "taking the gradient importance" for _, _, stage in ctx.progress_log)
+    assert (tmp_path / "contribution_vs_importance.png").stat().st_size > 0
+    assert not any(p.grad is not None for p in loaded.model.parameters())  # only the gates' gradients were formed
+
+
+def test_least_important_first_needs_the_gradient_importance():
+    with pytest.raises(ValueError, match="set gradient_importance to true"):
+        PruningParams(model="m", dataset="d", orders=["least_important_first"])
+    assert PruningParams(model="m", dataset="d", orders=["least_important_first"], gradient_importance=True)
 
 
 def test_rank_correlation_worked_examples():
@@ -484,7 +572,8 @@ def test_the_job_on_the_device_matches_the_cpu(arch, device, documents, tmp_path
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     params = dict(model="m", dataset="wiki", seq_len=SEQ_LEN, num_segments=4, eval_segments=4, batch_size=2,
-                  fractions=[0.0, 0.5, 1.0], orders=["smallest_first", "least_harm_first"], single_head_ablation=True)
+                  fractions=[0.0, 0.5, 1.0], orders=["smallest_first", "least_harm_first"], single_head_ablation=True,
+                  gradient_importance=True)
     runs = []
     for where, on in (("cpu", "cpu"), ("device", device)):
         loaded = LoadedModel("m", copy.deepcopy(model).to(on), byte_tokenizer())
@@ -494,6 +583,7 @@ def test_the_job_on_the_device_matches_the_cpu(arch, device, documents, tmp_path
     np.testing.assert_allclose(dev_saved["contribution"], cpu_saved["contribution"], rtol=1e-4)
     np.testing.assert_allclose(dev_saved["single_head_loss_increase"], cpu_saved["single_head_loss_increase"],
                                rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(dev_saved["importance"], cpu_saved["importance"], rtol=1e-3, atol=1e-6)
     assert dev.summary["baseline_loss"] == pytest.approx(cpu.summary["baseline_loss"], rel=1e-5)
     assert dev.summary["stream_map"] == ("post_attention_norm" if arch == "gemma2" else "identity")
 
@@ -519,7 +609,7 @@ def test_several_models_are_pruned_each_and_followed_across_steps(documents, tmp
     ctx = LocalContext(tmp_path, models={"run@step50": trained, "run@step0": first}, datasets={"wiki": documents})
     params = PruningParams(models=["run@step50", "run@step0"], dataset="wiki", seq_len=SEQ_LEN, num_segments=4,
                            eval_segments=4, batch_size=3, fractions=[0.0, 0.25, 1.0], random_orders=2,
-                           single_head_ablation=True)
+                           single_head_ablation=True, gradient_importance=True)
     out = pruning.run(params, ctx)
     over = out.summary["over_training"]
     assert over["steps"] == [0, 50] and over["models"] == ["run@step0", "run@step50"]
@@ -537,6 +627,10 @@ def test_several_models_are_pruned_each_and_followed_across_steps(documents, tmp
     # the summary is the last model's (the one with silent heads)
     assert out.summary["prunable_fraction"]["smallest_first"] == over["prunable_fraction"]["smallest_first"][1]
     assert len(over["rank_correlation"]) == 2
+    assert over["importance_rank_correlation"] == [pruning.rank_correlation(saved["contribution"][i], saved["importance"][i])
+                                                   for i in range(2)]
+    assert all(saved["importance"][1][layer, head] == 0.0 for layer, head in [(0, 2), (1, 0), (2, 3)])
+    assert (saved["importance"][0] > 0).all()
     fractions = {s.labels["order"]: s for s in out.series if s.name == "prunable_fraction"}
     assert set(fractions) == {"smallest_first", "largest_first", "random"} and fractions["random"].x == [0, 50]
     c = [s for s in out.series if s.name == "head_contribution.over_training"]
