@@ -305,7 +305,11 @@ def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_si
     absolute = np.zeros((layers, units))
     signed = np.zeros((layers, units))
     device = next(model.parameters()).device
+    # the weights need no gradient: without this autograd would also keep every layer's input for them
+    trainable = [p for p in model.parameters() if p.requires_grad]
     try:
+        for p in trainable:
+            p.requires_grad_(False)
         with torch.enable_grad():
             for start in range(0, len(windows), batch_size):
                 ids = windows[start:start + batch_size].to(device)
@@ -324,6 +328,8 @@ def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_si
                 report("taking the gradient importance")
     finally:
         hooks.gates = None
+        for p in trainable:
+            p.requires_grad_(True)
     return absolute / len(windows), -signed / len(windows)
 
 

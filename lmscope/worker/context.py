@@ -224,14 +224,18 @@ class WorkerContext:
         the cached model and switch its attention, which another job running it in this process would see.
         While another job holds it, wait, saying so, and still stop for a cancel or a shutdown."""
         self.release_model()
-        waited = False
+        if lock.acquire(blocking=False):
+            self._model_lock = lock
+            return
+        before, deadline, start = self.last_progress, self._deadline, time.monotonic()
+        self._deadline = None  # the time limit is the job's own work: the wait does not count against it
+        done, total = before[:2] if before else (0, 1)
+        self.progress(done, total, f"waiting for model {name}: another job in this worker is running it")
         while not lock.acquire(timeout=0.5):
-            if not waited:
-                done, total = self.last_progress[:2] if self.last_progress else (0, 1)
-                self.progress(done, total, f"waiting for model {name}: another job in this worker is running it")
-                waited = True
             self.check_cancelled()
         self._model_lock = lock
+        self._deadline = None if deadline is None else deadline + time.monotonic() - start
+        self.last_progress = before  # the next report says the job's own stage again
 
     def release_model(self) -> None:
         """Let other jobs in this process run the model this job loaded last (the runner calls it at the end)."""

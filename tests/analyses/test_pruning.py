@@ -484,6 +484,7 @@ def test_gradient_importance_is_each_windows_loss_derivative_in_the_units_gate(a
     assert done == total and any(stage == "taking the gradient importance" for _, _, stage in ctx.progress_log)
     assert (tmp_path / "contribution_vs_importance.png").stat().st_size > 0
     assert not any(p.grad is not None for p in loaded.model.parameters())  # only the gates' gradients were formed
+    assert all(p.requires_grad for p in loaded.model.parameters())  # and the weights are left as they were
 
 
 def test_least_important_first_needs_the_gradient_importance():

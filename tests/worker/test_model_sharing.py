@@ -4,6 +4,7 @@ model while it runs (the analyses hook it and switch its attention), and the nex
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from sqlalchemy import update
@@ -28,17 +29,20 @@ def claimed_context(sessions, settings, make_job, tmp_path, name: str) -> Worker
 
 def test_a_job_waits_for_the_model_another_job_in_this_process_is_running(settings, sessions, make_job, job_row,
                                                                           tmp_path):
-    """The second job's load waits while the first holds the model, says so in its progress, stops for a cancel;
-    the model is free again once the first releases it (or loads another)."""
+    """The second job's load waits while the first holds the model, says so in its progress, stops for a cancel
+    but not for its time limit (the wait is not its work); the model is free again once the first releases it (or
+    loads another)."""
     ensure_builtins(settings, sessions)
     first = claimed_context(sessions, settings, make_job, tmp_path, "first")
     second = claimed_context(sessions, settings, make_job, tmp_path, "second")
     first.load_model("tiny-gpt2")
+    second._deadline = time.monotonic() + 0.3  # a time limit the wait outlasts
     outcome: list = []
     waiting = threading.Thread(target=lambda: outcome.append(_load(second, "tiny-gpt2")))
     waiting.start()
     wait_until(lambda: (job_row(second.job_id).progress_stage or "").startswith("waiting for model tiny-gpt2"),
                timeout=20, what="the second job to say it waits")
+    time.sleep(1.0)
     assert waiting.is_alive() and outcome == []
     with sessions() as s, s.begin():
         s.execute(update(Job).where(Job.id == second.job_id).values(cancel_requested=True))
