@@ -554,15 +554,15 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
 
     last = results[-1]
     terms, contribution, total = last.terms, last.terms.contribution, last.terms.term_norm.size
-    ablation = {} if last.harm is None else {"single_head_loss_increase": last.harm, "measured_loss": terms.loss}
+    optional = {} if last.harm is None else {"single_head_loss_increase": last.harm, "measured_loss": terms.loss}
     if last.importance is not None:
-        ablation.update(importance=last.importance, first_order_loss_increase=last.first_order)
+        optional.update(importance=last.importance, first_order_loss_increase=last.first_order)
     np.savez_compressed(ctx.artifact_dir / "pruning.npz", contribution=contribution, share=terms.share,
                         term_norm_mean=terms.term_norm / terms.tokens,
                         residual_norm_mean=terms.residual_norm / terms.tokens,
                         heads_removed=np.array(counts), baseline_loss=last.baseline,
                         **{f"loss_{o}": c for o, c in last.curves.items()},
-                        **{f"order_{o}": np.stack(last.orders[o]) for o in last.orders}, **ablation)
+                        **{f"order_{o}": np.stack(last.orders[o]) for o in last.orders}, **optional)
     source = f"{last.name} on {params.dataset}"
     pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
                                 last.windows_measured * params.seq_len, params.unit)
