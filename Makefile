@@ -56,6 +56,7 @@ bench: install
 	$(PYTHON) benchmarks/approximations.py
 	$(PYTHON) benchmarks/norms.py
 	$(PYTHON) benchmarks/pruning.py
+	$(PYTHON) benchmarks/operator.py
 	$(PYTHON) benchmarks/entropy.py
 
 clean:

@@ -8,9 +8,9 @@
 #                                           # first, inside SUITE_SECONDS (540) all together; a step that would
 #                                           # not fit is skipped and named. Brings back ≤ 8 files (see below).
 #   bash benchmarks/gpu_suite.sh tests      # kernel tests, and the analyses' `gpu`-marked tests, on the GPU
-#   bash benchmarks/gpu_suite.sh bench      # attention, FAVOR+/Linformer, norms, pruning and entropy benchmarks
+#   bash benchmarks/gpu_suite.sh bench      # attention, FAVOR+/Linformer, norms, pruning, operator and entropy benchmarks
 #                                           # (bench-kernels: the first two and the sweep children's CUDA-graph
-#                                           # steps; bench-jobs: norms, pruning and entropy)
+#                                           # steps; bench-jobs: norms, pruning, operator and entropy)
 #   bash benchmarks/gpu_suite.sh bench-jobs-large  # the job benchmarks at the sizes where a GPU's time goes on
 #                                           # the model: norms in batches of 64, entropy on a 1B shape
 #   bash benchmarks/gpu_suite.sh bench-entropy-job # the whole entropy job on the 1B shape over 64 windows of
@@ -183,6 +183,11 @@ bench_pruning() {  # the job's hooks against plain forwards, on a GPT-2-small-si
     --dtype bfloat16 --seq-len 512 --windows 16 --json "$WORK/pruning.json"
 }
 
+bench_operator() {  # the job's eager attention and replacements against plain (sdpa) forwards, GPT-2-small-sized LLaMA
+  step bench-operator "${BENCH_TIMEOUT:-590}" operator.log 12 "$PY" benchmarks/operator.py --model bench-llama \
+    --dtype bfloat16 --seq-len 512 --windows 16 --json "$WORK/operator.json"
+}
+
 bench_entropy_1b() {  # a model the size of LLaMA-3.2-1B, where the GPU's time goes on the model, not on launches
   step bench-entropy-1b "${BENCH_TIMEOUT:-590}" entropy_1b.log 12 "$PY" benchmarks/entropy.py --model bench-llama-1b \
     --device cuda --seq-lens 1024,4096 --windows 16 --batch-size 4 --dtype bfloat16 --skip-longest \
@@ -216,6 +221,7 @@ fi
 if [[ "$PART" == bench || "$PART" == bench-jobs || "$PART" == all ]]; then
   bench_norms
   bench_pruning
+  bench_operator
   # the longest-seq_len search stops at 32768 (the issue's length) or at a 30-s run, to fit the call
   step bench-entropy "${BENCH_TIMEOUT:-590}" entropy.log 20 "$PY" benchmarks/entropy.py --device cuda \
     --seq-lens 512,1024,2048,4096 --windows 8 --dtype bfloat16 --max-seq-len 32768 --time-limit 30 \

@@ -2,7 +2,8 @@
 
 Starts `lmscope up` (SQLite, in-process worker) in a subprocess, trains a small GPT-2-style model on
 the built-in `wikitext-2` dataset, then runs the analyses on it — norm trajectories, attention
-entropy over the training checkpoints, head pruning over the checkpoints, and a reduced Sumformer sweep
+entropy over the training checkpoints, head pruning and the attention map's input dependence over the
+checkpoints, and a reduced Sumformer sweep
 plus the Performer/Linformer attention study — and prints where every result and plot is.
 """
 
@@ -104,6 +105,8 @@ def main() -> None:
                             "demo: attention entropy over training"))
         jobs.append(run_job(client, "pruning", dict(example("pruning_demo.json"), train_job=train["id"]),
                             "demo: removing attention heads, across training"))
+        jobs.append(run_job(client, "operator", dict(example("operator_demo.json"), train_job=train["id"]),
+                            "demo: input dependence of the attention map, across training"))
         jobs.append(run_job(client, "sweep", example("fig2.json"), "demo: reduced Sumformer Fig. 2 sweep"))
         jobs.append(run_job(client, "sweep", dict(example("attention_study_demo.json"), model=final_model),
                             f"demo: Performer/Linformer vs softmax attention on {final_model}"))

@@ -105,7 +105,7 @@ EXAMPLE_KINDS = {  # every bundled example and the kind it is for; what its user
     "attention_study": ("sweep", {}), "attention_study_demo": ("sweep", {}), "fig1": ("sweep", {}),
     "fig2": ("sweep", {}), "fig2_full": ("sweep", {}), "norms_demo": ("norms", {"model": "m"}),
     "entropy_demo": ("entropy", {"train_job": 1}), "entropy_dynamics": ("entropy", {"train_job": 1}),
-    "pruning_demo": ("pruning", {"model": "m"}), "train_demo": ("train", {}), "train_entropy_dynamics": ("train", {}),
+    "pruning_demo": ("pruning", {"model": "m"}), "operator_demo": ("operator", {"train_job": 1}), "train_demo": ("train", {}), "train_entropy_dynamics": ("train", {}),
 }
 
 

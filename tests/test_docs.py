@@ -76,7 +76,7 @@ def test_parameter_tables_in_the_docs_give_the_models_defaults():
 
     docs = {"docs/analyses/norms.md": ["norms"], "docs/analyses/entropy.md": ["entropy"],
             "docs/analyses/sweep.md": ["sweep", "sweep"],
-            "docs/analyses/pruning.md": ["pruning"], "docs/models-and-datasets.md": ["probe", "train"]}
+            "docs/analyses/pruning.md": ["pruning"], "docs/analyses/operator.md": ["operator"], "docs/models-and-datasets.md": ["probe", "train"]}
     checked = 0
     for doc, kinds in docs.items():
         tables = _parameter_tables(ROOT / doc)

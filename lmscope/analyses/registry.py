@@ -11,6 +11,7 @@ RUNNERS: dict[str, str] = {
     "norms": "lmscope.analyses.norms:run",
     "entropy": "lmscope.analyses.entropy:run",
     "pruning": "lmscope.analyses.pruning:run",
+    "operator": "lmscope.analyses.operator:run",
     "sumformer_fit": "lmscope.analyses.sumformer_fit:run_sumformer_fit",
     "attention_approx": "lmscope.analyses.attention_approx:run_attention_approx",
 }

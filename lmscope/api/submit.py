@@ -280,8 +280,9 @@ def check_layers(session: Session, parsed: list) -> None:
 
 
 def check_query_keys_read(session: Session, parsed: list) -> None:
-    """The entropy job's dimension-wise part reads each layer's q and k from lmscope's attention function:
-    on a model that computes its attention in its own modules it is refused now, not after a queue wait and
+    """The entropy job's dimension-wise part (each layer's q and k) and the operator job (its attention weights)
+    read from lmscope's attention functions: on a model that computes its attention in its own modules it is
+    refused now, not after a queue wait and
     a model load (the worker checks again; a `train_job`'s checkpoints are GPT-2 or LLaMA, always readable)."""
     for p in parsed:
         field, names = p.query_keys_read()
@@ -290,12 +291,18 @@ def check_query_keys_read(session: Session, parsed: list) -> None:
         own = session.execute(select(Model.name, Model.architecture).where(
             Model.name.in_(names), Model.architecture.in_(sorted(OWN_ATTENTION_MODULES)))).all()
         if own:
+            read = "q and k" if field == "dimension_wise" else "attention weights"
             msg = "; ".join(f"model {name!r} ({arch}) computes its attention in its own modules, so lmscope never "
-                            "sees its q and k" for name, arch in sorted(own))
-            raise Problem(422, "validation-error", "Dimension-wise entropy cannot read this model",
-                          f"{msg}; set {field}=false (the per-head entropies are still measured), or study a model "
-                          "whose attention goes through transformers' AttentionInterface (docs/models-and-datasets.md "
-                          "lists them)", errors=[{"loc": ["params", field], "msg": msg, "type": "unsupported_attention"}])
+                            f"sees its {read}" for name, arch in sorted(own))
+            instead = ("study a model whose attention goes through transformers' AttentionInterface "
+                       "(docs/models-and-datasets.md lists them)")
+            if field == "dimension_wise":
+                title, advice = ("Dimension-wise entropy cannot read this model",
+                                 f"set {field}=false (the per-head entropies are still measured), or {instead}")
+            else:
+                title, advice = "This job cannot read this model's attention", instead
+            raise Problem(422, "validation-error", title, f"{msg}; {advice}",
+                          errors=[{"loc": ["params", field], "msg": msg, "type": "unsupported_attention"}])
 
 
 def check_softmax_attention(session: Session, parsed: list) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from lmscope.params.base import MAX_JOB_ID, MAX_SEED, ChildSpec, JobParams, KindSpec
 from lmscope.params.entropy import EntropyParams
 from lmscope.params.norms import NormsParams
+from lmscope.params.operator import OperatorParams
 from lmscope.params.probe import ProbeParams
 from lmscope.params.pruning import PruningParams
 from lmscope.params.sweep import AttentionApproxParams, SumformerFitParams, SweepParams, expand_sweep
@@ -29,6 +30,8 @@ KINDS: dict[str, KindSpec] = {
         KindSpec("pruning", PruningParams, "each attention head's term, and the loss as heads are removed (UAT)",
                  example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 8,
                           "eval_segments": 8}),
+        KindSpec("operator", OperatorParams, "how far each head's linear map W'(x) depends on its input (UAT)",
+                 example={"model": "tiny-gpt2", "dataset": "wikitext-2", "seq_len": 128, "num_segments": 8}),
         # six points of Fig. 2's grid (example:fig2 is the documented reduced figure, `{}` the full-size one with one
         # seed: 100 children); the attention study's small one is example:attention_study_demo
         KindSpec("sweep", SweepParams, "approximation sweep; each grid point is a child job", expand=expand_sweep,

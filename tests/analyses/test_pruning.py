@@ -50,6 +50,22 @@ def run_job(tmp_path, loaded, documents, **params):
     return pruning.run(PruningParams(**params), ctx), ctx
 
 
+def explicit_values(block, x: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a GPT-2 or LLaMA block's input x [W, N, D] through its own projections: the values [W, H, N, d] (key/value
+    heads repeated for their query heads), W_O per head [H, d, D_out] and the output projection's bias."""
+    H = heads
+    if hasattr(block, "attn"):  # GPT-2: Conv1D, y = x @ weight
+        D = x.shape[-1]
+        v = block.attn.c_attn(block.ln_1(x))[..., 2 * D:]
+        v = v.view(*v.shape[:2], H, D // H).transpose(1, 2)  # [W, H, N, d]
+        return v, block.attn.c_proj.weight.view(H, D // H, D), block.attn.c_proj.bias  # head h: rows h·d … (h+1)·d
+    attn = block.self_attn  # LLaMA: query head h reads key/value head h // (H / KV)
+    d = attn.head_dim
+    v = attn.v_proj(block.input_layernorm(x))
+    v = v.view(*v.shape[:2], -1, d).transpose(1, 2).repeat_interleave(H // (v.shape[-1] // d), dim=1)
+    return v, attn.o_proj.weight.T.reshape(H, d, -1), torch.zeros((), dtype=torch.float64)
+
+
 @torch.no_grad()
 def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor, heads_per_unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Float64, from the model's eager attention matrices A_h: o_{l,h,t} = Σ_j A_h[t,j] (x̃_j W_V^h + b_V^h) W_O^h.
@@ -69,19 +85,7 @@ def explicit_head_terms(loaded: LoadedModel, windows: torch.Tensor, heads_per_un
     for layer, block in enumerate(blocks):
         x, A = run.hidden_states[layer], run.attentions[layer]  # [W, N, D], [W, H, N, N]
         H = A.shape[1]
-        if hasattr(block, "attn"):  # GPT-2: Conv1D, y = x @ weight
-            D = x.shape[-1]
-            v = block.attn.c_attn(block.ln_1(x))[..., 2 * D:]
-            v = v.view(*v.shape[:2], H, D // H).transpose(1, 2)  # [W, H, N, d]
-            w_o = block.attn.c_proj.weight.view(H, D // H, D)  # head h: rows h·d … (h+1)·d
-            bias = block.attn.c_proj.bias
-        else:  # LLaMA: query head h reads key/value head h // (H / KV)
-            attn = block.self_attn
-            d = attn.head_dim
-            v = attn.v_proj(block.input_layernorm(x))
-            v = v.view(*v.shape[:2], -1, d).transpose(1, 2).repeat_interleave(H // (v.shape[-1] // d), dim=1)
-            w_o = attn.o_proj.weight.T.reshape(H, d, -1)
-            bias = torch.zeros((), dtype=torch.float64)
+        v, w_o, bias = explicit_values(block, x, H)
         o = torch.einsum("whtj,whjd,hde->wthe", A, v, w_o)  # [W, N, H, D_out]
         torch.testing.assert_close(o.sum(2) + bias, outputs[layer], rtol=1e-9, atol=1e-9)  # MHA = Σ_h terms + b_O
         terms.append(o.view(*o.shape[:2], H // heads_per_unit, heads_per_unit, -1).sum(3).norm(dim=-1).numpy())

@@ -552,6 +552,21 @@ def test_dimension_wise_entropy_of_a_model_computing_its_own_attention_is_refuse
     assert api.submit(h, kind="entropy", params={"model": "gpt-j", "dataset": "d", "dimension_wise": True}).status_code == 202
 
 
+def test_an_operator_job_on_a_model_computing_its_own_attention_is_refused_at_submit(api):
+    """The operator job reads the attention weights from lmscope's attention function, which Falcon-like models
+    never call: refused at submit, naming the model, not after a queue wait and a model load."""
+    h = api.user("ann")
+    api.add_model("falcon-7b", architecture="falcon")
+    for params, field in (({"model": "falcon-7b"}, "model"), ({"models": ["m", "falcon-7b"]}, "models")):
+        body = is_problem(api.submit(h, kind="operator", params={**params, "dataset": "d"}), 422, "validation-error")
+        assert body["title"] == "This job cannot read this model's attention", body
+        assert "model 'falcon-7b' (falcon) computes its attention in its own modules" in body["detail"], body
+        assert "AttentionInterface" in body["detail"] and "dimension_wise" not in body["detail"]
+        assert body["errors"][0]["loc"] == ["params", field]
+    assert api.jobs() == []
+    assert api.submit(h, kind="operator", params={"model": "m", "dataset": "d"}).status_code == 202
+
+
 def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):
     """The job follows each (layer, head) across its models: a 2-layer and a 3-layer model failed in
     the worker with an IndexError, after measuring the first."""
