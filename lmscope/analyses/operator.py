@@ -11,7 +11,7 @@ did not choose, keeps the values v and W_O, and takes the relative change of the
     D_{l,h} = sqrt( Σ_{w,t} ‖(Ã_h − A_h(x_w)) v_h W_O^h‖²_t / Σ_{w,t} ‖A_h(x_w) v_h W_O^h‖²_t ),
 
 over every token t of the measured windows w. Replacements Ã:
-- other_window: another window's A_h (the one before it in its batch, cyclically): the same positions, other text;
+- other_window: another window's A_h (the one before it in its batch, cyclically): the same positions, the text before it;
 - mean: A_h averaged over the measured windows, Ā_h[t, j] = E_w A_h(x_w)[t, j] (a fixed pattern of positions:
   a previous-token head or a sink head is close to its mean, a head that looks up content is not);
 - uniform: 1 / (visible keys) over the visible keys (mean pooling; the entropy job's uniform bound).
