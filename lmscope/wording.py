@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import difflib
 
+# What to do about a model whose attention lmscope's attention functions never see
+STUDY_INTERFACE_MODEL = ("study a model whose attention goes through transformers' AttentionInterface "
+                         "(docs/models-and-datasets.md lists them)")
+
 
 def did_you_mean(word: str, names, cutoff: float = 0.6) -> str:
     """"; did you mean 'max_samples'?" for the closest of `names` to a misspelt `word`, or ""."""

@@ -24,7 +24,7 @@ from lmscope.catalog import OWN_ATTENTION_MODULES, SOFT_CAPPED_ATTENTION
 from lmscope.config import Settings
 from lmscope.db.models import ACTIVE_STATES, Dataset, Job, Model, User, utcnow
 from lmscope.params import KINDS, JobParams, UnknownKind, parent_kinds, validate_params, whole_floats_as_ints
-from lmscope.wording import article, did_you_mean
+from lmscope.wording import STUDY_INTERFACE_MODEL, article, did_you_mean
 
 # A job's name and tags are one line each in every listing: no tab, line break (also NEL, U+2028/9),
 # C1 control (U+009B starts a terminal escape) or direction control that makes it display as
@@ -279,30 +279,42 @@ def check_layers(session: Session, parsed: list) -> None:
                       errors=[{"loc": loc, "msg": m, "type": "layer_out_of_range"} for m, loc in errors.items()])
 
 
-def check_query_keys_read(session: Session, parsed: list) -> None:
-    """The entropy job's dimension-wise part (each layer's q and k) and the operator job (its attention weights)
-    read from lmscope's attention functions: on a model that computes its attention in its own modules it is
-    refused now, not after a queue wait and
-    a model load (the worker checks again; a `train_job`'s checkpoints are GPT-2 or LLaMA, always readable)."""
+def check_attention_read(session: Session, parsed: list) -> None:
+    """A job that reads q and k or attention weights from lmscope's attention functions (the entropy job's
+    dimension-wise part, the operator job) is refused now on a model that computes its attention in its own
+    modules, not after a queue wait and a model load (the worker checks again; a `train_job`'s checkpoints
+    are GPT-2 or LLaMA, always readable)."""
     for p in parsed:
-        field, names = p.query_keys_read()
-        if not names:
+        read = p.attention_read()
+        if read is None or not read.models:
             continue
         own = session.execute(select(Model.name, Model.architecture).where(
-            Model.name.in_(names), Model.architecture.in_(sorted(OWN_ATTENTION_MODULES)))).all()
+            Model.name.in_(read.models), Model.architecture.in_(sorted(OWN_ATTENTION_MODULES)))).all()
         if own:
-            read = "q and k" if field == "dimension_wise" else "attention weights"
             msg = "; ".join(f"model {name!r} ({arch}) computes its attention in its own modules, so lmscope never "
-                            f"sees its {read}" for name, arch in sorted(own))
-            instead = ("study a model whose attention goes through transformers' AttentionInterface "
-                       "(docs/models-and-datasets.md lists them)")
-            if field == "dimension_wise":
-                title, advice = ("Dimension-wise entropy cannot read this model",
-                                 f"set {field}=false (the per-head entropies are still measured), or {instead}")
-            else:
-                title, advice = "This job cannot read this model's attention", instead
-            raise Problem(422, "validation-error", title, f"{msg}; {advice}",
-                          errors=[{"loc": ["params", field], "msg": msg, "type": "unsupported_attention"}])
+                            f"sees its {read.reads}" for name, arch in sorted(own))
+            advice = f"{read.advice}, or {STUDY_INTERFACE_MODEL}" if read.advice else STUDY_INTERFACE_MODEL
+            raise Problem(422, "validation-error", read.title, f"{msg}; {advice}",
+                          errors=[{"loc": ["params", read.field], "msg": msg, "type": "unsupported_attention"}])
+
+
+def check_model_sizes(session: Session, parsed: list) -> None:
+    """A job too large for a model's recorded shape (the operator job's mean pattern) is refused now, not after
+    a queue wait and a model load; models whose layers and heads are not recorded are checked by the worker."""
+    for p in parsed:
+        names = p.model_refs()
+        if not names:
+            continue
+        for name, layers, heads, info in session.execute(select(Model.name, Model.num_layers, Model.num_heads,
+                                                                Model.info).where(Model.name.in_(names))):
+            if not (isinstance(layers, int) and isinstance(heads, int)):
+                continue
+            refusal = p.model_size_refusal(layers, heads, (info or {}).get("max_positions"))
+            if refusal is not None:
+                field, why = refusal
+                msg = f"model {name!r}: {why}"
+                raise Problem(422, "validation-error", "The job is too large for this model", msg,
+                              errors=[{"loc": ["params", field], "msg": msg, "type": "too_large_for_model"}])
 
 
 def check_softmax_attention(session: Session, parsed: list) -> None:
@@ -466,7 +478,8 @@ def create_job(session: Session, caller: Caller, settings: Settings, body: Submi
     check_context(session, [params, *child_params])
     check_layers(session, [params, *child_params])
     check_softmax_attention(session, [params])
-    check_query_keys_read(session, [params])
+    check_attention_read(session, [params])
+    check_model_sizes(session, [params])
     check_same_shapes(session, [params])
     check_model_names(session, caller, [params, *child_params])
     check_quota(session, caller, settings)

@@ -28,6 +28,18 @@ BosPerWindow = Annotated[bool, Field(
                 "non-overlapping windows of the token stream")]
 
 
+@dataclass(frozen=True)
+class AttentionRead:
+    """What a job reads from lmscope's attention function (which a model that computes its attention in its
+    own modules never calls), worded for the 422 that refuses such a model at submit."""
+
+    field: str  # the parameter the refusal points at
+    models: list[str]
+    reads: str  # "q and k", "attention weights": what lmscope would never see
+    title: str
+    advice: str = ""  # what to change besides studying another model, e.g. "set dimension_wise=false"
+
+
 class JobParams(BaseModel):
     """Parameters of one job kind. Unknown fields are an error (422 naming the field), and so is a
     float that is not finite: JSON has no inf, but an integer like 10**400 becomes one as a float."""
@@ -56,11 +68,16 @@ class JobParams(BaseModel):
         at submit against the model's number of layers."""
         return None
 
-    def query_keys_read(self) -> tuple[str, list[str]]:
-        """(field, models) whose layers' q and k the job reads from lmscope's attention function (the
-        entropy job's dimension-wise part); checked at submit against architectures that compute their
-        attention in their own modules."""
-        return "", []
+    def attention_read(self) -> AttentionRead | None:
+        """The models whose layers' q and k or attention weights the job reads from lmscope's attention
+        function (the entropy job's dimension-wise part, the operator job), or None; checked at submit
+        against architectures that compute their attention in their own modules."""
+        return None
+
+    def model_size_refusal(self, layers: int, heads: int, max_positions: int | None) -> tuple[str, str] | None:
+        """(field, why) when the job cannot run on a model of this many layers and heads (and context length,
+        None when unrecorded), e.g. over a memory limit; checked at submit from each model's recorded facts."""
+        return None
 
     def softmax_attention_read(self) -> str | None:
         """The model whose layers' q, k, v the job compares with its own softmax attention (the attention

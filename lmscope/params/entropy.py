@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from lmscope.params.base import BosPerWindow, DType, ModelSource, Seed
+from lmscope.params.base import AttentionRead, BosPerWindow, DType, ModelSource, Seed
 
 DEFAULT_SEQ_LEN = 512
 
@@ -40,5 +40,9 @@ class EntropyParams(ModelSource):
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.seq_len is not None else None
 
-    def query_keys_read(self) -> tuple[str, list[str]]:
-        return ("dimension_wise", self.model_refs()) if self.dimension_wise else ("", [])
+    def attention_read(self) -> AttentionRead | None:
+        if not self.dimension_wise:
+            return None
+        return AttentionRead("dimension_wise", self.model_refs(), "q and k",
+                             "Dimension-wise entropy cannot read this model",
+                             "set dimension_wise=false (the per-head entropies are still measured)")

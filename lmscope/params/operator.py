@@ -6,11 +6,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lmscope.params.base import BosPerWindow, DType, ModelSource
+from lmscope.params.base import AttentionRead, BosPerWindow, DType, ModelSource
 
 DEFAULT_SEQ_LEN = 256
 Replacement = Literal["other_window", "mean", "uniform"]
 REPLACEMENTS: tuple[Replacement, ...] = ("other_window", "mean", "uniform")
+MEAN_ATTENTION_BYTES = 4 << 30  # Ā for every layer and head, summed in float64: refused above this
 
 
 class OperatorParams(ModelSource):
@@ -51,6 +52,21 @@ class OperatorParams(ModelSource):
     def positions_read(self) -> tuple[str, int] | None:
         return ("seq_len", self.seq_len) if self.seq_len is not None else None
 
-    def query_keys_read(self) -> tuple[str, list[str]]:
-        # the attention weights come from lmscope's attention function, which such a model never calls
-        return ("model" if self.model else "models", self.model_refs())
+    def attention_read(self) -> AttentionRead:
+        # a train_job's checkpoints are GPT-2 or LLaMA (model_refs is empty then): always readable
+        return AttentionRead("model" if self.model else "models", self.model_refs(), "attention weights",
+                             "The operator job cannot read this model's attention")
+
+    def mean_attention_refusal(self, layers: int, heads: int, seq_len: int) -> str | None:
+        """Why `mean` cannot run on a model of this shape (its float64 sums over the memory limit), or None."""
+        size = 8 * layers * heads * seq_len ** 2
+        if "mean" not in self.replacements or size <= MEAN_ATTENTION_BYTES:
+            return None
+        return (f"the mean attention pattern of {layers} layers × {heads} heads at seq_len {seq_len} takes "
+                f"{size / 2**30:.1f} GiB (at most {MEAN_ATTENTION_BYTES >> 30} GiB): lower seq_len or drop 'mean' "
+                "from replacements")
+
+    def model_size_refusal(self, layers: int, heads: int, max_positions: int | None) -> tuple[str, str] | None:
+        seq_len = self.seq_len or (min(DEFAULT_SEQ_LEN, max_positions) if max_positions else DEFAULT_SEQ_LEN)
+        why = self.mean_attention_refusal(layers, heads, seq_len)
+        return ("replacements", why) if why else None

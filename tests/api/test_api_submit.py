@@ -559,12 +559,29 @@ def test_an_operator_job_on_a_model_computing_its_own_attention_is_refused_at_su
     api.add_model("falcon-7b", architecture="falcon")
     for params, field in (({"model": "falcon-7b"}, "model"), ({"models": ["m", "falcon-7b"]}, "models")):
         body = is_problem(api.submit(h, kind="operator", params={**params, "dataset": "d"}), 422, "validation-error")
-        assert body["title"] == "This job cannot read this model's attention", body
+        assert body["title"] == "The operator job cannot read this model's attention", body
         assert "model 'falcon-7b' (falcon) computes its attention in its own modules" in body["detail"], body
         assert "AttentionInterface" in body["detail"] and "dimension_wise" not in body["detail"]
         assert body["errors"][0]["loc"] == ["params", field]
     assert api.jobs() == []
     assert api.submit(h, kind="operator", params={"model": "m", "dataset": "d"}).status_code == 202
+
+
+def test_an_operator_mean_too_large_for_the_model_is_refused_at_submit(api):
+    """`mean` sums L × H × seq_len² weights in float64: 32 layers × 32 heads at seq_len 1024 is 8 × 32 × 32 × 1024²
+    bytes = 8.0 GiB, over the 4 GiB limit: refused now with what to change, not after a queue wait and a load."""
+    h = api.user("ann")
+    api.add_model("big", layers=32, heads=32, architecture="llama", info={"max_positions": 4096})
+    body = is_problem(api.submit(h, kind="operator", params={"model": "big", "dataset": "d", "seq_len": 1024}),
+                      422, "validation-error")
+    assert "model 'big': the mean attention pattern of 32 layers × 32 heads at seq_len 1024 takes 8.0 GiB" in body["detail"]
+    assert "lower seq_len or drop 'mean'" in body["detail"] and body["errors"][0]["loc"] == ["params", "replacements"]
+    assert api.jobs() == []
+    for params in ({"seq_len": 1024, "replacements": ["other_window", "uniform"]}, {}):  # default seq_len: 256
+        assert api.submit(h, kind="operator", params={"model": "big", "dataset": "d", **params}).status_code == 202
+    api.add_model("unrecorded", layers=None, heads=None)  # the worker checks it
+    assert api.submit(h, kind="operator", params={"model": "unrecorded", "dataset": "d", "seq_len": 16384}
+                      ).status_code == 202
 
 
 def test_entropy_over_models_of_different_shapes_is_refused_at_submit(api):
