@@ -40,10 +40,13 @@ from lmscope.analyses.norms import model_parts
 from lmscope.analyses.pruning import head_weights, output_projection
 from lmscope.catalog import kv_heads
 from lmscope.params.operator import DEFAULT_SEQ_LEN, OperatorParams
+from lmscope.wording import STUDY_INTERFACE_MODEL
 
 ATTENTION_NAME = "lmscope_operator"
 NAMED_HEADS = 5  # the most and least input-dependent heads the summary names
-MEAN_ATTENTION_BYTES = 4 << 30  # Ā for every layer and head, in float64: refused above this
+# ‖A·v − the model's attention output‖ / ‖output‖ above this fails the job: the weights read are not the ones
+# the model used. fp32 recomputes the same product; half types round the model's output (2^-8 relative, bf16).
+RECONSTRUCTION_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 
 # The measurement the attention function feeds, per thread (a worker's threads run different models).
 _ACTIVE: contextvars.ContextVar["OperatorMeasurement | None"] = contextvars.ContextVar("lmscope_operator",
@@ -55,7 +58,7 @@ def operator_attention_forward(module, query, key, value, attention_mask, **kwar
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise JobFailed(f"{type(module).__name__} has no eager_attention_forward beside it, where the operator job "
-                        "reads the attention weights; this architecture cannot be measured")
+                        f"reads the attention weights; {STUDY_INTERFACE_MODEL}")
     out, weights = eager(module, query, key, value, attention_mask, **kwargs)
     measurement = _ACTIVE.get()
     if measurement is not None:
@@ -86,16 +89,17 @@ def visible_keys(mask: torch.Tensor | None, batch: int, nq: int, nk: int, device
 class OperatorSums:
     """Sums over the measured tokens, per layer: the heads' terms ‖o‖² and, per replacement, ‖Δo‖²."""
 
-    term: np.ndarray  # [L, H] Σ ‖o_{h,t}‖²
+    term: np.ndarray  # [L, H] Σ ‖o_{h,t}‖² (0 for a silent head: W_O^h or its values zero)
     change: np.ndarray  # [R, L, H] Σ ‖Δo_{h,t}‖²
     layer_term: np.ndarray  # [L, N] Σ_w ‖Σ_h o_{h,t}‖² per position
     layer_change: np.ndarray  # [R, L, N]
-    reconstruction: np.ndarray  # [L] the largest ‖A·v − output‖ / ‖output‖ of a batch
+    reconstruction: np.ndarray  # [L] the largest ‖A·v − output‖ / ‖output‖ of a batch (NaN kept)
 
     @staticmethod
     def ratio(change: np.ndarray, term: np.ndarray) -> np.ndarray:
-        """sqrt(change / term), 0 where the term is 0 (a head that adds nothing has nothing to change)."""
-        return np.sqrt(np.divide(change, term, out=np.zeros_like(change), where=term > 0))
+        """sqrt(change / term), NaN where the term is 0: a head that adds nothing has no map to compare (and
+        would otherwise pass for the least input-dependent)."""
+        return np.sqrt(np.divide(change, term, out=np.full_like(change, np.nan), where=term > 0))
 
     @property
     def head(self) -> np.ndarray:
@@ -143,20 +147,30 @@ class OperatorMeasurement:
         self.calls = [0] * layers
 
     def finish_mean(self) -> None:
-        self.mean = [s / n for s, n in zip(self.mean_sum, self.windows_seen)]
-        self.mean_sum = [None] * len(self.mean_sum)
+        """Ā = Σ_w A / windows, in place, then float32 (what the measuring pass multiplies; half the memory)."""
+        for layer, n in enumerate(self.windows_seen):
+            self.mean[layer] = self.mean_sum[layer].div_(n).float()
+            self.mean_sum[layer] = None
         self.collecting_mean = False
+
+    def missed_layers(self, batches: int) -> JobFailed | None:
+        """The failure to raise when a layer's attention did not come through the attention function every batch."""
+        missed = [layer for layer, n in enumerate(self.calls) if n < batches]
+        if not missed:
+            return None
+        return JobFailed(f"the attention of layer(s) {', '.join(map(str, missed))} did not go through transformers' "
+                         f"AttentionInterface, where the operator job reads the weights; {STUDY_INTERFACE_MODEL}")
 
     def observe(self, module, weights: torch.Tensor, value: torch.Tensor, out: torch.Tensor, mask) -> None:
         layer = self.layer_of.get(id(module))
         if layer is None:
             raise JobFailed(f"an attention module ({type(module).__name__}) that is not a block's was called; "
-                            "the operator job measures the blocks' attention only")
+                            f"the operator job measures the blocks' attention only: {STUDY_INTERFACE_MODEL}")
         self.calls[layer] += 1
-        A = weights.float()  # [B, H, N, N]
+        A = weights.float()  # [B, H, N, N] (no copy in float32)
         batch, heads, nq, nk = A.shape
         if self.collecting_mean:
-            total = A.double().sum(0)
+            total = A.sum(0, dtype=torch.float64)
             self.mean_sum[layer] = total if self.mean_sum[layer] is None else self.mean_sum[layer] + total
             self.windows_seen[layer] += batch
             return
@@ -166,20 +180,20 @@ class OperatorMeasurement:
         own = out.float().transpose(1, 2)  # [B, H, N, d]
         error = float((z - own).norm() / own.norm().clamp_min(1e-30))
         s = self.sums
-        s.reconstruction[layer] = max(s.reconstruction[layer], error)
+        s.reconstruction[layer] = np.maximum(s.reconstruction[layer], error)  # NaN stays NaN
         w, gram = self.w_o[layer].to(z.device), self.grams[layer].to(z.device)
         s.term[layer] += torch.einsum("bhnd,hde,bhne->h", z, gram, z).double().cpu().numpy()
         y = torch.einsum("bhnd,hod->bno", z, w)  # the layer's term Σ_h o_h (no bias)
         s.layer_term[layer, :nq] += y.double().pow(2).sum((0, 2)).cpu().numpy()
         for r, name in enumerate(self.replacements):
             if name == "other_window":
-                replaced = A.roll(1, dims=0)
+                # window b's values under window b−1's weights: rolling v (N × d) copies less than rolling A (N × N)
+                dz = (A @ v.roll(-1, dims=0)).roll(1, dims=0) - z
             elif name == "mean":
-                replaced = self.mean[layer].to(A.device, torch.float32)[None]
+                dz = self.mean[layer][None] @ v - z
             else:
                 visible = visible_keys(mask, batch, nq, nk, A.device).float()
-                replaced = visible / visible.sum(-1, keepdim=True).clamp_min(1)
-            dz = replaced @ v - z
+                dz = (visible / visible.sum(-1, keepdim=True).clamp_min(1)) @ v - z
             s.change[r, layer] += torch.einsum("bhnd,hde,bhne->h", dz, gram, dz).double().cpu().numpy()
             dy = torch.einsum("bhnd,hod->bno", dz, w)
             s.layer_change[r, layer, :nq] += dy.double().pow(2).sum((0, 2)).cpu().numpy()
@@ -214,6 +228,8 @@ def measure_operator(model, windows: torch.Tensor, params: OperatorParams, heads
                     for batch in batches:
                         model(input_ids=windows[batch].to(device), use_cache=False)
                         report("averaging the attention weights")
+                if (missed := measurement.missed_layers(len(batches))) is not None:
+                    raise missed
                 measurement.finish_mean()
             measurement.start_sums()
             with ctx.stage("measure"):
@@ -221,18 +237,23 @@ def measure_operator(model, windows: torch.Tensor, params: OperatorParams, heads
                     model(input_ids=windows[batch].to(device), use_cache=False)
                     report("replacing the attention weights")
     except UnsupportedAttention as e:
-        raise JobFailed(f"{e}: the operator job reads the attention weights there; study a model whose attention "
-                        "goes through it (docs/models-and-datasets.md lists them)") from None
+        raise JobFailed(f"{e}: the operator job reads the attention weights there; {STUDY_INTERFACE_MODEL}") from None
     finally:
         _ACTIVE.reset(token)
-    missed = [layer for layer, n in enumerate(measurement.calls) if n < len(batches)]
-    if missed:
-        raise JobFailed(f"the attention of layer(s) {', '.join(map(str, missed))} did not go through transformers' "
-                        "AttentionInterface, where the operator job reads the weights; this architecture cannot be "
-                        "measured")
+    if (missed := measurement.missed_layers(len(batches))) is not None:
+        raise missed
     sums = measurement.sums
     if not (np.isfinite(sums.term).all() and np.isfinite(sums.change).all()):
         raise JobFailed(f"the attention terms reach inf or NaN in {params.dtype}: {overflow_advice(params.dtype)}")
+    tolerance = RECONSTRUCTION_TOLERANCE[params.dtype]
+    off = [layer for layer, e in enumerate(sums.reconstruction) if not e <= tolerance]  # NaN is off too
+    if off:
+        errors = ", ".join(f"{sums.reconstruction[layer]:.3g}" for layer in off)
+        raise JobFailed(f"layer(s) {', '.join(map(str, off))}: the attention weights read, times the values, differ "
+                        f"from the attention output the model computed by {errors} of its norm (at most "
+                        f"{tolerance:g} in {params.dtype}), so they are not the weights the "
+                        "model used and D would not measure its map; this architecture cannot be measured so "
+                        "(please report it with the model's config)")
     return sums
 
 
@@ -271,11 +292,8 @@ def run(params: OperatorParams, ctx: JobContext) -> JobOutput:
                             "follows the same heads across its models (checkpoints of one run): submit one job per "
                             "architecture")
         shape = (layers, heads, kv)
-        mean_bytes = 8 * layers * heads * params.seq_len ** 2
-        if "mean" in params.replacements and mean_bytes > MEAN_ATTENTION_BYTES:
-            raise JobFailed(f"the mean attention pattern of {layers} layers × {heads} heads at seq_len "
-                            f"{params.seq_len} takes {mean_bytes / 2**30:.1f} GiB (at most "
-                            f"{MEAN_ATTENTION_BYTES >> 30} GiB): lower seq_len or drop 'mean' from replacements")
+        if (too_large := params.mean_attention_refusal(layers, heads, params.seq_len)) is not None:
+            raise JobFailed(f"{name}: {too_large}")
         with ctx.stage("tokenize"):
             windows = dataset_windows(loaded.tokenizer, documents, params, name)
         if len(windows) < 2 and "other_window" in params.replacements:
@@ -314,6 +332,9 @@ def _output(params: OperatorParams, result: Measured, shape: tuple[int, int, int
     layers, heads, kv = shape
     ranked = replacements.index("mean") if "mean" in replacements else 0  # the heads are ranked by this one
     flat = head[ranked].ravel()
+    speaking = np.flatnonzero(np.isfinite(flat))  # a silent head (its term 0) has no D and no rank
+    order = speaking[np.argsort(flat[speaking], kind="stable")]
+    silent = np.flatnonzero(sums.term.ravel() == 0)
     summary = {
         "model": result.name,
         "dataset": params.dataset,
@@ -328,8 +349,10 @@ def _output(params: OperatorParams, result: Measured, shape: tuple[int, int, int
         "input_dependence_by_layer": {r: layer[i].tolist() for i, r in enumerate(replacements)},
         "mean_input_dependence": {r: float(layer[i].mean()) for i, r in enumerate(replacements)},
         "ranked_by": replacements[ranked],
-        "most_input_dependent_heads": _named(head[ranked], np.argsort(-flat, kind="stable")[:NAMED_HEADS]),
-        "least_input_dependent_heads": _named(head[ranked], np.argsort(flat, kind="stable")[:NAMED_HEADS]),
+        "most_input_dependent_heads": _named(head[ranked], order[::-1][:NAMED_HEADS]),
+        "least_input_dependent_heads": _named(head[ranked], order[:NAMED_HEADS]),
+        # heads whose term is 0 on every token (W_O^h or their values zero): D is null for them
+        "silent_heads": [{"layer": int(i // heads), "head": int(i % heads)} for i in silent],
         # the largest ‖A·v − the model's attention output‖ / ‖output‖ of a batch: the decomposition's check
         "reconstruction_error": float(sums.reconstruction.max()),
         "attention": "eager",  # the model's own eager attention: N × N weights per layer

@@ -23,12 +23,12 @@ def heatmaps(path: Path, head: np.ndarray, replacements: list[str], source: str,
     width = max(4.2, 1.6 + cell_w * heads)
     fig, axes = plt.subplots(1, panels, figsize=(width * panels + 1.2, max(3.4, 1.9 + cell_h * layers)),
                              squeeze=False)
-    top = float(head.max()) or 1.0
+    top = float(np.nanmax(head, initial=0.0)) or 1.0  # NaN: a silent head, drawn blank
     for ax, values, name in zip(axes[0], head, replacements):
         im = ax.imshow(values, cmap="viridis", aspect="auto", vmin=0.0, vmax=top)
         if annotated:
             for (layer, h), v in np.ndenumerate(values):
-                ax.text(h, layer, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                ax.text(h, layer, "silent" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
                         color="black" if v > 0.6 * top else "white")
         ax.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers, 64))
         ax.set_title(f"replaced by {REPLACEMENT_TITLES[name]}", fontsize=10)

@@ -101,9 +101,14 @@ def test_input_dependence_is_the_explicit_map_with_its_weights_replaced(arch, do
     assert {"input_dependence.png", "input_dependence_by_position.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def module_head_dim(model) -> int:
+    return getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+
+
 def zero_queries(model) -> None:
     """Every query weight and bias zero: every attention row is uniform over its visible keys, whatever the
-    input (RoPE and query norms keep a zero query zero, soft-capping keeps a zero score zero)."""
+    input (RoPE and query norms keep a zero query zero, soft-capping keeps a zero score zero); fused
+    projections are zeroed where each lays out its queries."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.endswith("q_proj"):
@@ -116,11 +121,21 @@ def zero_queries(model) -> None:
                 else:
                     module.weight[:width] = 0
                 module.bias[:width] = 0
+            elif name.endswith("query_key_value"):  # GPT-NeoX: per head [q | k | v], each head_size wide
+                heads = model.config.num_attention_heads
+                module.weight.view(heads, 3, -1, module.weight.shape[-1])[:, 0] = 0
+                if module.bias is not None:
+                    module.bias.view(heads, 3, -1)[:, 0] = 0
+            elif name.endswith("qkv_proj"):  # Phi-3: [all queries | keys | values]
+                width = model.config.num_attention_heads * module_head_dim(model)
+                module.weight[:width] = 0
+                if module.bias is not None:
+                    module.bias[:width] = 0
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_a_model_whose_attention_is_uniform_whatever_the_input_has_no_input_dependence(arch, documents, tmp_path):
-    """Every architecture with queries named q_proj (or GPT-2's): with zero queries each head's map is mean
+    """Every architecture whose attention goes through the interface: with zero queries each head's map is mean
     pooling over the keys it sees (sliding windows and all), so every replacement gives 0; the model's logits
     through the job's attention function are its own. Architectures computing attention in their own modules
     are refused with what to do."""
@@ -128,7 +143,8 @@ def test_a_model_whose_attention_is_uniform_whatever_the_input_has_no_input_depe
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     named = [n for n, _ in model.named_modules()]
     if not runs_through_lmscope_attention(model):
-        with pytest.raises(JobFailed, match="AttentionInterface|attention"):
+        with pytest.raises(JobFailed, match=r"AttentionInterface.*study a model whose attention goes through .*"
+                                            r"\(docs/models-and-datasets.md lists them\)"):
             run_job(tmp_path, {"m": LoadedModel("m", model, byte_tokenizer())}, documents, num_segments=2)
         return
     ids = torch.randint(0, 250, (2, 12))
@@ -140,8 +156,7 @@ def test_a_model_whose_attention_is_uniform_whatever_the_input_has_no_input_depe
         with attention_implementation(model, operator.ATTENTION_NAME):
             through = model(input_ids=ids).logits
     torch.testing.assert_close(through, own, rtol=1e-5, atol=1e-5)
-    if not any(n.endswith(("q_proj", "attn.c_attn")) for n in named):
-        return  # GPT-NeoX and Phi-3 fuse their queries with keys and values in one projection laid out otherwise
+    assert any(n.endswith(("q_proj", "attn.c_attn", "query_key_value", "qkv_proj")) for n in named), named
     zero_queries(model)
     out, _ = run_job(tmp_path, {"m": LoadedModel("m", model, byte_tokenizer())}, documents, num_segments=4)
     saved = np.load(tmp_path / "operator.npz")
@@ -184,11 +199,81 @@ def test_what_the_job_cannot_measure_is_refused_with_what_to_change(documents, t
     with pytest.raises(JobFailed, match="other_window needs two"):
         run_job(tmp_path, {"m": loaded}, ["one short document, ninety bytes long: " * 2 + "a"], seq_len=60,
                 num_segments=2)
-    monkeypatch.setattr(operator, "MEAN_ATTENTION_BYTES", 1000)
+    monkeypatch.setattr("lmscope.params.operator.MEAN_ATTENTION_BYTES", 1000)
     with pytest.raises(JobFailed, match="lower seq_len or drop 'mean'"):
         run_job(tmp_path, {"m": loaded}, documents)
     out, _ = run_job(tmp_path, {"m": loaded}, documents, replacements=["other_window"])
     assert out.summary["ranked_by"] == "other_window"
+
+
+@pytest.mark.parametrize("wrong", ["weights", "output"])
+def test_weights_that_did_not_make_the_output_fail_the_job(wrong, documents, tmp_path, monkeypatch):
+    """A·v must give the attention output the model computed: weights shifted by a row (or an output gone NaN)
+    mean D would not measure the model's map, so the job fails naming the layers instead of reporting it."""
+    import transformers.models.gpt2.modeling_gpt2 as gpt2
+
+    own = gpt2.eager_attention_forward
+
+    def tampered(module, query, key, value, mask, **kwargs):
+        out, weights = own(module, query, key, value, mask, **kwargs)
+        if wrong == "weights":
+            return out, weights.roll(1, dims=-2)
+        return (out * float("nan") if module.layer_idx == 2 else out), weights  # the last layer: the terms stay finite
+
+    monkeypatch.setattr(gpt2, "eager_attention_forward", tampered)
+    said = r"0, 1, 2: the attention weights read.*by [0-9.]+, [0-9.]+, [0-9.]+ of" if wrong == "weights" else r"2: .* by nan of"
+    with pytest.raises(JobFailed, match=rf"layer\(s\) {said} its norm \(at most 0.0001 in float32\)"):
+        run_job(tmp_path, {"m": tiny("gpt2")}, documents, replacements=["uniform"])
+
+
+def test_a_layer_whose_attention_skips_the_interface_fails_the_job_in_either_pass(documents, tmp_path):
+    """A block computing its attention in its own module never hands its weights over: the job says which layer,
+    in the mean's pass as in the measuring one (not a TypeError from a missing sum)."""
+    for replacements in (["mean"], ["uniform"]):
+        loaded = tiny("gpt2")
+        attention = loaded.model.transformer.h[1].attn
+        attention.forward = lambda hidden_states, *args, **kwargs: (torch.zeros_like(hidden_states), None)
+        with pytest.raises(JobFailed, match=r"layer\(s\) 1 did not go through transformers' AttentionInterface"
+                                            r".*docs/models-and-datasets.md"):
+            run_job(tmp_path, {"m": loaded}, documents, replacements=replacements)
+
+
+def test_a_silent_head_has_no_input_dependence_and_no_rank(documents, tmp_path):
+    """A head whose output projection is zero adds nothing: its D is undefined (NaN in the npz, null in the
+    series), it is listed as silent and never ranked least input-dependent; the other heads are unchanged."""
+    loaded = tiny("gpt2")
+    before, _ = run_job(tmp_path / "before", {"m": loaded}, documents)
+    head_dim = 32 // 4
+    with torch.no_grad():
+        loaded.model.transformer.h[2].attn.c_proj.weight[head_dim:2 * head_dim] = 0  # Conv1D [in, out]: head 1
+    after, _ = run_job(tmp_path / "after", {"m": loaded}, documents)
+    was = np.load(tmp_path / "before" / "operator.npz")["input_dependence"]
+    now = np.load(tmp_path / "after" / "operator.npz")["input_dependence"]
+    assert np.isnan(now[:, 2, 1]).all() and np.isfinite(np.delete(now.reshape(3, -1), 2 * 4 + 1, axis=1)).all()
+    np.testing.assert_allclose(np.delete(now.reshape(3, -1), 9, axis=1), np.delete(was.reshape(3, -1), 9, axis=1),
+                               rtol=1e-6)
+    assert after.summary["silent_heads"] == [{"layer": 2, "head": 1}] and before.summary["silent_heads"] == []
+    ranked = {(h["layer"], h["head"]) for h in after.summary["least_input_dependent_heads"]
+              + after.summary["most_input_dependent_heads"]}
+    assert (2, 1) not in ranked and len(after.summary["least_input_dependent_heads"]) == operator.NAMED_HEADS
+    least = min((v, l, h) for (l, h), v in np.ndenumerate(now[1]) if np.isfinite(v))
+    assert after.summary["least_input_dependent_heads"][0] == {"layer": least[1], "head": least[2],
+                                                               "input_dependence": pytest.approx(least[0])}
+    series = next(s for s in after.series if s.name == "input_dependence" and s.labels == {"layer": 2,
+                                                                                          "replacement": "mean"})
+    assert np.isnan(series.y[1])  # stored as null (the runner turns NaN into JSON null)
+
+
+def test_in_bfloat16_the_job_measures_what_float32_measures(documents, tmp_path):
+    """The half-precision route (weights rounded, softmax in float32, output in bfloat16) passes its own
+    reconstruction tolerance and gives D close to float32's."""
+    loaded = tiny("llama")
+    full, _ = run_job(tmp_path / "fp32", {"m": loaded}, documents)
+    half = LoadedModel("m", copy.deepcopy(loaded.model).to(torch.bfloat16), loaded.tokenizer)
+    rounded, _ = run_job(tmp_path / "bf16", {"m": half}, documents, dtype="bfloat16")
+    assert 1e-5 < rounded.summary["reconstruction_error"] < operator.RECONSTRUCTION_TOLERANCE["bfloat16"]
+    np.testing.assert_allclose(np.load(tmp_path / "bf16" / "operator.npz")["input_dependence"],
+                               np.load(tmp_path / "fp32" / "operator.npz")["input_dependence"], rtol=0.05, atol=0.01)
 
 
 @pytest.mark.parametrize("given, said", [({"replacements": ["mean", "mean"]}, "twice"),
