@@ -165,13 +165,14 @@ class OperatorMeasurement:
         layer = self.layer_of.get(id(module))
         if layer is None:
             raise JobFailed(f"an attention module ({type(module).__name__}) that is not a block's was called; "
-                            f"the operator job measures the blocks' attention only: {STUDY_INTERFACE_MODEL}")
+                            "the operator job measures the blocks' attention only, so it cannot measure this "
+                            "architecture")
         self.calls[layer] += 1
         A = weights.float()  # [B, H, N, N] (no copy in float32)
         batch, heads, nq, nk = A.shape
         if self.collecting_mean:
             total = A.sum(0, dtype=torch.float64)
-            self.mean_sum[layer] = total if self.mean_sum[layer] is None else self.mean_sum[layer] + total
+            self.mean_sum[layer] = total if self.mean_sum[layer] is None else self.mean_sum[layer].add_(total)
             self.windows_seen[layer] += batch
             return
         # query head h reads key/value head h // (H / KV), as transformers' repeat_kv lays them out
@@ -320,6 +321,11 @@ def run(params: OperatorParams, ctx: JobContext) -> JobOutput:
     return output
 
 
+def _mean_over_layers(values: np.ndarray) -> float | None:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else None
+
+
 def _named(values: np.ndarray, indices) -> list[dict]:
     heads = values.shape[1]
     return [{"layer": int(i // heads), "head": int(i % heads), "input_dependence": float(values.ravel()[i])}
@@ -333,8 +339,7 @@ def _output(params: OperatorParams, result: Measured, shape: tuple[int, int, int
     ranked = replacements.index("mean") if "mean" in replacements else 0  # the heads are ranked by this one
     flat = head[ranked].ravel()
     speaking = np.flatnonzero(np.isfinite(flat))  # a silent head (its term 0) has no D and no rank
-    order = speaking[np.argsort(flat[speaking], kind="stable")]
-    silent = np.flatnonzero(sums.term.ravel() == 0)
+    silent = np.flatnonzero(~(sums.term.ravel() > 0))
     summary = {
         "model": result.name,
         "dataset": params.dataset,
@@ -347,10 +352,13 @@ def _output(params: OperatorParams, result: Measured, shape: tuple[int, int, int
         "replacements": list(replacements),
         # per replacement: the layer's D (its heads summed), per layer, and their mean over layers
         "input_dependence_by_layer": {r: layer[i].tolist() for i, r in enumerate(replacements)},
-        "mean_input_dependence": {r: float(layer[i].mean()) for i, r in enumerate(replacements)},
+        # (a layer whose every head is silent has no D and is left out)
+        "mean_input_dependence": {r: _mean_over_layers(layer[i]) for i, r in enumerate(replacements)},
         "ranked_by": replacements[ranked],
-        "most_input_dependent_heads": _named(head[ranked], order[::-1][:NAMED_HEADS]),
-        "least_input_dependent_heads": _named(head[ranked], order[:NAMED_HEADS]),
+        "most_input_dependent_heads": _named(head[ranked],
+                                             speaking[np.argsort(-flat[speaking], kind="stable")][:NAMED_HEADS]),
+        "least_input_dependent_heads": _named(head[ranked],
+                                              speaking[np.argsort(flat[speaking], kind="stable")][:NAMED_HEADS]),
         # heads whose term is 0 on every token (W_O^h or their values zero): D is null for them
         "silent_heads": [{"layer": int(i // heads), "head": int(i % heads)} for i in silent],
         # the largest ‖A·v − the model's attention output‖ / ‖output‖ of a batch: the decomposition's check
@@ -375,7 +383,8 @@ def _over_training(output: JobOutput, params: OperatorParams, results: list[Meas
     output.summary["over_training"] = {
         "steps": steps,
         "models": [r.name for r in results],
-        "mean_input_dependence": {rep: layer[:, i].mean(-1).tolist() for i, rep in enumerate(params.replacements)},
+        "mean_input_dependence": {rep: [_mean_over_layers(row) for row in layer[:, i]]
+                                  for i, rep in enumerate(params.replacements)},
     }
     output.summary["summary_of"] = results[-1].name
     for i, rep in enumerate(params.replacements):

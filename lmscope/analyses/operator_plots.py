@@ -29,7 +29,7 @@ def heatmaps(path: Path, head: np.ndarray, replacements: list[str], source: str,
         if annotated:
             for (layer, h), v in np.ndenumerate(values):
                 ax.text(h, layer, "silent" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if v > 0.6 * top else "white")
+                        color="black" if np.isnan(v) or v > 0.6 * top else "white")
         ax.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers, 64))
         ax.set_title(f"replaced by {REPLACEMENT_TITLES[name]}", fontsize=10)
     fig.colorbar(im, ax=list(axes[0]), label="relative change of the head's term")
