@@ -30,7 +30,10 @@ the random and largest-first ones.
 4. Optionally (`gradient_importance`), Michel et al.'s (2019) importance: scale each head's z_h by a gate
    ξ_{l,h} = 1 per window w and take I_{l,h} = E_w |∂L_w/∂ξ_{l,h}| (L_w: the window's mean next-token loss),
    one backward pass per batch. Removing the head sets ξ from 1 to 0, so −E_w ∂L_w/∂ξ is the first-order
-   estimate of Δ_{l,h}; the order `least_important_first` removes the smallest I first.
+   estimate of Δ_{l,h}; the order `least_important_first` removes the smallest I first, and
+   `least_important_iterative` is the paper's procedure: before each point of `fractions` it takes I again on
+   the model with the heads so far removed and removes the least important of the rest. With
+   `normalize_importance` both rank by I_{l,h} / ‖I_{l,·}‖₂, the paper's layer-wise normalisation.
 """
 
 from __future__ import annotations
@@ -206,17 +209,19 @@ class HeadHooks:
         def hook(module, args):
             z = args[0]
             per_head = z.reshape(*z.shape[:-1], self.heads, z.shape[-1] // self.heads)  # [B, N, H, d]
+            mask = self.masks[layer]
+            if mask is not None:  # removed heads stay removed under the gates (the iterative importance)
+                per_head = per_head * mask.to(z.dtype)[:, None]
             if self.gates is not None:
                 gate = self.gates[layer]  # [B, H]: one gate per window, so ∂ of the summed losses is per window
                 if z.dim() != 3 or z.shape[0] != gate.shape[0]:
                     raise JobFailed(f"the attention output projection of layer {layer} reads a {list(z.shape)} "
                                     f"tensor, not [windows, tokens, features]; the gradient importance cannot tell "
                                     "the windows apart there: set gradient_importance to false")
-                return ((per_head * gate.to(z.dtype)[:, None, :, None]).view_as(z),) + tuple(args[1:])
-            mask = self.masks[layer]
-            if mask is not None:
-                return ((per_head * mask.to(z.dtype)[:, None]).view_as(z),) + tuple(args[1:])
-            return None
+                per_head = per_head * gate.to(z.dtype)[:, None, :, None]
+            if mask is None and self.gates is None:
+                return None
+            return (per_head.reshape(z.shape),) + tuple(args[1:])
         return hook
 
     def remove_heads(self, removed: list[tuple[int, int]]) -> None:
@@ -351,11 +356,56 @@ def rank_correlation(a: np.ndarray, b: np.ndarray) -> float | None:
     return float((ra * rb).sum() / denominator) if denominator > 0 else None
 
 
+def normalized_by_layer(importance: np.ndarray) -> np.ndarray:
+    """I_{l,h} / ‖I_{l,·}‖₂ (Michel et al.'s layer-wise normalisation); a layer whose importances are all 0 stays 0."""
+    norms = np.sqrt((importance ** 2).sum(1, keepdims=True))
+    return np.divide(importance, norms, out=np.zeros_like(importance), where=norms > 0)
+
+
+def ranking_importance(importance: np.ndarray, params: PruningParams) -> np.ndarray:
+    return normalized_by_layer(importance) if params.normalize_importance else importance
+
+
+def iterative_importance_order(model, hooks: HeadHooks, windows: torch.Tensor, params: PruningParams,
+                               counts: list[int], importance: np.ndarray, report) -> np.ndarray:
+    """Michel et al.'s iterative pruning as one removal order: up to each count, the least important remaining
+    units go, their importance taken on the model with the units before them removed (`importance`: the
+    unpruned model's, for the first step). The rest follow by the last importance taken."""
+    units = importance.shape[1]
+    removed: list[int] = []
+    current = importance
+    for k in counts:
+        if k <= len(removed):
+            continue
+        if removed:  # the first step ranks by the unpruned importance, already taken
+            hooks.remove_heads([divmod(i, units) for i in removed])
+            try:
+                current, _ = gradient_importance(model, hooks, windows, params.batch_size, report)
+            finally:
+                hooks.remove_heads([])
+            if not np.isfinite(current).all():
+                raise JobFailed(f"the loss's gradient reaches inf or NaN in {params.dtype} once heads are removed: "
+                                f"{overflow_advice(params.dtype)}")
+        gone = set(removed)
+        rest = [i for i in np.argsort(ranking_importance(current, params).ravel(), kind="stable") if i not in gone]
+        removed += [int(i) for i in rest[:k - len(removed)]]
+    gone = set(removed)
+    return np.array(removed + [int(i) for i in np.argsort(ranking_importance(current, params).ravel(), kind="stable")
+                               if i not in gone])
+
+
+def iterative_passes(counts: list[int], total: int) -> int:
+    """Gradient passes the iterative order takes beyond the unpruned one: one before each count after the first
+    nonzero, except the count removing every unit (nothing left to rank)."""
+    steps = [k for k in counts if k > 0]
+    return len([k for k in steps[1:] if k < total])
+
+
 def removal_orders(contribution: np.ndarray, params: PruningParams, harm: np.ndarray | None = None,
                    importance: np.ndarray | None = None) -> dict[str, list[np.ndarray]]:
     """Per order, the flat head indices (layer · H + head) in the order they are removed; ties by index.
     `harm`: each head's single-head loss increase, for least_harm_first; `importance`: each head's gradient
-    importance, for least_important_first."""
+    importance, for least_important_first (least_important_iterative is measured apart)."""
     flat = contribution.ravel()
     orders: dict[str, list[np.ndarray]] = {}
     if "smallest_first" in params.orders:
@@ -365,7 +415,7 @@ def removal_orders(contribution: np.ndarray, params: PruningParams, harm: np.nda
     if "least_harm_first" in params.orders:
         orders["least_harm_first"] = [np.argsort(harm.ravel(), kind="stable")]
     if "least_important_first" in params.orders:
-        orders["least_important_first"] = [np.argsort(importance.ravel(), kind="stable")]
+        orders["least_important_first"] = [np.argsort(ranking_importance(importance, params).ravel(), kind="stable")]
     if "random" in params.orders:
         rng = np.random.default_rng(params.seed)
         orders["random"] = [rng.permutation(flat.size) for _ in range(params.random_orders)]
@@ -466,6 +516,10 @@ def prune_model(model, units: int, params: PruningParams, measure_windows: torch
                 raise JobFailed(f"the loss's gradient reaches inf or NaN in {params.dtype}: "
                                 f"{overflow_advice(params.dtype)}")
         orders = removal_orders(terms.contribution, params, harm, importance)
+        if "least_important_iterative" in params.orders:
+            with ctx.stage("importance_iterative"):
+                orders["least_important_iterative"] = [iterative_importance_order(
+                    model, hooks, measure_windows, params, counts, importance, report)]
         # each distinct set of removed units is evaluated once (k = 0 and k = all are every order's)
         plan: dict[frozenset, None] = {frozenset(): None}
         for perms in orders.values():
@@ -530,7 +584,8 @@ def run(params: PruningParams, ctx: JobContext) -> JobOutput:
         measure_batches = math.ceil(len(measure_windows) / params.batch_size)
         inner = [k for k in counts if 0 < k < total]
         planned = 1 + len(inner) * sum(params.random_orders if o == "random" else 1 for o in params.orders) + (total in counts)
-        passes = 1 + (total if params.single_head_ablation else 0) + params.gradient_importance
+        passes = (1 + (total if params.single_head_ablation else 0) + params.gradient_importance
+                  + ("least_important_iterative" in params.orders) * iterative_passes(counts, total))
         report.start_model(measure_batches * passes, planned,
                            math.ceil(len(eval_windows) / params.batch_size))
         backends.add(own_attention(model))
@@ -689,13 +744,14 @@ def _output(params: PruningParams, heads: int, kv: int, result: Pruned, counts: 
         }
     if importance is not None:
         flat = importance.ravel()
-        least = np.argsort(flat, kind="stable")[:NAMED_HEADS]  # as least_important_first removes them
+        least = np.argsort(flat, kind="stable")[:NAMED_HEADS]  # by the unnormalised I, as reported
         most = np.argsort(-flat, kind="stable")[:NAMED_HEADS]
         summary["gradient_importance"] = {
             "rank_correlation": rank_correlation(contribution, importance),  # Spearman's ρ between c and I
             "least_important_heads": [dict(h, importance=float(flat[i])) for h, i in zip(named(least), least)],
             "most_important_heads": [dict(h, importance=float(flat[i])) for h, i in zip(named(most), most)],
             "max_importance": float(flat.max()),
+            "normalized_by_layer": params.normalize_importance,  # whether the importance orders ranked I / ‖I_l‖₂
         }
         if harm is not None:  # how far the gradient predicts what removing each head alone costs
             summary["gradient_importance"]["rank_correlation_with_ablation"] = rank_correlation(importance, harm)

@@ -12,7 +12,8 @@ ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "largest_first": ("largest term first", "tab:red"),
                "random": ("random order", "tab:gray"),
                "least_harm_first": ("least harm when removed alone first", "tab:blue"),
-               "least_important_first": ("least gradient importance first", "tab:purple")}
+               "least_important_first": ("least gradient importance first", "tab:purple"),
+               "least_important_iterative": ("least importance, re-taken at each step", "tab:pink")}
 # the unit's name in a label: singular, plural
 UNIT_NAMES = {"head": ("head", "heads"), "kv_group": ("key/value group", "key/value groups"),
               "layer": ("layer's attention", "layers' attention")}

@@ -11,7 +11,9 @@ from lmscope.params.base import BosPerWindow, DType, ModelSource, Seed
 DEFAULT_SEQ_LEN = 256
 # the default; least_harm_first needs single_head_ablation, least_important_first gradient_importance
 ORDERS = ("smallest_first", "largest_first", "random")
-Order = Literal["smallest_first", "largest_first", "random", "least_harm_first", "least_important_first"]
+Order = Literal["smallest_first", "largest_first", "random", "least_harm_first", "least_important_first",
+                "least_important_iterative"]
+IMPORTANCE_ORDERS = ("least_important_first", "least_important_iterative")
 Unit = Literal["head", "kv_group", "layer"]
 
 
@@ -41,12 +43,15 @@ class PruningParams(ModelSource):
         [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], min_length=1, max_length=101,
         description="shares of all units (layers × heads, groups or layers) removed at each point, rounded to whole "
                     "units; increasing")
-    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=5,
+    orders: list[Order] = Field(list(ORDERS), min_length=1, max_length=6,
                                 description="in which order heads are removed: smallest_first (the smallest "
                                             "measured term first), largest_first, random, least_harm_first (the "
                                             "smallest single-head loss increase first; needs single_head_ablation), "
                                             "least_important_first (the smallest gradient importance first; needs "
-                                            "gradient_importance)")
+                                            "gradient_importance), least_important_iterative (Michel et al.'s "
+                                            "procedure: before each point of fractions the gradient importance is "
+                                            "taken again with the heads so far removed, and the least important of "
+                                            "the rest go next; needs gradient_importance)")
     random_orders: int = Field(3, ge=1, le=100, description="random orders drawn (from seed) when orders has random")
     tolerance: float = Field(0.01, gt=0, le=10, description="a relative loss increase up to this counts as harmless "
                                                            "in the summary's prunable fraction")
@@ -60,6 +65,11 @@ class PruningParams(ModelSource):
                            "forward and backward pass per batch): its rank correlation with the measured terms, the "
                            "first-order estimate of each head's single-head loss increase, and the order "
                            "least_important_first")
+    normalize_importance: bool = Field(
+        False, description="rank by each layer's gradient importances divided by their L2 norm over the layer's "
+                           "units (Michel et al. 2019's layer-wise normalisation), in least_important_first and "
+                           "least_important_iterative; the reported importances stay unnormalised. Not with "
+                           "unit='layer' (one unit per layer: every layer would rank 1)")
     batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass")
     dtype: DType = "float32"
     bos_per_window: BosPerWindow = False
@@ -87,9 +97,17 @@ class PruningParams(ModelSource):
         if "least_harm_first" in self.orders and not self.single_head_ablation:
             raise ValueError("the order least_harm_first ranks heads by removing each alone: set "
                              "single_head_ablation to true, or drop least_harm_first from orders")
-        if "least_important_first" in self.orders and not self.gradient_importance:
-            raise ValueError("the order least_important_first ranks heads by their gradient importance: set "
-                             "gradient_importance to true, or drop least_important_first from orders")
+        for order in IMPORTANCE_ORDERS:
+            if order in self.orders and not self.gradient_importance:
+                raise ValueError(f"the order {order} ranks heads by their gradient importance: set "
+                                 f"gradient_importance to true, or drop {order} from orders")
+        if self.normalize_importance and self.unit == "layer":
+            raise ValueError("normalize_importance divides each layer's importances by their norm over the layer's "
+                             "units; with unit='layer' there is one per layer and every layer would rank 1: set "
+                             "normalize_importance to false, or unit to 'head' or 'kv_group'")
+        if self.normalize_importance and not set(IMPORTANCE_ORDERS) & set(self.orders):
+            raise ValueError("normalize_importance changes only the importance orders: add least_important_first "
+                             "or least_important_iterative to orders, or set normalize_importance to false")
         return self
 
     def dataset_refs(self) -> list[str]:

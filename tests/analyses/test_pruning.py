@@ -491,10 +491,76 @@ def test_gradient_importance_is_each_windows_loss_derivative_in_the_units_gate(a
     assert all(p.requires_grad for p in loaded.model.parameters())  # and the weights are left as they were
 
 
+def finite_difference_importance(model, removed: list[int], windows: torch.Tensor, heads: int = 4) -> np.ndarray:
+    """[L, H] E_w |∂L_w/∂ξ| by five-point central differences in float64 copies with the removed heads' W_O zero and
+    each other head's W_O scaled by 1 + kε (removed heads: 0)."""
+    base = zeroed_heads_copy(model, [divmod(i, heads) for i in removed], heads)
+    layers = len(pruning.model_parts(base).blocks)
+    importance = np.zeros((layers, heads))
+    eps = 1e-2
+    for layer in range(layers):
+        for head in range(heads):
+            if layer * heads + head in removed:
+                continue
+            at = {k: window_losses(scaled_units_copy(base, layer, [head], 1 + k * eps, heads), windows)
+                  for k in (-2, -1, 1, 2)}
+            importance[layer, head] = np.abs((at[-2] - 8 * at[-1] + 8 * at[1] - at[2]) / (12 * eps)).mean()
+    return importance
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_the_iterative_order_takes_the_importance_again_with_the_removed_heads_gone(normalize, documents, tmp_path):
+    """Michel et al.'s procedure, checked step by step against central differences on copies with the heads so far
+    removed zeroed: 3 of 12 heads at each of 0.25, 0.5, 0.75, the least important of the rest (by I / ‖I_layer‖₂
+    with normalize_importance, in both importance orders); the reported importance is the unpruned, unnormalised
+    one; its curve is the loss of those zeroed copies."""
+    loaded = tiny("gpt2")
+    out, ctx = run_job(tmp_path, loaded, documents, fractions=[0.0, 0.25, 0.5, 0.75], gradient_importance=True,
+                       orders=["least_important_first", "least_important_iterative"], normalize_importance=normalize)
+    saved = np.load(tmp_path / "pruning.npz")
+    measured = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[:4]
+    rank = pruning.normalized_by_layer if normalize else (lambda i: i)
+    first = finite_difference_importance(loaded.model, [], measured)
+    np.testing.assert_allclose(saved["importance"], first, rtol=1e-4, atol=1e-6)
+    one_shot = np.argsort(rank(first).ravel(), kind="stable")
+    assert saved["order_least_important_first"][0].tolist() == one_shot.tolist()
+    expected: list[int] = []
+    for _ in range(3):
+        importance = finite_difference_importance(loaded.model, expected, measured)
+        expected += [int(i) for i in np.argsort(rank(importance).ravel(), kind="stable") if i not in expected][:3]
+    perm = saved["order_least_important_iterative"][0]
+    assert sorted(perm.tolist()) == list(range(12))
+    for k in (3, 6, 9):
+        assert sorted(perm[:k].tolist()) == sorted(expected[:k]), k
+    assert perm[:9].tolist() != one_shot[:9].tolist()  # re-taking the importance changes the order
+    evaluated = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[4:]
+    curve = next(s.y for s in out.series if s.name == "pruned_loss" and s.labels["order"] == "least_important_iterative")
+    for k, loss in zip([0, 3, 6, 9], curve):
+        zeroed = zeroed_heads_copy(loaded.model, [divmod(int(i), 4) for i in perm[:k]], 4)
+        assert loss == pytest.approx(mean_next_token_loss(zeroed, evaluated), rel=1e-6)
+    assert out.summary["gradient_importance"]["normalized_by_layer"] is normalize
+    done, total, _ = ctx.progress_log[-1]
+    assert done == total  # the progress total counted the re-taken passes: the unpruned one and two more, 2 batches each
+    assert [stage for _, _, stage in ctx.progress_log].count("taking the gradient importance") == 3 * 2
+
+
+def test_iterative_passes_count_the_retaken_importances():
+    assert pruning.iterative_passes([0, 3, 6, 9], 12) == 2  # before 6 and before 9; 3 uses the unpruned importance
+    assert pruning.iterative_passes([0, 3, 6, 12], 12) == 1  # removing all needs no ranking
+    assert pruning.iterative_passes([0, 12], 12) == 0 and pruning.iterative_passes([5], 12) == 0
+
+
 def test_least_important_first_needs_the_gradient_importance():
     with pytest.raises(ValueError, match="set gradient_importance to true"):
         PruningParams(model="m", dataset="d", orders=["least_important_first"])
     assert PruningParams(model="m", dataset="d", orders=["least_important_first"], gradient_importance=True)
+    with pytest.raises(ValueError, match="least_important_iterative ranks heads by their gradient importance"):
+        PruningParams(model="m", dataset="d", orders=["least_important_iterative"])
+    with pytest.raises(ValueError, match="unit='layer' there is one per layer"):
+        PruningParams(model="m", dataset="d", orders=["least_important_first"], gradient_importance=True,
+                      unit="layer", normalize_importance=True)
+    with pytest.raises(ValueError, match="normalize_importance changes only the importance orders"):
+        PruningParams(model="m", dataset="d", gradient_importance=True, normalize_importance=True)
 
 
 def test_rank_correlation_worked_examples():
