@@ -374,6 +374,11 @@ def iterative_importance_order(model, hooks: HeadHooks, windows: torch.Tensor, p
     units = importance.shape[1]
     removed: list[int] = []
     current = importance
+
+    def remaining_by_importance() -> list[int]:
+        gone = set(removed)
+        return [int(i) for i in np.argsort(ranking_importance(current, params).ravel(), kind="stable") if i not in gone]
+
     for k in counts:
         if k <= len(removed):
             continue
@@ -386,12 +391,8 @@ def iterative_importance_order(model, hooks: HeadHooks, windows: torch.Tensor, p
             if not np.isfinite(current).all():
                 raise JobFailed(f"the loss's gradient reaches inf or NaN in {params.dtype} once heads are removed: "
                                 f"{overflow_advice(params.dtype)}")
-        gone = set(removed)
-        rest = [i for i in np.argsort(ranking_importance(current, params).ravel(), kind="stable") if i not in gone]
-        removed += [int(i) for i in rest[:k - len(removed)]]
-    gone = set(removed)
-    return np.array(removed + [int(i) for i in np.argsort(ranking_importance(current, params).ravel(), kind="stable")
-                               if i not in gone])
+        removed += remaining_by_importance()[:k - len(removed)]
+    return np.array(removed + remaining_by_importance())
 
 
 def iterative_passes(counts: list[int], total: int) -> int:
