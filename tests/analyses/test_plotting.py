@@ -322,3 +322,24 @@ def test_the_training_curve_ends_on_its_trend_and_its_ticks_are_the_checkpoints(
     assert trend.get_ydata()[0] == 5.0 and trend.get_ydata()[-1] == 5.0
     assert list(ax.get_xticks()) == [0, 150, 300, 450, 600]
     pyplot().close(saved[0])
+
+
+def test_a_silent_head_reads_silent_on_the_operator_heatmap_and_leaves_the_colour_scale_alone(monkeypatch, tmp_path):
+    """A head with a zero output projection has no D (NaN): its cell says "silent" in black (white text on a
+    blank cell could not be read) and the scale still runs from 0 to the largest D there is."""
+    from lmscope.analyses import operator_plots
+
+    saved = []
+    monkeypatch.setattr(operator_plots, "save", lambda fig, path: saved.append(fig))
+    head = np.linspace(0.1, 0.9, 2 * 3 * 4).reshape(2, 3, 4)
+    head[:, 1, 2] = np.nan
+    operator_plots.heatmaps(tmp_path / "operator_heatmap.png", head, ["uniform", "mean"], "m on wiki", 1024)
+    fig = saved[0]
+    for ax, values in zip(fig.axes[:2], head):
+        cells = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in ax.texts}
+        assert len(cells) == 12
+        assert cells[1, 2].get_text() == "silent" and cells[1, 2].get_color() == "black"
+        assert [cells[0, h].get_text() for h in range(4)] == [f"{v:.2f}" for v in values[0]]
+        assert ax.get_images()[0].get_clim() == pytest.approx((0.0, 0.9))
+    assert "replaced by uniform weights" in fig.axes[0].get_title()
+    pyplot().close(fig)
