@@ -302,8 +302,8 @@ def single_head_losses(model, hooks: HeadHooks, windows: torch.Tensor, batch_siz
     return losses
 
 
-def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int,
-                        report) -> tuple[np.ndarray, np.ndarray]:
+def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_size: int, report,
+                        stage: str = "taking the gradient importance") -> tuple[np.ndarray, np.ndarray]:
     """[L, H] twice: I = E_w |∂L_w/∂ξ| and the first-order loss increase −E_w ∂L_w/∂ξ, the gates ξ at 1
     (L_w: window w's mean next-token loss, from float32 logits). Only the gates' gradients are formed."""
     layers, units = len(hooks.projections), hooks.heads
@@ -330,7 +330,7 @@ def gradient_importance(model, hooks: HeadHooks, windows: torch.Tensor, batch_si
                 absolute += np.abs(g).sum(0)
                 signed += g.sum(0)
                 del logits, per_token, per_window, grads
-                report("taking the gradient importance")
+                report(stage)
     finally:
         hooks.gates = None
         for p in trainable:
@@ -382,10 +382,13 @@ def iterative_importance_order(model, hooks: HeadHooks, windows: torch.Tensor, p
     for k in counts:
         if k <= len(removed):
             continue
-        if removed:  # the first step ranks by the unpruned importance, already taken
+        # the first step ranks by the unpruned importance, already taken; removing every unit needs no ranking
+        if removed and k < importance.size:
             hooks.remove_heads([divmod(i, units) for i in removed])
             try:
-                current, _ = gradient_importance(model, hooks, windows, params.batch_size, report)
+                current, _ = gradient_importance(
+                    model, hooks, windows, params.batch_size, report,
+                    f"taking the gradient importance again, {len(removed)} of {importance.size} {params.unit}s removed")
             finally:
                 hooks.remove_heads([])
             if not np.isfinite(current).all():

@@ -107,7 +107,8 @@ class PruningParams(ModelSource):
                              "normalize_importance to false, or unit to 'head' or 'kv_group'")
         if self.normalize_importance and not set(IMPORTANCE_ORDERS) & set(self.orders):
             raise ValueError("normalize_importance changes only the importance orders: add least_important_first "
-                             "or least_important_iterative to orders, or set normalize_importance to false")
+                             "or least_important_iterative to orders (they need gradient_importance=true), or set "
+                             "normalize_importance to false")
         return self
 
     def dataset_refs(self) -> list[str]:

@@ -515,7 +515,7 @@ def test_the_iterative_order_takes_the_importance_again_with_the_removed_heads_g
     with normalize_importance, in both importance orders); the reported importance is the unpruned, unnormalised
     one; its curve is the loss of those zeroed copies."""
     loaded = tiny("gpt2")
-    out, ctx = run_job(tmp_path, loaded, documents, fractions=[0.0, 0.25, 0.5, 0.75], gradient_importance=True,
+    out, ctx = run_job(tmp_path, loaded, documents, fractions=[0.0, 0.25, 0.5, 0.75, 1.0], gradient_importance=True,
                        orders=["least_important_first", "least_important_iterative"], normalize_importance=normalize)
     saved = np.load(tmp_path / "pruning.npz")
     measured = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[:4]
@@ -535,13 +535,20 @@ def test_the_iterative_order_takes_the_importance_again_with_the_removed_heads_g
     assert perm[:9].tolist() != one_shot[:9].tolist()  # re-taking the importance changes the order
     evaluated = token_windows(loaded.tokenizer, documents, SEQ_LEN, 8)[4:]
     curve = next(s.y for s in out.series if s.name == "pruned_loss" and s.labels["order"] == "least_important_iterative")
-    for k, loss in zip([0, 3, 6, 9], curve):
+    assert len(curve) == 5
+    for k, loss in zip([0, 3, 6, 9, 12], curve):
         zeroed = zeroed_heads_copy(loaded.model, [divmod(int(i), 4) for i in perm[:k]], 4)
         assert loss == pytest.approx(mean_next_token_loss(zeroed, evaluated), rel=1e-6)
     assert out.summary["gradient_importance"]["normalized_by_layer"] is normalize
     done, total, _ = ctx.progress_log[-1]
-    assert done == total  # the progress total counted the re-taken passes: the unpruned one and two more, 2 batches each
-    assert [stage for _, _, stage in ctx.progress_log].count("taking the gradient importance") == 3 * 2
+    # the progress total counted the re-taken passes: the unpruned one and two more, 2 batches each; none before
+    # removing all 12 (nothing left to rank)
+    assert done == total
+    stages = [stage for _, _, stage in ctx.progress_log]
+    assert stages.count("taking the gradient importance") == 2
+    assert [s for s in stages if s.startswith("taking the gradient importance again")] == (
+        ["taking the gradient importance again, 3 of 12 heads removed"] * 2
+        + ["taking the gradient importance again, 6 of 12 heads removed"] * 2)
 
 
 def test_iterative_passes_count_the_retaken_importances():
@@ -561,6 +568,9 @@ def test_least_important_first_needs_the_gradient_importance():
                       unit="layer", normalize_importance=True)
     with pytest.raises(ValueError, match="normalize_importance changes only the importance orders"):
         PruningParams(model="m", dataset="d", gradient_importance=True, normalize_importance=True)
+    with pytest.raises(ValueError, match=r"add least_important_first or least_important_iterative to orders \(they "
+                                         r"need gradient_importance=true\)"):
+        PruningParams(model="m", dataset="d", normalize_importance=True)
 
 
 def test_rank_correlation_worked_examples():
