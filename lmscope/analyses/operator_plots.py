@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import pyplot, save, sparse_ticks
+from lmscope.analyses.plotting import OrderedColours, pyplot, save, sparse_ticks
 
 REPLACEMENT_TITLES = {"other_window": "another window's weights",
                       "mean": "the mean weights over windows",
@@ -28,7 +28,8 @@ def heatmaps(path: Path, head: np.ndarray, replacements: list[str], source: str,
         im = ax.imshow(values, cmap="viridis", aspect="auto", vmin=0.0, vmax=top)
         if annotated:
             for (layer, h), v in np.ndenumerate(values):
-                ax.text(h, layer, "silent" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                # two significant digits: at 0.0039, "0.00" read as "the same map for every input"
+                ax.text(h, layer, "silent" if np.isnan(v) else f"{v:.2g}", ha="center", va="center", fontsize=7,
                         color="black" if np.isnan(v) or v > 0.6 * top else "white")
         ax.set(xlabel="head", ylabel="layer", xticks=sparse_ticks(heads), yticks=sparse_ticks(layers, 64))
         ax.set_title(f"replaced by {REPLACEMENT_TITLES[name]}", fontsize=10)
@@ -55,18 +56,16 @@ def by_layer_and_position(path: Path, layer: np.ndarray, by_position: np.ndarray
            ylim=(0, None))
     ax.set_title("per layer", fontsize=10)
     ax.legend(fontsize=8)
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    colours = OrderedColours(range(layers), "layer")
     x = np.arange(positions)
     for ax, values, name in zip(axes[0, 1:], by_position, replacements):
         for l in range(layers):
-            ax.plot(x, values[l], color=colours[l], lw=1.0, label=f"layer {l}" if layers <= 12 else None)
+            ax.plot(x, values[l], color=colours(l), lw=1.0, label=colours.label(f"layer {l}"))
         ax.set(xlabel="query position", ylabel="relative change", ylim=(0, None))
         ax.set_title(f"by position, replaced by {REPLACEMENT_TITLES[name]}", fontsize=10)
-        if layers <= 12:
-            ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
-    if layers > 12:
-        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=axes[0, -1],
-                     label="layer")
+        if not colours.many:
+            ax.legend(fontsize=7, ncol=2 if layers > 4 else 1)
+    colours.colour_bar(fig, axes[0, -1])
     fig.suptitle(f"input dependence of the attention map W'(x), {source}", fontsize=11)
     save(fig, path)
 
@@ -77,15 +76,16 @@ def over_training(path: Path, steps: list[int], layer: np.ndarray, replacements:
     plt = pyplot()
     models, panels, layers = layer.shape
     fig, axes = plt.subplots(1, panels, figsize=(5.0 * panels, 4.2), squeeze=False)
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    colours = OrderedColours(range(layers), "layer")
     for ax, i, name in zip(axes[0], range(panels), replacements):
         for l in range(layers):
-            ax.plot(steps, layer[:, i, l], color=colours[l], marker="o", ms=3.5, lw=1.3,
-                    label=f"layer {l}" if layers <= 12 else None)
+            ax.plot(steps, layer[:, i, l], color=colours(l), marker="o", ms=3.5, lw=1.3,
+                    label=colours.label(f"layer {l}"))
         ax.set(xlabel=xlabel, ylabel="relative change of the layer's attention term", ylim=(0, None))
         ax.set_title(f"replaced by {REPLACEMENT_TITLES[name]}", fontsize=10)
         ax.grid(alpha=0.3)
-        if layers <= 12:
-            ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+        if not colours.many:
+            ax.legend(fontsize=7, ncol=2 if layers > 4 else 1)
+    colours.colour_bar(fig, axes[0, -1])
     fig.suptitle(f"input dependence across {models} models, {source}", fontsize=11)
     save(fig, path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmscope.analyses.plotting import pyplot, save, sparse_ticks
+from lmscope.analyses.plotting import OrderedColours, pyplot, save, sparse_ticks
 
 ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "largest_first": ("largest term first", "tab:red"),
@@ -59,9 +59,10 @@ def pruning_curves(path: Path, counts: list[int], total: int, curves: dict[str, 
     ax.axhline(baseline * (1 + tolerance), color="k", ls=":", lw=1, label=f"+{tolerance:.0%}")
     many = UNIT_NAMES[unit][1]
     ax.set(xlabel=f"share of the {total} {many} removed", ylabel="next-token loss (nats)", xlim=(-0.02, 1.02))
-    ax.set_title(f"removing attention {many}, {source}\nloss on {tokens:,} tokens not used to rank them",
+    ax.set_title(f"removing attention {many}, {source}\nloss on {tokens:,} predicted tokens not used to rank them",
                  fontsize=10)
-    ax.legend(fontsize=8)
+    # the loss rises to the right and the baseline lines lie low: the upper left is where the curves are not
+    ax.legend(fontsize=8, loc="upper left")
     save(fig, path)
 
 
@@ -71,7 +72,7 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     plt = pyplot()
     layers, heads = contribution.shape
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    _by_layer(plt, ax, contribution, harm, unit)
+    colours = _by_layer(plt, ax, contribution, harm, unit)
     ax.axhline(0.0, color="k", lw=0.8)
     one, many = UNIT_NAMES[unit]
     ax.set(xlabel=f"c = E‖{one} term‖ / E‖residual stream‖",
@@ -79,24 +80,53 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
     said = "n/a" if rho is None else f"{rho:.2f}"
     ax.set_title(f"measured term against removing each {one} alone, {source}\n"
                  f"Spearman ρ = {said} over {layers * heads} {many}, {tokens:,} predicted tokens", fontsize=10)
-    if layers > 12:
-        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=ax, label="layer")
+    colours.colour_bar(fig, ax)
+    _name_points(fig, [(ax, contribution, harm)], unit)
     save(fig, path)
 
 
-def _by_layer(plt, ax, x: np.ndarray, y: np.ndarray, unit: str) -> None:
-    """Scatter y against x per unit, coloured by layer (legend up to 12 layers, labels up to 64 points)."""
-    layers, units = x.shape
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+def _by_layer(plt, ax, x: np.ndarray, y: np.ndarray, unit: str) -> OrderedColours:
+    """Scatter y against x per unit, coloured by layer (a legend up to 12 layers)."""
+    layers = x.shape[0]
+    colours = OrderedColours(range(layers), "layer")
     for layer in range(layers):
-        ax.scatter(x[layer], y[layer], s=22, color=colours[layer], edgecolors="none",
-                   label=f"layer {layer}" if layers <= 12 else None)
-    if layers * units <= 64:
+        ax.scatter(x[layer], y[layer], s=22, color=colours(layer), edgecolors="none",
+                   label=colours.label(f"layer {layer}"))
+    if not colours.many:
+        ax.legend(fontsize=7, ncol=2 if layers > 4 else 1)
+    return colours
+
+
+NAMED_POINTS = 64  # more units than this are told apart by colour only
+LABEL_OFFSETS = ((2, 2), (2, -8), (-14, 2), (-14, -8), (2, 9), (-14, -15), (9, -3), (-21, -3))  # points
+
+
+def _name_points(fig, panels: list, unit: str) -> None:
+    """Name each point of the scatters (``panels``: (ax, x, y) with x, y [L, U]) "layer.unit", at the first
+    offset where the name overlaps no name already placed (heads at nearly the same spot wrote over each
+    other); a point with no free place stays unnamed, and the panel says how many. Run last: the names are
+    placed on the figure as laid out."""
+    if not panels or panels[0][1].size > NAMED_POINTS or not hasattr(fig.canvas, "get_renderer"):
+        return
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    for ax, x, y in panels:
+        placed, unnamed = [], 0
         for (layer, u), v in np.ndenumerate(x):
-            ax.annotate(f"{layer}" if unit == "layer" else f"{layer}.{u}", (v, y[layer, u]), fontsize=6,
-                        xytext=(2, 2), textcoords="offset points")
-    if layers <= 12:
-        ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+            name = f"{layer}" if unit == "layer" else f"{layer}.{u}"
+            for offset in LABEL_OFFSETS:
+                label = ax.annotate(name, (v, y[layer, u]), fontsize=6, xytext=offset, textcoords="offset points")
+                box = label.get_window_extent(renderer).expanded(1.05, 1.1)
+                if not any(box.overlaps(other) for other in placed):
+                    placed.append(box)
+                    break
+                label.remove()
+            else:
+                unnamed += 1
+        if unnamed:
+            ax.text(0.99, 0.01, f"{unnamed} too crowded to name", transform=ax.transAxes, ha="right", va="bottom",
+                    fontsize=6, color="0.35")
 
 
 def contribution_against_importance(path: Path, contribution: np.ndarray, importance: np.ndarray, said: dict,
@@ -105,7 +135,6 @@ def contribution_against_importance(path: Path, contribution: np.ndarray, import
     """Each unit's measured term c against its gradient importance I; with the single-head ablation, a second
     panel: the first-order estimate −E ∂L/∂ξ against the loss increase removing the unit alone costs."""
     plt = pyplot()
-    layers = contribution.shape[0]
     panels = 2 if harm is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.6), squeeze=False)
     one, many = UNIT_NAMES[unit]
@@ -114,7 +143,7 @@ def contribution_against_importance(path: Path, contribution: np.ndarray, import
         return "n/a" if value is None else f"{value:.2f}"
 
     ax = axes[0, 0]
-    _by_layer(plt, ax, contribution, importance, unit)
+    colours = _by_layer(plt, ax, contribution, importance, unit)
     ax.set(xlabel=f"c = E‖{one} term‖ / E‖residual stream‖", ylabel="I = E over windows |∂loss/∂gate| (nats)")
     ax.set_title(f"measured term against gradient importance\nSpearman ρ = {rho(said['rank_correlation'])} over "
                  f"{contribution.size} {many}, {windows:,} windows", fontsize=10)
@@ -127,10 +156,10 @@ def contribution_against_importance(path: Path, contribution: np.ndarray, import
                ylabel=f"loss increase with only this {one} removed (nats)")
         ax.set_title(f"first order against removing each {one} alone\nSpearman ρ = "
                      f"{rho(said.get('first_order_rank_correlation'))}", fontsize=10)
-    if layers > 12:
-        fig.colorbar(plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, layers - 1)), ax=axes[0, -1],
-                     label="layer")
+    colours.colour_bar(fig, axes[0, -1])
     fig.suptitle(f"gradient importance (Michel et al. 2019), {source}", fontsize=11)
+    _name_points(fig, [(axes[0, 0], contribution, importance)]
+                 + ([(axes[0, 1], first_order, harm)] if harm is not None else []), unit)
     save(fig, path)
 
 
@@ -159,14 +188,15 @@ def over_training(path: Path, over: dict, contribution: np.ndarray, source: str,
     first, last = over["baseline_loss"][0], over["baseline_loss"][-1]
     loss_ax.set_title(f"what removing costs (unpruned loss {first:.2f} → {last:.2f} nats)", fontsize=10)
     loss_ax.grid(alpha=0.3)
-    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    colours = OrderedColours(range(layers), "layer")
     for layer in range(layers):
         for u in range(units):
-            c_ax.plot(steps, contribution[:, layer, u], color=colours[layer], lw=0.9, alpha=0.8,
-                      label=f"layer {layer}" if u == 0 and layers <= 12 else None)
+            c_ax.plot(steps, contribution[:, layer, u], color=colours(layer), lw=0.9, alpha=0.8,
+                      label=colours.label(f"layer {layer}") if u == 0 else None)
     c_ax.set(xlabel=xlabel, ylabel=f"c = E‖{one} term‖ / E‖residual stream‖")
     c_ax.set_title(f"each {one}'s term", fontsize=10)
-    if layers <= 12:
-        c_ax.legend(fontsize=7, ncol=2 if layers > 6 else 1)
+    if not colours.many:
+        c_ax.legend(fontsize=7, ncol=2 if layers > 4 else 1)
+    colours.colour_bar(fig, c_ax)
     fig.suptitle(f"pruning across {models} models, {source}", fontsize=11)
     save(fig, path)

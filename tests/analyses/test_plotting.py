@@ -326,20 +326,76 @@ def test_the_training_curve_ends_on_its_trend_and_its_ticks_are_the_checkpoints(
 
 def test_a_silent_head_reads_silent_on_the_operator_heatmap_and_leaves_the_colour_scale_alone(monkeypatch, tmp_path):
     """A head with a zero output projection has no D (NaN): its cell says "silent" in black (white text on a
-    blank cell could not be read) and the scale still runs from 0 to the largest D there is."""
+    blank cell could not be read) and the scale still runs from 0 to the largest D there is. A small D keeps two
+    significant digits: 0.0039 read "0.00", which the subtitle says means the same map for every input."""
     from lmscope.analyses import operator_plots
 
     saved = []
     monkeypatch.setattr(operator_plots, "save", lambda fig, path: saved.append(fig))
     head = np.linspace(0.1, 0.9, 2 * 3 * 4).reshape(2, 3, 4)
     head[:, 1, 2] = np.nan
+    head[:, 2, 0] = 0.0039
     operator_plots.heatmaps(tmp_path / "operator_heatmap.png", head, ["uniform", "mean"], "m on wiki", 1024)
     fig = saved[0]
     for ax, values in zip(fig.axes[:2], head):
         cells = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in ax.texts}
         assert len(cells) == 12
         assert cells[1, 2].get_text() == "silent" and cells[1, 2].get_color() == "black"
-        assert [cells[0, h].get_text() for h in range(4)] == [f"{v:.2f}" for v in values[0]]
+        assert [cells[0, h].get_text() for h in range(4)] == [f"{v:.2g}" for v in values[0]]
+        assert cells[2, 0].get_text() == "0.0039"
         assert ax.get_images()[0].get_clim() == pytest.approx((0.0, 0.9))
     assert "replaced by uniform weights" in fig.axes[0].get_title()
     pyplot().close(fig)
+
+
+def test_scatter_names_of_heads_at_nearly_the_same_spot_do_not_write_over_each_other(monkeypatch, tmp_path):
+    """Heads 2.2 and 3.2 at almost the same (c, Δ) printed "2.2" over "3.2". Each name now takes the first free
+    place around its point; one with none stays unnamed and is counted. Checked on the figure as saved."""
+    from lmscope.analyses import pruning_plots
+
+    saved = []
+    monkeypatch.setattr(pruning_plots, "save", lambda fig, path: saved.append(fig))
+    rng = np.random.default_rng(0)
+    contribution = rng.uniform(0.0, 1.0, (4, 4))
+    harm = rng.uniform(0.0, 1.0, (4, 4))
+    contribution[3, 2], harm[3, 2] = contribution[2, 2] + 1e-4, harm[2, 2] + 1e-4  # on top of each other
+    contribution[:2, :], harm[:2, :] = 0.5 + 1e-4 * np.arange(8).reshape(2, 4), 0.5  # eight in one spot
+    pruning_plots.contribution_against_ablation(tmp_path / "c.png", contribution, harm, 0.3, "m on wiki", 100)
+    fig = saved[0]
+    save(fig, tmp_path / "c.png")  # laid out and written as the job writes it
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    names = [t for t in ax.texts if t.get_text()[0].isdigit() and "crowded" not in t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in names]
+    assert not [(a.get_text(), b.get_text()) for i, (a, p) in enumerate(zip(names, boxes))
+                for b, q in zip(names[i + 1:], boxes[i + 1:]) if p.overlaps(q)]
+    named = {t.get_text() for t in names}
+    assert {"2.2", "3.2"} <= named and len(named) == len(names)
+    crowded = [t.get_text() for t in ax.texts if "crowded" in t.get_text()]
+    assert len(named) + sum(int(c.split()[0]) for c in crowded) == 16
+
+
+def test_operator_and_pruning_lines_by_layer_stop_short_of_viridis_pale_top(monkeypatch, tmp_path):
+    """The last layer's line was drawn in viridis' top colour, a yellow that vanished on white; past MANY_LINES
+    layers a colour bar names them instead of a legend, with the colours the lines have."""
+    from matplotlib.colors import to_rgba
+
+    from lmscope.analyses import operator_plots, pruning_plots
+
+    saved = []
+    for module in (operator_plots, pruning_plots):
+        monkeypatch.setattr(module, "save", lambda fig, path: saved.append(fig))
+    pale = np.array(pyplot().get_cmap("viridis")(1.0))
+    for layers in (4, 24):
+        saved.clear()
+        operator_plots.by_layer_and_position(tmp_path / "p.png", np.ones((1, layers)), np.ones((1, layers, 16)),
+                                             ["mean"], "m")
+        over = {"steps": [0, 10], "prunable_fraction": {"smallest_first": [0.1, 0.2]},
+                "mean_loss_increase": {"smallest_first": [0.01, 0.02]}, "baseline_loss": [5.0, 4.0]}
+        pruning_plots.over_training(tmp_path / "o.png", over, np.ones((2, layers, 2)), "m")
+        for fig, ax in ((saved[0], saved[0].axes[1]), (saved[1], saved[1].axes[2])):
+            colours = np.array([to_rgba(line.get_color()) for line in ax.get_lines()])
+            assert len(colours) >= layers and not np.isclose(colours, pale, atol=0.05).all(1).any()
+            bars = [a for a in fig.axes if a.get_ylabel() == "layer"]
+            assert (ax.get_legend() is None) == (layers > MANY_LINES) == (len(bars) == 1)
+            pyplot().close(fig)

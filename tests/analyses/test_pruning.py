@@ -280,6 +280,25 @@ def test_heads_that_add_nothing_go_first_and_cost_nothing(documents, tmp_path):
     assert {"pruning.png", "head_contributions.png", "pruning.npz"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def test_the_pruning_plot_counts_the_tokens_the_summary_counts(monkeypatch, documents, tmp_path):
+    """pruning.png said "loss on 128 tokens" where the loss is over the 124 predicted ones the summary counts; its
+    legend sits in the upper left, off the baseline lines."""
+    from lmscope.analyses import pruning_plots
+    from lmscope.analyses.plotting import pyplot
+
+    saved = {}
+    monkeypatch.setattr(pruning_plots, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    out, _ = run_job(tmp_path, tiny("gpt2"), documents, fractions=[0.0, 0.5, 1.0], single_head_ablation=True)
+    evaluated = out.summary["tokens_evaluated"]
+    assert evaluated == 4 * (SEQ_LEN - 1)
+    ax = saved["pruning.png"].axes[0]
+    assert f"loss on {evaluated:,} predicted tokens not used to rank them" in ax.get_title()
+    assert ax.get_legend()._loc == 2  # upper left
+    assert f"{4 * (SEQ_LEN - 1):,} predicted tokens" in saved["contribution_vs_ablation.png"].axes[0].get_title()
+    for fig in saved.values():
+        pyplot().close(fig)
+
+
 def test_head_counts_round_the_written_share_half_up():
     assert pruning.head_counts([0.7], 45) == [32]  # 31.5 → 32 (as a float product 31.4999…)
     assert pruning.head_counts([0.0, 0.1, 0.12, 0.5, 1.0], 16) == [0, 2, 8, 16]  # 1.6 and 1.92 are both 2: once
