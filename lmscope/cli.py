@@ -1050,7 +1050,7 @@ def series_listing(names: list[str], limit: int = 30) -> str:
 @click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
 @click.option("--series", multiple=True, help="series name (repeatable; `prefix*` matches a prefix)")
 def results(job_id, fmt, series):
-    """A job's series as JSON, or CSV rows (series, labels, x, y)."""
+    """A job's series as JSON, or CSV rows: series, one column per label (layer, head, ...), x_meaning, x, y."""
     data = client().results(job_id, list(series))
     if data.get("missing"):
         names = data.get("available") or []
@@ -1069,11 +1069,27 @@ def results(job_id, fmt, series):
         click.echo(json.dumps(data, indent=2))
         return
     out = csv.writer(sys.stdout)
-    out.writerow(["series", "labels", "x", "y"])
+    keys = label_columns(data["series"])
+    out.writerow(["series", *keys.values(), "x_meaning", "x", "y"])
     for s in data["series"]:
-        labels = json.dumps(s["labels"], sort_keys=True)
+        labels = [csv_value(s["labels"].get(k)) for k in keys]
+        meaning = s.get("x_meaning", "x")  # an older server does not say
         for x, y in zip(s["x"], s["y"]):
-            out.writerow([s["name"], labels, x, y])
+            out.writerow([s["name"], *labels, meaning, x, y])
+
+
+CSV_FIXED_COLUMNS = ("series", "x_meaning", "x", "y")
+
+
+def label_columns(curves: list[dict]) -> dict[str, str]:
+    """The labels of all the curves, in the order first seen, each to its CSV column: its own name (`layer`,
+    `head`, `order`, ...), or `label.NAME` where that would be one of the fixed columns. A curve without a
+    label leaves its cell empty, so a spreadsheet or pandas reads each label as a column of its own."""
+    keys: dict[str, str] = {}
+    for curve in curves:
+        for k in curve["labels"]:
+            keys.setdefault(k, f"label.{k}" if k in CSV_FIXED_COLUMNS else k)
+    return keys
 
 
 @main.command()
@@ -1092,7 +1108,7 @@ def compare(job_ids, series, fmt, plot_path, logx, logy):
         raise click.UsageError("give at least two different job ids, e.g. `lmscope compare 3 5`")
     if plot_path:
         check_plot_path(plot_path, series)
-    from lmscope.compare import plot_comparison
+    from lmscope.compare import plot_comparison, x_meaning
 
     c = client().compare(list(job_ids), list(series))
     if c.missing:  # as `lmscope results`: say which exist; nothing matched at all is a failure
@@ -1108,11 +1124,12 @@ def compare(job_ids, series, fmt, plot_path, logx, logy):
         click.echo(json.dumps(c.to_json(), indent=2))
     elif fmt == "csv" and series:
         out = csv.writer(sys.stdout)
-        out.writerow(["series", "labels", "x", *(f"job {i}" for i in c.ids)])
+        keys = label_columns([{"labels": curve.labels} for curve in c.curves])
+        out.writerow(["series", *keys.values(), "x_meaning", "x", *(f"job {i}" for i in c.ids)])
         for curve in c.curves:
-            labels = json.dumps(curve.labels, sort_keys=True)
+            labels = [csv_value(curve.labels.get(k)) for k in keys]
             for x, ys in curve.aligned(c.ids):
-                out.writerow([curve.name, labels, x, *("" if y is None else y for y in ys)])
+                out.writerow([curve.name, *labels, x_meaning(curve.name), x, *("" if y is None else y for y in ys)])
     elif fmt == "csv":
         out = csv.writer(sys.stdout)
         out.writerow(["field", *(f"job {i}" for i in c.ids)])

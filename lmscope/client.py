@@ -244,7 +244,7 @@ class Client:
             time.sleep(poll)
 
     def results(self, job_id: int, series: str | list[str] | None = None) -> dict[str, Any]:
-        """{job_id, status, series: [{name, labels, x, y}]}; `series` picks names (`prefix*` matches a
+        """{job_id, status, series: [{name, labels, x_meaning, x, y}]}; `series` picks names (`prefix*` matches a
         prefix). A job that has not finished (`status`) has none yet: they land when it ends.
 
         A picked name that matches nothing is listed in `missing`, the job's series names in `available`.

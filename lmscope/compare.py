@@ -224,6 +224,25 @@ X_MEANINGS: dict[str, str] = {
     "loss": "training step",
     "lr": "training step",
     "unigram_entropy": "training step",
+    # pruning: per unit of a layer (a head, or a key/value group with unit=kv_group), or per model
+    "head_contribution": "head (the unit's index in its layer)",
+    "head_contribution.over_training": "training step",
+    "head_share": "head (the unit's index in its layer)",
+    "head_importance": "head (the unit's index in its layer)",
+    "first_order_loss_increase": "head (the unit's index in its layer)",
+    "single_head_loss_increase": "head (the unit's index in its layer)",
+    "pruned_loss": "share of heads removed (k / all units)",
+    "baseline_loss": "training step",
+    "prunable_fraction": "training step",
+    "mean_loss_increase": "training step",
+    "rank_correlation": "training step",
+    "importance_rank_correlation": "training step",
+    # operator
+    "input_dependence": "head",
+    "input_dependence.layer": "layer",
+    "input_dependence.by_position": "query position t",
+    "input_dependence.layer.over_training": "training step",
+    "input_dependence.over_training": "training step",
 }
 
 
@@ -248,6 +267,20 @@ Y_MEANINGS: dict[str, str] = {
     "loss": "next-token loss (nats)",
     "lr": "learning rate",
     "unigram_entropy": "unigram cross-entropy (nats)",
+    "head_contribution": "c = E‖head term‖ / E‖residual stream‖",
+    "head_share": "the head's share of its layer's terms",
+    "head_importance": "I = E over windows |∂loss/∂gate| (nats)",
+    "first_order_loss_increase": "first-order loss increase −E ∂loss/∂gate (nats)",
+    "single_head_loss_increase": "loss increase with only this head removed (nats)",
+    "pruned_loss": "next-token loss (nats)",
+    "baseline_loss": "unpruned next-token loss (nats)",
+    "prunable_fraction": "share of heads removable within tolerance",
+    "mean_loss_increase": "relative loss increase, mean over the grid",
+    "rank_correlation": "Spearman ρ(c, Δ)",
+    "importance_rank_correlation": "Spearman ρ(c, I)",
+    "input_dependence": "relative change of the head's term",
+    "input_dependence.layer": "relative change of the layer's attention term",
+    "input_dependence.by_position": "relative change of the layer's attention term",
 }
 
 

@@ -529,12 +529,14 @@ def test_submit_wait_fetch_against_lmscope_up(lmscope_up, tmp_path):
 
     as_json = json.loads(lmscope(env, "results", "1").stdout)
     as_csv = lmscope(env, "results", "1", "--format", "csv").stdout.splitlines()
-    assert as_csv[0] == "series,labels,x,y"
-    # row by row the JSON's points: name, labels (JSON), x, y, in order
-    rows = list(csv.reader(as_csv[1:]))
-    expected = [(s["name"], s["labels"], x, y) for s in as_json["series"] for x, y in zip(s["x"], s["y"])]
-    assert [(name, json.loads(labels), float(x), float(y)) for name, labels, x, y in rows] == \
-        [(name, labels, float(x), float(y)) for name, labels, x, y in expected]
+    # row by row the JSON's points: name, each label in a column of its own, what x is, x, y, in order
+    header, *rows = list(csv.reader(as_csv))
+    keys = list(dict.fromkeys(k for s in as_json["series"] for k in s["labels"]))
+    assert keys and header == ["series", *keys, "x_meaning", "x", "y"]
+    assert {s["x_meaning"] for s in as_json["series"] if s["name"] == "parameters.by_layer"} == {"layer"}
+    expected = [(s["name"], [str(s["labels"].get(k, "")) for k in keys], s["x_meaning"], float(x), float(y))
+                for s in as_json["series"] for x, y in zip(s["x"], s["y"])]
+    assert [(row[0], row[1:-3], row[-3], float(row[-2]), float(row[-1])) for row in rows] == expected
 
     shown = lmscope(env, "show", "1", "--json")
     assert json.loads(shown.stdout)["summary"]["num_layers"] == 4
@@ -604,9 +606,10 @@ def test_compare_csv_without_series_is_the_side_by_side_table(monkeypatch):
                     ["summary.ok", "true", "false"], ["summary.nested", '{"a": 1}', '{"a": 2}']]  # an object as JSON
     assert "norm.mean" in r.stderr  # the hint: which curves --series can name
     curves = CliRunner().invoke(main, ["compare", "3", "4", "--format", "csv", "--series", "norm.mean"])
-    assert curves.stdout.splitlines()[0] == "series,labels,x,job 3,job 4"
-    assert curves.stdout.splitlines()[1:] == ['norm.mean,"{""unit"": ""L2 norm""}",0,1.0,1.5',
-                                              'norm.mean,"{""unit"": ""L2 norm""}",1,2.0,2.5']
+    assert curves.stdout.splitlines()[0] == "series,unit,x_meaning,x,job 3,job 4"  # a label per column
+    meaning = '"hidden state h_l (l = 0: embedding output, l: output of block l)"'  # quoted: it holds commas
+    assert curves.stdout.splitlines()[1:] == [f'norm.mean,L2 norm,{meaning},0,1.0,1.5',
+                                              f'norm.mean,L2 norm,{meaning},1,2.0,2.5']
 
 
 def test_compare_table_writes_null_values_and_dashes_absent_ones(monkeypatch):
@@ -755,7 +758,7 @@ def test_compare_against_lmscope_up(lmscope_up, tmp_path):
     some = lmscope(env, "compare", str(a), str(b), "--series", "nosuch", "--series", "parameters.by_layer",
                    "--format", "csv")
     assert some.returncode == 0 and "'nosuch'" in some.stderr
-    assert some.stdout.splitlines()[0] == f"series,labels,x,job {a},job {b}"
+    assert some.stdout.splitlines()[0] == f"series,group,x_meaning,x,job {a},job {b}"  # a label per column
 
     # the plot the CLI wrote names the jobs by their model and the curves by their group (an SVG: matplotlib
     # writes each text as a comment beside its glyphs, in drawing order)

@@ -339,3 +339,35 @@ def test_summary_lists_and_objects_are_compared_up_to_a_size():
     assert c.summary["mean_entropy_per_layer"] == {1: [3.1, 2.2], 2: [3.0, 2.4]}
     assert c.summary["lowest_entropy_head"] == {1: {"layer": 1, "head": 0}, 2: {"layer": 1, "head": 0}}
     assert c.summary["tokens"] == {1: 512, 2: 512} and "curve" not in c.summary
+
+
+def _series_names_written_by_the_analyses() -> set[str]:
+    """Every series name lmscope/analyses passes to Series(...): literal names, and an f-string's text before
+    its first field ("entropy." of f"entropy.{key}")."""
+    import ast
+    from pathlib import Path
+
+    names = set()
+    for path in (Path(__file__).parents[1] / "lmscope" / "analyses").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Series" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant):
+                    names.add(first.value)
+                elif isinstance(first, ast.JoinedStr) and isinstance(first.values[0], ast.Constant):
+                    names.add(first.values[0].value + "x")  # a name that starts so
+    return names
+
+
+def test_every_series_the_analyses_write_says_what_its_x_and_y_are():
+    """pruning's and operator's curves were drawn and exported with x = "x" (the head index, a share of heads
+    or a training step, nowhere said)."""
+    from lmscope.compare import x_meaning, y_meaning
+
+    names = _series_names_written_by_the_analyses()
+    assert {"input_dependence", "pruned_loss", "head_importance", "entropy.layer_mean", "norm.x"} <= names
+    assert not [n for n in sorted(names) if x_meaning(n) == "x"]
+    assert not [n for n in sorted(names) if y_meaning(n) == n]
+    assert x_meaning("input_dependence") == "head" and x_meaning("input_dependence.layer.over_training") == \
+        "training step"
+    assert x_meaning("pruned_loss.random_draw") == x_meaning("pruned_loss") == "share of heads removed (k / all units)"

@@ -294,6 +294,8 @@ STATIC_SCHEMAS: dict[str, Any] = {
         "type": "string", "description": "the job's status: series land when it ends (none before)"},
         "series": {"type": "array", "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "labels": {"type": "object"},
+                                         "x_meaning": {"type": "string", "description": "what x is, as an axis "
+                                                       "label (\"x\" when unknown)"},
                                          "x": {"type": "array"}, "y": {"type": "array"}}}},
         "missing": {"type": "array", "items": {"type": "string"}, "description": "requested names that matched nothing"},
         "available": {"type": "array", "items": {"type": "string"}, "description": "with `missing`: the job's series names"},

@@ -15,7 +15,7 @@ from lmscope.api.jobs import load_visible_job
 from lmscope.api.render import artifact_url, error_json, iso
 from lmscope.api.state import state
 from lmscope.catalog import INT32_MAX
-from lmscope.compare import compare
+from lmscope.compare import compare, x_meaning
 from lmscope.db.models import Artifact, Series
 
 bp = Blueprint("results", __name__, url_prefix="/v1")
@@ -94,7 +94,9 @@ def get_results(job_id: int):
         # A requested name (or prefix*) that matched nothing: say so, and which names exist.
         available = (sorted(set(session.scalars(select(Series.name).where(Series.job_id == job_id).distinct())))
                      if missing else None)
-    body = {"job_id": job_id, "status": status, "series": series_json(rows),
+    # x_meaning: what x is (a layer, a head, a training step, ...), as `compare` says it
+    curves = [{**s, "x_meaning": x_meaning(s["name"])} for s in series_json(rows)]
+    body = {"job_id": job_id, "status": status, "series": curves,
             "next_page_token": encode_page_token(after=more_after) if more_after is not None else None}
     if missing:
         body.update(missing=missing, available=available)

@@ -444,9 +444,10 @@ def test_compare_puts_params_summaries_and_curves_side_by_side(api, cli, tmp_pat
     assert "curves all of them have: entropy.mean, norm.mean" in table.stderr
 
     curves = cli("compare", str(a), str(b), "--series", "norm.mean", "--format", "csv").stdout.splitlines()
-    assert curves[0] == f"series,labels,x,job {a},job {b}"
-    assert curves[1:] == ["norm.mean,{},0,1.0,1.5", "norm.mean,{},1,2.0,2.5", "norm.mean,{},2,3.0,3.5",
-                          "norm.mean,{},3,,4.5"]  # x aligned by value; the first job has no layer 3
+    assert curves[0] == f"series,x_meaning,x,job {a},job {b}"
+    h = '"hidden state h_l (l = 0: embedding output, l: output of block l)"'
+    assert curves[1:] == [f"norm.mean,{h},0,1.0,1.5", f"norm.mean,{h},1,2.0,2.5", f"norm.mean,{h},2,3.0,3.5",
+                          f"norm.mean,{h},3,,4.5"]  # x aligned by value; the first job has no layer 3
 
     doc = json.loads(cli("compare", str(a), str(b), "--series", "entropy.*", "--format", "json").stdout)
     by_layer = {s["labels"]["layer"]: s["jobs"] for s in doc["series"]}
