@@ -1299,14 +1299,30 @@ def kinds(kind):
     if not found.get("submittable", True):
         click.echo(f"(made by {' / '.join(found.get('child_of') or [])}; not submitted on its own)")
     rows = schema_rows(found["params_schema"], found.get("defaults") or {})
+    # a long default (a grid of fractions, a list of orders) would widen every row: written in full below
+    long_defaults = [(name, default) for name, _, default, _ in rows if len(default) > DEFAULT_CELL_WIDTH]
+    rows = [(name, type_, "(below)" if len(default) > DEFAULT_CELL_WIDTH else default, notes)
+            for name, type_, default, notes in rows]
     widths = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in enumerate(("PARAMETER", "TYPE", "DEFAULT"))]
     click.echo(f"\n{'PARAMETER':{widths[0]}}  {'TYPE':{widths[1]}}  {'DEFAULT':{widths[2]}}  LIMITS AND MEANING")
     for name, type_, default, notes in rows:
         click.echo(f"{name:{widths[0]}}  {type_:{widths[1]}}  {default:{widths[2]}}  {notes}".rstrip())
-    click.echo(f"\nSet them with `lmscope submit {kind} -p NAME=VALUE` (dotted names for nested ones) or --params FILE.",
-               err=True)
+    if long_defaults:
+        click.echo("\nDefaults in full:")
+        for name, default in long_defaults:
+            click.echo(f"  {name} = {default}")
+    if found.get("submittable", True):
+        click.echo(f"\nSet them with `lmscope submit {kind} -p NAME=VALUE` (dotted names for nested ones) or "
+                   "--params FILE.", err=True)
+    else:  # its jobs are made by another kind, from that kind's parameters
+        parents = found.get("child_of") or []
+        click.echo(f"\n{kind}'s jobs are made by {' / '.join(parents) or 'another kind'}, which sets these from its own "
+                   f"parameters: see `lmscope kinds {parents[0] if parents else ''}`".rstrip() + ".", err=True)
     if found.get("example"):
         click.echo(f"A small one on the built-ins (under a minute on a CPU):\n  {example_command(kind, found['example'])}")
+
+
+DEFAULT_CELL_WIDTH = 40  # characters of a default in `lmscope kinds KIND`'s table; longer ones follow it in full
 
 
 def example_command(kind: str, example: dict[str, Any]) -> str:
@@ -1342,8 +1358,6 @@ def schema_rows(schema: dict, defaults: dict, prefix: str = "", defs: dict | Non
             default = json.dumps(defaults[name], ensure_ascii=False)
         else:
             default = "required" if name in required else ""
-        if len(default) > 40:
-            default = default[:37] + "..."
         limits = [f"{sign} {prop[key]}" for key, sign in (("minimum", "≥"), ("exclusiveMinimum", ">"),
                                                            ("maximum", "≤"), ("exclusiveMaximum", "<"))
                   if key in prop]

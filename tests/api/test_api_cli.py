@@ -93,6 +93,27 @@ def test_kinds_kind_lists_every_parameter_with_its_default(api, cli):
     assert model.index("string") == header.index("TYPE"), (header, model)
 
 
+def test_kinds_writes_a_long_default_in_full_and_a_child_kind_points_to_its_parent(api, cli):
+    """pruning's default grid of fractions was cut to `[0.0, 0.1, … 0...`; sumformer_fit said "(not submitted on
+    its own)" and then "Set them with `lmscope submit sumformer_fit`", which is refused."""
+    from lmscope.params.pruning import PruningParams
+
+    out = cli("kinds", "pruning").output
+    header, *lines = out.split("\n\n")[1].splitlines()
+    start, end = header.index("DEFAULT"), header.index("LIMITS")
+    table = {line.split()[0]: line[start:end].strip() for line in lines}
+    assert table["fractions"] == table["orders"] == "(below)" and table["tolerance"] == "0.01"
+    full = dict(line.strip().split(" = ", 1) for line in out.split("Defaults in full:\n")[1].splitlines()
+                if " = " in line)
+    for name in ("fractions", "orders"):
+        assert json.loads(full[name]) == PruningParams.model_fields[name].get_default(call_default_factory=True)
+    assert "Set them with `lmscope submit pruning -p NAME=VALUE`" in out
+    child = cli("kinds", "sumformer_fit").output
+    assert "lmscope submit sumformer_fit" not in child
+    assert "sumformer_fit's jobs are made by sweep, which sets these from its own parameters: see `lmscope kinds " \
+        "sweep`." in child
+
+
 def test_jobs_lists_a_sweep_once_and_its_children_on_request(api, cli):
     from .conftest import small_sweep
 
