@@ -334,8 +334,11 @@ def labels_text(labels: dict[str, Any], keys) -> str:
 def _what_differs(c: Comparison, job: dict[str, Any]) -> str:
     # a parameter the job does not have (another kind's) is left out: a norms job beside an entropy job would
     # otherwise list every parameter of both, most of them "-"
-    diff = ", ".join(f"{k}={_value_text(v[job['id']])}" for k, v in c.params.items() if job["id"] in v)
-    return diff or job.get("name") or ""
+    # a null (`model=null` beside `train_job=7`) is said only when the job differs in nothing else: the
+    # legend names each job by what it sets
+    own = [(k, v[job["id"]]) for k, v in c.params.items() if job["id"] in v]
+    shown = [(k, value) for k, value in own if value is not None] or own
+    return ", ".join(f"{k}={_value_text(value)}" for k, value in shown) or job.get("name") or ""
 
 
 def job_labels(c: Comparison, width: int = LEGEND_WIDTH) -> dict[int, str]:
@@ -428,7 +431,9 @@ def comparison_figure(c: Comparison, *, logx: bool = False, logy: bool = False):
 
         handles = [entry(ji, labels_of_jobs[job["id"]], not colour_curves) for ji, job in enumerate(jobs)]
         if varying and named:
-            texts = clip_apart([labels_text(cv.labels, varying) for cv in curves], LEGEND_WIDTH)
+            # a curve without the labels the others vary by (a single model's, beside a run's steps) says so
+            texts = clip_apart([labels_text(cv.labels, varying) or f"no {', '.join(varying)}" for cv in curves],
+                               LEGEND_WIDTH)
             handles += [entry(li, text, colour_curves) for li, text in enumerate(texts)]
         common = labels_text(shared, shared)
         if varying and not named:

@@ -371,3 +371,19 @@ def test_every_series_the_analyses_write_says_what_its_x_and_y_are():
     assert x_meaning("input_dependence") == "head" and x_meaning("input_dependence.layer.over_training") == \
         "training step"
     assert x_meaning("pruned_loss.random_draw") == x_meaning("pruned_loss") == "share of heads removed (k / all units)"
+
+
+def test_a_single_model_beside_a_runs_checkpoints_names_every_line_and_each_job_by_what_it_sets():
+    """An entropy job on one model beside one on a train job's checkpoints: job 3's line had an empty legend
+    entry (it has no step), and the jobs read `model=null, train_job=7` against `model=tiny-gpt2,
+    train_job=null`."""
+    one = _job(3, model="tiny-gpt2", train_job=None)
+    run = _job(8, model=None, train_job=7)
+    c = compare([one, run],
+                [[_series("entropy.layer_mean", {}, [0, 1], [3.0, 2.9])],
+                 [_series("entropy.layer_mean", {"step": s}, [0, 1], [3.1 - s / 1000, 3.0]) for s in (0, 300, 600)]])
+    fig = comparison_figure(c)
+    legend = _legend(fig.axes[0])
+    assert legend[:2] == ["job 3 (model=tiny-gpt2)", "job 8 (train_job=7)"]
+    assert sorted(legend[2:]) == sorted(["no step", "step=0", "step=300", "step=600"])
+    assert all(text.strip() for text in legend)
