@@ -981,7 +981,9 @@ def cancel(job_id):
         state = ("cancel requested (its queued grid points are cancelled now, running ones at their next batch; "
                  "it ends once they have)")
     else:
-        state = "cancel requested (stops at its next batch)"
+        # it may end before it reads the flag: then it keeps its result, and only `wait` can tell
+        state = (f"cancel requested (stops at its next batch; one that finishes first keeps its result: "
+                 f"`lmscope wait {job_id}` says how it ended)")
     click.echo(f"job {job_id}: {state}")
 
 

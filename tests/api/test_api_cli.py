@@ -608,6 +608,12 @@ def test_cancel_says_what_happens_to_a_sweep(api, cli):
     assert r.exit_code == 0 and "its queued grid points are cancelled now" in r.output, r.output
     queued = api.submit(h).get_json()["id"]
     assert cli("cancel", str(queued)).output.strip() == f"job {queued}: cancelled"
+    # a running job reads the flag at its next batch, unless it finishes first (then it keeps its result)
+    running = api.submit(h).get_json()["id"]
+    api.set_job(running, status="running")
+    said = cli("cancel", str(running)).output.strip()
+    assert said.startswith(f"job {running}: cancel requested (stops at its next batch") and \
+        f"`lmscope wait {running}` says how it ended" in said, said
 
 
 def test_submit_runs_an_earlier_job_again_with_changes(api, cli):
