@@ -71,8 +71,8 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
            xticks=sparse_ticks(heads))
     ax.set_yticks(at, names, fontsize=10 if layers <= 32 else 7)
     ax.set_title(f"mean attention entropy (nats), {title_source}\n"
-                 f"scale {low:g} … uniform {uniform_mean:.2f} "
-                 f"(mean of {'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
+                 f"colour scale {low:g} – {uniform_mean:.2f} nats (top: uniform attention, the mean of "
+                 f"{'ln(visible keys)' if last['sliding_windows'] else 'ln(t+1)'})", fontsize=10)
     fig.colorbar(im, ax=ax, label="nats")
     save(fig, path)
 

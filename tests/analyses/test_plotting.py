@@ -122,7 +122,8 @@ def test_the_heatmap_spends_its_colours_on_the_entropies_there_are(drawn, tmp_pa
                        over_training=False)
     image = drawn["entropy_heatmap.png"].axes[0].get_images()[0]
     assert image.get_clim() == pytest.approx((2.5, uniform))
-    assert "scale 2.5 … uniform" in drawn["entropy_heatmap.png"].axes[0].get_title()
+    assert f"colour scale 2.5 – {uniform:.2f} nats (top: uniform attention, the mean of ln(t+1))" in \
+        drawn["entropy_heatmap.png"].axes[0].get_title()
     results[0]["mean"][2, 1] = 0.3  # one head looks at one token
     drawn.clear()
     entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0], ["m"], results, [None],
