@@ -130,7 +130,8 @@ class JobContext(Protocol):
         """Raise JobCancelled if the user asked to cancel."""
 
     def stage(self, name: str) -> AbstractContextManager[None]:
-        """Time a stage; the wall time per stage is recorded in the job's environment."""
+        """Time a stage; the wall time per stage is recorded in the job's environment, and the worker shows the
+        stage as the job's progress as soon as it begins."""
 
     def load_model(self, name: str, *, dtype: str = "float32") -> LoadedModel:
         """A registered model by name (cached by the worker)."""

@@ -45,6 +45,11 @@ def model_cache():
         return _model_cache
 
 
+def shown_stage(name: str) -> str:
+    """A stage's timing key as its progress shows it: "load_model" → "load model"."""
+    return name.replace("_", " ")
+
+
 class WorkerContext:
     def __init__(self, attempt: Attempt, session_factory: sessionmaker[Session], artifact_dir: Path, device: str,
                  *, heartbeat: Heartbeat | None = None, shutdown: threading.Event | None = None,
@@ -59,7 +64,7 @@ class WorkerContext:
         self.shares_process = shares_process
         self.environment: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
-        self.last_progress: tuple[int, int, str | None] | None = None
+        self.last_progress: tuple[int, int | None, str | None] | None = None
         self._attempt = attempt
         self._sf = session_factory
         self._heartbeat = heartbeat
@@ -68,7 +73,7 @@ class WorkerContext:
         self._time_limit_setting = time_limit_setting  # "LMSCOPE_TASK_TIME_LIMIT=… s", for the message
         self._interval = 1.0 / PROGRESS_WRITES_PER_SECOND
         self._last_write = float("-inf")  # monotonic time of the last progress write / cancel read
-        self._written: tuple[int, int, str | None] | None = None
+        self._written: tuple[int, int | None, str | None] | None = None
         self._cancel_requested = False
         self._progress_outage = OutageLog(f"progress write of job {attempt.job_id}")
         self._cancel_outage = OutageLog(f"cancel check of job {attempt.job_id}")
@@ -83,14 +88,24 @@ class WorkerContext:
     # ------------------------------------------------------------ progress and cancel
 
     def progress(self, done: int, total: int, stage: str | None = None) -> None:
-        stage = stage if stage is not None else (self._stages[-1] if self._stages else None)
+        stage = stage if stage is not None else (shown_stage(self._stages[-1]) if self._stages else None)
         final = total is not None and done >= total
         if self._fixed_progress is not None:
             done, total = self._fixed_progress
-        self.last_progress = (int(done), int(total), stage)
+        self.last_progress = (int(done), None if total is None else int(total), stage)  # None: a stage's start
         if final or time.monotonic() - self._last_write >= self._interval:
             self.flush_progress()
         self.check_cancelled()
+
+    def _announce(self, stage: str) -> None:
+        """A stage begun is said at once, with the count so far: loading a model or a first batch can take a
+        minute, and a job that shows no progress at all looks stuck."""
+        done, total, _ = self.last_progress or (0, None, None)
+        if self._fixed_progress is not None:
+            done, total = self._fixed_progress
+        self.last_progress = (done, total, shown_stage(stage))
+        self.flush_progress()
+        self._last_write = float("-inf")  # the stage's first count is written at once too
 
     def flush_progress(self) -> None:
         """Write the latest progress now (if it changed); also reads the cancel flag."""
@@ -144,9 +159,13 @@ class WorkerContext:
         self._cancel_requested = bool(row.cancel_requested)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, *, announce: bool = True) -> Iterator[None]:
+        """Time what runs inside as `name` (the environment's timings); `announce`: also show it as the job's
+        progress stage at once (the runner's own "total" is only timed)."""
         start = time.perf_counter()
         self._stages.append(name)
+        if announce:
+            self._announce(name)
         try:
             yield
         finally:

@@ -450,7 +450,7 @@ def _run_attempt(attempt: Attempt, settings: Settings, session_factory: sessionm
     try:  # the heartbeat goes on while the results are stored (hashing big files takes a while)
         status, values, output = None, {}, None
         try:
-            with ctx.stage("total"):
+            with ctx.stage("total", announce=False):
                 params = validate_params(attempt.kind, attempt.params, internal=True)
                 try:
                     output = compute(params, ctx)

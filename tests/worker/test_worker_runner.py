@@ -146,13 +146,14 @@ def test_progress_is_throttled_and_the_last_report_written(settings, sessions, e
 
     interval = 1 / worker_context.PROGRESS_WRITES_PER_SECOND
     assert interval == 0.25
-    # The first report is written, then one each time 0.25 s have passed (every 84 steps: 83 × 3 ms is
-    # 0.249 s), and the last one (400 of 400) whatever the time. Unthrottled, each of the 400 steps writes.
-    assert writes == [1, 85, 169, 253, 337, 400], writes
-    gaps = [(b - a) * step for a, b in zip(writes, writes[1:-1])]  # the final write may follow at once
+    # The stage's start is written (0 done), then the first report, then one each time 0.25 s have passed
+    # (every 84 steps: 83 × 3 ms is 0.249 s), and the last one (400 of 400) whatever the time; then the next
+    # stage's start (still 400 of 400). Unthrottled, each of the 400 steps writes.
+    assert writes == [0, 1, 85, 169, 253, 337, 400, 400], writes
+    gaps = [(b - a) * step for a, b in zip(writes[1:], writes[2:-2])]  # the final writes may follow at once
     assert all(g >= interval for g in gaps), gaps
     job = job_row(job_id)
-    assert (job.progress_done, job.progress_total, job.progress_stage) == (400, 400, "counting")
+    assert (job.progress_done, job.progress_total, job.progress_stage) == (400, 400, "plot")
 
 
 def test_cancel_flag_stops_a_running_job(settings, sessions, make_job, job_row, publisher, monkeypatch):
@@ -558,6 +559,24 @@ def context(settings, sessions, make_job, tmp_path):
     job_id = make_job()
     attempt = runner.claim(sessions, job_id, "test:1", settings=settings)
     return WorkerContext(attempt, sessions, tmp_path / "art", "cpu")
+
+
+def test_a_stage_shows_as_the_jobs_progress_as_soon_as_it_begins(context, job_row):
+    """Loading a model or a first batch of 64 long windows took 40 s in which the job showed no progress at all:
+    each stage is written when it begins, with the count so far; the runner's own "total" only times."""
+    with context.stage("total", announce=False):
+        assert job_row(context.job_id).progress_stage is None
+        with context.stage("load_model"):
+            row = job_row(context.job_id)
+            assert (row.progress_done, row.progress_total, row.progress_stage) == (0, None, "load model")
+        with context.stage("measure"):
+            context.progress(3, 10)
+            row = job_row(context.job_id)
+            assert (row.progress_done, row.progress_total, row.progress_stage) == (3, 10, "measure")
+        with context.stage("write"):  # the next one at once, though within the throttle's interval
+            row = job_row(context.job_id)
+            assert (row.progress_done, row.progress_total, row.progress_stage) == (3, 10, "write")
+    assert set(context.timings) == {"total", "load_model", "measure", "write"}
 
 
 def test_register_model_is_an_idempotent_upsert(context, sessions, tmp_path):
