@@ -272,15 +272,16 @@ def test_results_download_and_fetch(api, ann, tmp_path):
             path.write_bytes(data)
             session.add(Artifact(job_id=job_id, name=name, media_type="application/octet-stream", size=len(data),
                                  sha256=hashlib.sha256(data).hexdigest()))
-    assert ann.results(job_id, "s1")["series"] == [{"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]}]
+    assert ann.results(job_id, "s1")["series"] == [{"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5],
+                                                    "x_meaning": "x"}]  # a series lmscope does not know
     assert len(ann.results(job_id)["series"]) == 2
     from lmscope.api import results
 
     results.RESULT_PAGE_POINTS, before = 1, results.RESULT_PAGE_POINTS  # the live server's thread reads it
     try:  # one series per page: the client joins the pages into the one answer
         assert ann.results(job_id) == {"job_id": job_id, "status": "queued", "series": [
-            {"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5]},
-            {"name": "s2", "labels": {}, "x": [], "y": []}]}
+            {"name": "s1", "labels": {"layer": 1}, "x": [1, 2], "y": [3.5, 4.5], "x_meaning": "x"},
+            {"name": "s2", "labels": {}, "x": [], "y": [], "x_meaning": "x"}]}
     finally:
         results.RESULT_PAGE_POINTS = before
     written = ann.fetch(job_id, tmp_path / "out")

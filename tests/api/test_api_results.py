@@ -20,7 +20,9 @@ def test_results_filtered_by_series(api):
     add_results(api, job_id, {})
     all_ = api.client.get(f"/v1/jobs/{job_id}/results", headers=h).get_json()
     assert [s["name"] for s in all_["series"]] == ["norm.mean", "norm.std", "entropy.head"]
-    assert all_["series"][0] == {"name": "norm.mean", "labels": {"layer": None}, "x": [0, 1, 2], "y": [1.0, 1.5, 2.25]}
+    assert all_["series"][0] == {"name": "norm.mean", "labels": {"layer": None}, "x": [0, 1, 2], "y": [1.0, 1.5, 2.25],
+                                 "x_meaning": "hidden state h_l (l = 0: embedding output, l: output of block l)"}
+    assert all_["series"][2]["x_meaning"] == "training step"  # entropy.*: one point per model
     one = api.client.get(f"/v1/jobs/{job_id}/results?series=norm.std&series=entropy.head", headers=h).get_json()
     assert [s["name"] for s in one["series"]] == ["norm.std", "entropy.head"]
     prefix = api.client.get(f"/v1/jobs/{job_id}/results?series=norm.*", headers=h).get_json()
