@@ -56,7 +56,7 @@ def aggregate(params: SweepParams, children: list[ChildResult], ctx: JobContext)
                         error_type="children-failed")
     ctx.progress(0, 1, "aggregating")
     if params.study == "sumformer":
-        out = _aggregate_sumformer(params, ok, ctx)
+        out = _aggregate_sumformer(params, ok, ctx, incomplete=len(ok) < len(children))
     else:
         out = _aggregate_attention(params, ok, ctx)
     out.summary = {**summary, **out.summary}
@@ -79,7 +79,9 @@ def _series_y(child: ChildResult, name: str) -> tuple[list, list] | None:
     return None
 
 
-def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobContext) -> JobOutput:
+def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobContext, *,
+                         incomplete: bool = False) -> JobOutput:
+    """`incomplete`: some grid points failed or were cancelled (`ok` holds the others)."""
     # best_val_error[(arch, target, d, n, k)][d'] = [error per seed]
     best: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     curves: dict[tuple, list[tuple[list, list]]] = defaultdict(list)  # (key, d') → val_error per seed
@@ -126,8 +128,14 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
     if any(len(per_x) > 1 for per_x in best.values()):
         _plot_fig2(ctx.artifact_dir / "fig2_latent_dim.png", best)
         plots.append("fig2_latent_dim.png")
-    else:
+    elif len(set(params.grid.latent_dim)) < 2:
         plots_note = "no fig2_latent_dim.png: every line has a single d′ (give grid.latent_dim two or more values)"
+    elif incomplete:
+        plots_note = ("no fig2_latent_dim.png: only one d′ of each line has results, the other grid points failed "
+                      "or were cancelled (failed_children, cancelled_children)")
+    else:
+        plots_note = ("no fig2_latent_dim.png: every line has a single d′ once clamped to C(n+d,d)−1 "
+                      "(latent_dim_clamped)")
     summary: dict[str, Any] = {"best": headline[:100], "best_lines": len(headline), "plots": plots}
     if equivariance:
         summary["equivariance_error_max"] = dict(sorted(equivariance.items()))

@@ -682,8 +682,10 @@ def aggregate(parent_id: int, settings: Settings, session_factory: sessionmaker[
                error_message=f"the aggregation was attempted {attempt.number - 1} times without finishing", **progress)
         return "failed"
 
-    # Whatever the outcome, the parent's summary counts its children and its progress shows them all done.
+    # Whatever the outcome, the parent's summary counts its children and its progress shows them all done;
+    # grid points cancelled on their own leave it partial, as a cancelled sweep is
+    summary = {"children": counts, **({"partial": True} if counts["cancelled"] else {})}
     status = _run_attempt(attempt, settings, session_factory, compute, shutdown,
-                          final_values=dict(summary={"children": counts}, **progress), **run)
+                          final_values=dict(summary=summary, **progress), **run)
     log.info("sweep %s aggregated: %s (%s)", parent_id, status, counts)
     return status

@@ -109,6 +109,19 @@ def test_a_cancelled_sweep_keeps_the_results_of_the_children_that_finished(setti
     assert runner.execute(parent, settings, sessions, publisher) is None  # and only once
 
 
+def test_a_grid_point_cancelled_on_its_own_leaves_the_sweep_partial(settings, sessions, sweep, job_row, publisher):
+    """`lmscope cancel CHILD`: the sweep was not cancelled, so it ends succeeded with the others' results, but
+    they miss a point someone stopped, which it says as a cancelled sweep does (it read as complete)."""
+    parent, kids = sweep([{"steps": 2}, {"steps": 3}])
+    runner.execute(kids[0], settings, sessions, publisher)
+    _cancel(sessions, kids[1])
+    assert runner.execute(kids[1], settings, sessions, publisher) == "cancelled"
+    assert runner.execute(parent, settings, sessions, publisher) == "succeeded"
+    job = job_row(parent)
+    assert job.summary["children"] == {"succeeded": 1, "failed": 0, "cancelled": 1} and job.summary["partial"] is True
+    assert job.summary["sum"] == 1 + 2
+
+
 def test_a_cancelled_sweep_with_nothing_finished_is_cancelled_without_aggregating(settings, sessions, sweep,
                                                                                  job_row, publisher):
     parent, kids = sweep([{"steps": 2}, {"steps": 3}], cancel=True)
