@@ -77,6 +77,11 @@ def heatmap(path: Path, last: dict, title_source: str, uniform_mean: float) -> N
     save(fig, path)
 
 
+# the uniform bound's dashes: grey, as viridis' first colour (the first model, layer 0) is a near-black purple
+# that a curve lying on black dashes (an untrained model's) could not be told from
+UNIFORM_COLOUR = "0.55"
+
+
 def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> None:
     """Mean entropy per layer (±std over heads), one line per model ("step N" for a run's checkpoints),
     coloured early to late."""
@@ -95,10 +100,10 @@ def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> No
                             color=colours(i), alpha=0.2, label="± std over heads")
     colours.colour_bar(fig, ax, names)
     if last["sliding_windows"]:  # windowed layers have a lower ceiling
-        ax.plot(range(layers), last["bound"].mean(1), color="k", ls="--", drawstyle="steps-mid",
+        ax.plot(range(layers), last["bound"].mean(1), color=UNIFORM_COLOUR, ls="--", drawstyle="steps-mid",
                 label="uniform (mean of ln(visible keys))", zorder=1)
     else:  # beneath the curves: an untrained model's lies on it, and was hidden under the dashes
-        ax.axhline(uniform_mean, color="k", ls="--", label="uniform (mean of ln(t+1))", zorder=1)
+        ax.axhline(uniform_mean, color=UNIFORM_COLOUR, ls="--", label="uniform (mean of ln(t+1))", zorder=1)
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}")
     ax.set_xticks(*_layer_ticks(layers, last["sliding_windows"]))
     at_least_span(ax, NATS_IN_VIEW * uniform_mean)
@@ -125,7 +130,7 @@ def by_position(path: Path, last: dict, title_source: str) -> None:
         ax.plot(positions, last["by_position"][layer].mean(0)[positions], color=colours(layer),
                 ls="--" if layer in windows else "-", label=colours.label(f"layer {layer}"))
     colours.colour_bar(fig, ax)
-    ax.plot(positions, np.log(positions + 1.0), "k--", lw=1.2, label="uniform bound ln(t+1)")
+    ax.plot(positions, np.log(positions + 1.0), color=UNIFORM_COLOUR, ls="--", lw=1.2, label="uniform bound ln(t+1)")
     for w in sorted(set(windows.values())):
         in_window = [layer for layer, lw in windows.items() if lw == w]
         which = (f"sliding layer(s) {', '.join(map(str, in_window))}" if len(in_window) <= 4
@@ -171,7 +176,7 @@ def over_models(path: Path, steps, names, results, source: str, dataset: str, ov
         highest = max(float(r["mean"][layer].max()) for r in results)
         title = f"layer {layer}"
         if uniform - highest <= max(highest - lowest, NATS_IN_VIEW * uniform):
-            ax.axhline(uniform, color="k", ls="--", lw=0.8, label="uniform")
+            ax.axhline(uniform, color=UNIFORM_COLOUR, ls="--", lw=0.8, label="uniform")
         else:  # drawn, it would squeeze the heads into a strip at the bottom
             title += f" (uniform {uniform:.2f}: above)"
         # checkpoints of one run lie on a step axis; other model lists are only in list order

@@ -400,3 +400,23 @@ def test_operator_and_pruning_lines_by_layer_stop_short_of_viridis_pale_top(monk
             bars = [a for a in fig.axes if a.get_ylabel() == "layer"]
             assert (ax.get_legend() is None) == (layers > MANY_LINES) == (len(bars) == 1)
             pyplot().close(fig)
+
+
+def test_an_untrained_models_curve_on_the_uniform_line_is_told_from_it(drawn, tmp_path):
+    """Step 0's curve (viridis' first colour, a near-black purple) lay on black dashes and read as the uniform
+    line itself: the bound is grey in the by-layer and by-position plots (and beneath the curves by layer)."""
+    from matplotlib.colors import to_rgb
+
+    results = entropy_results(4, 4, 128, [0, 300])
+    results[0]["mean"] = results[0]["bound"].mean(1, keepdims=True).repeat(4, 1)  # step 0: uniform attention
+    entropy_plots.draw(tmp_path, types.SimpleNamespace(dataset="wiki", seq_len=128), [0, 300], ["r@step0", "r@step300"],
+                       results, [None, None], over_training=True)
+    for name in ("entropy_by_layer.png", "entropy_by_position.png"):
+        ax = drawn[name].axes[0]
+        (bound,) = [line for line in ax.get_lines() if line.get_label().startswith("uniform")]
+        curves = [line for line in ax.get_lines() if line is not bound]
+        if name == "entropy_by_layer.png":
+            assert curves and all(line.get_zorder() > bound.get_zorder() for line in curves)
+        grey = np.array(to_rgb(bound.get_color()))
+        assert np.allclose(grey, grey[0]) and 0.4 < grey[0] < 0.7, name
+        assert min(np.abs(np.array(to_rgb(line.get_color())) - grey).max() for line in curves) > 0.15, name
