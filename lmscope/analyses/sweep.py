@@ -238,6 +238,15 @@ def _grid(plt, count: int, width: float = 5.0, height: float = 3.8, **subplots):
     return fig, list(axes.flat)
 
 
+def _shade(colour: str, i: int, n: int) -> tuple[float, float, float]:
+    """The `i`-th of `n` shades of `colour`: itself for the first, then towards white (at most 60 % of the way)
+    for the others, so that n lines of one hue stay apart and none fades into the background."""
+    from matplotlib.colors import to_rgb
+
+    t = 0.0 if n < 2 else 0.6 * i / (n - 1)
+    return tuple(c + (1.0 - c) * t for c in to_rgb(colour))
+
+
 def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
     """Val error vs epoch, one panel per target, Polynomial vs MLP Sumformer (and other architectures)."""
     plt = pyplot()
@@ -270,12 +279,19 @@ def _plot_fig1(path: Path, curves: dict[tuple, list]) -> bool:
             keys, pruned = [key for _, key in keep.values()], what
         archs = {key[0] for key in keys}
         # by architecture, then by number: d'=4 before d'=16 (as text, 16 came first)
-        for key in sorted(keys, key=lambda key: (key[0], *(-1 if v is None else v for v in key[2:]))):
+        ordered = sorted(keys, key=lambda key: (key[0], *(-1 if v is None else v for v in key[2:])))
+        per_arch = Counter(key[0] for key in ordered)
+        nth: Counter = Counter()
+        for key in ordered:
             arch, _, d, n, k, d_eff = key
             x, y = _mean_curve(curves[key])
             label = f"{arch} (d={d}, n={n}, d'={d_eff}" + (f", k={k}" if k else "") + ")"
             dashed = arch in styles and len(archs) > 1  # dashes tell architectures apart; alone, a plain line
-            ax.semilogy(x, y, label=label, color=colors.get(arch) if len(archs) == len(keys) else None,
+            # an architecture's hue, darker to lighter over its configurations: the architectures group at a
+            # glance (one colour per configuration mixed them), and a lone architecture's lines still differ
+            colour = _shade(colors.get(arch, "tab:gray"), nth[arch], per_arch[arch])
+            nth[arch] += 1
+            ax.semilogy(x, y, label=label, color=colour,
                         ls=styles[arch] if dashed else "-", lw=1.4 if dashed else 1.8,
                         zorder=2.2 if dashed else 2,  # dashes over the solid line they may hide
                         marker="o" if len(x) < 3 else None, ms=4)  # a one-point curve is a dot, not nothing

@@ -1190,6 +1190,17 @@ def test_fig1_legend_orders_latent_dims_as_numbers(tmp_path, monkeypatch):
     [ax] = [a for a in drawn[0].axes if a.get_visible()]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == [f"{arch} (d=1, n=3, d'={dp})" for arch in ("mlp_sumformer", "poly_sumformer") for dp in (1, 4, 16)]
+    # each architecture in its own hue, its configurations from the hue to lighter (one colour each mixed them)
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    hues = {"mlp_sumformer": to_rgb("tab:orange"), "poly_sumformer": to_rgb("tab:blue")}
+    for arch, hue in hues.items():
+        shades = [np.array(to_rgb(line.get_color())) for line in ax.get_lines() if line.get_label().startswith(arch)]
+        assert len(shades) == 3 and np.allclose(shades[0], hue)
+        below_one = np.array(hue) < 0.99  # orange's red is 1 already
+        t = [(s - hue)[below_one] / (1.0 - np.array(hue))[below_one] for s in shades]  # how far towards white
+        assert all(np.allclose(v, v[0]) for v in t) and 0 == t[0][0] < t[1][0] < t[2][0] <= 0.6 + 1e-9
 
 
 def test_the_figures_say_how_many_seeds_each_point_is_and_a_lone_architecture_is_a_plain_line(tmp_path, monkeypatch):
