@@ -341,7 +341,9 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
     ``windows`` {layer: w}: layers that slide over w < seq_len keys in the model (compared on all keys)."""
     plt = pyplot()
     methods = sorted({m for m, _ in panels})
-    fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 4.2), squeeze=False)
+    # constrained layout leaves room for the legends under the panels
+    fig, axes = plt.subplots(1, len(methods) + 1, figsize=(5.2 * (len(methods) + 1), 5.0), squeeze=False,
+                             layout="constrained")
     axes = list(axes.flat)
     for ax, method in zip(axes, methods):
         layers = sorted(layer for m, layer in panels if m == method)
@@ -377,7 +379,8 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
                title=f"{method}{extra}\nvs exact {ref} softmax" + (" over all keys" if windows else "") + slid)
         readable_log_y(ax)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=1 if colours.many else 2)
+        # below the panel: inside, it covered the layers' curves where they run through its corner
+        ax.legend(fontsize=7, ncol=1 if colours.many else 2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax = axes[-1]
     for method, (xs, ys) in sorted(times.items()):
         ax.plot(xs, ys, marker="o", ms=3, label=method)
@@ -388,7 +391,7 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
            title="time ratio" + (f"\n({timing})" if timing else ""))
     readable_log_y(ax)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.suptitle(title)
     save(fig, path)
 

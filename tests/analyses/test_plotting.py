@@ -420,3 +420,26 @@ def test_an_untrained_models_curve_on_the_uniform_line_is_told_from_it(drawn, tm
         grey = np.array(to_rgb(bound.get_color()))
         assert np.allclose(grey, grey[0]) and 0.4 < grey[0] < 0.7, name
         assert min(np.abs(np.array(to_rgb(line.get_color())) - grey).max() for line in curves) > 0.15, name
+
+
+def test_the_attention_study_legends_sit_below_their_panels(monkeypatch, tmp_path):
+    """Linformer's legend covered layer 3's curve where it ran through the panel's upper right."""
+    from lmscope.analyses import attention_approx
+
+    saved = {}
+    monkeypatch.setattr(attention_approx, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    ks = [8, 16, 32, 64]
+    panels = {(m, layer): (ks, [0.05 / (layer + 1), 0.03, 0.02, 0.01], None, None)
+              for m in ("linformer", "performer") for layer in range(4)}
+    attention_approx.plot_attention_approx(tmp_path / "attention_approx.png", panels,
+                                           {"linformer": (ks, [0.45, 0.5, 0.6, 0.7]), "performer": (ks, [1, 2, 3, 4])},
+                                           title="t")
+    fig = saved["attention_approx.png"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panels_drawn = [ax for ax in fig.axes if ax.get_legend() is not None]
+    assert len(panels_drawn) == 3
+    for ax in panels_drawn:
+        legend, box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.y1 <= box.y0 and fig.bbox.contains(legend.x0, legend.y0)  # below the panel, in the figure
+    pyplot().close(fig)
