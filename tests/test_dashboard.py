@@ -476,6 +476,13 @@ def test_finished_jobs_say_how_they_ended_and_show_files_as_downloads(page, url,
     links = page.js("[...document.querySelectorAll('.plots img')].map(i => [i.parentElement.tagName, "
                     "i.parentElement.target, i.parentElement.href === i.src])")
     assert links and all(link == ["A", "_blank", True] for link in links), links
+    # a plot shrunk to the column says so under its name (a wide figure's print is small); one shown whole does not
+    hints = "[...document.querySelectorAll('.plots img')].map(i => [i.naturalWidth > i.clientWidth + 1, " \
+            "(i.parentElement.previousElementSibling.querySelector('.hint') || {}).textContent || ''])"
+    page.wait(f"{hints}.some(([shrunk, hint]) => shrunk && hint)")  # said once the page has laid the plot out
+    shown = page.js(hints)
+    assert all(("click it for full size" in hint) == shrunk for shrunk, hint in shown), shown
+    assert any(shrunk for shrunk, _ in shown), shown
 
     open_job(page, url, jobs["cancelled"])
     assert page.text("#progress-text").startswith("cancelled")

@@ -74,10 +74,10 @@ def snapshot(sessions, job_id: int) -> dict:
         if job is None:  # deleted while watched
             return {"id": job_id, "status": "cancelled", "attempts": 0, "cancel_requested": True, "progress": None,
                     "error": {"type": "deleted", "message": "the job was deleted"}, "summary": None, "finished_at": None}
-        children, last_end = children_of(session, job)
+        children, last_end, running = children_of(session, job)
         return {
             "id": job.id, "status": job.status, "attempts": job.attempts, "cancel_requested": job.cancel_requested,
-            "progress": progress_json(job, children, last_end),
+            "progress": progress_json(job, children, last_end, running),
             "error": error_json(job),
             "summary": job.summary, "finished_at": iso(job.finished_at),
         }

@@ -56,12 +56,26 @@ def last_child_ends(session, parent_ids: list[int]) -> dict[int, datetime]:
                                 .group_by(Job.parent_id)).all())
 
 
-def children_of(session, job: Job) -> tuple[dict[str, int] | None, datetime | None]:
-    """A sweep parent's (children counts, when its last child to end so far ended); (None, None) for
-    any other job."""
+def running_children_progress(session, parent_ids: list[int]) -> dict[int, float]:
+    """{parent_id: the fractions done of its running children, summed} (a grid point at 80 % adds 0.8), so that
+    a sweep of a few long points does not sit at 0 % while they run."""
+    if not parent_ids:
+        return {}
+    rows = session.execute(select(Job.parent_id, Job.progress_done, Job.progress_total)
+                           .where(Job.parent_id.in_(parent_ids), Job.status == "running", Job.progress_total > 0))
+    share: dict[int, float] = {}
+    for parent_id, done, total in rows:
+        share[parent_id] = share.get(parent_id, 0.0) + min(1.0, max(0, done or 0) / total)
+    return share
+
+
+def children_of(session, job: Job) -> tuple[dict[str, int] | None, datetime | None, float]:
+    """A sweep parent's (children counts, when its last child to end so far ended, its running children's
+    summed fractions done); (None, None, 0.0) for any other job."""
     if not is_parent_kind(job.kind):
-        return None, None
-    return children_counts(session, [job.id])[job.id], last_child_ends(session, [job.id]).get(job.id)
+        return None, None, 0.0
+    return (children_counts(session, [job.id])[job.id], last_child_ends(session, [job.id]).get(job.id),
+            running_children_progress(session, [job.id]).get(job.id, 0.0))
 
 
 def load_visible_job(session, caller: Caller, job_id: int) -> Job:
@@ -113,9 +127,9 @@ def unsent_children(session, job: Job) -> int:
 
 
 def render_job(session, job: Job) -> dict:
-    children, last_end = children_of(session, job)
+    children, last_end, running = children_of(session, job)
     body = job_json(job, user_name=session.scalar(select(User.name).where(User.id == job.user_id)), children=children,
-                    last_child_end=last_end)
+                    last_child_end=last_end, running_children=running)
     if job.status == "queued":
         body["queue"] = queue_position(session, job)
     if children and children["queued"] and (unsent := unsent_children(session, job)):
@@ -250,8 +264,9 @@ def list_jobs():
         page, more = rows[:limit], len(rows) > limit
         parents = [job.id for job, _ in page if is_parent_kind(job.kind)]
         counts, ends = children_counts(session, parents), last_child_ends(session, parents)
-        items = [job_json(job, user_name=name, children=counts.get(job.id), last_child_end=ends.get(job.id))
-                 for job, name in page]
+        running = running_children_progress(session, parents)
+        items = [job_json(job, user_name=name, children=counts.get(job.id), last_child_end=ends.get(job.id),
+                          running_children=running.get(job.id, 0.0)) for job, name in page]
     return {"items": items, "next_page_token": encode_page_token(before=page[-1][0].id) if more else None}
 
 

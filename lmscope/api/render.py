@@ -22,18 +22,21 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 
 def progress_json(job: Job, children: dict[str, int] | None = None,
-                  last_child_end: datetime | None = None) -> dict[str, Any] | None:
+                  last_child_end: datetime | None = None, running_children: float = 0.0) -> dict[str, Any] | None:
     """{done, total, stage, fraction, updated_at}; a parent's progress is its children finished / total (a
     cancelled or cancelling parent's: the children that ran to an end, which says how far it got), updated
-    when the last of them ended (``last_child_end``)."""
+    when the last of them ended (``last_child_end``); its fraction also counts how far its running children
+    are (``running_children``: their fractions done, summed)."""
     if children is not None:
         total = children["total"]
         # A sweep being cancelled counts as it will once cancelled: its queued points, cancelled at once,
         # are not progress (else it would show 100 % while its running points stop).
-        done = children_done(children, cancelled=job.status == "cancelled"
-                             or (job.status == "running" and bool(job.cancel_requested)))
+        cancelling = job.status == "cancelled" or (job.status == "running" and bool(job.cancel_requested))
+        done = children_done(children, cancelled=cancelling)
+        under_way = 0.0 if cancelling or job.status != "running" else running_children  # they stop, not finish
         return {"done": done, "total": total, "stage": "children",
-                "fraction": done / total if total else None, "updated_at": iso(last_child_end)}
+                "fraction": min(1.0, (done + under_way) / total) if total else None,
+                "updated_at": iso(last_child_end)}
     if job.progress_total is None and job.progress_done is None and job.progress_stage is None:
         return None
     done, total = job.progress_done, job.progress_total
@@ -67,9 +70,9 @@ def job_links(job_id: int) -> dict[str, str]:
 
 
 def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int] | None = None,
-             last_child_end: datetime | None = None) -> dict[str, Any]:
+             last_child_end: datetime | None = None, running_children: float = 0.0) -> dict[str, Any]:
     """`children`: counts by status when the job is a sweep parent (else None); `last_child_end`: when
-    its last child to end so far ended."""
+    its last child to end so far ended; `running_children`: its running children's fractions done, summed."""
     links = job_links(job.id)
     if children is None:
         links.pop("children")
@@ -90,7 +93,7 @@ def job_json(job: Job, *, user_name: str | None = None, children: dict[str, int]
         "finished_at": iso(job.finished_at),
         "heartbeat_at": iso(job.heartbeat_at),
         "worker": job.worker,
-        "progress": progress_json(job, children, last_child_end),
+        "progress": progress_json(job, children, last_child_end, running_children),
         "cancel_requested": job.cancel_requested,
         "error": error_json(job),
         "summary": job.summary,

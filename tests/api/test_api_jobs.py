@@ -279,6 +279,28 @@ def test_cancelling_a_child_publishes_its_parent(api):
     assert (row.progress_done, row.progress_total, row.progress_stage) == (1, 2, "children")
 
 
+def test_a_sweeps_fraction_counts_how_far_its_running_points_are(api):
+    """Four long grid points at 0/4 showed 0 % for their whole run: the fraction counts each running point's own
+    fraction (one at 50 % is half a point), in the job, the list and the event stream's snapshot alike; the
+    count of points done stays whole; a cancelling sweep's running points stop, so they add nothing."""
+    from lmscope.api.events import snapshot
+
+    h = api.user("ann")
+    parent = api.submit(h, kind="sweep", params=small_sweep(4)).get_json()["id"]
+    kids = [j.id for j in api.jobs(parent_id=parent)]
+    api.set_job(parent, status="running")
+    api.set_job(kids[0], status="succeeded")
+    api.set_job(kids[1], status="running", progress_done=5, progress_total=10)
+    api.set_job(kids[2], status="running", progress_done=30, progress_total=20)  # a count past its total: 1
+    doc = api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()["progress"]
+    assert (doc["done"], doc["total"]) == (1, 4) and doc["fraction"] == pytest.approx((1 + 0.5 + 1.0) / 4)
+    listed = {j["id"]: j for j in api.client.get("/v1/jobs", headers=h).get_json()["items"]}
+    assert listed[parent]["progress"] == doc
+    assert snapshot(api.sessions, parent)["progress"] == doc
+    api.set_job(parent, cancel_requested=True)
+    assert api.client.get(f"/v1/jobs/{parent}", headers=h).get_json()["progress"]["fraction"] == pytest.approx(1 / 4)
+
+
 def test_an_unknown_kind_filter_is_refused_with_the_kinds(api):
     """`lmscope jobs --kind nrms` used to print an empty table, as if there were no such jobs."""
     from lmscope.params import KINDS
