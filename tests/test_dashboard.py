@@ -438,6 +438,10 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     assert page.js(sweep % 1) == ("1/3 grid points done · 1 grid point not handed to the broker yet: it is sent when "
                                   "the broker answers")
     assert page.js(sweep % 0) == "1/3 grid points done"
+    # a stage that says its own count is not followed by it again; one that does not gets it
+    running = "progressText({status: 'running', progress: {done: 928, total: 1200, stage: %r}, timings: {run_seconds: 12}})"
+    assert page.js(running % "epoch 928/1200, val error 0.312") == "epoch 928/1200, val error 0.312 · running for 12s"
+    assert page.js(running % "measure") == "measure · 928/1200 · running for 12s"
 
 
 def test_a_sweep_point_requeued_as_another_starts_is_refetched(page, url, jobs):
