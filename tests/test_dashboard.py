@@ -438,6 +438,13 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     assert page.js(sweep % 1) == ("1/3 grid points done · 1 grid point not handed to the broker yet: it is sent when "
                                   "the broker answers")
     assert page.js(sweep % 0) == "1/3 grid points done"
+    # a grid point's params in a sweep's failed/cancelled table: a column each, not one cell of cut JSON
+    table = page.js("""(() => { const t = objectsTable([{job_id: 3, status: "cancelled", params: {architecture: "mlp_sumformer",
+                                 latent_dim: 2}}, {job_id: 4, status: "failed", error: "boom", params: {architecture: "transformer",
+                                 latent_dim: 4, features: 8}}], "x");
+        return [...t.querySelectorAll("tr")].map(r => [...r.children].map(c => c.textContent)); })()""")
+    assert table == [["job_id", "status", "params.architecture", "params.latent_dim", "error", "params.features"],
+                     ["3", "cancelled", "mlp_sumformer", "2", "–", "–"], ["4", "failed", "transformer", "4", "boom", "8"]]
     # a stage that says its own count is not followed by it again; one that does not gets it
     running = "progressText({status: 'running', progress: {done: 928, total: 1200, stage: %r}, timings: {run_seconds: 12}})"
     assert page.js(running % "epoch 928/1200, val error 0.312") == "epoch 928/1200, val error 0.312 · running for 12s"
