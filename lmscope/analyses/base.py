@@ -47,6 +47,12 @@ def overflow_advice(dtype: str) -> str:
             else "are its weights finite?")
 
 
+def eta_text(seconds: float) -> str:
+    """A remaining time as a progress stage writes it: `7m05s`, `2h13m`."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 def own_attention(model) -> str:
     """What a job records as its kernel_backend when the model runs its own attention: transformers-sdpa, ..."""
     return f"transformers-{model.config._attn_implementation}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series
+from lmscope.analyses.base import JobContext, JobFailed, JobOutput, Series, eta_text
 from lmscope.analyses.plotting import pyplot, readable_log_y, save
 from lmscope.params.sweep import SumformerFitParams, effective_latent_dim, theory_latent_dim
 from lmscope.seeds import derived_seed
@@ -233,6 +233,8 @@ def run_sumformer_fit(params: SumformerFitParams, ctx: JobContext, *, cuda_graph
                 eval_x.append(epoch)
                 val_errors.append(err)
             stage = f"epoch {epoch}/{t.epochs}" + (f", val error {val_errors[-1]:.3g}" if val_errors else "")
+            if epoch < t.epochs:  # as train's progress says it
+                stage += f", ETA {eta_text((time.perf_counter() - start) / epoch * (t.epochs - epoch))}"
             ctx.progress(epoch, t.epochs, stage)
     seconds = time.perf_counter() - start
     ctx.record("training_steps", steps.route)

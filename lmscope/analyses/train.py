@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series, own_attention
+from lmscope.analyses.base import JobCancelled, JobContext, JobFailed, JobOutput, Series, eta_text, own_attention
 from lmscope.analyses.plotting import pyplot, save
 from lmscope.params.train import TrainParams
 from lmscope.wording import byte_size
@@ -219,11 +219,6 @@ CHECKPOINT_HEADROOM_BYTES = 1 << 30  # a checkpoint leaves at least this much of
 STOP_CHECKPOINT_BYTES = 2 << 30
 
 
-def _eta(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 def _tokenizer_for(p: TrainParams, ctx: JobContext, train_docs: list[str]):
     from lmscope.modeling.tokenization import byte_tokenizer, train_bpe_tokenizer
 
@@ -381,7 +376,7 @@ class TrainingRun:
                     recent = [l for _, l in history["train"][-report_every:]]
                     per_step = (time.perf_counter() - self.loop_start) / (step - self.start_step)
                     report = (f"train loss {sum(recent) / len(recent):.3f} · val {history['val'][-1][1]:.3f} · "
-                              f"ETA {_eta(per_step * (p.steps - step))}")
+                              f"ETA {eta_text(per_step * (p.steps - step))}")
                 # every step (the worker writes a few a second at most): a cancel or the time limit stops after
                 # this step, not up to 9 later, and the job's progress then says the step its summary does
                 ctx.progress(step, p.steps, report)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from importlib import resources
 
 import pytest
@@ -245,6 +246,9 @@ def test_sumformer_fit_reports_curves_progress_and_a_plot(tmp_path):
     assert "truncated" in s["note"]
     assert s["train_samples"] == 240 and s["val_samples"] == 60
     assert [p[0] for p in ctx.progress_log] == list(range(1, 7)) and ctx.progress_log[-1][1] == 6
+    # each epoch says where it is and, until the last, how long the rest will take
+    assert re.fullmatch(r"epoch 2/6, val error [0-9.e-]+, ETA \d+m\d\ds", ctx.progress_log[1][2]), ctx.progress_log[1]
+    assert re.fullmatch(r"epoch 6/6, val error [0-9.e-]+", ctx.progress_log[-1][2]), ctx.progress_log[-1]
     assert (tmp_path / "training.png").stat().st_size > 10_000
     assert 0 < s["best_val_error"] < 1  # it learned something in 6 epochs
     # same seed → same numbers (the data, the initialisation and the batches are seeded)
