@@ -834,6 +834,29 @@ def test_one_jobs_many_curves_each_have_a_style_of_their_own(page, url):
                  dashes: [...svg.querySelectorAll('polyline')].map(p => getComputedStyle(p).strokeDasharray),
                  job8: getComputedStyle(legend).stroke }; })()""")
     assert set(alone["strokes"]) == {alone["job8"]} and len(set(alone["dashes"])) == 3, alone
+    # Two entropy jobs of 16 layer × head curves each: more curves than dashes, which left them nameless. Each curve
+    # gets a colour and dash (the same in both jobs) and its legend entry; the jobs are told apart by width.
+    many = page.js("""(() => {
+        const curves = [...Array(16).keys()].map(i => ({ name: "entropy.mean", labels: { layer: i >> 2, head: i % 4 },
+            x_meaning: "training step", jobs: { "7": { x: [0, 1], y: [3, i / 8] }, "8": { x: [0, 1], y: [3, i / 9] } } }));
+        const svg = chart("entropy.mean", curves, [{ id: 7 }, { id: 8 }]);
+        document.getElementById('detail').append(svg);
+        const look = e => [getComputedStyle(e).stroke, getComputedStyle(e).strokeDasharray];
+        const r = { lines: [...svg.querySelectorAll('polyline')].map(p => [p.dataset.job, Number(p.dataset.curve), ...look(p),
+                                                                            Number(p.getAttribute('stroke-width'))]),
+                    legend: [...svg.querySelectorAll('text.legend-style')].map(t => [t.textContent, ...look(t.previousElementSibling)]),
+                    jobs: [...svg.querySelectorAll('line.job-width')].map(l => Number(l.getAttribute('stroke-width'))) };
+        svg.remove(); return r; })()""")
+    looks = {}
+    for job, curve, stroke, dash, width in many["lines"]:
+        looks.setdefault(curve, set()).add((stroke, dash))
+    assert sorted(looks) == list(range(16)) and all(len(v) == 1 for v in looks.values())
+    looks = {curve: look.pop() for curve, look in looks.items()}
+    assert len(set(looks.values())) == 16
+    widths = {job: {w for j, _, _, _, w in many["lines"] if j == job} for job in ("7", "8")}
+    assert widths == {"7": {many["jobs"][0]}, "8": {many["jobs"][1]}} and many["jobs"][0] < many["jobs"][1]
+    # the legend names each curve in the look its lines have
+    assert many["legend"] == [[f"layer={i >> 2}, head={i % 4}", *looks[i]] for i in range(16)]
 
 
 def test_compare_tells_each_jobs_curves_apart(page, url, jobs):
