@@ -15,6 +15,7 @@ TORCH_PICKED = $(PIP) install -q --dry-run --ignore-installed --no-deps --report
   | $(PYTHON) -c "import json, sys; sys.exit(not any('+cpu' in i['metadata']['version'] for i in json.load(sys.stdin)['install']))"
 
 $(STAMP): pyproject.toml constraints-cpu.txt
+	@echo "installing lmscope and its dependencies (torch CPU, transformers, ...): the first run only, a few minutes"
 	@index=; if [ -n "$(TORCH_INDEX)" ] && ! $(TORCH_PICKED); then index="--extra-index-url $(TORCH_INDEX)"; fi; \
 	  echo "$(PIP) install -q -c constraints-cpu.txt $$index torch triton"; \
 	  $(PIP) install -q -c constraints-cpu.txt $$index torch triton

@@ -346,6 +346,8 @@ class ProgressLine:
         if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
                      else f" (no worker takes jobs from the queue: {NO_WORKER_ADVICE})" if queue.get("workers") == 0
+                     else " (next: a worker takes it in a moment)" if not (queue["ahead"] or queue["running"]
+                                                                          or queue.get("unsent"))
                      else f" ({queue['ahead']} ahead, {queue['running']} running"
                           + ("; not handed to the broker yet: it is sent when the broker answers)" if queue.get("unsent")
                              else ")"))

@@ -33,10 +33,71 @@ def example(name: str) -> dict:
     return json.loads(examples.read_bytes(name))
 
 
+DOCS = {"train": "docs/models-and-datasets.md", "norms": "docs/analyses/norms.md", "entropy": "docs/analyses/entropy.md",
+        "pruning": "docs/analyses/pruning.md", "operator": "docs/analyses/operator.md", "sweep": "docs/analyses/sweep.md"}
+
+
+def _head(h: dict, key: str) -> str:
+    return f"layer {h['layer']} head {h['head']} ({h[key]:.2f})"
+
+
+def headline(job: dict, children: list[dict] | None = None) -> list[str]:
+    """What a researcher reads off the job's summary, in a sentence or two (the full summary: `lmscope show ID`)."""
+    s, kind = job.get("summary") or {}, job["kind"]
+    if kind == "train":
+        return [f"validation loss {s['val_loss']:.2f} nats after {s['steps']} steps ({s['num_parameters'] / 1e6:.1f}M "
+                f"parameters); a unigram model's cross-entropy on the same text is {s['unigram_entropy']:.2f} nats, so "
+                f"the {s['unigram_entropy'] - s['val_loss']:.2f} nats below it come from reading the context",
+                f"checkpoints: {', '.join(s['checkpoints'])}"]
+    if kind == "norms":
+        lines = [f"the current token's norm grows at every layer in {s['sequence_pct']:.1f} % of {s['samples']} samples "
+                 f"(chance: {s['null_sequence_pct']:.1f} %); {s['pair_pct']:.1f} % of consecutive layer pairs grow",
+                 f"inner loss through the last block, from the last layer: {s['inner_loss_final_mean']:.2f} nats"]
+        if s.get("gram_condition_pct") is not None:
+            lines.append(f"Proposition 1's Gram condition holds in {s['gram_condition_pct']:.0f} % of "
+                         f"{s['gram_condition_pairs']} (sample, layer) pairs")
+        return lines
+    if kind == "entropy":
+        per_layer = ", ".join(f"{v:.2f}" for v in s["mean_entropy_per_layer"])
+        return [f"at {s.get('summary_of', 'the model')}: mean attention entropy {s['mean_entropy']:.2f} nats, "
+                f"{100 * s['normalized_mean_entropy']:.0f} % of uniform attention's; by layer {per_layer}",
+                f"most focused head: {_head(s['lowest_entropy_head'], 'value')}; closest to mean pooling: "
+                f"{_head(s['highest_entropy_head'], 'value')}; curves over {len(s.get('models', [1]))} checkpoints "
+                "in entropy_over_training.png"]
+    if kind == "pruning":
+        units = s["units"]
+        shares = ", ".join(f"{order} {round(share * units)}" for order, share in s["prunable_fraction"].items())
+        lines = [f"at {s['model']}: unpruned loss {s['baseline_loss']:.3f} nats; of its {units} heads, removable with "
+                 f"the loss within +{s['tolerance']:.0%}: {shares}"]
+        rho = (s.get("single_head") or {}).get("rank_correlation")
+        if rho is not None:
+            lines.append(f"a head's term size ranks the heads as removing each alone does: Spearman ρ = {rho:.2f}")
+        return lines
+    if kind == "operator":
+        means = ", ".join(f"{r} {v:.2f}" for r, v in s["mean_input_dependence"].items())
+        least = s["least_input_dependent_heads"][0]
+        return [f"at {s['model']}: how far each head's map W'(x) changes with its input (0: the same map for every "
+                f"input), mean over heads: {means}",
+                f"least input-dependent head: {_head(least, 'input_dependence')}"]
+    if kind == "sweep":
+        points = ""
+        if children:
+            ids = sorted(c["id"] for c in children)
+            points = f"{len(ids)} grid points (jobs {ids[0]}–{ids[-1]}); "
+        if s.get("study") == "attention":
+            errors = ", ".join(f"{m} {v:.2g}" for m, v in s["rel_error_at_max_features"].items())
+            times = ", ".join(f"{m} {v:.2f}×" for m, v in s["time_ratio_at_max_features"].items())
+            return [points + f"relative error against exact attention at the most features: {errors}; "
+                    f"time against the exact kernel: {times}"]
+        best = "; ".join(f"{b['architecture']} d={b['token_dim']} n={b['seq_len']}: {b['best_val_error']:.3g} at "
+                         f"d′={b['best_latent_dim']}" for b in s.get("best", [])[:4])
+        return [points + f"best validation error per line: {best}"]
+    return [json.dumps({k: v for k, v in s.items() if not isinstance(v, (list, dict))})[:300]]
+
+
 def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
     print(f"\n== {kind}: {name}")
     job = client.submit(kind, params, name=name, tags=["demo"])
-    print(f"  job {job['id']} queued")
     progress = ProgressLine(job["id"], sys.stdout)
     try:
         job = client.wait(job["id"], on_progress=progress)
@@ -45,9 +106,23 @@ def run_job(client: Client, kind: str, params: dict, name: str) -> dict:
     if job["status"] != "succeeded":
         err = job.get("error") or {}
         raise SystemExit(f"job {job['id']} {job['status']}: {err.get('type')}: {err.get('message')}")
-    summary = job.get("summary") or {}
-    print("  summary: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})[:600])
+    took = (job.get("timings") or {}).get("run_seconds")
+    if took is not None:
+        print(f"  took {took:.0f} s")
+    say(client, job)
     return job
+
+
+def say(client: Client, job: dict) -> None:
+    """The job's headline, and where to read more."""
+    children = list(client.list(parent=job["id"])) if job["kind"] == "sweep" else None
+    try:
+        lines = headline(job, children)
+    except (KeyError, TypeError, IndexError):  # a summary of another shape: its plain values, rather than no demo
+        lines = headline({**job, "kind": "other"})
+    for line in lines:
+        print("  " + line)
+    print(f"  (all of it: `lmscope show {job['id']}`; what the numbers mean: {DOCS.get(job['kind'], 'README.md')})")
 
 
 def previous_training(client: Client, params: dict) -> dict | None:
@@ -57,6 +132,7 @@ def previous_training(client: Client, params: dict) -> dict | None:
         from_init = any(c.endswith("@step0") for c in (job.get("summary") or {}).get("checkpoints", []))
         if from_init and all(job["params"].get(k) == v for k, v in params.items() if k != "run_name"):
             print(f"\n== train: reusing job {job['id']} (delete {os.environ.get('LMSCOPE_DATA_DIR', '.demo')} to retrain)")
+            say(client, job)
             return job
     return None
 
@@ -69,6 +145,9 @@ def main() -> None:
         env.pop(elsewhere, None)  # the demo keeps everything in data_dir, where it says its files are
     log = open(data_dir.with_suffix(".log"), "w") if data_dir.parent.exists() else subprocess.DEVNULL
     print(f"lmscope demo: embedded service on http://127.0.0.1:{port}, data in {data_dir}")
+    print("  seven jobs, one after another: train a 1.1M-parameter GPT-2-style model on WikiText-2 (about 2 minutes on "
+          "two cores; a second `make demo` reuses it), then norms, entropy, pruning and operator on it, a reduced "
+          "Sumformer sweep and a Performer/Linformer attention study; about 5 minutes in all")
     server = subprocess.Popen([sys.executable, "-m", "lmscope.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
     client = Client(f"http://127.0.0.1:{port}", token=None)
     try:
@@ -111,7 +190,7 @@ def main() -> None:
         jobs.append(run_job(client, "sweep", dict(example("attention_study_demo.json"), model=final_model),
                             f"demo: Performer/Linformer vs softmax attention on {final_model}"))
 
-        print("\nResults (also at http://127.0.0.1:%d/v1/jobs):" % port)
+        print("\nResults:")
         served = Settings.from_env(env)  # the server's settings: where it wrote the files
         for job in jobs:
             folder = served.job_dir(job["id"])
@@ -119,8 +198,10 @@ def main() -> None:
             print(f"  job {job['id']:>3} {job['kind']:<8} {folder}")
             for p in plots:
                 print(f"             {folder / p}")
-        print("\nBrowse them with `lmscope jobs`, `lmscope show ID`, `lmscope results ID`, or restart the service "
-              f"with LMSCOPE_DATA_DIR={data_dir} lmscope up")
+        print(f"\nThe demo's service stops now. To browse the results, start it again on the same data:\n"
+              f"  LMSCOPE_DATA_DIR={data_dir} lmscope up\n"
+              "then open http://127.0.0.1:8765/ (the dashboard: plots, curves, comparisons), or in another shell "
+              "`lmscope jobs`, `lmscope show ID`, `lmscope results ID --format csv`")
     except LmscopeError as e:
         raise SystemExit(f"demo failed: {e}")
     finally:

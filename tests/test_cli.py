@@ -822,6 +822,8 @@ def test_progress_of_a_queued_job_says_what_it_waits_behind():
     assert line.render(idle) == ("job 7 queued (no worker takes jobs from the queue: it waits until one starts "
                                  "(`lmscope worker`, docs/operations.md))")
     assert line.render({**queued, "queue": {"ahead": 2, "running": 1, "workers": 1}}) == "job 7 queued (2 ahead, 1 running)"
+    # nothing ahead and nothing running: it is next (`0 ahead, 0 running` read as a contradiction)
+    assert line.render({**queued, "queue": {"ahead": 0, "running": 0}}) == "job 7 queued (next: a worker takes it in a moment)"
     # submitted while the broker was down: `--wait` says why it does not move (only `show` said it)
     unsent = {**queued, "queue": {"ahead": 0, "running": 0, "unsent": True}}
     assert line.render(unsent) == ("job 7 queued (0 ahead, 0 running; not handed to the broker yet: it is sent when "

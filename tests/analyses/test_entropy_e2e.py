@@ -44,6 +44,15 @@ def test_entropy_over_a_train_jobs_checkpoints(service):
     assert job["environment"]["kernel_backend"] == s["kernel_backend"] in ("reference", "triton")
     assert job["progress"]["done"] == job["progress"]["total"] == 3 * (2 + 1)  # 2 + 1 batches per checkpoint
 
+    from lmscope import demo  # what `make demo` prints of them
+
+    at, heads = demo.headline(job)
+    assert at.startswith(f"at ent@step4: mean attention entropy {s['mean_entropy']:.2f} nats, ")
+    assert heads.endswith("curves over 3 checkpoints in entropy_over_training.png")
+    loss, checkpoints = demo.headline(train_job)
+    assert loss.startswith(f"validation loss {train_job['summary']['val_loss']:.2f} nats after 4 steps")
+    assert checkpoints == "checkpoints: ent@step0, ent@step2, ent@step4"
+
     series = client.get(f"/v1/jobs/{job_id}/results").get_json()["series"]
     means = [x for x in series if x["name"] == "entropy.mean"]
     assert len(means) == 2 * 4 and all(x["x"] == [0, 2, 4] for x in means)

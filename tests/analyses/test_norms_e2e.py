@@ -27,6 +27,13 @@ def test_norms_job_through_the_api(service):
     assert s["inner_loss_kept"] == 12 and 0 <= s["gram_condition_pct"] <= 100
     assert job["environment"]["kernel_backend"] in ("triton", "transformers-sdpa")
 
+    from lmscope import demo  # what `make demo` prints of it
+
+    grows, inner, gram = demo.headline(job)
+    assert grows.startswith(f"the current token's norm grows at every layer in {s['sequence_pct']:.1f} % of 12 samples "
+                            "(chance: 12.5 %)")
+    assert inner.endswith(f"{s['inner_loss_final_mean']:.2f} nats") and f"{s['gram_condition_pct']:.0f} % of" in gram
+
     series = {x["name"]: x for x in client.get(f"/v1/jobs/{job_id}/results").get_json()["series"]}
     assert {"norm.mean", "norm.std", "norm.median", "inner_loss.mean", "inner_loss.std"} <= set(series)
     assert series["norm.mean"]["x"] == [0, 1, 2, 3] and series["inner_loss.mean"]["x"] == [0, 1, 2, 3]

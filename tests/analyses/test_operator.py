@@ -303,6 +303,13 @@ def test_the_job_through_the_service(service):
     assert all(x["y"] == s["input_dependence_by_layer"][x["labels"]["replacement"]] for x in series)
     names = {a["name"] for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
     assert {"input_dependence.png", "input_dependence_by_position.png", "operator.npz"} <= names
+    from lmscope import demo  # what `make demo` prints of it
+
+    means, least = demo.headline(job)
+    assert means.endswith("mean over heads: " + ", ".join(f"{r} {s['mean_input_dependence'][r]:.2f}"
+                                                          for r in s["replacements"]))
+    head = s["least_input_dependent_heads"][0]
+    assert least == f"least input-dependent head: layer {head['layer']} head {head['head']} ({head['input_dependence']:.2f})"
     bad = client.post("/v1/jobs", json={"kind": "operator", "params": {"model": "tiny-llama", "dataset": "wikitext-2",
                                                                        "replacements": ["mean", "mean"]}})
     assert bad.status_code == 422 and "twice" in bad.get_data(as_text=True)

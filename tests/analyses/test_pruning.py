@@ -374,6 +374,12 @@ def test_the_job_through_the_service(service):
     assert all(x["y"][0] == pytest.approx(s["baseline_loss"]) for x in series)
     names = {a["name"] for a in client.get(f"/v1/jobs/{job_id}/artifacts").get_json()["items"]}
     assert {"pruning.png", "head_contributions.png", "pruning.npz"} <= names
+    from lmscope import demo  # what `make demo` prints of it
+
+    [line] = demo.headline(job)
+    assert line == (f"at tiny-llama: unpruned loss {s['baseline_loss']:.3f} nats; of its {s['units']} heads, removable "
+                    "with the loss within +1%: " + ", ".join(f"{o} {round(v * s['units'])}"
+                                                             for o, v in s["prunable_fraction"].items()))
 
     bad = client.post("/v1/jobs", json={"kind": "pruning", "params": {"model": "tiny-llama", "dataset": "wikitext-2",
                                                                       "fractions": [0.5, 0.1]}})

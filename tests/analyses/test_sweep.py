@@ -1116,6 +1116,7 @@ def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_
 
     assert job["status"] == "succeeded", job
     assert job["summary"]["children"] == {"succeeded": 2, "failed": 0, "cancelled": 1}
+    assert job["summary"]["partial"] is True  # a grid point was cancelled on its own: the results miss it
     assert job["summary"]["failed_children"] == []
     assert [c["job_id"] for c in job["summary"]["cancelled_children"]] == [cancelled]
     assert (job["progress"]["done"], job["progress"]["total"]) == (3, 3)
@@ -1128,6 +1129,13 @@ def test_sweep_through_the_api_and_the_embedded_worker(settings_factory, sqlite_
     assert series[0]["y"] == pytest.approx([child_best[1], child_best[2]])
     names = {a["name"] for a in client.get(f"/v1/jobs/{parent}/artifacts").get_json()["items"]}
     assert {"fig1_training.png", "fig2_latent_dim.png"} <= names
+    # what `make demo` prints of it: the grid points' ids and each line's best d′
+    from lmscope import demo
+
+    [line] = demo.headline(job, client.get(f"/v1/jobs?parent={parent}").get_json()["items"])
+    best = job["summary"]["best"][0]
+    assert line.startswith(f"3 grid points (jobs {min(k['id'] for k in kids)}–{max(k['id'] for k in kids)}); ")
+    assert f"mlp_sumformer d=1 n=3: {best['best_val_error']:.3g} at d′={best['best_latent_dim']}" in line
 
 
 def test_the_parent_reports_each_architectures_largest_equivariance_error(tmp_path):
