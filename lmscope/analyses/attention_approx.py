@@ -330,7 +330,7 @@ def timing_note(backends: set[str]) -> str:
     return f"{where} kernels, exact incl. entropy{cpu}"
 
 
-ERROR_FLOOR = 1e-4  # relative errors below it are exact up to rounding: drawn at the floor, as ▼
+ERROR_FLOOR = 1e-4  # relative errors below it are exact up to rounding: drawn as ▼ on the panel's bottom edge
 
 
 def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], times: dict[str, tuple], *, title: str,
@@ -351,17 +351,21 @@ def plot_attention_approx(path: Path, panels: dict[tuple[str, int], tuple], time
         for i, layer in enumerate(layers):
             xs, ys, los, his = panels[method, layer]
             color = colours(i)
-            # float rounding (~1e-7) would stretch the log axis over decades that mean nothing
-            ax.plot(xs, [max(y, ERROR_FLOOR) for y in ys], marker="o", ms=3, color=color, lw=1 if colours.many else 1.5,
+            # An error below the floor is float rounding (~1e-7, Linformer at k ≥ N): a ▼ on the panel's bottom edge,
+            # not a point that stretches the log axis over decades that mean nothing and squeezes the rest
+            kept = [j for j, y in enumerate(ys) if y >= ERROR_FLOOR]
+            ax.plot([xs[j] for j in kept], [ys[j] for j in kept], marker="o", ms=3, color=color,
+                    lw=1 if colours.many else 1.5,
                     label=colours.label(f"layer {layer}" + (" (W)" if windows and layer in windows else "")))
-            exact = [(x, ERROR_FLOOR) for x, y in zip(xs, ys) if y < ERROR_FLOOR]
+            exact = [x for x, y in zip(xs, ys) if y < ERROR_FLOOR]
             if exact:
-                ax.plot(*zip(*exact), "v", ms=7, color=color)
-            if los is not None and not colours.many:  # many layers' bands would only smear the panel
-                ax.fill_between(xs, [max(v, ERROR_FLOOR) for v in los], [max(v, ERROR_FLOOR) for v in his],
-                                color=color, alpha=0.15)
+                ax.plot(exact, [0.03] * len(exact), "v", ms=7, color=color, transform=ax.get_xaxis_transform(),
+                        clip_on=False)
+            if los is not None and not colours.many and kept:  # many layers' bands would only smear the panel
+                ax.fill_between([xs[j] for j in kept], [max(los[j], ERROR_FLOOR) for j in kept],
+                                [his[j] for j in kept], color=color, alpha=0.15)
         if any(y < ERROR_FLOOR for layer in layers for y in panels[method, layer][1]):
-            ax.plot([], [], "v", color="gray", label=f"< {ERROR_FLOOR:g}: exact up to rounding")
+            ax.plot([], [], "v", color="gray", label=f"▼ on the bottom edge: < {ERROR_FLOOR:g}, exact up to rounding")
         if method == "linformer" and seq_len and max(panels[method, layers[0]][0]) >= seq_len:
             ax.axvline(seq_len, color="gray", ls="--", lw=1, label=f"k = N = {seq_len}")
         ax.axhline(1.0, color="gray", ls=":", lw=1, label="1: the error of a zero output")

@@ -100,10 +100,10 @@ def by_layer(path: Path, names, results, source: str, uniform_mean: float) -> No
                             color=colours(i), alpha=0.2, label="± std over heads")
     colours.colour_bar(fig, ax, names)
     if last["sliding_windows"]:  # windowed layers have a lower ceiling
-        ax.plot(range(layers), last["bound"].mean(1), color=UNIFORM_COLOUR, ls="--", drawstyle="steps-mid",
+        ax.plot(range(layers), last["bound"].mean(1), color=UNIFORM_COLOUR, ls="--", lw=3, drawstyle="steps-mid",
                 label="uniform (mean of ln(visible keys))", zorder=1)
-    else:  # beneath the curves: an untrained model's lies on it, and was hidden under the dashes
-        ax.axhline(uniform_mean, color=UNIFORM_COLOUR, ls="--", label="uniform (mean of ln(t+1))", zorder=1)
+    else:  # beneath the curves, and wider: an untrained model's lies on it, and hid it (or was hidden by it)
+        ax.axhline(uniform_mean, color=UNIFORM_COLOUR, ls="--", lw=3, label="uniform (mean of ln(t+1))", zorder=1)
     ax.set(xlabel="layer", ylabel="mean entropy (nats)", title=f"attention entropy by layer, {source}")
     ax.set_xticks(*_layer_ticks(layers, last["sliding_windows"]))
     at_least_span(ax, NATS_IN_VIEW * uniform_mean)

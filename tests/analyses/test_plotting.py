@@ -443,3 +443,26 @@ def test_the_attention_study_legends_sit_below_their_panels(monkeypatch, tmp_pat
         legend, box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
         assert legend.y1 <= box.y0 and fig.bbox.contains(legend.x0, legend.y0)  # below the panel, in the figure
     pyplot().close(fig)
+
+
+def test_exact_linformer_errors_sit_on_the_bottom_edge_and_leave_the_axis_to_the_data(monkeypatch, tmp_path):
+    """Linformer at k ≥ N is exact up to rounding (~1e-7): drawn at 1e-4, those points stretched the log axis down
+    three decades and squeezed the errors at k = 8 … 64 (0.25 … 1) into its top quarter."""
+    from lmscope.analyses import attention_approx
+
+    saved = {}
+    monkeypatch.setattr(attention_approx, "save", lambda fig, path: saved.setdefault(path.name, fig))
+    ks = [8, 16, 32, 64, 128, 256]
+    panels = {("linformer", layer): (ks, [1.0, 0.7, 0.5, 0.25, 2e-7, 1e-7], None, None) for layer in range(2)}
+    attention_approx.plot_attention_approx(tmp_path / "attention_approx.png", panels, {"linformer": (ks, [0.5] * 6)},
+                                           title="t", seq_len=128)
+    fig = saved["attention_approx.png"]
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] > 0.05  # the data's decade, not the floor's
+    marks = [line for line in ax.get_lines() if line.get_marker() == "v" and len(line.get_xdata())]
+    assert len(marks) == 2 and all(list(m.get_xdata()) == [128, 256] for m in marks)
+    assert all(m.get_transform() == ax.get_xaxis_transform() and m.get_ydata()[0] < 0.1 for m in marks)  # bottom edge
+    curves = [line for line in ax.get_lines() if line.get_label().startswith("layer")]
+    assert [list(c.get_xdata()) for c in curves] == [ks[:4]] * 2
+    assert any("exact up to rounding" in t.get_text() for t in ax.get_legend().get_texts())
+    pyplot().close(fig)
