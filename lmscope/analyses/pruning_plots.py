@@ -149,8 +149,8 @@ def contribution_against_importance(path: Path, contribution: np.ndarray, import
                  f"{contribution.size} {many}, {windows:,} windows", fontsize=10)
     if harm is not None:
         ax = axes[0, 1]
-        low, high = min(first_order.min(), harm.min()), max(first_order.max(), harm.max())
-        ax.plot([low, high], [low, high], color="k", ls="--", lw=0.8, label="equal")
+        # an unbounded line: drawn from the points' extent, it stretched the axis to the other quantity's range
+        ax.axline((0.0, 0.0), slope=1.0, color="k", ls="--", lw=0.8, label="equal")
         _by_layer(plt, ax, first_order, harm, unit)
         ax.set(xlabel="first-order estimate −E ∂loss/∂gate (nats)",
                ylabel=f"loss increase with only this {one} removed (nats)")

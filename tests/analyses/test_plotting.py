@@ -466,3 +466,24 @@ def test_exact_linformer_errors_sit_on_the_bottom_edge_and_leave_the_axis_to_the
     assert [list(c.get_xdata()) for c in curves] == [ks[:4]] * 2
     assert any("exact up to rounding" in t.get_text() for t in ax.get_legend().get_texts())
     pyplot().close(fig)
+
+
+def test_the_first_order_panel_keeps_its_axes_to_the_points(monkeypatch, tmp_path):
+    """The equality line was drawn from min to max of both quantities: a largest single-head loss increase of
+    0.033 stretched the first-order axis (points within −0.002 … 0.005) to 0.033, the points in 15 % of it."""
+    from lmscope.analyses import pruning_plots
+
+    saved = []
+    monkeypatch.setattr(pruning_plots, "save", lambda fig, path: saved.append(fig))
+    rng = np.random.default_rng(1)
+    contribution, importance = rng.uniform(0, 1, (4, 4)), rng.uniform(0, 1, (4, 4))
+    first_order = rng.uniform(-0.002, 0.005, (4, 4))
+    harm = rng.uniform(0.0, 0.033, (4, 4))
+    pruning_plots.contribution_against_importance(tmp_path / "i.png", contribution, importance,
+                                                  {"rank_correlation": 0.5, "first_order_rank_correlation": 0.4},
+                                                  "m on wiki", 8, first_order=first_order, harm=harm)
+    ax = saved[0].axes[1]
+    lo, hi = ax.get_xlim()
+    assert hi - lo < 2 * (first_order.max() - first_order.min())
+    assert any(line.get_label() == "equal" for line in ax.get_lines())
+    pyplot().close(saved[0])
