@@ -14,6 +14,7 @@ ORDER_STYLE = {"smallest_first": ("smallest term first", "tab:green"),
                "least_harm_first": ("least harm when removed alone first", "tab:blue"),
                "least_important_first": ("least gradient importance first", "tab:purple"),
                "least_important_iterative": ("least importance, re-taken at each step", "tab:pink")}
+ORDER_MARKERS = "osD^vP"  # one per order (all six can be asked for)
 # the unit's name in a label: singular, plural
 UNIT_NAMES = {"head": ("head", "heads"), "kv_group": ("key/value group", "key/value groups"),
               "layer": ("layer's attention", "layers' attention")}
@@ -173,12 +174,13 @@ def over_training(path: Path, over: dict, contribution: np.ndarray, source: str,
     models, layers, units = contribution.shape
     one, many = UNIT_NAMES[unit]
     fig, (ax, loss_ax, c_ax) = plt.subplots(1, 3, figsize=(15.5, 4.4))
-    markers = iter("osD^v")
-    for order in over["prunable_fraction"]:
-        label, colour = ORDER_STYLE[order]
-        marker = next(markers)  # orders that agree overlap: the markers tell them apart
-        ax.plot(steps, over["prunable_fraction"][order], color=colour, marker=marker, ms=5, mfc="none", lw=1.4,
-                label=label)
+    seen: dict[tuple, str] = {}  # an order's prunable fractions → the first order with them
+    for order, marker in zip(over["prunable_fraction"], ORDER_MARKERS):  # orders that agree overlap: the markers
+        label, colour = ORDER_STYLE[order]                               # tell them apart, and the legend says so
+        fractions = tuple(over["prunable_fraction"][order])
+        same = seen.setdefault(fractions, ORDER_STYLE[order][0])
+        ax.plot(steps, fractions, color=colour, marker=marker, ms=5, mfc="none", lw=1.4,
+                label=label if same == label else f"{label} (= {same})")
         loss_ax.plot(steps, 100 * np.array(over["mean_loss_increase"][order]), color=colour, marker=marker, ms=5,
                      mfc="none", lw=1.4, label=label)
     ax.set(xlabel=xlabel, ylabel=f"share of {many} removable within tolerance", ylim=(-0.03, 1.03))

@@ -487,3 +487,26 @@ def test_the_first_order_panel_keeps_its_axes_to_the_points(monkeypatch, tmp_pat
     assert hi - lo < 2 * (first_order.max() - first_order.min())
     assert any(line.get_label() == "equal" for line in ax.get_lines())
     pyplot().close(saved[0])
+
+
+def test_all_six_pruning_orders_over_training_are_drawn_and_coinciding_ones_are_said(monkeypatch, tmp_path):
+    """Five markers for six orders: a job with every order over checkpoints failed at its last plot. Orders with
+    the same prunable fractions lie on one another; the legend says which equals which."""
+    from lmscope.analyses import pruning_plots
+
+    saved = []
+    monkeypatch.setattr(pruning_plots, "save", lambda fig, path: saved.append(fig))
+    orders = list(pruning_plots.ORDER_STYLE)
+    assert len(orders) == 6
+    fractions = {o: [1.0, 0.875] for o in orders}
+    fractions["largest_first"], fractions["random"] = [0.125, 0.125], [0.5, 0.625]
+    over = {"steps": [0, 600], "prunable_fraction": fractions, "mean_loss_increase": {o: [0.01, 0.02] for o in orders},
+            "baseline_loss": [7.6, 4.7]}
+    pruning_plots.over_training(tmp_path / "o.png", over, np.ones((2, 2, 2)), "m")
+    ax = saved[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    first = pruning_plots.ORDER_STYLE["smallest_first"][0]
+    assert labels[0] == first and labels[1] == pruning_plots.ORDER_STYLE["largest_first"][0]
+    assert sum(f"(= {first})" in label for label in labels) == 3  # least harm, least important, iterative
+    assert len({line.get_marker() for line in ax.get_lines()}) == 6
+    pyplot().close(saved[0])
