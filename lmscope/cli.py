@@ -950,8 +950,9 @@ def show(job_id, as_json):
         label = "last progress" if job["status"] in TERMINAL_STATES else "progress"
         click.echo(f"{label:12} {ProgressLine(job_id).render(job, head=False)}")
     if job.get("queue") and job["status"] == "queued":
-        click.echo(f"{'queue':12} behind {plural(job['queue']['ahead'], 'queued job')}, "
-                   f"{job['queue']['running']} running")
+        q = job["queue"]
+        click.echo(f"{'queue':12} " + ("next: a worker takes it in a moment" if not (q["ahead"] or q["running"] or q.get("unsent"))
+                                       else f"behind {plural(q['ahead'], 'queued job')}, {q['running']} running"))
         if job["queue"].get("unsent"):
             click.echo(f"{'':12} not handed to the broker yet: it is sent when the broker answers "
                        "(GET /readyz says whether it does)")
@@ -1101,7 +1102,7 @@ def label_columns(curves: list[dict]) -> dict[str, str]:
 @click.option("--series", multiple=True, help="curves to compare (repeatable; `prefix*` matches a prefix)")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="csv: without --series one row per field (kind, status, params.*, summary.*) and one column "
-                   "per job; with --series the curves (series, labels, x, one column per job)")
+                   "per job; with --series the curves (series, a column per label, x_meaning, x, a column per job)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="also draw the curves into this file (.png, .pdf, .svg, ...: its extension picks the format)")
 @click.option("--logx", is_flag=True, help="with --plot: a log x axis")
@@ -1320,8 +1321,9 @@ def kinds(kind):
                    "--params FILE.", err=True)
     else:  # its jobs are made by another kind, from that kind's parameters
         parents = found.get("child_of") or []
+        see = f": see `lmscope kinds {parents[0]}`" if parents else ""
         click.echo(f"\n{kind}'s jobs are made by {' / '.join(parents) or 'another kind'}, which sets these from its own "
-                   f"parameters: see `lmscope kinds {parents[0] if parents else ''}`".rstrip() + ".", err=True)
+                   f"parameters{see}.", err=True)
     if found.get("example"):
         click.echo(f"A small one on the built-ins (under a minute on a CPU):\n  {example_command(kind, found['example'])}")
 

@@ -52,7 +52,8 @@ def headline(job: dict, children: list[dict] | None = None) -> list[str]:
     if kind == "norms":
         lines = [f"the current token's norm grows at every layer in {s['sequence_pct']:.1f} % of {s['samples']} samples "
                  f"(chance: {s['null_sequence_pct']:.1f} %); {s['pair_pct']:.1f} % of consecutive layer pairs grow",
-                 f"inner loss through the last block, from the last layer: {s['inner_loss_final_mean']:.2f} nats"]
+                 *([f"inner loss through the last block, from the last layer: {s['inner_loss_final_mean']:.2f} nats"]
+                   if s.get("inner_loss_final_mean") is not None else [])]
         if s.get("gram_condition_pct") is not None:
             lines.append(f"Proposition 1's Gram condition holds in {s['gram_condition_pct']:.0f} % of "
                          f"{s['gram_condition_pairs']} (sample, layer) pairs")
@@ -67,14 +68,15 @@ def headline(job: dict, children: list[dict] | None = None) -> list[str]:
     if kind == "pruning":
         units = s["units"]
         shares = ", ".join(f"{order} {round(share * units)}" for order, share in s["prunable_fraction"].items())
-        lines = [f"at {s['model']}: unpruned loss {s['baseline_loss']:.3f} nats; of its {units} heads, removable with "
+        what = {"head": "heads", "kv_group": "key/value groups", "layer": "layers' attention"}.get(s.get("unit"), "units")
+        lines = [f"at {s['model']}: unpruned loss {s['baseline_loss']:.3f} nats; of its {units} {what}, removable with "
                  f"the loss within +{s['tolerance']:.0%}: {shares}"]
         rho = (s.get("single_head") or {}).get("rank_correlation")
         if rho is not None:
             lines.append(f"a head's term size ranks the heads as removing each alone does: Spearman ρ = {rho:.2f}")
         return lines
     if kind == "operator":
-        means = ", ".join(f"{r} {v:.2f}" for r, v in s["mean_input_dependence"].items())
+        means = ", ".join(f"{r} {v:.2f}" for r, v in s["mean_input_dependence"].items() if v is not None)
         least = s["least_input_dependent_heads"][0]
         return [f"at {s['model']}: how far each head's map W'(x) changes with its input (0: the same map for every "
                 f"input), mean over heads: {means}",
@@ -198,10 +200,12 @@ def main() -> None:
             print(f"  job {job['id']:>3} {job['kind']:<8} {folder}")
             for p in plots:
                 print(f"             {folder / p}")
+        again = os.environ.get("LMSCOPE_PORT", "8765")  # what `lmscope up` binds, as the demo's own server did
         print(f"\nThe demo's service stops now. To browse the results, start it again on the same data:\n"
-              f"  LMSCOPE_DATA_DIR={data_dir} lmscope up\n"
-              "then open http://127.0.0.1:8765/ (the dashboard: plots, curves, comparisons), or in another shell "
-              "`lmscope jobs`, `lmscope show ID`, `lmscope results ID --format csv`")
+              f"  LMSCOPE_DATA_DIR={data_dir} LMSCOPE_AUTH=0 lmscope up\n"
+              f"then open http://127.0.0.1:{again}/ (the dashboard: plots, curves, comparisons), or in another shell "
+              "`lmscope jobs`, `lmscope show ID`, `lmscope results ID --format csv`"
+              + ("" if again == "8765" else f" with LMSCOPE_URL=http://127.0.0.1:{again}"))
     except LmscopeError as e:
         raise SystemExit(f"demo failed: {e}")
     finally:

@@ -449,6 +449,9 @@ def test_a_queued_job_says_what_it_waits_behind(page, url, jobs):
     running = "progressText({status: 'running', progress: {done: 928, total: 1200, stage: %r}, timings: {run_seconds: 12}})"
     assert page.js(running % "epoch 928/1200, val error 0.312") == "epoch 928/1200, val error 0.312 · running for 12s"
     assert page.js(running % "measure") == "measure · 928/1200 · running for 12s"
+    assert page.js(running % "epoch 1928/12000") == "epoch 1928/12000 · 928/1200 · running for 12s"  # not its count
+    # nothing ahead, nothing running: it is next (`behind 0 jobs · 0 running` read as a contradiction)
+    assert page.js(text % "{ahead: 0, running: 0}") == "queued, next: a worker takes it in a moment"
 
 
 def test_a_sweep_point_requeued_as_another_starts_is_refetched(page, url, jobs):

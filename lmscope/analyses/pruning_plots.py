@@ -87,7 +87,7 @@ def contribution_against_ablation(path: Path, contribution: np.ndarray, harm: np
 
 
 def _by_layer(plt, ax, x: np.ndarray, y: np.ndarray, unit: str) -> OrderedColours:
-    """Scatter y against x per unit, coloured by layer (a legend up to 12 layers)."""
+    """Scatter y against x per unit, coloured by layer (a legend up to MANY_LINES layers, else a colour bar)."""
     layers = x.shape[0]
     colours = OrderedColours(range(layers), "layer")
     for layer in range(layers):

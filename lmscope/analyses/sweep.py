@@ -130,12 +130,13 @@ def _aggregate_sumformer(params: SweepParams, ok: list[ChildResult], ctx: JobCon
         plots.append("fig2_latent_dim.png")
     elif len(set(params.grid.latent_dim)) < 2:
         plots_note = "no fig2_latent_dim.png: every line has a single d′ (give grid.latent_dim two or more values)"
-    elif incomplete:
-        plots_note = ("no fig2_latent_dim.png: only one d′ of each line has results, the other grid points failed "
-                      "or were cancelled (failed_children, cancelled_children)")
-    else:
-        plots_note = ("no fig2_latent_dim.png: every line has a single d′ once clamped to C(n+d,d)−1 "
-                      "(latent_dim_clamped)")
+    else:  # the grid asked for several: say what left one per line (both, where both did)
+        why = ([] if not incomplete else
+               ["the other grid points failed or were cancelled (failed_children, cancelled_children)"])
+        if clamped_latent_dims(params):
+            why.append("d′ values were clamped to C(n+d,d)−1 (latent_dim_clamped)")
+        plots_note = ("no fig2_latent_dim.png: every line has a single d′ with results: "
+                      + ("; ".join(why) or "the grid's d′ values are one d′ here (null is the theory d′ C(n+d,d)−1)"))
     summary: dict[str, Any] = {"best": headline[:100], "best_lines": len(headline), "plots": plots}
     if equivariance:
         summary["equivariance_error_max"] = dict(sorted(equivariance.items()))

@@ -83,6 +83,7 @@ class WorkerContext:
         # then change only the stage, so the parent's progress never goes backwards
         self._fixed_progress = fixed_progress
         self._stages: list[str] = []
+        self._announced: set[str] = set()  # the stages said at once (each the first time it began)
         self._model_lock: threading.Lock | None = None  # the model this job runs, with shares_process
 
     # ------------------------------------------------------------ progress and cancel
@@ -98,12 +99,18 @@ class WorkerContext:
         self.check_cancelled()
 
     def _announce(self, stage: str) -> None:
-        """A stage begun is said at once, with the count so far: loading a model or a first batch can take a
-        minute, and a job that shows no progress at all looks stuck."""
+        """A stage begun the first time is said at once, with the count so far: loading a model or a first
+        batch can take a minute, and a job that shows no progress at all looks stuck. A stage entered again
+        (norms enters "forward" and "inner loss" every batch) is throttled like any report."""
         done, total, _ = self.last_progress or (0, None, None)
         if self._fixed_progress is not None:
             done, total = self._fixed_progress
         self.last_progress = (done, total, shown_stage(stage))
+        if stage in self._announced:
+            if time.monotonic() - self._last_write >= self._interval:
+                self.flush_progress()
+            return
+        self._announced.add(stage)
         self.flush_progress()
         self._last_write = float("-inf")  # the stage's first count is written at once too
 
@@ -254,7 +261,8 @@ class WorkerContext:
             self.check_cancelled()
         self._model_lock = lock
         self._deadline = None if deadline is None else deadline + time.monotonic() - start
-        self.last_progress = before  # the next report says the job's own stage again
+        self.last_progress = before  # the job's own stage again ("load model"), not the wait, while it loads
+        self.flush_progress()
 
     def release_model(self) -> None:
         """Let other jobs in this process run the model this job loaded last (the runner calls it at the end)."""

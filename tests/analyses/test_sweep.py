@@ -110,12 +110,12 @@ def test_clamped_poly_latent_dims_are_said_in_the_children_and_the_parent(tmp_pa
     assert parent.summary["latent_dim_clamped"] == clamped_latent_dims(p)
     # one d′ per line: no Fig. 2 to draw, and the summary says why — the grid's d′ = 4 and 9 both clamped to 3
     assert "fig2_latent_dim.png" not in parent.summary["plots"]
-    assert parent.summary["plots_note"] == ("no fig2_latent_dim.png: every line has a single d′ once clamped to "
-                                            "C(n+d,d)−1 (latent_dim_clamped)")
+    assert parent.summary["plots_note"] == ("no fig2_latent_dim.png: every line has a single d′ with results: d′ values "
+                                            "were clamped to C(n+d,d)−1 (latent_dim_clamped)")
     # the grid's other d′ failed or was cancelled: that is why (the grid asked for several)
     lost = ChildResult(2, "sumformer_fit", child.params, "cancelled", None, [])
-    assert "the other grid points failed or were cancelled" in aggregate(
-        p, [child, lost], LocalContext(tmp_path / "lost")).summary["plots_note"]
+    both = aggregate(p, [child, lost], LocalContext(tmp_path / "lost")).summary["plots_note"]
+    assert "the other grid points failed or were cancelled" in both and "latent_dim_clamped" in both  # both said
     one = SweepParams(architectures=["poly_sumformer"], grid={"latent_dim": [None], "token_dim": [1]})
     assert "give grid.latent_dim two or more values" in aggregate(
         one, [child], LocalContext(tmp_path / "one")).summary["plots_note"]
