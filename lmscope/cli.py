@@ -317,6 +317,15 @@ def unsent_children_text(n: int) -> str:
 UNSENT_CHILDREN_ADVICE = "the reaper sends them when the broker answers (GET /readyz says whether it does)"
 
 
+NEXT_IN_LINE = "next: a worker takes it in a moment"
+
+
+def next_in_line(queue: dict[str, Any]) -> bool:
+    """Nothing ahead of a queued job, nothing running, and it is with the broker: it is next ("0 ahead,
+    0 running" read as a contradiction)."""
+    return not (queue["ahead"] or queue["running"] or queue.get("unsent"))
+
+
 class ProgressLine:
     """One line on stderr: `job 12 running [#####.....] 45% 450/1000 stage`, redrawn on a terminal.
 
@@ -346,8 +355,7 @@ class ProgressLine:
         if queue and job["status"] == "queued" and head:  # `show` prints it on its own line
             text += (f" (no worker takes jobs: {queue['worker_stopped']})" if queue.get("worker_stopped")
                      else f" (no worker takes jobs from the queue: {NO_WORKER_ADVICE})" if queue.get("workers") == 0
-                     else " (next: a worker takes it in a moment)" if not (queue["ahead"] or queue["running"]
-                                                                          or queue.get("unsent"))
+                     else f" ({NEXT_IN_LINE})" if next_in_line(queue)
                      else f" ({queue['ahead']} ahead, {queue['running']} running"
                           + ("; not handed to the broker yet: it is sent when the broker answers)" if queue.get("unsent")
                              else ")"))
@@ -951,7 +959,7 @@ def show(job_id, as_json):
         click.echo(f"{label:12} {ProgressLine(job_id).render(job, head=False)}")
     if job.get("queue") and job["status"] == "queued":
         q = job["queue"]
-        click.echo(f"{'queue':12} " + ("next: a worker takes it in a moment" if not (q["ahead"] or q["running"] or q.get("unsent"))
+        click.echo(f"{'queue':12} " + (NEXT_IN_LINE if next_in_line(q)
                                        else f"behind {plural(q['ahead'], 'queued job')}, {q['running']} running"))
         if job["queue"].get("unsent"):
             click.echo(f"{'':12} not handed to the broker yet: it is sent when the broker answers "

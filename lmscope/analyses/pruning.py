@@ -626,7 +626,7 @@ def _write_files(ctx: JobContext, params: PruningParams, results: list[Pruned], 
     pruning_plots.contributions(ctx.artifact_dir / "head_contributions.png", contribution, source,
                                 last.windows_measured * params.seq_len, params.unit)
     pruning_plots.pruning_curves(ctx.artifact_dir / "pruning.png", counts, total, last.curves, last.baseline,
-                                 params.tolerance, source, last.windows_evaluated * (params.seq_len - 1), params.unit)
+                                 params.tolerance, source, output.summary["tokens_evaluated"], params.unit)
     if last.harm is not None:
         pruning_plots.contribution_against_ablation(ctx.artifact_dir / "contribution_vs_ablation.png", contribution,
                                                     last.harm, output.summary["single_head"]["rank_correlation"],
